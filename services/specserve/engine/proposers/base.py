@@ -1,0 +1,57 @@
+"""The interface every proposer implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftRequest:
+    """One sequence asking for up to ``k`` drafts.
+
+    ``token_ids`` is the whole sequence so far (prompt + output); ``temperature`` / ``top_k`` /
+    ``top_p`` are the request's, so a model proposer samples from the same transform as the
+    target (temperature 0: greedy).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    k: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    """Up to ``k`` drafted tokens. ``probs`` is q at each drafted position (``[len, V]``),
+    present only for sampled requests of a proposer with a model."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    """Drafts tokens. Stateful proposers (a draft model's cache) track sequences by id."""
+
+    method: str
+
+    def start(self, seq_id: int) -> None:
+        """A new sequence begins (reserve state)."""
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Draft for a batch; one proposal per request, in order, each at most ``k`` long."""
+
+    def commit(self, seq_id: int, num_valid_tokens: int) -> None:
+        """The sequence's first ``num_valid_tokens`` tokens are final; drop state past them."""
+
+    def finish(self, seq_id: int) -> None:
+        """The sequence ended or was aborted (release state)."""
+
+    def health_check(self) -> None:
+        """Raise if the proposer cannot serve (used by the Serve fallback)."""

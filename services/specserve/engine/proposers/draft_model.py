@@ -1,0 +1,73 @@
+"""Draft-model proposer: a smaller model of the same tokenizer, with its own slot cache.
+
+Each step it catches its cache up with the sequence (the tokens the target accepted since the
+last step, the first time the whole prompt), then decodes K tokens one at a time, sampling
+from q, the same temperature / top-k / top-p transform the target uses (argmax for greedy).
+After verification the coordinator calls :meth:`commit` with how many tokens are final and
+the cache is rolled back to that, so a rejected draft never leaks into the next proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.sampling import compute_probs, draw_exponential, sample_from
+from specserve.engine.worker import ModelWorker
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, worker: ModelWorker) -> None:
+        self.worker = worker
+        self.slots: dict[int, int] = {}  # seq_id -> slot in the draft cache
+
+    def start(self, seq_id: int) -> None:
+        self.slots[seq_id] = self.worker.allocate()
+
+    def finish(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.worker.free(slot)
+
+    def commit(self, seq_id: int, num_valid_tokens: int) -> None:
+        slot = self.slots[seq_id]
+        self.worker.rollback(slot, min(self.worker.length(slot), num_valid_tokens))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        # The first forward catches each cache up with its sequence; later ones feed the draft.
+        feeds = {i: r.token_ids[self.worker.length(self.slots[r.seq_id]):]
+                 for i, r in enumerate(requests) if r.k > 0}
+        while feeds:
+            rows = list(feeds)
+            logits = self.worker.forward([self.slots[requests[i].seq_id] for i in rows],
+                                         [feeds[i] for i in rows], [1] * len(rows))  # [n, V]
+            tokens, row_probs = self._sample([requests[i] for i in rows], logits)
+            feeds = {}
+            for j, i in enumerate(rows):
+                drafts[i].append(tokens[j])
+                if row_probs[j] is not None:
+                    probs[i].append(row_probs[j])
+                if len(drafts[i]) < requests[i].k:
+                    feeds[i] = [tokens[j]]
+        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    @staticmethod
+    def _sample(requests: list[DraftRequest],
+                logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft token per row: argmax for greedy rows, a sample from q otherwise."""
+        tokens = logits.argmax(dim=-1).tolist()
+        row_probs: list[torch.Tensor | None] = [None] * len(requests)
+        sampled = [j for j, r in enumerate(requests) if r.temperature > 0]
+        if sampled:
+            reqs = [requests[j] for j in sampled]
+            q = compute_probs(logits[sampled], torch.tensor([r.temperature for r in reqs]),
+                              torch.tensor([r.top_k for r in reqs]),
+                              torch.tensor([r.top_p for r in reqs]))  # [n, V]
+            picks = sample_from(q, draw_exponential([r.generator for r in reqs], q.shape[-1]))
+            for n, j in enumerate(sampled):
+                tokens[j], row_probs[j] = int(picks[n]), q[n]
+        return tokens, row_probs

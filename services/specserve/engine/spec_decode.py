@@ -1,0 +1,348 @@
+"""The speculative generation loop over a batch of sequences (continuous batching per step).
+
+One :meth:`SpecDecodeEngine.step`:
+
+1. admit waiting requests while KV slots are free;
+2. **draft**: ask the proposer for up to K tokens per running sequence (K is capped so the
+   step can neither overrun ``max_tokens`` nor the context);
+3. **verify**: one target forward over each row's pending tokens plus its drafts, asking for
+   logits at the last ``num_drafts + 1`` positions (ragged: every row its own length);
+4. **accept**: the rejection sampler keeps a prefix of the drafts and adds one recovered or
+   bonus token; tokens are appended one at a time through the stop checks (EOS, stop token
+   ids, stop strings, max_tokens, context), so a stop inside a draft window truncates exactly
+   where target-only decoding would have stopped;
+5. **roll back** both caches to the tokens that are now final, and free finished slots.
+
+Invariant between steps: a running sequence's target cache holds all of its tokens but the
+last (``length == len(token_ids) - 1``); a new sequence's cache is empty and its first forward
+is the prefill. Prefill rows run in forwards of their own so a long prompt never pads the
+decode rows to its length.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import SamplingParams
+from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.rejection_sampler import (
+    RejectionOutput,
+    greedy_rejection_sample,
+    rejection_sample,
+)
+from specserve.engine.sampling import compute_probs, draw_exponential, make_generator
+from specserve.engine.stats import SpecStats
+from specserve.engine.tokenizer import IncrementalDetokenizer
+from specserve.engine.worker import ModelWorker
+from specserve.errors import InvalidRequestError
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    spec_len: int                     # K for this sequence; 0 = speculation off
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None  # None for greedy
+    slot: int = -1
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+    num_emitted_tokens: int = 0        # output tokens already reported by step()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence (streaming reads these)."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stats: SpecStats
+
+
+@dataclass
+class Completion:
+    """A finished sequence, for callers that do not stream."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: SpecStats
+
+
+class SpecDecodeEngine:
+    """Drives a target :class:`ModelWorker` and an optional :class:`Proposer`."""
+
+    def __init__(self, target: ModelWorker, tokenizer, *, eos_token_ids: frozenset[int],
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 4) -> None:
+        assert num_speculative_tokens >= 1
+        self.target = target
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.stats = SpecStats()
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.target.max_seq_len
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                    spec_len: int | None = None) -> int:
+        """Queue a request; returns its sequence id. Refuses bad input before any state exists.
+
+        ``spec_len``: K for this request (0 turns speculation off); default the engine's K.
+        """
+        self._validate(prompt_token_ids, spec_len)
+        k = self.num_speculative_tokens if spec_len is None else spec_len
+        seq = Sequence(
+            seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
+            token_ids=list(prompt_token_ids), params=params,
+            spec_len=k if self.proposer is not None else 0,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
+            generator=None if params.greedy else make_generator(params.seed))
+        self.waiting.append(seq)
+        return seq.seq_id
+
+    def _validate(self, prompt_token_ids: list[int], spec_len: int | None) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context length is "
+                f"{self.max_model_len}, which must also leave room for at least one output token")
+        vocab = self.target.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if spec_len is not None and not 0 <= spec_len <= 64:
+            raise InvalidRequestError("num_speculative_tokens must be in [0, 64]")
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a request wherever it is; frees its slots. False if it is unknown or done."""
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                return True
+        seq = self.running.get(seq_id)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self._release(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        seqs = list(self.running.values())
+        if not seqs:
+            return []
+        proposals = self._propose(seqs)
+        logits = self._verify(seqs, proposals)
+        results = self._sample(seqs, proposals, logits)
+        return [self._advance(seq, prop, res, row)
+                for seq, prop, (res, row) in zip(seqs, proposals, results)]
+
+    def _admit(self) -> None:
+        while self.waiting and self.target.num_free_slots > 0:
+            seq = self.waiting.popleft()
+            seq.slot = self.target.allocate()
+            if seq.spec_len > 0:
+                self.proposer.start(seq.seq_id)
+            self.running[seq.seq_id] = seq
+
+    def _draft_len(self, seq: Sequence) -> int:
+        """K for this step: at most the request's K, and never more than can be emitted.
+
+        A step emits up to K + 1 tokens; they must fit in both ``max_tokens`` and the context.
+        """
+        remaining = self.max_model_len - len(seq.token_ids)
+        if seq.params.max_tokens is not None:
+            remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
+        return max(0, min(seq.spec_len, remaining - 1))
+
+    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
+        requests = [DraftRequest(s.seq_id, s.token_ids, self._draft_len(s), s.params.temperature,
+                                 s.params.top_k, s.params.top_p, s.generator)
+                    for s in seqs]
+        active = [i for i, r in enumerate(requests) if r.k > 0]
+        proposals = [Proposal([]) for _ in seqs]
+        if active:
+            for i, proposal in zip(active, self.proposer.propose([requests[i] for i in active])):
+                assert len(proposal.token_ids) <= requests[i].k, "proposer drafted too many"
+                proposals[i] = proposal
+        return proposals
+
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[torch.Tensor]:
+        """Target logits ``[num_drafts + 1, V]`` per row. Decode rows share one forward;
+        prefill rows share one per input length, so no row is padded to a prompt's length."""
+        inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
+                  for s, p in zip(seqs, proposals)]
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            key = 0 if self.target.length(s.slot) > 0 else len(inputs[i])  # 0: decode rows
+            groups.setdefault(key, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for rows in groups.values():
+            counts = [len(proposals[i].token_ids) + 1 for i in rows]
+            logits = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
+                                         counts)
+            for i, chunk in zip(rows, logits.split(counts)):
+                out[i] = chunk
+        return out
+
+    def _sample(self, seqs: list[Sequence], proposals: list[Proposal],
+                logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:
+        """Run the rejection sampler on the greedy rows and on the sampled rows (one call
+        each); returns, per sequence, its sampler output and its row in that output."""
+        results: list[tuple[RejectionOutput, int] | None] = [None] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        for rows, fn in ((greedy, self._greedy_rows), (sampled, self._sampled_rows)):
+            if rows:
+                res = fn([seqs[i] for i in rows], [proposals[i] for i in rows],
+                         [logits[i] for i in rows])
+                for j, i in enumerate(rows):
+                    results[i] = (res, j)
+        return results
+
+    @staticmethod
+    def _greedy_rows(seqs, proposals, logits) -> RejectionOutput:
+        drafts, num_drafts = _pad_drafts(proposals)
+        k = drafts.shape[1]
+        argmax = torch.stack([_pad_rows(x.argmax(dim=-1), k + 1, 0) for x in logits])  # [B, K+1]
+        return greedy_rejection_sample(drafts, num_drafts, argmax)
+
+    @staticmethod
+    def _sampled_rows(seqs, proposals, logits) -> RejectionOutput:
+        drafts, num_drafts = _pad_drafts(proposals)
+        bsz, k = drafts.shape
+        counts = [x.shape[0] for x in logits]
+        per_row = lambda values: torch.tensor(  # noqa: E731  one value per logits row
+            [v for v, n in zip(values, counts) for _ in range(n)])
+        probs = compute_probs(torch.cat(logits), per_row([s.params.temperature for s in seqs]),
+                              per_row([s.params.top_k for s in seqs]),
+                              per_row([s.params.top_p for s in seqs]))  # [sum(K_i + 1), V]
+        vocab = probs.shape[-1]
+        target_probs = torch.stack([_pad_rows(p, k + 1, 0.0) for p in probs.split(counts)])
+        draft_probs = _draft_probs(proposals, drafts, k, vocab)
+        # Each row draws exactly its own K uniforms, then its noise: independent of the batch.
+        generators = [s.generator for s in seqs]
+        uniform = torch.ones(bsz, k)
+        for i, (g, n) in enumerate(zip(generators, num_drafts.tolist())):
+            uniform[i, :n] = torch.rand(n, generator=g)
+        noise = draw_exponential(generators, vocab)
+        return rejection_sample(drafts, num_drafts, target_probs, draft_probs, uniform, noise)
+
+    def _advance(self, seq: Sequence, proposal: Proposal, res: RejectionOutput,
+                 row: int) -> StepOutput:
+        """Append the emitted tokens through the stop checks, then roll caches back."""
+        num_before = len(seq.token_ids)
+        num_drafts = len(proposal.token_ids)
+        num_accepted = int(res.num_accepted[row])
+        seq.stats.observe(num_drafts, num_accepted)
+        self.stats.observe(num_drafts, num_accepted)
+        for token in res.emitted(row):
+            seq.token_ids.append(token)
+            seq.detokenizer.add(token)
+            seq.finish_reason = self._stop_reason(seq, token)
+            if seq.finish_reason:
+                break
+        if seq.finish_reason:
+            self._release(seq)
+        else:
+            # Everything before the last emitted token is final; that token is fed next step.
+            self.target.rollback(seq.slot, num_before + num_accepted)
+            if seq.spec_len > 0:
+                self.proposer.commit(seq.seq_id, num_before + num_accepted)
+        new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
+        seq.num_emitted_tokens += len(new_tokens)
+        delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
+        return StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) \
+                or token in params.stop_token_ids or seq.detokenizer.stop_reason is not None:
+            return "stop"
+        if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
+            return "length"
+        if len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.pop(seq.seq_id, None)
+        self.target.free(seq.slot)
+        if seq.spec_len > 0:
+            self.proposer.finish(seq.seq_id)
+
+    # -- convenience ------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 *, spec_len: int | None = None) -> list[Completion]:
+        """Run prompts to completion (tests, CLI, benchmarks); results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, spec_len=spec_len) for p, sp in zip(prompts, params_list)]
+        wanted = set(ids)
+        seqs = {s.seq_id: s for s in self.waiting if s.seq_id in wanted}
+        done: dict[int, Completion] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finish_reason is not None:
+                    s = seqs[out.seq_id]
+                    done[out.seq_id] = Completion(
+                        s.seq_id, s.token_ids[:s.prompt_len], s.output_token_ids,
+                        s.detokenizer.text, out.finish_reason, s.stats)
+        return [done[i] for i in ids]
+
+
+def _pad_drafts(proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, K]`` draft ids (padded with 0) and ``[B]`` counts."""
+    k = max(len(p.token_ids) for p in proposals)
+    drafts = torch.zeros(len(proposals), k, dtype=torch.long)
+    for i, p in enumerate(proposals):
+        drafts[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
+    return drafts, torch.tensor([len(p.token_ids) for p in proposals])
+
+
+def _pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    """Pad dim 0 of ``x`` to ``n`` rows with ``value``."""
+    if x.shape[0] == n:
+        return x
+    pad = x.new_full((n - x.shape[0], *x.shape[1:]), value)
+    return torch.cat([x, pad])
+
+
+def _draft_probs(proposals: list[Proposal], drafts: torch.Tensor, k: int,
+                 vocab: int) -> torch.Tensor | None:
+    """``[B, K, V]`` q for model proposers; None when every proposal is deterministic.
+    A deterministic row inside a model batch (no probs) gets its one-hot q."""
+    if all(p.probs is None for p in proposals):
+        return None
+    q = torch.zeros(len(proposals), k, vocab)
+    for i, p in enumerate(proposals):
+        n = len(p.token_ids)
+        if p.probs is not None:
+            q[i, :n] = p.probs
+        elif n:
+            q[i, torch.arange(n), drafts[i, :n]] = 1.0
+    return q

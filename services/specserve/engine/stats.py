@@ -1,0 +1,65 @@
+"""Speculation statistics, kept apart from whoever exports them (logs, Prometheus, usage).
+
+Per sequence and in total: drafts, draft tokens, accepted tokens, and accepted tokens per
+draft position (position 0 is the first drafted token). From these:
+acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Record one verified draft of one sequence (a row with no drafts is not a draft)."""
+        if num_draft_tokens == 0:
+            return
+        assert 0 <= num_accepted_tokens <= num_draft_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        _add_ones(self.drafted_per_position, num_draft_tokens)
+        _add_ones(self.accepted_per_position, num_accepted_tokens)
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.drafted_per_position, other.drafted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+def _add_ones(counts: list[int], n: int) -> None:
+    """counts[0..n-1] += 1, growing the list as needed."""
+    counts.extend([0] * (n - len(counts)))
+    for i in range(n):
+        counts[i] += 1

@@ -1,0 +1,51 @@
+"""A model and its slot cache: what a target rank or a draft model holds.
+
+The speculation loop only talks to this interface (``forward`` / ``allocate`` / ``free`` /
+``rollback`` / ``length``), which is why the same loop drives an in-process model here and a
+tensor-parallel group of Ray actors in the Serve units.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.malloc import keep_freed_memory
+from specserve.engine.model import LlamaRuntime
+
+
+class ModelWorker:
+    """Owns a :class:`LlamaRuntime` and a :class:`SlotKVCache` shaped for it."""
+
+    def __init__(self, runtime: LlamaRuntime, *, num_slots: int, max_seq_len: int) -> None:
+        keep_freed_memory()
+        self.runtime = runtime
+        self.cache = runtime.make_cache(num_slots, max_seq_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runtime.arch.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.cache.num_free_slots
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    def length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.cache.rollback(slot, length)
+
+    def forward(self, slots: list[int], token_ids: list[list[int]],
+                num_logits: list[int]) -> torch.Tensor:
+        """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits."""
+        return self.runtime(self.cache, slots, token_ids, num_logits)

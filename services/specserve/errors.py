@@ -1,0 +1,46 @@
+"""Errors with a message meant for the person who caused them.
+
+The API turns these into OpenAI-shaped errors (``{"error": {"message", "type", "code"}}``);
+the command line prints the message on one line. Anything else is a bug and a 500.
+"""
+
+from __future__ import annotations
+
+
+class SpecServeError(Exception):
+    """Base class. ``type`` and ``code`` follow the OpenAI error object."""
+
+    type = "internal_error"
+    code: str | None = None
+    status_code = 500
+
+
+class ConfigError(SpecServeError, ValueError):
+    """The deployment or engine configuration is invalid (found when it is built)."""
+
+    type = "invalid_request_error"
+    code = "invalid_config"
+    status_code = 400
+
+
+class ModelNotFoundError(ConfigError):
+    """A model path does not exist, or a hub id could not be fetched."""
+
+    code = "model_not_found"
+    status_code = 404
+
+
+class InvalidRequestError(SpecServeError, ValueError):
+    """A request the engine refuses before touching the model (prompt too long, ...)."""
+
+    type = "invalid_request_error"
+    code = "invalid_request"
+    status_code = 400
+
+
+class CapacityError(SpecServeError):
+    """No free KV slot / the queue is full. The API answers 429 with Retry-After."""
+
+    type = "rate_limit_error"
+    code = "capacity_exceeded"
+    status_code = 429

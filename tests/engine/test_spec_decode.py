@@ -1,0 +1,331 @@
+"""Losslessness of the speculative loop: greedy output is identical to target-only output,
+sampled output has the target-only distribution. Tiny seeded models, tiny tokenizer."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from scipy import stats
+from specserve.config import SamplingParams
+from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.proposers.ngram import NgramProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.errors import InvalidRequestError
+
+from tests.models import VOCAB, perturbed, tiny_hf_model, worker_of
+from tests.tiny import make_tiny_tokenizer
+
+EOS = frozenset({2})
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def close_draft_hf(target_hf):
+    """Agrees with the target most of the time: long accepted runs and some rejections."""
+    return perturbed(target_hf, scale=0.3)
+
+
+def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slots: int = 8,
+                eos=EOS, max_len: int = 256) -> SpecDecodeEngine:
+    proposer = None
+    if method == "ngram":
+        proposer = NgramProposer(min_n=1, max_n=3)
+    elif method == "draft_model":
+        proposer = DraftModelProposer(worker_of(draft_hf, slots, max_len))
+    return SpecDecodeEngine(worker_of(target_hf, slots, max_len), make_tiny_tokenizer(),
+                            eos_token_ids=eos, proposer=proposer, num_speculative_tokens=k)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths with repeated stretches (so n-gram lookup finds matches)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        piece = torch.randint(3, VOCAB, (3 + 2 * i,), generator=gen).tolist()
+        out.append(piece + piece[: 2 + i] + piece)
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
+    batch = prompts(8, seed=k)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    spec = make_engine(target_hf, method, k, draft_hf=close_draft_hf)
+    for size in (1, 3, 8):  # batches of different sizes share the same engine (slot reuse)
+        got = spec.generate(batch[:size], GREEDY)
+        assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
+        assert [c.text for c in got] == [c.text for c in reference[:size]]
+    assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
+    assert spec.target.num_free_slots == 8
+
+
+def test_greedy_equals_huggingface_generate(target_hf):
+    """The target-only path itself is the model's greedy decoding."""
+    prompt = prompts(1)[0]
+    ours = make_engine(target_hf, None, eos=frozenset()).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30))[0]
+    with torch.no_grad():
+        ref = target_hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours.output_token_ids == ref
+
+
+def _stop_inside_window(target_hf, params_for, eos=EOS):
+    """With a draft equal to the target every draft is accepted, so each step emits K + 1
+    tokens and a stop at output index 6 (K = 4) falls inside a window. Returns the reference
+    completion, the speculative one, and the token counts of each speculative step."""
+    prompt = prompts(1)[0]
+    free_run = make_engine(target_hf, None, eos=frozenset()).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    params = params_for(free_run)
+    reference = make_engine(target_hf, None, eos=eos).generate([prompt], params)[0]
+    spec = make_engine(target_hf, "draft_model", 4, draft_hf=target_hf, eos=eos)
+    spec.add_request(prompt, params)
+    steps = []
+    while spec.has_unfinished():
+        steps += [len(o.new_token_ids) for o in spec.step()]
+    seq_tokens = sum(steps)
+    return reference, seq_tokens, steps, spec
+
+
+def test_stop_token_inside_draft_window(target_hf):
+    ref, n, steps, spec = _stop_inside_window(
+        target_hf, lambda free: SamplingParams(temperature=0, max_tokens=30,
+                                               stop_token_ids=(free.output_token_ids[6],)))
+    assert ref.finish_reason == "stop" and n == len(ref.output_token_ids)
+    assert steps[-1] < 5, "the stop cut a window short"
+    assert spec.target.num_free_slots == 8
+
+
+def test_eos_inside_draft_window(target_hf):
+    free_tokens = {}
+
+    def params_for(free):
+        free_tokens["eos"] = free.output_token_ids[6]
+        return SamplingParams(temperature=0, max_tokens=30)
+
+    # Discover the token first, then run with it as the model's EOS.
+    _stop_inside_window(target_hf, params_for)
+    eos = frozenset({free_tokens["eos"]})
+    ref, n, steps, _ = _stop_inside_window(target_hf, params_for, eos=eos)
+    assert ref.finish_reason == "stop" and ref.output_token_ids[-1] in eos
+    assert n == len(ref.output_token_ids) and steps[-1] < 5
+
+
+def test_stop_string_inside_draft_window(target_hf):
+    tok = make_tiny_tokenizer()
+
+    def params_for(free):
+        text = tok.decode(free.output_token_ids[:8])
+        return SamplingParams(temperature=0, max_tokens=30, stop=(text[-3:],))
+
+    ref, n, steps, _ = _stop_inside_window(target_hf, params_for)
+    assert ref.finish_reason == "stop" and n == len(ref.output_token_ids) <= 8
+    assert steps[-1] < 5
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stop_conditions_match_target_only(target_hf, close_draft_hf, method):
+    """Per-request stop strings, stop ids and max_tokens in one mixed batch."""
+    tok = make_tiny_tokenizer()
+    batch = prompts(6, seed=11)
+    free = make_engine(target_hf, None).generate(batch, GREEDY)
+    params = [
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=40, stop=(tok.decode(free[1].output_token_ids[4:6]),)),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(free[2].output_token_ids[9],)),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        GREEDY,
+    ]
+    ref = make_engine(target_hf, None).generate(batch, params)
+    got = make_engine(target_hf, method, 5, draft_hf=close_draft_hf).generate(batch, params)
+    for r, g in zip(ref, got):
+        assert (g.output_token_ids, g.text, g.finish_reason) == \
+            (r.output_token_ids, r.text, r.finish_reason)
+    assert ref[0].finish_reason == "length" and len(ref[0].output_token_ids) == 7
+    assert ref[3].output_token_ids and len(ref[3].output_token_ids) == 1
+
+
+def test_context_limit_inside_draft_window(target_hf):
+    """Generation stops with 'length' exactly at the context length, speculation or not."""
+    prompt = prompts(1)[0][:20]
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    ref = make_engine(target_hf, None, max_len=31).generate([prompt], params)[0]
+    got = make_engine(target_hf, "draft_model", 8, draft_hf=target_hf, max_len=31).generate(
+        [prompt], params)[0]
+    assert ref.finish_reason == got.finish_reason == "length"
+    assert got.output_token_ids == ref.output_token_ids and len(prompt) + len(ref.output_token_ids) == 31
+
+
+def test_more_requests_than_slots_queue_and_all_finish(target_hf, close_draft_hf):
+    batch = prompts(8, seed=5)
+    ref = make_engine(target_hf, None, slots=8).generate(batch, GREEDY)
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=close_draft_hf, slots=3)
+    got = engine.generate(batch, GREEDY)
+    assert [c.output_token_ids for c in got] == [c.output_token_ids for c in ref]
+    assert engine.target.num_free_slots == 3
+    assert engine.proposer.worker.num_free_slots == 3
+
+
+def test_abort_frees_slots(target_hf, close_draft_hf):
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=close_draft_hf, slots=2)
+    a = engine.add_request(prompts(1)[0], GREEDY)
+    b = engine.add_request(prompts(2)[1], GREEDY)
+    c = engine.add_request(prompts(3)[2], GREEDY)  # waits: only two slots
+    engine.step()
+    assert engine.target.num_free_slots == 0
+    assert engine.abort(a) and engine.abort(c) and not engine.abort(12345)
+    assert engine.target.num_free_slots == 1 and engine.proposer.worker.num_free_slots == 1
+    assert engine.abort(b)
+    assert engine.target.num_free_slots == 2 and not engine.has_unfinished()
+
+
+# -- sampled output ------------------------------------------------------------------------
+
+def exact_joint(target_hf, prompt, params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(t1, t2) of target-only sampling under ``params``, computed from the model directly."""
+    from specserve.engine.sampling import compute_probs
+
+    def probs(logits):  # [N, V] -> transformed p
+        n = logits.shape[0]
+        return compute_probs(logits, torch.full((n,), params.temperature),
+                             torch.full((n,), params.top_k), torch.full((n,), params.top_p)).double()
+
+    with torch.no_grad():
+        p1 = probs(target_hf(torch.tensor([prompt])).logits[0, -1:])[0]
+        support = p1.nonzero()[:, 0]
+        batch = torch.tensor([prompt + [int(t)] for t in support])
+        p2 = probs(target_hf(batch).logits[:, -1])
+    return {(int(t1), t2): float(p1[t1] * p2[i, t2])
+            for i, t1 in enumerate(support) for t2 in p2[i].nonzero()[:, 0].tolist()}
+
+
+def chi_square_pvalue(samples: list[tuple[int, int]], joint: dict) -> float:
+    """Goodness of fit of observed (t1, t2) pairs to ``joint``. Bins with an expected count
+    below 5 are pooled into one bin, as the chi-square approximation requires."""
+    n = len(samples)
+    counts: dict = {}
+    for pair in samples:
+        assert pair in joint, f"{pair} has zero probability under the target"
+        counts[pair] = counts.get(pair, 0) + 1
+    big = [k for k, v in joint.items() if v * n >= 5]
+    observed = [counts.get(k, 0) for k in big]
+    expected = [joint[k] * n for k in big]
+    observed.append(n - sum(observed))
+    expected.append(n - sum(expected))
+    return stats.chisquare(observed, expected).pvalue
+
+
+SAMPLED = [
+    SamplingParams(temperature=1.0, max_tokens=3),
+    SamplingParams(temperature=0.7, top_k=20, max_tokens=3),
+    SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=3),
+]
+NUM_SAMPLES = 4000
+
+
+def _sample_pairs(engine, prompt, params) -> list[tuple[int, int]]:
+    out = engine.generate([prompt] * NUM_SAMPLES,
+                          [params.model_copy(update={"seed": i}) for i in range(NUM_SAMPLES)])
+    return [tuple(c.output_token_ids[:2]) for c in out]
+
+
+@functools.cache
+def far_draft(target_hf):
+    """Deliberately mismatched: acceptance about 0.45 at T = 0.7, top-k 20, and its own
+    samples fail the distribution test (``test_distribution_test_has_power``)."""
+    return perturbed(target_hf, scale=0.2, seed=5)
+
+
+@functools.cache
+def sampling_prompt(target_hf) -> tuple[int, ...]:
+    """A prompt ``base + x + base`` where x is the target's own greedy continuation of that
+    very prompt (a fixed point, found by iterating). Its suffix ``base`` recurs, so n-gram
+    lookup proposes x, which the target rates highly: drafts are accepted often, not always."""
+    for first in range(3, 60):
+        base, x = [first, 301, 45], [0, 0]
+        for _ in range(8):
+            prompt = base + x + base
+            with torch.no_grad():
+                nxt = target_hf.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+            if nxt.tolist() == x:
+                return tuple(prompt)
+            x = nxt.tolist()
+    raise AssertionError("no fixed-point prompt found")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_sampled_output_has_target_distribution(target_hf, method, params):
+    """4000 seeded samples of the first two tokens, chi-square against the exact joint
+    distribution of target-only sampling (bins expected below 5 pooled); fails below
+    p = 1e-3. The draft model is the target with noise on every weight (acceptance about
+    0.45), so drafts are both accepted and rejected. K = 3 drafts 2 tokens per step here
+    (max_tokens 3), so accepted, recovered and bonus tokens all reach the pair.
+    ``test_distribution_test_has_power`` shows the same test rejects the draft's own
+    distribution at this sample size."""
+    engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
+                         eos=frozenset())
+    prompt = list(sampling_prompt(target_hf))
+    joint = exact_joint(target_hf, prompt, params)
+    pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params), joint)
+    rate = engine.stats.acceptance_rate
+    assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
+    assert pvalue > 1e-3
+
+
+def test_distribution_test_has_power(target_hf):
+    """The draft model's own samples fail the same test against the target: the test can
+    tell a mismatched distribution apart at this sample size."""
+    draft = far_draft(target_hf)
+    params = SAMPLED[1]
+    prompt = list(sampling_prompt(target_hf))
+    draft_only = make_engine(draft, None, slots=256, eos=frozenset())
+    assert chi_square_pvalue_or_zero(_sample_pairs(draft_only, prompt, params),
+                                     exact_joint(target_hf, prompt, params)) < 1e-6
+
+
+def chi_square_pvalue_or_zero(samples, joint) -> float:
+    """Like chi_square_pvalue, but a sample outside the target's support is a certain reject."""
+    if any(pair not in joint for pair in samples):
+        return 0.0
+    return chi_square_pvalue(samples, joint)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_same_seed_same_output(target_hf, close_draft_hf, method):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1234)
+    batch = prompts(4, seed=8)
+    first = make_engine(target_hf, method, 4, draft_hf=close_draft_hf).generate(batch, params)
+    # A different batch composition (one prompt alone) gives the same output for a seed.
+    alone = make_engine(target_hf, method, 4, draft_hf=close_draft_hf).generate(batch[2:3], params)
+    assert alone[0].output_token_ids == first[2].output_token_ids
+    other = make_engine(target_hf, method, 4, draft_hf=close_draft_hf).generate(
+        batch, params.model_copy(update={"seed": 99}))
+    assert [c.output_token_ids for c in other] != [c.output_token_ids for c in first]
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+def test_prompt_longer_than_context_is_refused_cleanly(target_hf):
+    engine = make_engine(target_hf, "ngram", max_len=32)
+    with pytest.raises(InvalidRequestError, match="context length is 32"):
+        engine.add_request(list(range(3, 35)), GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(InvalidRequestError, match=r"\[0, 512\)"):
+        engine.add_request([5, VOCAB], GREEDY)
+    assert not engine.has_unfinished() and engine.target.num_free_slots == 8

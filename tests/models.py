@@ -1,0 +1,68 @@
+"""Tiny seeded Llama-family models for tests: built from a config, nothing downloaded."""
+
+from __future__ import annotations
+
+import torch
+from specserve.engine.model import LlamaRuntime, build_runtime
+from specserve.engine.worker import ModelWorker
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+VOCAB = 512  # the size of tests.tiny.make_tiny_tokenizer()
+
+TINY_CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=2),
+    "llama-mha": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=4,
+                                     attention_bias=True, mlp_bias=True,
+                                     tie_word_embeddings=True),
+    "llama3-rope": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=1,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0,
+                                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64}),
+    "qwen2-bias": lambda: Qwen2Config(num_attention_heads=4, num_key_value_heads=2),
+    "mistral-window": lambda: MistralConfig(num_attention_heads=4, num_key_value_heads=2,
+                                            sliding_window=7),
+}
+
+
+def tiny_config(kind: str = "llama-gqa", **overrides):
+    cfg = TINY_CONFIGS[kind]()
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    for key, value in {**base, **overrides}.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, logit_scale: float = 1.0, **overrides):
+    """A seeded random ``transformers`` model. ``logit_scale`` sharpens its distributions
+    (random init is nearly uniform; real models are peaky)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # wider init than 0.02 so layers matter
+            if p.ndim == 2:
+                p.normal_(0, 0.15)
+        if logit_scale != 1.0:
+            model.lm_head.weight.mul_(logit_scale)
+    return model.eval()
+
+
+def runtime_of(hf_model, max_len: int = 256) -> LlamaRuntime:
+    return build_runtime(hf_model.config, hf_model.state_dict(), max_len=max_len).requires_grad_(False)
+
+
+def worker_of(hf_model, num_slots: int = 8, max_len: int = 256) -> ModelWorker:
+    return ModelWorker(runtime_of(hf_model, max_len), num_slots=num_slots, max_seq_len=max_len)
+
+
+def perturbed(hf_model, scale: float, seed: int = 1):
+    """A copy of ``hf_model`` with Gaussian noise on every weight: a draft that agrees often
+    but not always."""
+    torch.manual_seed(seed)
+    clone = AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32).eval()
+    clone.load_state_dict(hf_model.state_dict())
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return clone
