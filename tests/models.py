@@ -9,29 +9,29 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 VOCAB = 512  # the size of tests.tiny.make_tiny_tokenizer()
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# kind -> (config class, its own settings); shared sizes are added by tiny_config.
 TINY_CONFIGS = {
-    "llama-gqa": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=2),
-    "llama-mha": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=4,
-                                     attention_bias=True, mlp_bias=True,
-                                     tie_word_embeddings=True),
-    "llama3-rope": lambda: LlamaConfig(num_attention_heads=4, num_key_value_heads=1,
-                                       rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0,
-                                                        "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 64}),
-    "qwen2-bias": lambda: Qwen2Config(num_attention_heads=4, num_key_value_heads=2),
-    "mistral-window": lambda: MistralConfig(num_attention_heads=4, num_key_value_heads=2,
-                                            sliding_window=7),
+    "llama-gqa": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mha": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                                    mlp_bias=True, tie_word_embeddings=True)),
+    "llama3-rope": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=1,
+                                      rope_parameters=LLAMA3_ROPE)),
+    "qwen2-bias": (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral-window": (MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2,
+                                           sliding_window=7)),
 }
 
 
 def tiny_config(kind: str = "llama-gqa", **overrides):
-    cfg = TINY_CONFIGS[kind]()
+    """Built with keyword arguments (not set afterwards): some configs derive fields, e.g.
+    Qwen2's per-layer ``layer_types``, from ``num_hidden_layers`` at construction."""
+    cls, own = TINY_CONFIGS[kind]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    for key, value in {**base, **overrides}.items():
-        setattr(cfg, key, value)
-    return cfg
+    return cls(**{**base, **own, **overrides})
 
 
 def tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, logit_scale: float = 1.0, **overrides):

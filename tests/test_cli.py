@@ -1,0 +1,34 @@
+"""The ``specserve`` command: one readable line and exit status 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from specserve.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-k", "0"], "num_speculative_tokens: Input should be greater than or equal to 1"),
+    (["--temperature", "-1"], "temperature: Input should be greater than or equal to 0"),
+    (["--model", "/nope/model"], "model path '/nope/model' does not exist"),
+    (["--method", "draft_model"], "needs a draft model"),
+    (["--method", "draft_model", "--draft", "/nope/draft"], "'/nope/draft' does not exist"),
+    (["--max-tokens", "0"], "max_tokens: Input should be greater than or equal to 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert main(["generate", "--prompt", "hi", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specserve: error: ") and message in err
+
+
+@pytest.mark.slow
+def test_generate_on_the_embedded_default(capsys):
+    """No model flags: SmolLM2 with n-gram; the printed stats are the engine's."""
+    code = main(["generate", "--chat", "--prompt", "Repeat exactly: one two three four five six",
+                 "--max-tokens", "24", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["model"] == "SmolLM2-135M-Instruct"
+    assert report["method"] == "ngram" and 0 < report["completion_tokens"] <= 24
+    assert report["num_drafts"] > 0 and report["mean_acceptance_length"] > 1.0
+    assert "one two three" in report["text"]
