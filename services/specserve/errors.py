@@ -44,3 +44,11 @@ class CapacityError(SpecServeError):
     type = "rate_limit_error"
     code = "capacity_exceeded"
     status_code = 429
+
+
+class ProposerUnavailable(SpecServeError):
+    """The draft group died or timed out. Never reaches a client: the unit falls back to
+    target-only decoding (reason ``draft_unavailable``) until the draft is back."""
+
+    code = "draft_unavailable"
+    status_code = 503

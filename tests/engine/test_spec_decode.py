@@ -13,7 +13,7 @@ from specserve.config import SamplingParams
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, ProposerUnavailable
 
 from tests.models import VOCAB, perturbed, tiny_hf_model, worker_of
 from tests.tiny import make_tiny_tokenizer
@@ -326,3 +326,45 @@ def test_prompt_longer_than_context_is_refused_cleanly(target_hf):
     with pytest.raises(InvalidRequestError, match=r"\[0, 512\)"):
         engine.add_request([5, VOCAB], GREEDY)
     assert not engine.has_unfinished() and engine.target.num_free_slots == 8
+
+
+class FlakyProposer(NgramProposer):
+    """An n-gram proposer that is unavailable while ``down`` is set (a dead draft actor)."""
+
+    def __init__(self):
+        super().__init__(min_n=1, max_n=3)
+        self.down = False
+        self.started: list[int] = []
+
+    def start(self, seq_id, seed):
+        if self.down:
+            raise ProposerUnavailable("draft actor is dead")
+        self.started.append(seq_id)
+
+    def propose(self, requests):
+        if self.down:
+            raise ProposerUnavailable("draft actor is dead")
+        return super().propose(requests)
+
+
+def test_draft_loss_falls_back_to_target_only_and_recovers(target_hf):
+    """Losing the proposer mid-generation changes nothing in the output; the loss is counted
+    once; after reattaching, running sequences speculate again."""
+    batch = prompts(4, seed=21)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    engine = make_engine(target_hf, None)
+    flaky = engine.proposer = FlakyProposer()
+    engine.draft_available = True
+    ids = [engine.add_request(p, GREEDY) for p in batch]
+    outputs: dict[int, list[int]] = {i: [] for i in ids}
+    step = 0
+    while engine.has_unfinished():
+        flaky.down = 3 <= step < 8
+        if step == 8:
+            engine.reattach_proposer()
+        for out in engine.step():
+            outputs[out.seq_id] += out.new_token_ids
+        step += 1
+    assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
+    assert engine.num_draft_fallbacks == 1 and engine.draft_available
+    assert len(flaky.started) == 2 * len(batch)  # started, lost, started again

@@ -220,15 +220,20 @@ class LlamaRuntime(nn.Module):
 
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
-                num_logits: list[int] | None = None) -> torch.Tensor:
+                num_logits: list[int] | None = None, starts: list[int] | None = None) -> torch.Tensor:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
 
         Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
         its last ``num_logits[i]`` new tokens (default 1). Each slot's length advances by its
         number of new tokens; callers roll back what the rejection sampler did not keep.
+        ``starts``, when given, first sets each slot's length (a remote caller that keeps the
+        lengths itself rolls back this way, with no extra round trip).
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
+        if starts is not None:
+            for slot, start in zip(slots, starts):
+                cache.rollback(slot, start)
         ctx, tokens = self._prepare(cache, slots, token_ids)
         x = self.embed(tokens)  # [B, T, hidden]
         for layer in self.layers:

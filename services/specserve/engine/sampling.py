@@ -12,6 +12,8 @@ therefore depends only on its seed and its own settings, never on what else is i
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -68,11 +70,21 @@ def draw_exponential(generators: list[torch.Generator | None], vocab: int) -> to
     return torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators])
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A request's generator: seeded when asked, otherwise from fresh OS entropy."""
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def make_generator(seed: int) -> torch.Generator:
+    """A sequence's generator. Every sequence has a seed: the request's, or a random one."""
+    return torch.Generator().manual_seed(seed)
+
+
+def random_seed() -> int:
+    """A fresh seed for a request that gave none (62 bits of OS entropy)."""
+    return int.from_bytes(os.urandom(8), "little") >> 2
+
+
+def draft_seed(seed: int) -> int:
+    """The seed of a sequence's *draft* generator, derived from its request seed.
+
+    The draft samples in its own process, so it cannot share the coordinator's generator; a
+    fixed mixing of the request seed (one LCG step) keeps "same seed, same output" true for a
+    draft anywhere.
+    """
+    return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)

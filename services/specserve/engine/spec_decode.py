@@ -34,11 +34,11 @@ from specserve.engine.rejection_sampler import (
     greedy_rejection_sample,
     rejection_sample,
 )
-from specserve.engine.sampling import compute_probs, draw_exponential, make_generator
+from specserve.engine.sampling import compute_probs, draw_exponential, make_generator, random_seed
 from specserve.engine.stats import SpecStats
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.engine.worker import ModelWorker
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, ProposerUnavailable
 
 
 @dataclass
@@ -49,8 +49,10 @@ class Sequence:
     params: SamplingParams
     spec_len: int                     # K for this sequence; 0 = speculation off
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None  # None for greedy
+    seed: int                         # the request's, or a random one
+    generator: torch.Generator
     slot: int = -1
+    draft_attached: bool = False       # the proposer holds state for this sequence
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     num_emitted_tokens: int = 0        # output tokens already reported by step()
@@ -97,6 +99,8 @@ class SpecDecodeEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.stats = SpecStats()
+        self.draft_available = proposer is not None
+        self.num_draft_fallbacks = 0       # times the proposer became unavailable
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
@@ -112,12 +116,13 @@ class SpecDecodeEngine:
         """
         self._validate(prompt_token_ids, spec_len)
         k = self.num_speculative_tokens if spec_len is None else spec_len
+        seed = random_seed() if params.seed is None else params.seed
         seq = Sequence(
             seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
             token_ids=list(prompt_token_ids), params=params,
             spec_len=k if self.proposer is not None else 0,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
-            generator=None if params.greedy else make_generator(params.seed))
+            seed=seed, generator=make_generator(seed))
         self.waiting.append(seq)
         return seq.seq_id
 
@@ -166,9 +171,9 @@ class SpecDecodeEngine:
         while self.waiting and self.target.num_free_slots > 0:
             seq = self.waiting.popleft()
             seq.slot = self.target.allocate()
-            if seq.spec_len > 0:
-                self.proposer.start(seq.seq_id)
             self.running[seq.seq_id] = seq
+            if seq.spec_len > 0 and self.draft_available:
+                self._attach(seq)
 
     def _draft_len(self, seq: Sequence) -> int:
         """K for this step: at most the request's K, and never more than can be emitted.
@@ -181,16 +186,46 @@ class SpecDecodeEngine:
         return max(0, min(seq.spec_len, remaining - 1))
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        requests = [DraftRequest(s.seq_id, s.token_ids, self._draft_len(s), s.params.temperature,
-                                 s.params.top_k, s.params.top_p, s.generator)
+        requests = [DraftRequest(s.seq_id, s.token_ids, self._draft_len(s) if s.draft_attached else 0,
+                                 s.params.temperature, s.params.top_k, s.params.top_p)
                     for s in seqs]
         active = [i for i, r in enumerate(requests) if r.k > 0]
         proposals = [Proposal([]) for _ in seqs]
         if active:
-            for i, proposal in zip(active, self.proposer.propose([requests[i] for i in active])):
+            try:
+                drafted = self.proposer.propose([requests[i] for i in active])
+            except ProposerUnavailable:
+                self._draft_lost()
+                return proposals  # this step is target-only; nobody's output changes
+            for i, proposal in zip(active, drafted):
                 assert len(proposal.token_ids) <= requests[i].k, "proposer drafted too many"
                 proposals[i] = proposal
         return proposals
+
+    # -- draft availability -----------------------------------------------------------------
+    def _attach(self, seq: Sequence) -> None:
+        try:
+            self.proposer.start(seq.seq_id, seq.seed)
+            seq.draft_attached = True
+        except ProposerUnavailable:
+            self._draft_lost()
+
+    def _draft_lost(self) -> None:
+        """The proposer stopped answering: decode target-only until :meth:`reattach_proposer`.
+        Losslessness does not depend on the draft, so no request notices but in speed."""
+        if self.draft_available:
+            self.num_draft_fallbacks += 1
+        self.draft_available = False
+        for seq in self.running.values():
+            seq.draft_attached = False
+
+    def reattach_proposer(self) -> None:
+        """The proposer is back (a restarted draft actor has no state): start every running
+        sequence on it again; it catches up from the tokens on its first proposal."""
+        self.draft_available = self.proposer is not None
+        for seq in list(self.running.values()):
+            if seq.spec_len > 0 and not seq.draft_attached and self.draft_available:
+                self._attach(seq)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[torch.Tensor]:
         """Target logits ``[num_drafts + 1, V]`` per row. Decode rows share one forward;
@@ -272,8 +307,8 @@ class SpecDecodeEngine:
         else:
             # Everything before the last emitted token is final; that token is fed next step.
             self.target.rollback(seq.slot, num_before + num_accepted)
-            if seq.spec_len > 0:
-                self.proposer.commit(seq.seq_id, num_before + num_accepted)
+            if seq.draft_attached:
+                self._proposer_call(self.proposer.commit, seq.seq_id, num_before + num_accepted)
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
         seq.num_emitted_tokens += len(new_tokens)
         delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
@@ -293,8 +328,15 @@ class SpecDecodeEngine:
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.seq_id, None)
         self.target.free(seq.slot)
-        if seq.spec_len > 0:
-            self.proposer.finish(seq.seq_id)
+        if seq.draft_attached:
+            seq.draft_attached = False
+            self._proposer_call(self.proposer.finish, seq.seq_id)
+
+    def _proposer_call(self, method, *args) -> None:
+        try:
+            method(*args)
+        except ProposerUnavailable:
+            self._draft_lost()
 
     # -- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

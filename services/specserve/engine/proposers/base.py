@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.errors import ProposerUnavailable  # noqa: F401  (re-exported)
+
 
 @dataclass
 class DraftRequest:
@@ -14,7 +16,8 @@ class DraftRequest:
 
     ``token_ids`` is the whole sequence so far (prompt + output); ``temperature`` / ``top_k`` /
     ``top_p`` are the request's, so a model proposer samples from the same transform as the
-    target (temperature 0: greedy).
+    target (temperature 0: greedy). Everything here is plain data: the request can cross a
+    process boundary to a draft actor.
     """
 
     seq_id: int
@@ -23,7 +26,6 @@ class DraftRequest:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -36,12 +38,16 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Drafts tokens. Stateful proposers (a draft model's cache) track sequences by id."""
+    """Drafts tokens. Stateful proposers (a draft model's cache) track sequences by id.
+
+    A proposer that lives elsewhere (a Ray actor) raises :class:`ProposerUnavailable` from any
+    method when it cannot answer; the engine then decodes target-only until it is back.
+    """
 
     method: str
 
-    def start(self, seq_id: int) -> None:
-        """A new sequence begins (reserve state)."""
+    def start(self, seq_id: int, seed: int) -> None:
+        """A new sequence begins (reserve state). ``seed`` seeds the draft's own sampling."""
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:

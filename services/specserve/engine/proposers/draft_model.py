@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
-from specserve.engine.sampling import compute_probs, draw_exponential, sample_from
+from specserve.engine.sampling import compute_probs, draft_seed, draw_exponential, make_generator, sample_from
 from specserve.engine.worker import ModelWorker
 
 
@@ -22,12 +22,15 @@ class DraftModelProposer(Proposer):
     def __init__(self, worker: ModelWorker) -> None:
         self.worker = worker
         self.slots: dict[int, int] = {}  # seq_id -> slot in the draft cache
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> the draft's own sampler
 
-    def start(self, seq_id: int) -> None:
+    def start(self, seq_id: int, seed: int) -> None:
         self.slots[seq_id] = self.worker.allocate()
+        self.generators[seq_id] = make_generator(draft_seed(seed))
 
     def finish(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
+        self.generators.pop(seq_id, None)
         if slot is not None:
             self.worker.free(slot)
 
@@ -55,8 +58,7 @@ class DraftModelProposer(Proposer):
                     feeds[i] = [tokens[j]]
         return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
-    @staticmethod
-    def _sample(requests: list[DraftRequest],
+    def _sample(self, requests: list[DraftRequest],
                 logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
         """One draft token per row: argmax for greedy rows, a sample from q otherwise."""
         tokens = logits.argmax(dim=-1).tolist()
@@ -67,7 +69,8 @@ class DraftModelProposer(Proposer):
             q = compute_probs(logits[sampled], torch.tensor([r.temperature for r in reqs]),
                               torch.tensor([r.top_k for r in reqs]),
                               torch.tensor([r.top_p for r in reqs]))  # [n, V]
-            picks = sample_from(q, draw_exponential([r.generator for r in reqs], q.shape[-1]))
+            noise = draw_exponential([self.generators[r.seq_id] for r in reqs], q.shape[-1])
+            picks = sample_from(q, noise)
             for n, j in enumerate(sampled):
                 tokens[j], row_probs[j] = int(picks[n]), q[n]
         return tokens, row_probs
