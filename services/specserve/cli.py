@@ -86,11 +86,60 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API with a local Ray cluster")
+    p.add_argument("--config", help="a Serve config YAML (deploy/serve_config.yaml) or an AppConfig "
+                                    "YAML; default: the embedded model with n-gram speculation")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_serve)
+
+
+def _app_args(path: str | None) -> dict:
+    """The AppConfig dict from a Serve config file (its first application's args) or an
+    AppConfig file; {} for the defaults."""
+    if not path:
+        return {}
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise SpecServeError(f"cannot read {path}: {exc.strerror}") from exc
+    if "applications" in doc:
+        return doc["applications"][0].get("args", {})
+    return doc
+
+
+def cmd_serve(args) -> int:
+    from specserve.config import AppConfig
+
+    app_args = AppConfig.model_validate(_app_args(args.config)).model_dump()  # fail before Ray
+    from ray import serve
+
+    from deploy.app import build_app
+    from specserve.serve.local import start_local_ray, start_serve
+
+    start_local_ray()
+    start_serve(args.host, args.port)
+    serve.run(build_app(app_args), name="specserve", route_prefix="/")
+    print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        import threading
+
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

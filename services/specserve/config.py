@@ -120,3 +120,51 @@ def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
         raise ConfigError(
             f"draft {draft.source!r} does not share the target's tokenizer "
             f"({len(draft_vocab)} vs {len(target_vocab)} tokens, or different ids)")
+
+
+class UnitConfig(_Strict):
+    """One speculation unit: a coordinator, a draft group and a tensor-parallel target group.
+
+    Its Serve replica reserves a placement group ``[coordinator CPU, draft, target rank 0..N-1]``
+    (STRICT_PACK: one node, so the TP group talks over NVLink / loopback). The draft bundle is
+    left out when the proposer needs no model (n-gram runs inside the coordinator).
+    """
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Models and speculation.")
+    tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
+        1, description="Target ranks (GPUs) per unit; heads and MLP width must divide by it.")
+    accelerator: Literal["cpu", "gpu"] = Field(
+        "cpu", description="gpu: every draft / target bundle asks for one GPU and ranks use NCCL; "
+                           "cpu: no GPUs, gloo on 127.0.0.1.")
+    cpus_per_actor: float = Field(0.25, gt=0, le=64, description="CPU reserved per group actor.")
+    coordinator_cpus: float = Field(0.25, gt=0, le=64, description="CPU reserved for the coordinator.")
+    max_queue_len: int = Field(
+        64, ge=0, le=100_000,
+        description="Requests waiting for a free slot; beyond it the unit answers 429.")
+    draft_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="A draft call slower than this counts as a dead draft.")
+    draft_retry_s: float = Field(
+        1.0, gt=0, le=600, description="How often a unit without its draft checks for it.")
+
+    @model_validator(mode="after")
+    def _check(self) -> UnitConfig:
+        if self.accelerator == "cpu" and self.engine.target.device not in ("auto", "cpu"):
+            raise ValueError("accelerator cpu cannot run the target on " + self.engine.target.device)
+        return self
+
+    @property
+    def has_draft_group(self) -> bool:
+        return self.engine.speculative.method == "draft_model"
+
+
+class AppConfig(_Strict):
+    """The Serve application: an OpenAI-compatible ingress in front of N units."""
+
+    unit: UnitConfig = Field(default_factory=UnitConfig, description="What every unit runs.")
+    num_units: int = Field(1, ge=1, le=1024, description="Unit replicas (each a whole placement group).")
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="The model id clients send; default the target's name.")
+    max_tokens_cap: int = Field(
+        4096, ge=1, le=1_048_576, description="Largest max_tokens a request may ask for.")
+    route_prefix: str = Field("/", pattern=r"^/", description="HTTP prefix of the API.")

@@ -18,36 +18,20 @@ import torch
 from specserve.errors import CapacityError
 
 
-class SlotKVCache:
-    """Keys and values for ``num_slots`` sequences of up to ``max_seq_len`` tokens each.
+class SlotTable:
+    """Which slots are in use and how long each is: the bookkeeping half of a cache.
 
-    Storage per layer: ``k[layer]``, ``v[layer]`` of shape
-    ``[num_slots, num_kv_heads, max_seq_len, head_dim]`` (heads before positions so a
-    slot's keys are the ``[B, H, S, D]`` layout ``scaled_dot_product_attention`` takes).
+    A :class:`SlotKVCache` is a table plus tensors. A coordinator that drives a remote target
+    group keeps just the table and sends the start lengths with every forward, so the ranks
+    never need a separate rollback call.
     """
 
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        max_seq_len: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        assert num_slots >= 1 and max_seq_len >= 1
-        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
-        # torch.zeros on CPU maps untouched pages lazily, so a large cache costs only what is used.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots >= 1
         self.num_slots = num_slots
-        self.max_seq_len = max_seq_len
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
 
-    # -- slot lifecycle -------------------------------------------------------------------------
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
@@ -73,6 +57,34 @@ class SlotKVCache:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot roll slot {slot} from {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
+
+
+class SlotKVCache(SlotTable):
+    """Keys and values for ``num_slots`` sequences of up to ``max_seq_len`` tokens each.
+
+    Storage per layer: ``k[layer]``, ``v[layer]`` of shape
+    ``[num_slots, num_kv_heads, max_seq_len, head_dim]`` (heads before positions so a
+    slot's keys are the ``[B, H, S, D]`` layout ``scaled_dot_product_attention`` takes).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(num_slots)
+        assert max_seq_len >= 1
+        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+        # torch.zeros on CPU maps untouched pages lazily, so a large cache costs only what is used.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_seq_len = max_seq_len
 
     # -- tensor access used by the model runtime ------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,

@@ -35,7 +35,9 @@ class DraftModelProposer(Proposer):
             self.worker.free(slot)
 
     def commit(self, seq_id: int, num_valid_tokens: int) -> None:
-        slot = self.slots[seq_id]
+        slot = self.slots.get(seq_id)
+        if slot is None:  # a restarted draft actor never saw this sequence; nothing to drop
+            return
         self.worker.rollback(slot, min(self.worker.length(slot), num_valid_tokens))
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:

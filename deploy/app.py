@@ -1,0 +1,44 @@
+"""Serve application builder: ``build_app(args) -> Application``.
+
+Validates the whole configuration with the same pydantic models the CLI and the Helm chart
+use, then binds the units (with their placement group bundles and least-load request router)
+to the ingress. Used by ``serve run deploy.app:build_app``, ``serve deploy`` with
+``deploy/serve_config.yaml``, ``specserve serve`` and ``make serve``.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+from specserve.config import AppConfig
+from specserve.serve.groups import unit_bundles
+from specserve.serve.ingress import OpenAIIngress
+from specserve.serve.request_router import LeastLoadedUnitRouter
+from specserve.serve.unit import SpeculationUnit
+
+ROUTING_STATS_PERIOD_S = 0.5
+
+
+def build_app(args: dict) -> Application:
+    """``args``: an :class:`AppConfig` as a dict (the ``args`` of a Serve config file)."""
+    cfg = AppConfig.model_validate(args)
+    capacity = cfg.unit.engine.max_num_seqs + cfg.unit.max_queue_len
+    unit = serve.deployment(SpeculationUnit, name="SpeculationUnit").options(
+        num_replicas=cfg.num_units,
+        # One more than the unit holds: the overflow request reaches the unit, which answers
+        # 429 itself, instead of waiting unbounded in a handle queue.
+        max_ongoing_requests=capacity + 1,
+        max_queued_requests=capacity * cfg.num_units,
+        ray_actor_options={"num_cpus": cfg.unit.coordinator_cpus},
+        placement_group_bundles=unit_bundles(cfg.unit),
+        placement_group_strategy="STRICT_PACK",
+        request_router_config=RequestRouterConfig(
+            request_router_class=LeastLoadedUnitRouter,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+        health_check_period_s=10,
+    ).bind(cfg.unit.model_dump())
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=1, max_ongoing_requests=4 * capacity * cfg.num_units,
+        ray_actor_options={"num_cpus": 0.1})
+    return ingress.bind(unit=unit, config=cfg.model_dump())

@@ -1,0 +1,262 @@
+"""The draft group and the tensor-parallel target group: Ray actors in the unit's placement
+group, and the coordinator-side clients that make them look like an in-process
+:class:`~specserve.engine.worker.ModelWorker` and :class:`~specserve.engine.proposers.Proposer`.
+
+Target group: N :class:`TargetRank` actors form one ``torch.distributed`` process group
+(NCCL on GPUs, gloo on CPU, rendezvous on rank 0's node address: 127.0.0.1 locally). Only
+rank 0 is called; it broadcasts each batch to the others over the process group (one Ray call
+per step, however large N is), every rank runs its shard, and rank 0 returns the logits. The
+coordinator owns the slot table and sends each row's start length, so rollback costs nothing.
+
+Draft group: one :class:`DraftWorker` actor (draft TP = 1) holding the draft-model proposer.
+Sequence bookkeeping (start / commit / finish) is buffered and sent with the next proposal
+request, so a step costs one round trip. Any failure or timeout becomes
+:class:`~specserve.errors.ProposerUnavailable`, which the engine answers by decoding target-only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from specserve.config import EngineConfig, ModelConfig, UnitConfig
+from specserve.engine.kv_cache import SlotTable
+from specserve.engine.loader import load_model
+from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.tp import apply_tp
+from specserve.engine.worker import ModelWorker
+from specserve.errors import ProposerUnavailable
+
+log = logging.getLogger(__name__)
+
+PG_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _threads(share: int) -> None:
+    """Give this actor its share of the node's cores (the loop runs groups one at a time)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class TargetRank:
+    """One tensor-parallel rank of the target."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.worker: ModelWorker | None = None
+        _threads(world_size)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the address every rank joins (this node's; loopback on a laptop)."""
+        host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def setup(self, engine: dict, host: str, port: int) -> dict:
+        """Join the process group, load this rank's shard, and (ranks > 0) start following."""
+        cfg = EngineConfig.model_validate(engine, context={"check_files": False})
+        if self.world_size > 1:
+            if host.startswith("127."):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=PG_TIMEOUT)
+        loaded = load_model(cfg.target, max_model_len=cfg.max_model_len)
+        runtime = apply_tp(loaded.runtime)
+        self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
+        if self.rank > 0:
+            threading.Thread(target=self._follow, name="tp-follower", daemon=True).start()
+        return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
+                "eos_token_ids": sorted(loaded.eos_token_ids)}
+
+    def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
+                num_logits: list[int]) -> torch.Tensor:
+        """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits."""
+        batch = (slots, starts, token_ids, num_logits)
+        if self.world_size > 1:
+            dist.broadcast_object_list([batch], src=0)
+        return self._run(batch).cpu()
+
+    def _run(self, batch) -> torch.Tensor:
+        slots, starts, token_ids, num_logits = batch
+        return self.worker.runtime(self.worker.cache, slots, token_ids, num_logits, starts)
+
+    def _follow(self) -> None:
+        """Ranks > 0: run whatever rank 0 broadcasts, until told to stop (None)."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return
+            self._run(box[0])
+
+    def stop(self) -> None:
+        if self.world_size > 1 and self.rank == 0:
+            dist.broadcast_object_list([None], src=0)
+
+    def ping(self) -> bool:
+        return self.worker is not None
+
+
+class TargetGroup:
+    """Coordinator-side client of the target ranks; the engine sees a ``ModelWorker``."""
+
+    def __init__(self, ranks: list, info: dict, *, num_slots: int, max_seq_len: int) -> None:
+        self.ranks = ranks
+        self.info = info
+        self.table = SlotTable(num_slots)
+        self.max_seq_len = max_seq_len
+
+    @classmethod
+    def start(cls, cfg: UnitConfig, pg, first_bundle: int) -> TargetGroup:
+        world = cfg.tensor_parallel_size
+        ranks = [TargetRank.options(**_in_bundle(cfg, pg, first_bundle + r)).remote(r, world)
+                 for r in range(world)]
+        host, port = ray.get(ranks[0].rendezvous.remote())
+        engine = cfg.engine.model_dump()
+        infos = ray.get([r.setup.remote(engine, host, port) for r in ranks])
+        return cls(ranks, infos[0], num_slots=cfg.engine.max_num_seqs,
+                   max_seq_len=cfg.engine.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info["vocab_size"]
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.table.num_free_slots
+
+    def allocate(self) -> int:
+        return self.table.allocate()
+
+    def free(self, slot: int) -> None:
+        self.table.free(slot)
+
+    def length(self, slot: int) -> int:
+        return self.table.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.table.rollback(slot, length)
+
+    def forward(self, slots: list[int], token_ids: list[list[int]],
+                num_logits: list[int]) -> torch.Tensor:
+        starts = [self.table.lengths[s] for s in slots]
+        logits = ray.get(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits))
+        for slot, ids in zip(slots, token_ids):
+            self.table.lengths[slot] += len(ids)
+        return logits
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+
+
+@ray.remote
+class DraftWorker:
+    """The draft group: a draft model with its own slot cache, behind the proposer API."""
+
+    def __init__(self, draft: dict, max_model_len: int, num_slots: int) -> None:
+        _threads(1)
+        loaded = load_model(ModelConfig.model_validate(draft), max_model_len=max_model_len)
+        worker = ModelWorker(loaded.runtime, num_slots=num_slots, max_seq_len=max_model_len)
+        self.proposer = DraftModelProposer(worker)
+
+    def step(self, ops: list[tuple], requests: list[DraftRequest]) -> list[Proposal]:
+        self.apply(ops)
+        return self.proposer.propose(requests) if requests else []
+
+    def apply(self, ops: list[tuple]) -> None:
+        for name, args in ops:
+            getattr(self.proposer, name)(*args)
+
+    def ping(self) -> bool:
+        return True
+
+
+class RemoteProposer(Proposer):
+    """Coordinator-side client of the draft group."""
+
+    method = "draft_model"
+    MAX_BUFFERED_OPS = 64  # flush bookkeeping without waiting for a proposal beyond this
+
+    def __init__(self, actor, *, timeout_s: float) -> None:
+        self.actor = actor
+        self.timeout_s = timeout_s
+        self._ops: list[tuple] = []
+
+    @classmethod
+    def start_group(cls, cfg: UnitConfig, pg, bundle: int) -> RemoteProposer:
+        engine = cfg.engine
+        actor = DraftWorker.options(max_restarts=-1, max_task_retries=0,
+                                    **_in_bundle(cfg, pg, bundle)).remote(
+            engine.speculative.draft.model_dump(), engine.max_model_len, engine.max_num_seqs)
+        proposer = cls(actor, timeout_s=cfg.draft_timeout_s)
+        if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
+            raise RuntimeError("the draft group did not start")
+        return proposer
+
+    def _buffer(self, op: tuple) -> None:
+        self._ops.append(op)
+        if len(self._ops) >= self.MAX_BUFFERED_OPS:  # Ray keeps one caller's calls in order
+            ops, self._ops = self._ops, []
+            self.actor.apply.remote(ops)
+
+    def start(self, seq_id: int, seed: int) -> None:
+        self._buffer(("start", (seq_id, seed)))
+
+    def commit(self, seq_id: int, num_valid_tokens: int) -> None:
+        self._buffer(("commit", (seq_id, num_valid_tokens)))
+
+    def finish(self, seq_id: int) -> None:
+        self._buffer(("finish", (seq_id,)))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        ops, self._ops = self._ops, []
+        try:
+            return ray.get(self.actor.step.remote(ops, requests), timeout=self.timeout_s)
+        except Exception as exc:  # dead, restarting, timed out or broken: all mean "no draft"
+            log.warning("draft group unavailable: %s", exc)
+            raise ProposerUnavailable(str(exc)) from exc
+
+    def ping(self, timeout_s: float | None = None) -> bool:
+        """True when the draft actor answers; pending bookkeeping of a lost actor is dropped."""
+        try:
+            ray.get(self.actor.ping.remote(), timeout=timeout_s or self.timeout_s)
+            return True
+        except Exception:
+            self._ops.clear()
+            return False
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+def _in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
+    """Actor options placing it in bundle ``index`` of the unit's placement group."""
+    options = {"num_cpus": cfg.cpus_per_actor, "num_gpus": 1 if cfg.accelerator == "gpu" else 0}
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index)
+    return options
+
+
+def unit_bundles(cfg: UnitConfig) -> list[dict]:
+    """``[coordinator, (draft), target rank 0..N-1]`` resource bundles for one unit."""
+    gpu = {"GPU": 1} if cfg.accelerator == "gpu" else {}
+    group = {"CPU": cfg.cpus_per_actor, **gpu}
+    draft = [dict(group)] if cfg.has_draft_group else []
+    return [{"CPU": cfg.coordinator_cpus}, *draft, *[dict(group) for _ in range(cfg.tensor_parallel_size)]]

@@ -1,0 +1,36 @@
+"""A local Ray cluster for ``make serve`` and the tests: in-process, loopback only.
+
+Ray 2.60 enables token auth for local clusters and advertises the machine's interface
+address by default; here everything binds and advertises 127.0.0.1 and auth is off (a
+loopback-only laptop cluster). Nothing of this applies on Kubernetes, where KubeRay starts Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+LOCAL_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0) -> None:
+    """``ray.init`` on 127.0.0.1 with this process's environment passed to the workers."""
+    import ray
+
+    os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_ENV.items()})
+    if ray.is_initialized():
+        return
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
+             include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
+
+
+def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port}, detached=False)
