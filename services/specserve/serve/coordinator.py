@@ -57,6 +57,8 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self.num_streams = 0  # generate() calls in progress (asyncio side)
+        self.num_admitted = 0  # requests the engine accepted since start
+        self.num_aborted = 0   # requests cancelled before they finished (client went away)
         self.capacity = engine.target.num_free_slots + max_queue_len
         self._thread = threading.Thread(target=self._run, name="spec-coordinator", daemon=True)
         self._thread.start()
@@ -135,7 +137,7 @@ class AsyncEngine:
             if item[0] == "add":
                 self._add(*item[1:])
             else:
-                self.engine.abort(item[1])
+                self.num_aborted += self.engine.abort(item[1])
                 self._streams.pop(item[1], None)
             self._count()
 
@@ -146,6 +148,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, accepted, None, exc)
             return
         self._streams[seq_id] = stream
+        self.num_admitted += 1
         stream.loop.call_soon_threadsafe(_resolve, accepted, seq_id, None)
 
     def _deliver(self, seq_id: int, item, *, last: bool) -> None:

@@ -39,6 +39,7 @@ from specserve.errors import ProposerUnavailable
 log = logging.getLogger(__name__)
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
+DRAFT_NAMESPACE = "specserve"
 
 
 def _threads(share: int) -> None:
@@ -110,6 +111,13 @@ class TargetRank:
 
     def ping(self) -> bool:
         return self.worker is not None
+
+    def describe(self) -> dict:
+        """Where this rank runs (tests check the placement)."""
+        return {"rank": self.rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "backend": dist.get_backend() if dist.is_initialized() else None,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "device": str(self.worker.runtime.embed.weight.device)}
 
 
 class TargetGroup:
@@ -199,9 +207,12 @@ class RemoteProposer(Proposer):
         self._ops: list[tuple] = []
 
     @classmethod
-    def start_group(cls, cfg: UnitConfig, pg, bundle: int) -> RemoteProposer:
+    def start_group(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None) -> RemoteProposer:
+        """Start the draft actor (Ray restarts it whenever it dies). ``name`` makes it findable
+        (fault-injection tests kill it by name)."""
         engine = cfg.engine
-        actor = DraftWorker.options(max_restarts=-1, max_task_retries=0,
+        named = {"name": name, "namespace": DRAFT_NAMESPACE} if name else {}
+        actor = DraftWorker.options(max_restarts=-1, max_task_retries=0, **named,
                                     **_in_bundle(cfg, pg, bundle)).remote(
             engine.speculative.draft.model_dump(), engine.max_model_len, engine.max_num_seqs)
         proposer = cls(actor, timeout_s=cfg.draft_timeout_s)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import ray
+from ray import serve
 
 from specserve.config import SamplingParams, UnitConfig
 from specserve.engine.loader import load_tokenizer, resolve
@@ -36,7 +37,9 @@ class SpeculationUnit:
         pg = ray.util.get_current_placement_group()
         spec = cfg.engine.speculative
         self.method = spec.method
-        self.draft = RemoteProposer.start_group(cfg, pg, 1) if cfg.has_draft_group else None
+        self.draft_name = f"draft-{serve.get_replica_context().replica_id.unique_id}"
+        self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name)
+                      if cfg.has_draft_group else None)
         self.target = TargetGroup.start(cfg, pg, 2 if cfg.has_draft_group else 1)
         proposer = self.draft or (NgramProposer(min_n=spec.prompt_lookup_min,
                                                 max_n=spec.prompt_lookup_max)
@@ -76,15 +79,17 @@ class SpeculationUnit:
     def stats(self) -> dict:
         """Live numbers of this unit (tests and the metrics exporter read them)."""
         return {"running": self.core.num_running, "waiting": self.core.num_waiting,
+                "requests_admitted": self.core.num_admitted,
+                "requests_aborted": self.core.num_aborted,
                 "free_slots": self.engine.target.num_free_slots,
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
                 "draft_fallbacks": self.engine.num_draft_fallbacks,
                 "spec": self.engine.stats.as_dict()}
 
-    def draft_actor_id(self) -> str | None:
-        """The draft actor's id (fault-injection tests kill it by this)."""
-        return self.draft.actor._actor_id.hex() if self.draft else None
+    def draft_actor_name(self) -> str | None:
+        """The draft actor's name in the ``specserve`` namespace (fault-injection tests)."""
+        return self.draft_name if self.draft else None
 
     def check_health(self) -> None:
         if not self.core._thread.is_alive():

@@ -1,0 +1,92 @@
+"""One local Ray cluster and Serve instance for the whole test session (on 127.0.0.1).
+
+Ray gets 4 *fake* GPUs so the units' placement groups are the cluster's (``{"GPU": 1}``
+bundles, actors pinned to bundles); torch sees no CUDA, so ranks run on CPU with gloo. A real
+GPU, NCCL and a Kubernetes cluster cannot be had on these machines.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.models import perturbed, tiny_hf_model
+from tests.tiny import make_tiny_tokenizer
+
+PORT = int(os.environ.get("SPECSERVE_TEST_PORT", "18321"))
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+def save_tiny(path, model) -> str:
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """``(target_dir, draft_dir, target_hf)``: a tiny target and a close draft of it."""
+    target = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+    target_dir = save_tiny(tmp_path_factory.mktemp("tiny-target"), target)
+    draft_dir = save_tiny(tmp_path_factory.mktemp("tiny-draft"), perturbed(target, scale=0.3))
+    return target_dir, draft_dir, target
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+    from specserve.serve.local import start_local_ray, start_serve
+
+    start_local_ray(num_cpus=8, num_gpus=4)
+    start_serve("127.0.0.1", PORT)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(name: str, route_prefix: str, args: dict) -> str:
+    """Deploy an app and wait until it answers; returns its base URL."""
+    from ray import serve
+
+    from deploy.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix)
+    url = BASE + route_prefix.rstrip("/")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} did not come up")
+
+
+def unit_args(target_dir: str, **engine) -> dict:
+    return {"unit": {"engine": {"target": {"source": target_dir}, "max_model_len": 256,
+                                "max_num_seqs": 8, **engine},
+                     "max_queue_len": 16},
+            "max_tokens_cap": 200}
+
+
+@pytest.fixture(scope="session")
+def ngram_app(ray_cluster, tiny_models) -> str:
+    return deploy("ngram", "/", unit_args(tiny_models[0],
+                                          speculative={"method": "ngram", "num_speculative_tokens": 4}))
+
+
+@pytest.fixture(scope="session")
+def draft_app(ray_cluster, tiny_models) -> str:
+    """A unit with a draft group, placed on a fake GPU bundle like on a cluster."""
+    args = unit_args(tiny_models[0], speculative={
+        "method": "draft_model", "num_speculative_tokens": 3,
+        "draft": {"source": tiny_models[1]}})
+    args["unit"]["accelerator"] = "gpu"
+    args["unit"]["draft_retry_s"] = 0.2
+    return deploy("draft", "/draft", args)

@@ -1,0 +1,71 @@
+"""Tensor parallelism inside Ray actors: TP = 2 gives TP = 1's logits and greedy output.
+
+Runs on CPU with gloo on 127.0.0.1; the ranks sit in ``{"GPU": 1}`` bundles of a STRICT_PACK
+placement group on fake GPUs (torch sees none). NCCL on real GPUs is exercised on the lent
+GPU machine, not in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from specserve.config import SamplingParams, UnitConfig
+from specserve.engine.proposers.ngram import NgramProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.serve.groups import TargetGroup, unit_bundles
+
+from tests.engine.test_spec_decode import prompts
+from tests.tiny import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster, tiny_models):
+    started = {}
+    for tp in (1, 2):
+        cfg = UnitConfig.model_validate({
+            "engine": {"target": {"source": tiny_models[0]}, "max_model_len": 256, "max_num_seqs": 4},
+            "tensor_parallel_size": tp, "accelerator": "gpu"}, context={"check_files": False})
+        pg = placement_group(unit_bundles(cfg), strategy="STRICT_PACK")
+        ray.get(pg.ready(), timeout=60)
+        started[tp] = (TargetGroup.start(cfg, pg, first_bundle=1), pg)
+    yield {tp: group for tp, (group, _) in started.items()}
+    for group, pg in started.values():
+        group.shutdown()
+        remove_placement_group(pg)
+
+
+def test_ranks_form_one_gloo_group_in_gpu_bundles(groups):
+    info = ray.get([r.describe.remote() for r in groups[2].ranks])
+    assert [i["rank"] for i in info] == [0, 1]
+    assert all(i["world_size"] == 2 and i["backend"] == "gloo" for i in info)
+    assert all(i["cuda_visible_devices"] not in (None, "") for i in info)  # each got a GPU bundle
+    assert len({i["cuda_visible_devices"] for i in info}) == 2
+
+
+def test_tp2_logits_equal_tp1(groups):
+    batch = [p[:n] for p, n in zip(prompts(3, seed=4), (5, 17, 11))]
+    results = {}
+    for tp, group in groups.items():
+        slots = [group.allocate() for _ in batch]
+        first = group.forward(slots, batch, [len(b) for b in batch])
+        group.rollback(slots[1], 9)  # a rejected draft: continue from an earlier position
+        second = group.forward(slots[:2], [[7, 8], [9]], [2, 1])
+        results[tp] = torch.cat([first, second])
+        for slot in slots:
+            group.free(slot)
+    assert (results[2] - results[1]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_tp2_greedy_generation_equals_tp1(groups, method):
+    outputs = {}
+    for tp, group in groups.items():
+        engine = SpecDecodeEngine(group, make_tiny_tokenizer(), eos_token_ids=frozenset({2}),
+                                  proposer=NgramProposer() if method else None,
+                                  num_speculative_tokens=4)
+        done = engine.generate(prompts(4, seed=9), SamplingParams(temperature=0, max_tokens=30))
+        outputs[tp] = [c.output_token_ids for c in done]
+        assert group.num_free_slots == 4
+    assert outputs[2] == outputs[1]
