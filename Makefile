@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## Create .venv and install everything (torch first); idempotent
 
+serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local Ray; Ctrl-C stops)
+	$(VENV)/bin/specserve serve --config deploy/serve_config.yaml --host 127.0.0.1 --port $(or $(PORT),8000)
+
 test: install ## Run the test suite (the command CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -38,9 +41,12 @@ generate: install ## One generation on the embedded default: make generate PROMP
 bench-engine: install ## Engine tokens/s: generate() vs ours vs ngram (batch 1, CPU)
 	$(PY) load/bench_engine.py
 
-bench: bench-engine ## All benchmarks
+bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, embedded default)
+	$(PY) load/bench_http.py
+
+bench: bench-engine bench-http ## All benchmarks
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install test lint generate bench-engine bench clean
+.PHONY: help install serve test lint generate bench-engine bench-http bench clean

@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 import pytest
+import specserve.serve.local  # noqa: F401  (before ray: local Ray advertises 127.0.0.1)
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -119,19 +119,27 @@ def cmd_serve(args) -> int:
     from ray import serve
 
     from deploy.app import build_app
-    from specserve.serve.local import start_local_ray, start_serve
+    from specserve.serve.local import start_local_ray, start_serve  # before ray: loopback env
 
     start_local_ray()
     start_serve(args.host, args.port)
     serve.run(build_app(app_args), name="specserve", route_prefix="/")
-    print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-    try:
-        import threading
-
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        serve.shutdown()
+    print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
+          flush=True)
+    _wait_for_signal()
+    serve.shutdown()
     return 0
+
+
+def _wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM (a backgrounded process ignores SIGINT, so both count)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,9 @@
 Ray 2.60 enables token auth for local clusters and advertises the machine's interface
 address by default; here everything binds and advertises 127.0.0.1 and auth is off (a
 loopback-only laptop cluster). Nothing of this applies on Kubernetes, where KubeRay starts Ray.
+
+Import this module **before** ``ray``: Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` (which
+makes it advertise 127.0.0.1 instead of the interface address) once, when it is imported.
 """
 
 from __future__ import annotations
@@ -18,13 +21,20 @@ LOCAL_ENV = {
 }
 
 
+for _key, _value in LOCAL_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+
 def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0) -> None:
     """``ray.init`` on 127.0.0.1 with this process's environment passed to the workers."""
     import ray
+    from ray._private import ray_constants
 
-    os.environ.update({k: os.environ.get(k, v) for k, v in LOCAL_ENV.items()})
     if ray.is_initialized():
         return
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
+                           "a non-loopback address")
     ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
              include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
