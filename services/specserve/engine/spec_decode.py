@@ -228,8 +228,10 @@ class SpecDecodeEngine:
                 self._attach(seq)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[torch.Tensor]:
-        """Target logits ``[num_drafts + 1, V]`` per row. Decode rows share one forward;
-        prefill rows share one per input length, so no row is padded to a prompt's length."""
+        """Target logits ``[num_drafts + 1, V]`` per row (``[num_drafts + 1]`` argmax ids when
+        every row is greedy). Decode rows share one forward; prefill rows share one per input
+        length, so no row is padded to a prompt's length."""
+        argmax_only = all(s.params.greedy for s in seqs)
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
                   for s, p in zip(seqs, proposals)]
         groups: dict[int, list[int]] = {}
@@ -240,7 +242,7 @@ class SpecDecodeEngine:
         for rows in groups.values():
             counts = [len(proposals[i].token_ids) + 1 for i in rows]
             logits = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
-                                         counts)
+                                         counts, argmax_only)
             for i, chunk in zip(rows, logits.split(counts)):
                 out[i] = chunk
         return out
@@ -264,7 +266,8 @@ class SpecDecodeEngine:
     def _greedy_rows(seqs, proposals, logits) -> RejectionOutput:
         drafts, num_drafts = _pad_drafts(proposals)
         k = drafts.shape[1]
-        argmax = torch.stack([_pad_rows(x.argmax(dim=-1), k + 1, 0) for x in logits])  # [B, K+1]
+        argmax = torch.stack([_pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), k + 1, 0)
+                              for x in logits])  # [B, K+1]
         return greedy_rejection_sample(drafts, num_drafts, argmax)
 
     @staticmethod

@@ -45,7 +45,10 @@ class ModelWorker:
     def rollback(self, slot: int, length: int) -> None:
         self.cache.rollback(slot, length)
 
-    def forward(self, slots: list[int], token_ids: list[list[int]],
-                num_logits: list[int]) -> torch.Tensor:
-        """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits."""
-        return self.runtime(self.cache, slots, token_ids, num_logits)
+    def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
+                argmax_only: bool = False) -> torch.Tensor:
+        """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits, or with
+        ``argmax_only`` just ``[sum(num_logits)]`` token ids (all a greedy batch needs, and
+        much less to move when the model is in another process)."""
+        logits = self.runtime(self.cache, slots, token_ids, num_logits)
+        return logits.argmax(dim=-1) if argmax_only else logits

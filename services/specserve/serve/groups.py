@@ -85,12 +85,14 @@ class TargetRank:
                 "eos_token_ids": sorted(loaded.eos_token_ids)}
 
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
-                num_logits: list[int]) -> torch.Tensor:
-        """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits."""
+                num_logits: list[int], argmax_only: bool = False) -> torch.Tensor:
+        """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
+        (``[N]`` token ids with ``argmax_only``)."""
         batch = (slots, starts, token_ids, num_logits)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
-        return self._run(batch).cpu()
+        logits = self._run(batch)
+        return (logits.argmax(dim=-1) if argmax_only else logits).cpu()
 
     def _run(self, batch) -> torch.Tensor:
         slots, starts, token_ids, num_logits = batch
@@ -160,10 +162,11 @@ class TargetGroup:
     def rollback(self, slot: int, length: int) -> None:
         self.table.rollback(slot, length)
 
-    def forward(self, slots: list[int], token_ids: list[list[int]],
-                num_logits: list[int]) -> torch.Tensor:
+    def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
+                argmax_only: bool = False) -> torch.Tensor:
         starts = [self.table.lengths[s] for s in slots]
-        logits = ray.get(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits))
+        logits = ray.get(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits,
+                                                      argmax_only))
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)
         return logits

@@ -186,7 +186,8 @@ class OpenAIIngress:
         max_tokens = self._max_tokens(requested, len(prompt_ids))
         payload = {"prompt_token_ids": prompt_ids,
                    "params": req.sampling_params(max_tokens).model_dump(),
-                   "speculation": req.speculation.model_dump() if req.speculation else None}
+                   "speculation": req.speculation.model_dump() if req.speculation else None,
+                   "stream": req.stream}
         stream = self.unit.generate.remote(payload)
         try:
             start = await stream.__anext__()

@@ -63,11 +63,18 @@ class SpeculationUnit:
             "enabled": decision.enabled, "reason": decision.reason, "method": decision.method,
             "num_speculative_tokens": decision.num_speculative_tokens, "header": decision.header()}}
         params = SamplingParams.model_validate(request["params"])
-        completion_tokens = 0
+        # A client that does not stream gets one chunk: every yielded chunk is a Ray message,
+        # and per token they cost the forward pass CPU time on a small machine.
+        per_step = request.get("stream", True)
+        completion_tokens, pending = 0, []
         async for out in self.core.generate(request["prompt_token_ids"], params,
                                             spec_len=decision.num_speculative_tokens):
             completion_tokens += len(out.new_token_ids)
-            chunk = {"event": "delta", "text": out.text_delta, "finish_reason": out.finish_reason}
+            pending.append(out.text_delta)
+            if not per_step and out.finish_reason is None:
+                continue
+            chunk = {"event": "delta", "text": "".join(pending), "finish_reason": out.finish_reason}
+            pending = []
             if out.finish_reason is not None:
                 chunk["usage"] = _usage(len(request["prompt_token_ids"]), completion_tokens,
                                         out.stats, decision)
