@@ -1,8 +1,9 @@
 """One local Ray cluster and Serve instance for the whole test session (on 127.0.0.1).
 
-Ray gets 6 *fake* GPUs (the draft app takes 2, the TP test 3) so the units' placement groups are the cluster's (``{"GPU": 1}``
-bundles, actors pinned to bundles); torch sees no CUDA, so ranks run on CPU with gloo. A real
-GPU, NCCL and a Kubernetes cluster cannot be had on these machines.
+Ray gets 6 *fake* GPUs (the draft app takes 2, the TP test 3) so the units' placement
+groups are the cluster's (``{"GPU": 1}`` bundles, actors pinned to bundles); torch sees no
+CUDA, so ranks run on CPU with gloo. A real GPU, NCCL and a Kubernetes cluster cannot be had
+on these machines.
 """
 
 from __future__ import annotations
