@@ -91,3 +91,11 @@ def draft_app(ray_cluster, tiny_models) -> str:
     args["unit"]["accelerator"] = "gpu"
     args["unit"]["draft_retry_s"] = 0.2
     return deploy("draft", "/draft", args)
+
+
+@pytest.fixture(scope="session")
+def tight_app(ray_cluster, tiny_models) -> str:
+    """One slot and one queue place: the third concurrent request must get 429."""
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=1)
+    args["unit"]["max_queue_len"] = 1
+    return deploy("tight", "/tight", args)

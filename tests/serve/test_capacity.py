@@ -1,0 +1,28 @@
+"""A full unit queues a bounded number of requests, then answers 429 with Retry-After."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+
+def test_full_unit_queues_then_429(tight_app, tiny_models):
+    model = Path(tiny_models[0]).name
+    body = {"model": model, "prompt": "a b c", "max_tokens": 150, "temperature": 0.8,
+            "ignore_eos": True, "speculation": {"enabled": False}}
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: httpx.post(tight_app + "/v1/completions", json=body,
+                                                       timeout=120), range(6)))
+    ok = [r for r in responses if r.status_code == 200]
+    busy = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(busy) == 6
+    assert len(ok) >= 2, "one running and one queued request are served"
+    assert busy, "beyond one slot and one queue place, requests are refused"
+    for r in busy:
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    assert all(r.json()["usage"]["completion_tokens"] == 150 for r in ok)
+    stats = httpx.get(tight_app + "/v1/units/stats").json()
+    assert stats["free_slots"] == stats["num_slots"] == 1 and stats["waiting"] == 0
