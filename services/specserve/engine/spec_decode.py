@@ -22,6 +22,7 @@ decode rows to its length.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from specserve.engine.rejection_sampler import (
     rejection_sample,
 )
 from specserve.engine.sampling import compute_probs, draw_exponential, make_generator, random_seed
-from specserve.engine.stats import SpecStats
+from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError, ProposerUnavailable
@@ -99,6 +100,7 @@ class SpecDecodeEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.stats = SpecStats()
+        self.times = StepTimes()
         self.draft_available = proposer is not None
         self.num_draft_fallbacks = 0       # times the proposer became unavailable
         self._ids = itertools.count()
@@ -161,11 +163,16 @@ class SpecDecodeEngine:
         seqs = list(self.running.values())
         if not seqs:
             return []
+        t0 = time.perf_counter()
         proposals = self._propose(seqs)
+        t1 = time.perf_counter()
         logits = self._verify(seqs, proposals)
+        t2 = time.perf_counter()
         results = self._sample(seqs, proposals, logits)
-        return [self._advance(seq, prop, res, row)
-                for seq, prop, (res, row) in zip(seqs, proposals, results)]
+        outputs = [self._advance(seq, prop, res, row)
+                   for seq, prop, (res, row) in zip(seqs, proposals, results)]
+        self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return outputs
 
     def _admit(self) -> None:
         while self.waiting and self.target.num_free_slots > 0:

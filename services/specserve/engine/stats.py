@@ -63,3 +63,24 @@ def _add_ones(counts: list[int], n: int) -> None:
     counts.extend([0] * (n - len(counts)))
     for i in range(n):
         counts[i] += 1
+
+
+@dataclass
+class StepTimes:
+    """Wall time spent in each phase of the engine's steps (the cost model's c and v come
+    from these, measured at the batch size the engine actually ran)."""
+
+    steps: int = 0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+
+    def add(self, propose_s: float, verify_s: float, accept_s: float) -> None:
+        self.steps += 1
+        self.propose_s += propose_s
+        self.verify_s += verify_s
+        self.accept_s += accept_s
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "propose_s": round(self.propose_s, 4),
+                "verify_s": round(self.verify_s, 4), "accept_s": round(self.accept_s, 4)}

@@ -9,17 +9,40 @@ from __future__ import annotations
 
 import torch
 
+from specserve.engine.kv_cache import SlotTable
 from specserve.engine.malloc import keep_freed_memory
 from specserve.engine.model import LlamaRuntime
 
 
-class ModelWorker:
+class SlotOwner:
+    """The slot half of the worker interface, answered from ``self.table``."""
+
+    table: SlotTable
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.table.num_free_slots
+
+    def allocate(self) -> int:
+        return self.table.allocate()
+
+    def free(self, slot: int) -> None:
+        self.table.free(slot)
+
+    def length(self, slot: int) -> int:
+        return self.table.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.table.rollback(slot, length)
+
+
+class ModelWorker(SlotOwner):
     """Owns a :class:`LlamaRuntime` and a :class:`SlotKVCache` shaped for it."""
 
     def __init__(self, runtime: LlamaRuntime, *, num_slots: int, max_seq_len: int) -> None:
         keep_freed_memory()
         self.runtime = runtime
-        self.cache = runtime.make_cache(num_slots, max_seq_len)
+        self.cache = self.table = runtime.make_cache(num_slots, max_seq_len)
 
     @property
     def vocab_size(self) -> int:
@@ -28,22 +51,6 @@ class ModelWorker:
     @property
     def max_seq_len(self) -> int:
         return self.cache.max_seq_len
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.cache.num_free_slots
-
-    def allocate(self) -> int:
-        return self.cache.allocate()
-
-    def free(self, slot: int) -> None:
-        self.cache.free(slot)
-
-    def length(self, slot: int) -> int:
-        return self.cache.lengths[slot]
-
-    def rollback(self, slot: int, length: int) -> None:
-        self.cache.rollback(slot, length)
 
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
                 argmax_only: bool = False) -> torch.Tensor:

@@ -33,7 +33,7 @@ from specserve.engine.loader import load_model
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.tp import apply_tp
-from specserve.engine.worker import ModelWorker
+from specserve.engine.worker import ModelWorker, SlotOwner
 from specserve.errors import ProposerUnavailable
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class TargetRank:
                 "device": str(self.worker.runtime.embed.weight.device)}
 
 
-class TargetGroup:
+class TargetGroup(SlotOwner):
     """Coordinator-side client of the target ranks; the engine sees a ``ModelWorker``."""
 
     def __init__(self, ranks: list, info: dict, *, num_slots: int, max_seq_len: int) -> None:
@@ -145,22 +145,6 @@ class TargetGroup:
     @property
     def vocab_size(self) -> int:
         return self.info["vocab_size"]
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.table.num_free_slots
-
-    def allocate(self) -> int:
-        return self.table.allocate()
-
-    def free(self, slot: int) -> None:
-        self.table.free(slot)
-
-    def length(self, slot: int) -> int:
-        return self.table.lengths[slot]
-
-    def rollback(self, slot: int, length: int) -> None:
-        self.table.rollback(slot, length)
 
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
                 argmax_only: bool = False) -> torch.Tensor:

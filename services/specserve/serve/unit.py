@@ -92,7 +92,7 @@ class SpeculationUnit:
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
                 "draft_fallbacks": self.engine.num_draft_fallbacks,
-                "spec": self.engine.stats.as_dict()}
+                "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict()}
 
     def draft_actor_name(self) -> str | None:
         """The draft actor's name in the ``specserve`` namespace (fault-injection tests)."""
