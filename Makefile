@@ -6,6 +6,12 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+HOST ?= http://127.0.0.1:8000
+USERS ?= 5
+DURATION ?= 60s
+CLASSES ?=
+SWEEP_ARGS ?=
+BENCH_SPEC_ARGS ?=
 
 .DEFAULT_GOAL := help
 
@@ -38,15 +44,26 @@ lint: install ## Ruff over the package and the tests
 generate: install ## One generation on the embedded default: make generate PROMPT="..."
 	$(VENV)/bin/specserve generate --chat --prompt "$(or $(PROMPT),Write a haiku about GPUs.)"
 
+load: install ## Streamed Locust run against HOST (default: a running `make serve`); starts nothing
+	$(VENV)/bin/locust -f load/locustfile.py --headless -u $(USERS) -r $(USERS) -t $(DURATION) \
+		--host $(HOST) --csv results/load/locust --html results/load/locust.html \
+		--exit-code-on-error 1 $(CLASSES)
+
 bench-engine: install ## Engine tokens/s: generate() vs ours vs ngram (batch 1, CPU)
 	$(PY) load/bench_engine.py
 
 bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, embedded default)
 	$(PY) load/bench_http.py
 
-bench: bench-engine bench-http ## All benchmarks
+bench-spec: install ## K x method in-process (ngram, truncated self-draft) vs target-only, with the cost model
+	$(PY) load/bench_speculative.py $(BENCH_SPEC_ARGS)
+
+sweep: install ## Concurrency sweep over HTTP: speculation on / off / router (own local Ray; results/sweep.*)
+	$(PY) load/sweep.py --start-local $(SWEEP_ARGS)
+
+bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint generate bench-engine bench-http bench clean
+.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep bench clean

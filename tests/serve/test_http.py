@@ -158,6 +158,7 @@ BAD = [
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "speculation": {"num_speculative_tokens": 0}}, 400, "num_speculative_tokens"),
     ({"prompt": "x", "speculation": {"enabeld": True}}, 400, "enabeld"),
+    ({"prompt": "x", "speculation": {"method": "draft_model"}}, 400, "runs 'ngram'"),
 ]
 
 

@@ -179,6 +179,11 @@ class OpenAIIngress:
         return requested
 
     async def _run(self, req, prompt_ids: list[int], *, chat: bool) -> Response:
+        served = self.cfg.unit.engine.speculative.method
+        asked = req.speculation.method if req.speculation else None
+        if asked is not None and asked != served:
+            raise APIError(400, f"speculation.method '{asked}' is not served here; this deployment "
+                                f"runs '{served}'", param="speculation.method")
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")

@@ -1,0 +1,336 @@
+"""Engine tokens/s at batch 1 on CPU: transformers ``generate()`` vs ours vs ours + ngram.
+
+For each dtype (``--dtypes``, default float32 and bfloat16) on the embedded default
+(SmolLM2-135M-Instruct), greedy, EOS on, at most ``--max-tokens`` new tokens:
+
+1. ``generate()``: the ``transformers`` model, cast to the dtype, ``do_sample=False``;
+2. ``target-only``: our engine with speculation off (``spec_len=0``);
+3. ``ngram K=k``: our engine with prompt-lookup drafts of up to k tokens (``--k``),
+
+on an input-repeating workload (``load/prompts/rewrite.jsonl``) and on open chat
+(``chat.jsonl``), ``--prompts`` prompts each. Throughput is sum(tokens) / sum(seconds) over
+the same prompts in every mode (seconds include the prefill, as a client would see); modes
+are interleaved per prompt (their order rotated) so machine noise hits them alike. One
+warm-up run per mode comes first.
+
+Greedy outputs should be identical token for token; the ``same ids`` column counts the
+prompts where they are. float32: always. bfloat16: rounding depends on the batch shape
+(a verify forward over K + 1 tokens vs one token) and on the kernels (ours fuses q/k/v),
+so some outputs diverge after a near tie; that is reported, not an error.
+
+The ``others`` column is the share of the CPU that other processes took while a mode ran
+(from /proc/stat). On 2 cores a busy neighbour slows a 2-thread run several-fold, so a run
+during which others took more than 5% is measured again (up to 4 tries; the JSON counts
+the retries); if noise remains the script says so under the table.
+
+    make bench-engine                     # or: python load/bench_engine.py --help
+
+Prints a table and writes the same numbers to ``results/bench_engine.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specserve.engine.builder import build_engine
+from specserve.engine.loader import load_hf_model, load_tokenizer, resolve
+from specserve.engine.stats import SpecStats
+from specserve.engine.tokenizer import encode_chat
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
+from prompts import load_prompts  # noqa: E402
+
+WORKLOADS = ("rewrite", "chat")
+GENERATE, TARGET = "generate()", "target-only"
+WARMUP_TOKENS = 16
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "bench_engine.json"
+NOISY = 0.05  # a run during which other processes took more of the CPU is measured again
+MAX_TRIES = 4  # measurements of one run at most; the last one counts
+RETRY_PAUSE_S = 5.0  # before the n-th retry: n times this
+# A run: (prompt token ids, max new tokens) -> (output token ids, seconds, spec stats or None)
+Runner = Callable[[list[int], int], tuple[list[int], float, SpecStats | None]]
+
+
+@dataclass
+class Tally:
+    """One mode on one workload: tokens and seconds summed over its prompts."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    outputs: list[list[int]] = field(default_factory=list)
+    other_cpu_seconds: float = 0.0  # CPU time other processes used while this mode ran
+    retries: int = 0                # runs measured again because other processes were busy
+
+    def add(self, output: list[int], seconds: float, stats: SpecStats | None,
+            other_cpu_seconds: float) -> None:
+        self.tokens += len(output)
+        self.seconds += seconds
+        self.other_cpu_seconds += other_cpu_seconds
+        self.outputs.append(output)
+        if stats is not None:
+            self.stats.merge(stats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def other_load(self) -> float:
+        """Share of the machine's CPU that other processes took meanwhile (0..1): noise."""
+        return self.other_cpu_seconds / (self.seconds * (os.cpu_count() or 1)) if self.seconds else 0.0
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process) so far.
+    Without /proc/stat (not Linux) the machine's figure is this process's own."""
+    times = os.times()
+    mine = times.user + times.system
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return mine, mine
+    ticks = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK"), mine
+
+
+# -- runners ------------------------------------------------------------------------------------
+def hf_runner(model, eos_ids: list[int]) -> Runner:
+    def run(prompt: list[int], max_tokens: int):
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, eos_token_id=eos_ids,
+                                 pad_token_id=eos_ids[0])
+        return out[0, len(prompt):].tolist(), time.perf_counter() - start, None
+    return run
+
+
+def engine_runner(engine, spec_len: int) -> Runner:
+    def run(prompt: list[int], max_tokens: int):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        start = time.perf_counter()
+        [done] = engine.generate([prompt], params, spec_len=spec_len)
+        return done.output_token_ids, time.perf_counter() - start, done.stats
+    return run
+
+
+def build_runners(dtype: str, ks: list[int]) -> dict[str, Runner]:
+    """generate(), target-only and one ngram mode per K, all in ``dtype``."""
+    config = EngineConfig(target=ModelConfig(dtype=dtype, device="cpu"),
+                          speculative=SpeculativeConfig(method="ngram",
+                                                        num_speculative_tokens=max(ks)),
+                          max_model_len=1024, max_num_seqs=1)
+    engine, target = build_engine(config)
+    hf = load_hf_model(resolve("embedded")).to(getattr(torch, dtype))
+    runners = {GENERATE: hf_runner(hf, sorted(target.eos_token_ids)),
+               TARGET: engine_runner(engine, 0)}
+    runners.update({f"ngram K={k}": engine_runner(engine, k) for k in ks})
+    return runners
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def rotated(modes: list[str], i: int) -> list[str]:
+    """The modes starting at the i-th: prompt i runs them in this order."""
+    i %= len(modes)
+    return modes[i:] + modes[:i]
+
+
+def measure(run: Runner, prompt: list[int], max_tokens: int):
+    """One run, plus the CPU seconds other processes used meanwhile."""
+    busy, mine = cpu_seconds()
+    output, seconds, stats = run(prompt, max_tokens)
+    busy_after, mine_after = cpu_seconds()
+    return output, seconds, stats, max(0.0, (busy_after - busy) - (mine_after - mine))
+
+
+def measure_quietly(run: Runner, prompt: list[int], max_tokens: int, tally: Tally) -> None:
+    """Measure; while other processes took more than NOISY of the CPU, wait a little (they
+    may be done soon) and measure again."""
+    for attempt in range(1, MAX_TRIES + 1):
+        result = measure(run, prompt, max_tokens)
+        if result[3] <= NOISY * result[1] * (os.cpu_count() or 1) or attempt == MAX_TRIES:
+            break
+        tally.retries += 1
+        time.sleep(RETRY_PAUSE_S * attempt)
+    tally.add(*result)
+
+
+def run_workload(runners: dict[str, Runner], prompts: list[list[int]], max_tokens: int,
+                 bar: tqdm) -> dict[str, Tally]:
+    tallies = {mode: Tally() for mode in runners}
+    for i, prompt in enumerate(prompts):
+        for mode in rotated(list(runners), i):
+            measure_quietly(runners[mode], prompt, max_tokens, tallies[mode])
+            bar.update()
+    return tallies
+
+
+def bench_dtype(dtype: str, args, workloads: dict[str, list[list[int]]],
+                bar: tqdm) -> dict[str, dict[str, Tally]]:
+    bar.set_description(f"{dtype}: loading")
+    runners = build_runners(dtype, args.k)
+    bar.set_description(f"{dtype}: warm-up")
+    first = next(iter(workloads.values()))[0]
+    for run in runners.values():
+        run(first, WARMUP_TOKENS)
+    results = {}
+    for name, prompts in workloads.items():
+        bar.set_description(f"{dtype}: {name}")
+        results[name] = run_workload(runners, prompts, args.max_tokens, bar)
+    del runners
+    gc.collect()
+    return results
+
+
+# -- reporting ----------------------------------------------------------------------------------
+def same_ids(a: Tally, b: Tally) -> str:
+    return f"{sum(x == y for x, y in zip(a.outputs, b.outputs))}/{len(a.outputs)}"
+
+
+def first_divergence(a: Tally, b: Tally) -> list[int | None]:
+    """Per prompt, the index of the first output token where a and b differ (None: equal)."""
+    return [None if x == y else next((i for i, (p, q) in enumerate(zip(x, y)) if p != q),
+                                     min(len(x), len(y)))
+            for x, y in zip(a.outputs, b.outputs)]
+
+
+def mode_row(dtype: str, workload: str, mode: str, tallies: dict[str, Tally]) -> dict:
+    """One table row; ``baseline`` is what the speedup and same-ids columns compare with."""
+    tally = tallies[mode]
+    baseline = None if mode == GENERATE else GENERATE if mode == TARGET else TARGET
+    row = {"dtype": dtype, "workload": workload, "mode": mode, "tokens": tally.tokens,
+           "seconds": round(tally.seconds, 3), "tokens_per_second": round(tally.tokens_per_second, 2),
+           "baseline": baseline, "other_load": round(tally.other_load, 3), "retries": tally.retries}
+    if baseline:
+        ref = tallies[baseline]
+        row["speedup"] = round(tally.tokens_per_second / ref.tokens_per_second, 3)
+        row["same_ids"] = same_ids(tally, ref)
+        row["first_divergence"] = first_divergence(tally, ref)
+    if mode.startswith("ngram"):
+        row.update(acceptance_rate=round(tally.stats.acceptance_rate, 4),
+                   mean_acceptance_length=round(tally.stats.mean_acceptance_length, 3))
+    return row
+
+
+def to_rows(results: dict[str, dict[str, dict[str, Tally]]]) -> list[dict]:
+    return [mode_row(dtype, workload, mode, tallies)
+            for dtype, by_workload in results.items()
+            for workload, tallies in by_workload.items()
+            for mode in tallies]
+
+
+COLUMNS = (("dtype", 9), ("workload", 9), ("mode", 12), ("tokens", 7), ("seconds", 8),
+           ("tok/s", 7), ("speedup", 21), ("accept", 7), ("mean len", 9), ("same ids", 9), ("others", 6))
+
+
+def format_row(row: dict) -> list[str]:
+    speedup = f"{row['speedup']:.2f}x vs {row['baseline'].split()[0]}" if row["baseline"] else ""
+    return [row["dtype"], row["workload"], row["mode"], str(row["tokens"]),
+            f"{row['seconds']:.1f}", f"{row['tokens_per_second']:.1f}", speedup,
+            f"{row['acceptance_rate']:.2f}" if "acceptance_rate" in row else "",
+            f"{row['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in row else "",
+            row.get("same_ids", ""), f"{row['other_load']:.0%}"]
+
+
+def print_table(rows: list[dict]) -> None:
+    print("  ".join(name.ljust(width) for name, width in COLUMNS))
+    previous = None
+    for row in rows:
+        if previous and (row["dtype"], row["workload"]) != previous:
+            print()
+        previous = (row["dtype"], row["workload"])
+        print("  ".join(cell.ljust(width) for cell, (_, width) in zip(format_row(row), COLUMNS)))
+    print("\nspeedup / same ids: target-only vs generate(); ngram vs target-only "
+          "(same ids = prompts whose greedy output token ids are identical)")
+    print(f"others: share of the CPU other processes used during the runs that count; a run "
+          f"during which they used more than {NOISY:.0%} was measured again "
+          f"({sum(row['retries'] for row in rows)} times in all, at most {MAX_TRIES} tries a run)")
+    worst = max(row["other_load"] for row in rows)
+    if worst > NOISY:
+        print(f"WARNING: other processes took up to {worst:.0%} of the CPU during the runs; "
+              "these numbers are noisy. Rerun on a quiet machine.")
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    if Path("/proc/cpuinfo").is_file():
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                 .splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def print_header(machine: dict, config: dict) -> None:
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} "
+          f"torch threads, {machine['cpu_capability']}), torch {machine['torch']}, "
+          f"transformers {machine['transformers']}, {machine['date']}")
+    print(f"model: SmolLM2-135M-Instruct (embedded), batch 1, greedy, EOS on, "
+          f"max_tokens={config['max_tokens']}, {config['prompts']} prompts per workload\n")
+
+
+# -- main ---------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated dtypes (float32, bfloat16, float16)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt, at most")
+    p.add_argument("--k", default="4", help="ngram K, comma-separated to compare several")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path")
+    args = p.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.k = [int(k) for k in args.k.split(",")]
+    if args.prompts < 1 or args.max_tokens < 1 or min(args.k) < 1:
+        p.error("--prompts, --max-tokens and every --k must be >= 1")
+    return args
+
+
+def encode_workloads(n: int) -> dict[str, list[list[int]]]:
+    tokenizer = load_tokenizer(resolve("embedded"))
+    return {name: [encode_chat(tokenizer, p["messages"]) for p in load_prompts(name)[:n]]
+            for name in WORKLOADS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    transformers.utils.logging.disable_progress_bar()  # one bar on stderr: ours
+    workloads = encode_workloads(args.prompts)
+    runs = sum(map(len, workloads.values())) * (2 + len(args.k)) * len(args.dtypes)
+    with tqdm(total=runs, unit="run", file=sys.stderr) as bar:
+        results = {dtype: bench_dtype(dtype, args, workloads, bar) for dtype in args.dtypes}
+    config = {"model": "SmolLM2-135M-Instruct", "batch_size": 1, "greedy": True,
+              "max_tokens": args.max_tokens, "prompts": args.prompts, "k": args.k,
+              "workloads": list(WORKLOADS), "dtypes": args.dtypes}
+    machine, rows = machine_info(), to_rows(results)
+    print_header(machine, config)
+    print_table(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "config": config, "results": rows}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

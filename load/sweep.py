@@ -1,0 +1,475 @@
+"""Concurrency sweep over HTTP: speculation forced on vs forced off vs the router's choice.
+
+For every concurrency level (``--concurrency``, default 1,2,4,8,16,32) and every mode
+
+- ``on``:     ``{"speculation": {"enabled": true}}`` (speculation forced on),
+- ``off``:    ``{"speculation": {"enabled": false}}`` (target-only),
+- ``router``: no extension (the server decides),
+
+it sends ``--requests-per-level`` streaming, greedy chat requests (default 2 x concurrency,
+at least 8) with exactly ``concurrency`` of them in flight, and stops a level early at
+``--level-timeout`` seconds (in-flight requests are cancelled and counted as unfinished).
+Modes are interleaved per level (on, off, router at c=1, then at c=2, ...) so machine drift
+hits them alike; every mode gets the same prompts in the same order.
+
+Per (mode, concurrency): output tokens/s (completion tokens of the finished requests / wall
+time of the level), p50 / p99 time to first token, p50 / p99 inter-token latency (gaps
+between SSE chunks that carry text: with speculation on, one chunk can hold several tokens),
+p50 time per output token ((end - first token) / (tokens - 1)), the acceptance rate (sum of
+accepted / sum of draft tokens from each request's final ``usage.speculation``) and the
+share of requests that ran with speculation on (``x-speculation`` header).
+
+    python load/sweep.py --host http://127.0.0.1:8000        # against a running `make serve`
+    python load/sweep.py --start-local                       # starts Ray + Serve itself
+
+``--start-local`` starts a local Ray cluster and the Serve app on 127.0.0.1:``--local-port``
+(embedded default, n-gram, ``max_num_seqs`` = the largest concurrency) and stops it at the
+end. Writes ``results/sweep.csv`` and ``results/sweep.png`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
+
+MODES: dict[str, dict] = {
+    "on": {"speculation": {"enabled": True}},
+    "off": {"speculation": {"enabled": False}},
+    "router": {},
+}
+DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32)
+RESULTS = ROOT / "results"
+CSV_COLUMNS = (
+    "mode", "concurrency", "requests", "finished", "failed", "wall_s", "completion_tokens",
+    "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+    "tpot_p50_ms", "acceptance_rate", "mean_acceptance_length", "spec_on_share", "error",
+)
+
+
+# -- one request ---------------------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    """What one streamed request saw. Times are ``time.perf_counter()`` seconds."""
+
+    start: float
+    chunk_times: list[float] = field(default_factory=list)  # chunks that carried text
+    end: float | None = None
+    completion_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    speculation_on: bool | None = None      # from the x-speculation header
+    header: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.chunk_times or self.end is None or self.completion_tokens < 2:
+            return None
+        return (self.end - self.chunk_times[0]) / (self.completion_tokens - 1)
+
+
+def speculation_header_on(value: str | None) -> bool | None:
+    """``on; reason=default; method=ngram; k=4`` -> True, ``off; ...`` -> False, absent -> None."""
+    if not value:
+        return None
+    return value.split(";", 1)[0].strip().lower() == "on"
+
+
+def describe_speculation(header: str | None) -> str:
+    """``on; reason=default; method=ngram; k=4`` -> ``ngram, K=4``; '' when it says nothing."""
+    fields = dict(part.strip().split("=", 1) for part in (header or "").split(";") if "=" in part)
+    if "method" not in fields:
+        return ""
+    return f"{fields['method']}, K={fields['k']}" if "k" in fields else fields["method"]
+
+
+def request_body(model: str, messages: list[dict], max_tokens: int, mode: str) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **MODES[mode]}
+
+
+def apply_event(result: RequestResult, data: str, now: float) -> bool:
+    """Fold one SSE ``data:`` payload into ``result``; True when the stream is over."""
+    if data.strip() == "[DONE]":
+        result.end = result.end or now
+        return True
+    obj = json.loads(data)
+    if "error" in obj:
+        result.error = str(obj["error"].get("message", obj["error"]))
+        return True
+    for choice in obj.get("choices") or []:
+        if (choice.get("delta") or {}).get("content"):
+            result.chunk_times.append(now)
+    usage = obj.get("usage")
+    if usage:
+        result.end = now
+        result.completion_tokens = int(usage.get("completion_tokens", 0))
+        spec = usage.get("speculation") or {}
+        result.num_drafts = int(spec.get("num_drafts", 0))
+        result.num_draft_tokens = int(spec.get("num_draft_tokens", 0))
+        result.num_accepted_tokens = int(spec.get("num_accepted_tokens", 0))
+    return False
+
+
+async def stream_request(client, url: str, body: dict) -> RequestResult:
+    """POST one streaming chat request and time its SSE chunks; errors land in ``error``."""
+    result = RequestResult(start=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            result.header = response.headers.get("x-speculation")
+            result.speculation_on = speculation_header_on(result.header)
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if line.startswith("data:") and apply_event(result, line[5:].strip(),
+                                                            time.perf_counter()):
+                    break
+    except Exception as exc:  # noqa: BLE001  a failed request is a data point, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    if result.end is None and result.error is None:
+        result.error = "the stream ended without usage"
+    return result
+
+
+# -- one level ------------------------------------------------------------------------------------
+async def run_level(client, url: str, bodies: list[dict], concurrency: int, time_limit_s: float,
+                    on_done=None) -> tuple[list[RequestResult], float]:
+    """Send ``bodies`` with exactly ``concurrency`` in flight; at ``time_limit_s`` cancel what
+    is still running. Returns the finished requests' results and the level's wall time."""
+    results: list[RequestResult] = []
+    pending_bodies = iter(bodies)   # shared by the workers: each body is sent once
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        for body in pending_bodies:
+            if time.perf_counter() - t0 >= time_limit_s:
+                return
+            results.append(await stream_request(client, url, body))
+            if on_done:
+                on_done()
+
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    _, unfinished = await asyncio.wait(tasks, timeout=time_limit_s)
+    for task in unfinished:
+        task.cancel()
+    await asyncio.gather(*unfinished, return_exceptions=True)
+    return results, time.perf_counter() - t0
+
+
+# -- aggregation (pure) --------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); NaN if empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+def summarize(mode: str, concurrency: int, requested: int, results: list[RequestResult],
+              wall_s: float) -> dict:
+    """One row of the sweep table from a level's request results (times in ms)."""
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    headers = [r.speculation_on for r in results if r.speculation_on is not None]
+    tokens = sum(r.completion_tokens for r in ok)
+    errors = [r.error for r in results if r.error]
+    return {
+        "mode": mode, "concurrency": concurrency, "requests": requested, "finished": len(ok),
+        "failed": len(results) - len(ok), "wall_s": wall_s, "completion_tokens": tokens,
+        "output_tokens_per_s": _ratio(tokens, wall_s),
+        "ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p99_ms": 1e3 * percentile(ttfts, 99),
+        "itl_p50_ms": 1e3 * percentile(itls, 50), "itl_p99_ms": 1e3 * percentile(itls, 99),
+        "tpot_p50_ms": 1e3 * percentile(tpots, 50),
+        "acceptance_rate": _ratio(sum(r.num_accepted_tokens for r in ok),
+                                  sum(r.num_draft_tokens for r in ok)),
+        "mean_acceptance_length": 1 + _ratio(sum(r.num_accepted_tokens for r in ok),
+                                             sum(r.num_drafts for r in ok)),
+        "spec_on_share": _ratio(sum(headers), len(headers)),
+        "error": errors[0] if errors else "",
+    }
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _fmt(value, digits: int = 1) -> str:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _fmt(row[k], 4) for k in CSV_COLUMNS})
+
+
+TABLE = (("mode", "mode", 7, 0), ("c", "concurrency", 4, 0), ("done", "finished", 5, 0),
+         ("fail", "failed", 5, 0), ("tok/s", "output_tokens_per_s", 8, 1),
+         ("TTFT p50", "ttft_p50_ms", 9, 0), ("TTFT p99", "ttft_p99_ms", 9, 0),
+         ("ITL p50", "itl_p50_ms", 8, 0), ("ITL p99", "itl_p99_ms", 8, 0),
+         ("TPOT p50", "tpot_p50_ms", 9, 0), ("accept", "acceptance_rate", 7, 2),
+         ("spec on", "spec_on_share", 7, 2))
+
+
+def format_table(rows: list[dict]) -> str:
+    """The printed table (latencies in ms)."""
+    lines = ["  ".join(h.rjust(w) for h, _, w, _ in TABLE)]
+    for row in rows:
+        lines.append("  ".join(_fmt(row[k], d).rjust(w) for _, k, w, d in TABLE))
+    return "\n".join(lines)
+
+
+def make_figure(rows: list[dict], title: str):
+    """Two panels vs concurrency (log2 x): throughput, and p99 inter-token latency; one line
+    per mode. Returns a matplotlib Figure (no pyplot state; save with ``fig.savefig``)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    panels = fig.subplots(1, 2)
+    levels = sorted({r["concurrency"] for r in rows})
+    specs = (("output_tokens_per_s", "output throughput (tokens/s)"),
+             ("itl_p99_ms", "p99 inter-token latency (ms)"))
+    for ax, (key, label) in zip(panels, specs):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            pts = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == mode)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(title="speculation")
+    fig.suptitle(title)
+    return fig
+
+
+def save_plot(rows: list[dict], title: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make_figure(rows, title).savefig(path, dpi=120)
+
+
+def machine_label() -> str:
+    """This machine in a few words: CPU model and core count."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+# -- server ---------------------------------------------------------------------------------------
+def local_app_args(max_num_seqs: int, max_queue_len: int, max_model_len: int, k: int) -> dict:
+    """The AppConfig of the local server: embedded default, n-gram, enough slots and queue."""
+    return {"unit": {"engine": {"target": {"source": "embedded"},
+                                "speculative": {"method": "ngram", "num_speculative_tokens": k},
+                                "max_model_len": max_model_len, "max_num_seqs": max_num_seqs},
+                     "max_queue_len": max_queue_len},
+            "max_tokens_cap": 4096}
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_local(port: int, app_args: dict) -> str:
+    """Local Ray + the Serve app on 127.0.0.1:port (blocks until it is up); its base URL."""
+    from specserve.serve.local import start_local_ray, start_serve  # before ray: loopback
+
+    if not port_is_free(port):
+        raise SystemExit(f"sweep: port {port} on 127.0.0.1 is taken; pass --local-port")
+    from ray import serve
+
+    from deploy.app import build_app
+
+    start_local_ray()
+    start_serve("127.0.0.1", port)
+    serve.run(build_app(app_args), name="sweep", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_local() -> None:
+    """Stop what :func:`start_local` started (nothing if Ray never came up)."""
+    if "ray" not in sys.modules:
+        return
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+# -- the sweep ------------------------------------------------------------------------------------
+def requests_per_level(concurrency: int, flag: int | None) -> int:
+    return flag if flag else max(8, 2 * concurrency)
+
+
+def build_bodies(model: str, prompts: list[dict], n: int, max_tokens: int, mode: str) -> list[dict]:
+    """The level's requests: prompts in file order, cycled; the same for every mode."""
+    return [request_body(model, prompts[i % len(prompts)]["messages"], max_tokens, mode)
+            for i in range(n)]
+
+
+async def served_model(client, base: str) -> str:
+    r = await client.get(f"{base}/v1/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, list[dict]]:
+    """Every (level, mode) in order; returns the model id, the server's speculation method
+    (from a warm-up's header) and the table rows."""
+    import httpx
+    from tqdm import tqdm
+
+    url = f"{base}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    total = len(args.modes) * sum(requests_per_level(c, args.requests_per_level)
+                                  for c in args.concurrency)
+    rows, spec = [], ""
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = await served_model(client, base)
+        for mode in args.modes:  # warm-up, not measured
+            r = await stream_request(client, url, request_body(model, prompts[0]["messages"], 8,
+                                                               mode))
+            spec = spec or describe_speculation(r.header)
+        with tqdm(total=total, unit="req", file=sys.stderr) as bar:
+            for c in args.concurrency:
+                n = requests_per_level(c, args.requests_per_level)
+                for mode in args.modes:
+                    bar.set_description(f"c={c} {mode}")
+                    bodies = build_bodies(model, prompts, n, args.max_tokens, mode)
+                    results, wall = await run_level(client, url, bodies, c, args.level_timeout,
+                                                    on_done=bar.update)
+                    rows.append(summarize(mode, c, n, results, wall))
+    return model, spec, rows
+
+
+def parse_list(text: str, cast=int) -> list:
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="http://127.0.0.1:8000", help="base URL of a running server")
+    p.add_argument("--start-local", action="store_true",
+                   help="start local Ray + Serve on 127.0.0.1:--local-port, stop it at the end")
+    p.add_argument("--local-port", type=int, default=18600, help="port for --start-local")
+    p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_LEVELS)),
+                   help="comma-separated concurrency levels")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of: on, off, router")
+    p.add_argument("--requests-per-level", type=int, default=None,
+                   help="requests per (mode, level); default max(8, 2 x concurrency)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
+    p.add_argument("--prompts", default="rewrite", help="prompt set (load/prompts/<name>.jsonl)")
+    p.add_argument("--level-timeout", type=float, default=300.0,
+                   help="seconds per (mode, level); requests still running then are cancelled")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--k", type=int, default=4, help="--start-local: the server's default K")
+    p.add_argument("--max-model-len", type=int, default=2048, help="--start-local: context length")
+    p.add_argument("--machine", default=None, help="machine name for the plot title")
+    p.add_argument("--csv", type=Path, default=RESULTS / "sweep.csv")
+    p.add_argument("--png", type=Path, default=RESULTS / "sweep.png")
+    args = p.parse_args(argv)
+    args.concurrency = sorted(set(parse_list(args.concurrency)))
+    args.modes = parse_list(args.modes, str)
+    if not args.concurrency or min(args.concurrency) < 1 or max(args.concurrency) > 1024:
+        p.error("--concurrency: levels in [1, 1024]")
+    if not args.modes or any(m not in MODES for m in args.modes):
+        p.error(f"--modes: a comma list of {', '.join(MODES)}")
+    if args.max_tokens < 1 or (args.requests_per_level is not None and args.requests_per_level < 1):
+        p.error("--max-tokens and --requests-per-level must be >= 1")
+    host = urlparse(args.host)
+    if host.scheme not in ("http", "https") or not host.hostname:
+        p.error("--host: a base URL such as http://127.0.0.1:8000")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from load.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts)
+    base = args.host.rstrip("/")
+    try:
+        if args.start_local:
+            top = max(args.concurrency)
+            base = start_local(args.local_port, local_app_args(top, max(64, top),
+                                                               args.max_model_len, args.k))
+        model, spec, rows = asyncio.run(run_sweep(args, base, prompts))
+    finally:
+        if args.start_local:
+            stop_local()
+    report(args, base, model, spec, rows)
+    return 0
+
+
+def report(args, base: str, model: str, spec: str, rows: list[dict]) -> None:
+    """Print the table; write the CSV and the plot."""
+    local = args.start_local or urlparse(base).hostname in ("127.0.0.1", "localhost")
+    machine = args.machine or (machine_label() if local else base)
+    title = (f"{model} on {machine}: speculation {' / '.join(args.modes)}\n"
+             + (f"{spec}, " if spec else "") + f"{args.prompts} prompts, greedy, "
+             f"max_tokens={args.max_tokens}, streaming chat, {datetime.date.today()}")
+    print(f"model: {model}   server: {base}   machine: {machine}   speculation: {spec or '?'}\n")
+    print(format_table(rows))
+    print("\nlatencies in ms; ITL = gap between SSE chunks (a speculative chunk can carry several "
+          "tokens); TPOT = (last - first token) / (tokens - 1)")
+    write_csv(rows, args.csv)
+    save_plot(rows, title, args.png)
+    print(f"wrote {args.csv} and {args.png}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
