@@ -20,8 +20,8 @@ so some outputs diverge after a near tie; that is reported, not an error.
 
 The ``others`` column is the share of the CPU that other processes took while a mode ran
 (from /proc/stat). On 2 cores a busy neighbour slows a 2-thread run several-fold, so a run
-during which others took more than 5% is measured again (up to 4 tries; the JSON counts
-the retries); if noise remains the script says so under the table.
+during which others took more than 5% is measured again once the machine is quiet (up to
+4 tries; the JSON counts the retries); if noise remains the script says so under the table.
 
     make bench-engine                     # or: python load/bench_engine.py --help
 
@@ -60,7 +60,7 @@ WARMUP_TOKENS = 16
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "bench_engine.json"
 NOISY = 0.05  # a run during which other processes took more of the CPU is measured again
 MAX_TRIES = 4  # measurements of one run at most; the last one counts
-RETRY_PAUSE_S = 5.0  # before the n-th retry: n times this
+QUIET_WAIT_S = 60.0  # before a retry, wait at most this long for the machine to be quiet
 # A run: (prompt token ids, max new tokens) -> (output token ids, seconds, spec stats or None)
 Runner = Callable[[list[int], int], tuple[list[int], float, SpecStats | None]]
 
@@ -159,15 +159,26 @@ def measure(run: Runner, prompt: list[int], max_tokens: int):
     return output, seconds, stats, max(0.0, (busy_after - busy) - (mine_after - mine))
 
 
+def wait_until_quiet(timeout_s: float) -> None:
+    """Sleep until other processes use at most NOISY of the CPU over a 2 s window."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy, mine = cpu_seconds()
+        time.sleep(2.0)
+        busy_after, mine_after = cpu_seconds()
+        if (busy_after - busy) - (mine_after - mine) <= NOISY * 2.0 * (os.cpu_count() or 1):
+            return
+
+
 def measure_quietly(run: Runner, prompt: list[int], max_tokens: int, tally: Tally) -> None:
-    """Measure; while other processes took more than NOISY of the CPU, wait a little (they
-    may be done soon) and measure again."""
+    """Measure; while other processes took more than NOISY of the CPU meanwhile, wait for a
+    quiet machine and measure again (MAX_TRIES in all; the last measurement counts)."""
     for attempt in range(1, MAX_TRIES + 1):
         result = measure(run, prompt, max_tokens)
         if result[3] <= NOISY * result[1] * (os.cpu_count() or 1) or attempt == MAX_TRIES:
             break
         tally.retries += 1
-        time.sleep(RETRY_PAUSE_S * attempt)
+        wait_until_quiet(QUIET_WAIT_S)
     tally.add(*result)
 
 
