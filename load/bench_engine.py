@@ -52,6 +52,7 @@ from specserve.engine.tokenizer import encode_chat
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
+from common import cpu_seconds  # noqa: E402
 from prompts import load_prompts  # noqa: E402
 
 WORKLOADS = ("rewrite", "chat")
@@ -93,19 +94,6 @@ class Tally:
     def other_load(self) -> float:
         """Share of the machine's CPU that other processes took meanwhile (0..1): noise."""
         return self.other_cpu_seconds / (self.seconds * (os.cpu_count() or 1)) if self.seconds else 0.0
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process) so far.
-    Without /proc/stat (not Linux) the machine's figure is this process's own."""
-    times = os.times()
-    mine = times.user + times.system
-    stat = Path("/proc/stat")
-    if not stat.is_file():
-        return mine, mine
-    ticks = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK"), mine
 
 
 # -- runners ------------------------------------------------------------------------------------

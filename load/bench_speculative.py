@@ -34,7 +34,6 @@ Writes ``results/bench_speculative.csv`` and ``results/bench_speculative.png``; 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import math
@@ -47,6 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
+
+from load.common import cpu_seconds, format_table, write_csv  # noqa: E402
 
 BASELINE = "target-only"
 METHODS = ("ngram", "draft_model")
@@ -189,24 +190,6 @@ def mark_best(rows: list[dict]) -> None:
 
 
 # -- output ---------------------------------------------------------------------------------------
-def _fmt(value, digits: int = 2) -> str:
-    if isinstance(value, bool):
-        return "*" if value else ""
-    if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.{digits}f}"
-    return str(value)
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (int(row[k]) if k == "best" else _fmt(row[k], 4))
-                             for k in CSV_COLUMNS})
-
-
 TABLE = (("method", "method", 12, 0), ("K", "k", 2, 0), ("tok/s", "tokens_per_s", 7, 1),
          ("speedup", "speedup", 7, 2), ("decode x", "decode_speedup", 8, 2),
          ("predicted", "predicted_speedup", 9, 2),
@@ -214,13 +197,6 @@ TABLE = (("method", "method", 12, 0), ("K", "k", 2, 0), ("tok/s", "tokens_per_s"
          ("tok/step", "tokens_per_step", 8, 2), ("pred", "predicted_tokens_per_step", 5, 2),
          ("c", "c", 5, 3), ("v", "v", 5, 2), ("accept ms", "accept_ms_per_step", 9, 2),
          ("others", "other_load", 6, 2), ("best", "best", 4, 0))
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = ["  ".join(h.rjust(w) for h, _, w, _ in TABLE)]
-    for row in rows:
-        lines.append("  ".join(_fmt(row[key], d).rjust(w) for _, key, w, d in TABLE))
-    return "\n".join(lines)
 
 
 def make_figure(rows: list[dict], title: str):
@@ -264,16 +240,7 @@ def save_plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 # -- measuring ------------------------------------------------------------------------------------
-def cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process); without
-    /proc/stat the machine's figure is this process's own."""
-    times = os.times()
-    mine = times.user + times.system
-    stat = Path("/proc/stat")
-    if not stat.is_file():
-        return mine, mine
-    ticks = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), mine
+
 
 
 def _phases(engine) -> tuple[int, float, float, float]:
@@ -446,7 +413,7 @@ def report(args, model: str, draft: Path | None, rows: list[dict]) -> None:
     print(f"\n{title_of(args, model)}")
     if draft:
         print(f"draft: {draft}")
-    print(format_table(rows))
+    print(format_table(rows, TABLE))
     print("\nspeedup: tok/s (prefill included) vs the target-only runs of the same K; decode x: the "
           "same over decode steps only; predicted: the cost model for decode (α = accept, γ = K, "
           "c and v over the target-only decode time per token).\ntok/step: measured decode "
@@ -457,7 +424,7 @@ def report(args, model: str, draft: Path | None, rows: list[dict]) -> None:
     if worst > NOISY:
         print(f"WARNING: other processes took up to {worst:.0%} of the CPU; the numbers are noisy.")
         title += f"\n[NOISY: other processes took up to {worst:.0%} of the CPU]"
-    write_csv(rows, args.csv)
+    write_csv(rows, args.csv, CSV_COLUMNS, as_int=("best",))
     save_plot(rows, title, args.png)
     print(f"wrote {args.csv} and {args.png}")
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime
 import json
 import math
@@ -47,6 +46,8 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
+
+from load.common import format_table, write_csv  # noqa: E402
 
 MODES: dict[str, dict] = {
     "on": {"speculation": {"enabled": True}},
@@ -230,35 +231,12 @@ def summarize(mode: str, concurrency: int, requested: int, results: list[Request
 
 
 # -- output ---------------------------------------------------------------------------------------
-def _fmt(value, digits: int = 1) -> str:
-    if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.{digits}f}"
-    return str(value)
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _fmt(row[k], 4) for k in CSV_COLUMNS})
-
-
 TABLE = (("mode", "mode", 7, 0), ("c", "concurrency", 4, 0), ("done", "finished", 5, 0),
          ("fail", "failed", 5, 0), ("tok/s", "output_tokens_per_s", 8, 1),
          ("TTFT p50", "ttft_p50_ms", 9, 0), ("TTFT p99", "ttft_p99_ms", 9, 0),
          ("ITL p50", "itl_p50_ms", 8, 0), ("ITL p99", "itl_p99_ms", 8, 0),
          ("TPOT p50", "tpot_p50_ms", 9, 0), ("accept", "acceptance_rate", 7, 2),
          ("spec on", "spec_on_share", 7, 2))
-
-
-def format_table(rows: list[dict]) -> str:
-    """The printed table (latencies in ms)."""
-    lines = ["  ".join(h.rjust(w) for h, _, w, _ in TABLE)]
-    for row in rows:
-        lines.append("  ".join(_fmt(row[k], d).rjust(w) for _, k, w, d in TABLE))
-    return "\n".join(lines)
 
 
 def make_figure(rows: list[dict], title: str):
@@ -463,10 +441,10 @@ def report(args, base: str, model: str, spec: str, rows: list[dict]) -> None:
              + (f"{spec}, " if spec else "") + f"{args.prompts} prompts, greedy, "
              f"max_tokens={args.max_tokens}, streaming chat, {datetime.date.today()}")
     print(f"model: {model}   server: {base}   machine: {machine}   speculation: {spec or '?'}\n")
-    print(format_table(rows))
+    print(format_table(rows, TABLE))
     print("\nlatencies in ms; ITL = gap between SSE chunks (a speculative chunk can carry several "
           "tokens); TPOT = (last - first token) / (tokens - 1)")
-    write_csv(rows, args.csv)
+    write_csv(rows, args.csv, CSV_COLUMNS)
     save_plot(rows, title, args.png)
     print(f"wrote {args.csv} and {args.png}")
 

@@ -62,7 +62,7 @@ def test_summarize_without_speculation_leaves_acceptance_empty():
     row = sweep.summarize("off", 1, 1, [_result(0.0, [0.1], 0.1, tokens=1, on=False)], wall_s=1.0)
     assert math.isnan(row["acceptance_rate"]) and math.isnan(row["itl_p50_ms"])
     assert row["spec_on_share"] == 0.0
-    assert "nan" not in sweep.format_table([row]).lower()
+    assert "nan" not in sweep.format_table([row], sweep.TABLE).lower()
 
 
 def test_sse_events_fold_into_a_result():
@@ -212,7 +212,7 @@ def test_sweep_csv(tmp_path):
     results = [_result(0.0, [0.1, 0.2], 0.2, tokens=2)]
     rows = [sweep.summarize("on", 1, 1, results, 1.0), sweep.summarize("off", 1, 1, [], 1.0)]
     path = tmp_path / "sweep.csv"
-    sweep.write_csv(rows, path)
+    sweep.write_csv(rows, path, sweep.CSV_COLUMNS)
     read = list(csv.DictReader(path.open()))
     assert [r["mode"] for r in read] == ["on", "off"]
     assert tuple(read[0]) == sweep.CSV_COLUMNS
@@ -283,10 +283,10 @@ def test_bench_speculative_figure_and_csv(tmp_path):
     path = tmp_path / "bench.png"
     bs.save_plot(rows, "title", path)
     assert path.is_file() and path.stat().st_size > 1000
-    bs.write_csv(rows, tmp_path / "bench.csv")
+    bs.write_csv(rows, tmp_path / "bench.csv", bs.CSV_COLUMNS, as_int=("best",))
     read = list(csv.DictReader((tmp_path / "bench.csv").open()))
     assert len(read) == 7 and sum(int(r["best"]) for r in read) == 1
-    assert "ngram" in bs.format_table(rows)
+    assert "ngram" in bs.format_table(rows, bs.TABLE)
 
 
 # -- truncated draft ---------------------------------------------------------------------------

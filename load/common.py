@@ -1,0 +1,50 @@
+"""Helpers the load tools share: table and CSV output, and how busy the machine was."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+
+# A printed table: (header, row key, column width, decimals) per column.
+TableSpec = tuple[tuple[str, str, int, int], ...]
+
+
+def fmt(value, digits: int = 1) -> str:
+    """A cell: floats to ``digits`` decimals (NaN as empty), True as ``*``, False as empty."""
+    if isinstance(value, bool):
+        return "*" if value else ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(rows: list[dict], spec: TableSpec) -> str:
+    lines = ["  ".join(h.rjust(w) for h, _, w, _ in spec)]
+    for row in rows:
+        lines.append("  ".join(fmt(row[key], d).rjust(w) for _, key, w, d in spec))
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str], *, as_int: tuple[str, ...] = ()) -> None:
+    """Rows to CSV, floats to 4 decimals; ``as_int`` columns (flags) as 0 / 1."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: int(row[k]) if k in as_int else fmt(row[k], 4) for k in columns})
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process) so far; the
+    difference over a run is what other processes took. Without /proc/stat (not Linux) the
+    machine's figure is this process's own."""
+    times = os.times()
+    mine = times.user + times.system
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return mine, mine
+    ticks = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), mine
