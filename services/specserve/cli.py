@@ -15,6 +15,7 @@ import time
 
 from pydantic import ValidationError
 
+import specserve.serve.local  # noqa: F401  (sets the loopback env before anything imports ray)
 from specserve.errors import SpecServeError
 
 log = logging.getLogger("specserve")
@@ -119,7 +120,7 @@ def cmd_serve(args) -> int:
     from ray import serve
 
     from deploy.app import build_app
-    from specserve.serve.local import start_local_ray, start_serve  # before ray: loopback env
+    from specserve.serve.local import start_local_ray, start_serve
 
     start_local_ray()
     start_serve(args.host, args.port)
