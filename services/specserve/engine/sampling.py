@@ -59,12 +59,6 @@ def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def draw_uniform(generators: list[torch.Generator | None], k: int) -> torch.Tensor:
-    """``[B, k]`` uniforms in [0, 1), row i from ``generators[i]``."""
-    return torch.stack([torch.rand(k, generator=g) for g in generators]) if generators \
-        else torch.empty(0, k)
-
-
 def draw_exponential(generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
     """``[B, V]`` Exp(1) noise, row i from ``generators[i]``."""
     return torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators])

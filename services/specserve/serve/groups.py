@@ -107,10 +107,6 @@ class TargetRank:
                 return
             self._run(box[0])
 
-    def stop(self) -> None:
-        if self.world_size > 1 and self.rank == 0:
-            dist.broadcast_object_list([None], src=0)
-
     def ping(self) -> bool:
         return self.worker is not None
 

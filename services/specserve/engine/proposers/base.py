@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.errors import ProposerUnavailable  # noqa: F401  (re-exported)
-
 
 @dataclass
 class DraftRequest:
