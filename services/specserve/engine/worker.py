@@ -53,9 +53,10 @@ class ModelWorker(SlotOwner):
         return self.cache.max_seq_len
 
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
-                argmax_only: bool = False) -> torch.Tensor:
+                argmax_only: bool = False, starts: list[int] | None = None) -> torch.Tensor:
         """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits, or with
         ``argmax_only`` just ``[sum(num_logits)]`` token ids (all a greedy batch needs, and
-        much less to move when the model is in another process)."""
-        logits = self.runtime(self.cache, slots, token_ids, num_logits)
+        much less to move when the model is in another process). ``starts``: set each slot's
+        length first (a caller that keeps the slot table itself, see ``TargetGroup``)."""
+        logits = self.runtime(self.cache, slots, token_ids, num_logits, starts)
         return logits.argmax(dim=-1) if argmax_only else logits

@@ -91,20 +91,17 @@ class TargetRank:
         batch = (slots, starts, token_ids, num_logits)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
-        logits = self._run(batch)
-        return (logits.argmax(dim=-1) if argmax_only else logits).cpu()
+        return self._run(batch, argmax_only).cpu()
 
-    def _run(self, batch) -> torch.Tensor:
+    def _run(self, batch, argmax_only: bool = False) -> torch.Tensor:
         slots, starts, token_ids, num_logits = batch
-        return self.worker.runtime(self.worker.cache, slots, token_ids, num_logits, starts)
+        return self.worker.forward(slots, token_ids, num_logits, argmax_only, starts=starts)
 
     def _follow(self) -> None:
-        """Ranks > 0: run whatever rank 0 broadcasts, until told to stop (None)."""
+        """Ranks > 0: run whatever rank 0 broadcasts, for as long as the actor lives."""
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                return
             self._run(box[0])
 
     def ping(self) -> bool:
