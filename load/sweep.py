@@ -59,7 +59,8 @@ RESULTS = ROOT / "results"
 CSV_COLUMNS = (
     "mode", "concurrency", "requests", "finished", "failed", "wall_s", "completion_tokens",
     "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-    "tpot_p50_ms", "acceptance_rate", "mean_acceptance_length", "spec_on_share", "error",
+    "tpot_p50_ms", "acceptance_rate", "mean_acceptance_length", "spec_on_share", "mean_k",
+    "error",
 )
 
 
@@ -75,6 +76,7 @@ class RequestResult:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    mean_k: float | None = None              # usage.speculation.mean_speculation_length
     speculation_on: bool | None = None      # from the x-speculation header
     header: str | None = None
     error: str | None = None
@@ -139,6 +141,8 @@ def apply_event(result: RequestResult, data: str, now: float) -> bool:
         result.num_drafts = int(spec.get("num_drafts", 0))
         result.num_draft_tokens = int(spec.get("num_draft_tokens", 0))
         result.num_accepted_tokens = int(spec.get("num_accepted_tokens", 0))
+        if spec.get("mean_speculation_length") is not None:
+            result.mean_k = float(spec["mean_speculation_length"])
     return False
 
 
@@ -200,6 +204,10 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
 def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
@@ -226,6 +234,7 @@ def summarize(mode: str, concurrency: int, requested: int, results: list[Request
         "mean_acceptance_length": 1 + _ratio(sum(r.num_accepted_tokens for r in ok),
                                              sum(r.num_drafts for r in ok)),
         "spec_on_share": _ratio(sum(headers), len(headers)),
+        "mean_k": _mean([r.mean_k for r in ok if r.mean_k is not None]),
         "error": errors[0] if errors else "",
     }
 
@@ -236,7 +245,7 @@ TABLE = (("mode", "mode", 7, 0), ("c", "concurrency", 4, 0), ("done", "finished"
          ("TTFT p50", "ttft_p50_ms", 9, 0), ("TTFT p99", "ttft_p99_ms", 9, 0),
          ("ITL p50", "itl_p50_ms", 8, 0), ("ITL p99", "itl_p99_ms", 8, 0),
          ("TPOT p50", "tpot_p50_ms", 9, 0), ("accept", "acceptance_rate", 7, 2),
-         ("spec on", "spec_on_share", 7, 2))
+         ("spec on", "spec_on_share", 7, 2), ("mean K", "mean_k", 6, 2))
 
 
 def make_figure(rows: list[dict], title: str):

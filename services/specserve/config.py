@@ -66,6 +66,29 @@ class ModelConfig(_Strict):
                           "or ~/.cache/specserve.")
 
 
+class AdaptiveConfig(_Strict):
+    """Per-step speculation length: the coordinator picks K (0 = off) each step from the cost
+    model, with the acceptance measured per position and the draft / verify costs measured at
+    the unit's current batch. Applies to requests the router speculates; a client that forces
+    speculation on gets its K unchanged."""
+
+    enabled: bool = Field(True, description="Choose K per step; false: always the configured K.")
+    hysteresis: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="Switch K only when the new K's predicted throughput is this much better.")
+    min_dwell_steps: int = Field(8, ge=1, le=10_000, description="Steps to keep a K before switching.")
+    warmup_steps: int = Field(
+        16, ge=1, le=10_000, description="Steps at the configured K before the cost model is trusted.")
+    probe_interval_steps: int = Field(
+        16, ge=1, le=10_000,
+        description="Every this many steps one sequence drafts the full K, so acceptance at "
+                    "positions beyond the current K (or at all, when K is 0) stays measured.")
+    decay: float = Field(
+        0.98, gt=0.5, lt=1.0,
+        description="Per-observation decay of the cost and acceptance statistics (0.98: the "
+                    "last ~50 steps dominate).")
+
+
 class SpeculativeConfig(_Strict):
     """Which proposer drafts and how far (vLLM's ``speculative_config`` with our names)."""
 
@@ -77,6 +100,8 @@ class SpeculativeConfig(_Strict):
         None, description="The draft model, for method draft_model (same tokenizer as the target).")
     prompt_lookup_min: int = Field(1, ge=1, le=16, description="ngram: shortest suffix to match.")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix to match.")
+    adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig,
+                                     description="Per-step K from the cost model.")
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -122,6 +147,53 @@ def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
             f"({len(draft_vocab)} vs {len(target_vocab)} tokens, or different ids)")
 
 
+class RouterConfig(_Strict):
+    """The per-request speculation policy (every decision carries one of these reasons)."""
+
+    short_output_tokens: int = Field(
+        64, ge=0, le=1_048_576,
+        description="short_output: requests with max_tokens below this are not speculated "
+                    "(0 disables the rule).")
+    high_concurrency_threshold: int | None = Field(
+        None, ge=1, le=100_000,
+        description="high_concurrency: new requests are not speculated once the unit's load "
+                    "(requests in flight: running + waiting) reaches this. None: twice the "
+                    "unit's max_num_seqs, i.e. as many waiting as running. The per-step K of "
+                    "the coordinator already stops drafting where the batch makes it not pay; "
+                    "this rule is the request-level backstop for a unit that is queueing.")
+    high_concurrency_resume: int | None = Field(
+        None, ge=0, le=100_000,
+        description="... and are again once the load has fallen to this (hysteresis). "
+                    "None: half the threshold.")
+    min_dwell_s: float = Field(
+        2.0, ge=0.0, le=3600.0,
+        description="The concurrency state holds at least this long before it may flip back.")
+    low_acceptance_threshold: float | None = Field(
+        None, ge=0.0, le=1.0,
+        description="low_acceptance: a class whose acceptance rate (EWMA) is below this is not "
+                    "speculated. None: the cost model's break-even rate from the unit's "
+                    "measured costs (0.1 until they are measured).")
+    acceptance_hysteresis: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="A class in low_acceptance recovers at threshold + this.")
+    acceptance_ewma_weight: float = Field(
+        0.2, gt=0.0, le=1.0, description="Weight of each finished request in its class's EWMA.")
+    acceptance_min_requests: int = Field(
+        3, ge=1, le=10_000, description="Speculated requests a class needs before it is judged.")
+    probe_share: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="Share of a low-acceptance class still speculated, to notice recovery.")
+    max_classes: int = Field(
+        4096, ge=1, le=1_000_000,
+        description="Acceptance classes (route / tenant / traffic class) remembered (LRU).")
+
+    def concurrency_thresholds(self, max_num_seqs: int) -> tuple[int, int]:
+        """``(off_at, on_at)``: the load that turns new requests off, and that turns them on."""
+        off_at = self.high_concurrency_threshold or 2 * max_num_seqs
+        on_at = off_at // 2 if self.high_concurrency_resume is None else self.high_concurrency_resume
+        return off_at, on_at
+
+
 class UnitConfig(_Strict):
     """One speculation unit: a coordinator, a draft group and a tensor-parallel target group.
 
@@ -145,11 +217,17 @@ class UnitConfig(_Strict):
         10.0, gt=0, le=600, description="A draft call slower than this counts as a dead draft.")
     draft_retry_s: float = Field(
         1.0, gt=0, le=600, description="How often a unit without its draft checks for it.")
+    router: RouterConfig = Field(default_factory=RouterConfig,
+                                 description="When to speculate, per request.")
 
     @model_validator(mode="after")
     def _check(self) -> UnitConfig:
         if self.accelerator == "cpu" and self.engine.target.device not in ("auto", "cpu"):
             raise ValueError("accelerator cpu cannot run the target on " + self.engine.target.device)
+        off_at, on_at = self.router.concurrency_thresholds(self.engine.max_num_seqs)
+        if on_at >= off_at:
+            raise ValueError(f"router.high_concurrency_resume ({on_at}) must be below "
+                             f"router.high_concurrency_threshold ({off_at}): that gap is the hysteresis")
         return self
 
     @property

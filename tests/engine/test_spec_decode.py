@@ -4,12 +4,14 @@ sampled output has the target-only distribution. Tiny seeded models, tiny tokeni
 from __future__ import annotations
 
 import functools
+import random
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
-from specserve.config import SamplingParams
+from specserve.config import AdaptiveConfig, SamplingParams
+from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
@@ -32,15 +34,30 @@ def close_draft_hf(target_hf):
     return perturbed(target_hf, scale=0.3)
 
 
+class RandomK(SpecLengthController):
+    """A controller that drafts a random K in [0, cap] for every adaptive row at every step
+    (and a random K for rows in prefill): the engine must stay lossless whatever K it is given."""
+
+    def __init__(self, max_k: int, seed: int = 0) -> None:
+        super().__init__(max_k, AdaptiveConfig())
+        self.rng = random.Random(seed)
+
+    def plan(self, rows: list[Row]) -> list[int]:
+        self.k = self.rng.randint(0, self.max_k)
+        return [self.rng.randint(0, r.cap) if r.adaptive else r.cap for r in rows]
+
+
 def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slots: int = 8,
-                eos=EOS, max_len: int = 256) -> SpecDecodeEngine:
+                eos=EOS, max_len: int = 256,
+                controller: SpecLengthController | None = None) -> SpecDecodeEngine:
     proposer = None
     if method == "ngram":
         proposer = NgramProposer(min_n=1, max_n=3)
     elif method == "draft_model":
         proposer = DraftModelProposer(worker_of(draft_hf, slots, max_len))
     return SpecDecodeEngine(worker_of(target_hf, slots, max_len), make_tiny_tokenizer(),
-                            eos_token_ids=eos, proposer=proposer, num_speculative_tokens=k)
+                            eos_token_ids=eos, proposer=proposer, num_speculative_tokens=k,
+                            controller=controller)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -68,6 +85,42 @@ def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
         assert [c.text for c in got] == [c.text for c in reference[:size]]
     assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
     assert spec.target.num_free_slots == 8
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_equals_target_only_with_k_changing_every_step(target_hf, close_draft_hf, method):
+    """Per-step K (random here, 0 included) for adaptive rows, fixed K for the others, in one
+    batch: every output is still the target-only output."""
+    batch = prompts(8, seed=11)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    spec = make_engine(target_hf, method, 5, draft_hf=close_draft_hf, controller=RandomK(5))
+    ids = [spec.add_request(p, GREEDY, adaptive=i % 2 == 0) for i, p in enumerate(batch)]
+    seqs = {s.seq_id: s for s in spec.waiting}
+    done = {}
+    while len(done) < len(ids):
+        for out in spec.step():
+            if out.finish_reason:
+                done[out.seq_id] = out
+    assert [seqs[i].output_token_ids for i in ids] == [c.output_token_ids for c in reference]
+    adaptive_ks = set().union(*(done[i].k_counts for i in ids[::2]))
+    assert {0, 1, 5} <= adaptive_ks  # K really changed, off included
+    for i in ids[1::2]:  # fixed rows draft their K; fewer only where max_tokens caps the step
+        counts = done[i].k_counts
+        assert counts.get(5, 0) >= 3 and all(n <= 2 for k, n in counts.items() if k != 5), counts
+    assert spec.stats.num_accepted_tokens > 0 and spec.target.num_free_slots == 8
+
+
+def test_greedy_equals_target_only_with_the_real_controller(target_hf, close_draft_hf):
+    """The cost-model controller, calibrated quickly so it switches K during the run."""
+    batch = prompts(8, seed=12)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    ctl = SpecLengthController(4, AdaptiveConfig(warmup_steps=1, min_dwell_steps=1, hysteresis=0.0,
+                                                 probe_interval_steps=2))
+    spec = make_engine(target_hf, "draft_model", 4, draft_hf=close_draft_hf, controller=ctl)
+    for size in (8, 3, 1):
+        got = spec.generate(batch[:size], GREEDY, adaptive=True)
+        assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
+    assert ctl.calibrated and ctl.forward_cost.num_observations > 0
 
 
 def test_greedy_equals_huggingface_generate(target_hf):
@@ -281,6 +334,22 @@ def test_sampled_output_has_target_distribution(target_hf, method, params):
     pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params), joint)
     rate = engine.stats.acceptance_rate
     assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
+    assert pvalue > 1e-3
+
+
+def test_sampled_output_has_target_distribution_with_k_changing_every_step(target_hf):
+    """As above (draft model, T 0.7, top-k 20) with a random K in [0, 3] per row and step,
+    so the first two tokens come from steps of every K."""
+    params = SAMPLED[1]
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256,
+                         eos=frozenset(), controller=RandomK(3, seed=1))
+    prompt = list(sampling_prompt(target_hf))
+    out = engine.generate([prompt] * NUM_SAMPLES,
+                          [params.model_copy(update={"seed": i}) for i in range(NUM_SAMPLES)],
+                          adaptive=True)
+    pvalue = chi_square_pvalue([tuple(c.output_token_ids[:2]) for c in out],
+                               exact_joint(target_hf, prompt, params))
+    assert engine.stats.num_draft_tokens > 0 and 0.0 < engine.stats.acceptance_rate < 0.95
     assert pvalue > 1e-3
 
 

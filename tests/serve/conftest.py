@@ -70,9 +70,13 @@ def deploy(name: str, route_prefix: str, args: dict) -> str:
 
 
 def unit_args(target_dir: str, **engine) -> dict:
+    """A unit on the tiny model. Tests send short outputs and random-weight models accept
+    little, so the short-output and low-acceptance rules are off (``test_policy.py`` and
+    ``test_router.py`` test them)."""
     return {"unit": {"engine": {"target": {"source": target_dir}, "max_model_len": 256,
                                 "max_num_seqs": 8, **engine},
-                     "max_queue_len": 16},
+                     "max_queue_len": 16,
+                     "router": {"short_output_tokens": 0, "low_acceptance_threshold": 0.0}},
             "max_tokens_cap": 200}
 
 
@@ -90,6 +94,9 @@ def draft_app(ray_cluster, tiny_models) -> str:
         "draft": {"source": tiny_models[1]}})
     args["unit"]["accelerator"] = "gpu"
     args["unit"]["draft_retry_s"] = 0.2
+    # The tiny draft costs as much as the tiny target, so the cost model would rightly stop
+    # drafting; these tests need drafts to kill the draft actor under.
+    args["unit"]["engine"]["speculative"]["adaptive"] = {"enabled": False}
     return deploy("draft", "/draft", args)
 
 
@@ -99,3 +106,14 @@ def tight_app(ray_cluster, tiny_models) -> str:
     args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=1)
     args["unit"]["max_queue_len"] = 1
     return deploy("tight", "/tight", args)
+
+
+@pytest.fixture(scope="session")
+def router_app(ray_cluster, tiny_models) -> str:
+    """Low router thresholds so a test can cross them: off at 3 requests in flight, back on
+    at 1 or fewer, half a second of dwell; outputs below 16 tokens are short. Two slots, so
+    background requests queue and the load lasts a few seconds even on the tiny model."""
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
+    args["unit"]["router"].update({"short_output_tokens": 16, "high_concurrency_threshold": 3,
+                                   "high_concurrency_resume": 1, "min_dwell_s": 0.5})
+    return deploy("router", "/router", args)

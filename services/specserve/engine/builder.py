@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.adaptive import SpecLengthController
 from specserve.engine.loader import LoadedModel, load_model
 from specserve.engine.proposers.base import Proposer
 from specserve.engine.proposers.draft_model import DraftModelProposer
@@ -34,5 +35,13 @@ def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
                               max_model_len=cfg.max_model_len)
     engine = SpecDecodeEngine(worker, target.tokenizer, eos_token_ids=target.eos_token_ids,
                               proposer=proposer,
-                              num_speculative_tokens=cfg.speculative.num_speculative_tokens)
+                              num_speculative_tokens=cfg.speculative.num_speculative_tokens,
+                              controller=build_controller(cfg.speculative))
     return engine, target
+
+
+def build_controller(spec: SpeculativeConfig) -> SpecLengthController | None:
+    """The per-step K controller (used by requests added with ``adaptive=True``)."""
+    if spec.method is None or not spec.adaptive.enabled:
+        return None
+    return SpecLengthController(spec.num_speculative_tokens, spec.adaptive)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
+from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.rejection_sampler import (
     RejectionOutput,
@@ -48,7 +49,8 @@ class Sequence:
     prompt_len: int
     token_ids: list[int]
     params: SamplingParams
-    spec_len: int                     # K for this sequence; 0 = speculation off
+    spec_len: int                     # K for this sequence (the most, when adaptive); 0 = off
+    adaptive: bool                    # the controller picks K per step (up to spec_len)
     detokenizer: IncrementalDetokenizer
     seed: int                         # the request's, or a random one
     generator: torch.Generator
@@ -57,6 +59,12 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     num_emitted_tokens: int = 0        # output tokens already reported by step()
+    k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
+
+    @property
+    def mean_speculation_length(self) -> float:
+        steps = sum(self.k_counts.values())
+        return sum(k * n for k, n in self.k_counts.items()) / steps if steps else 0.0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -72,6 +80,8 @@ class StepOutput:
     text_delta: str
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stats: SpecStats
+    k_counts: dict[int, int] | None = None  # on the last output: decode steps per K drafted
+    mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
 
 
 @dataclass
@@ -90,13 +100,15 @@ class SpecDecodeEngine:
     """Drives a target :class:`ModelWorker` and an optional :class:`Proposer`."""
 
     def __init__(self, target: ModelWorker, tokenizer, *, eos_token_ids: frozenset[int],
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 4) -> None:
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 4,
+                 controller: SpecLengthController | None = None) -> None:
         assert num_speculative_tokens >= 1
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.controller = controller if proposer is not None else None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.stats = SpecStats()
@@ -111,10 +123,11 @@ class SpecDecodeEngine:
         return self.target.max_seq_len
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                    spec_len: int | None = None) -> int:
+                    spec_len: int | None = None, adaptive: bool = False) -> int:
         """Queue a request; returns its sequence id. Refuses bad input before any state exists.
 
         ``spec_len``: K for this request (0 turns speculation off); default the engine's K.
+        ``adaptive``: let the controller (if any) pick K per step, at most ``spec_len``.
         """
         self._validate(prompt_token_ids, spec_len)
         k = self.num_speculative_tokens if spec_len is None else spec_len
@@ -123,6 +136,7 @@ class SpecDecodeEngine:
             seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
             token_ids=list(prompt_token_ids), params=params,
             spec_len=k if self.proposer is not None else 0,
+            adaptive=adaptive and self.controller is not None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
             seed=seed, generator=make_generator(seed))
         self.waiting.append(seq)
@@ -164,14 +178,18 @@ class SpecDecodeEngine:
         if not seqs:
             return []
         t0 = time.perf_counter()
-        proposals = self._propose(seqs)
+        ks = self._plan(seqs)
+        proposals = self._propose(seqs, ks)
         t1 = time.perf_counter()
         logits = self._verify(seqs, proposals)
         t2 = time.perf_counter()
         results = self._sample(seqs, proposals, logits)
         outputs = [self._advance(seq, prop, res, row)
                    for seq, prop, (res, row) in zip(seqs, proposals, results)]
-        self.times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        t3 = time.perf_counter()
+        self.times.add(t1 - t0, t2 - t1, t3 - t2)
+        if self.controller is not None:
+            self._observe(seqs, ks, proposals, results, t1 - t0, t3 - t2)
         return outputs
 
     def _admit(self) -> None:
@@ -192,10 +210,37 @@ class SpecDecodeEngine:
             remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
         return max(0, min(seq.spec_len, remaining - 1))
 
-    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        requests = [DraftRequest(s.seq_id, s.token_ids, self._draft_len(s) if s.draft_attached else 0,
-                                 s.params.temperature, s.params.top_k, s.params.top_p)
-                    for s in seqs]
+    def _plan(self, seqs: list[Sequence]) -> list[int]:
+        """K per sequence for this step: its cap, or the controller's K for adaptive decoding
+        rows (rows still in prefill draft at the controller's current K)."""
+        caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
+        if self.controller is None:
+            return caps
+        decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
+        ks = [min(c, self.controller.k) if s.adaptive else c for s, c in zip(seqs, caps)]
+        planned = self.controller.plan([
+            Row(self.target.length(seqs[i].slot), caps[i], seqs[i].adaptive,
+                not seqs[i].params.greedy) for i in decoding])
+        for i, k in zip(decoding, planned):
+            ks[i] = k
+            seqs[i].k_counts[k] = seqs[i].k_counts.get(k, 0) + 1
+        return ks
+
+    def _observe(self, seqs, ks, proposals, results, propose_s: float, accept_s: float) -> None:
+        """Feed the step's acceptance and phase costs to the controller."""
+        ctl = self.controller
+        asked = [k for k in ks if k > 0]
+        if asked and self.draft_available:
+            ctl.observe_propose(max(asked), len(asked), propose_s)
+        for k, prop, (res, row) in zip(ks, proposals, results):
+            ctl.observe_draft(k, len(prop.token_ids), int(res.num_accepted[row]))
+        sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
+        ctl.observe_accept(len(seqs), sampled, accept_s)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        requests = [DraftRequest(s.seq_id, s.token_ids, k, s.params.temperature, s.params.top_k,
+                                 s.params.top_p)
+                    for s, k in zip(seqs, ks)]
         active = [i for i, r in enumerate(requests) if r.k > 0]
         proposals = [Proposal([]) for _ in seqs]
         if active:
@@ -248,8 +293,15 @@ class SpecDecodeEngine:
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for rows in groups.values():
             counts = [len(proposals[i].token_ids) + 1 for i in rows]
+            t0 = time.perf_counter()
             logits = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
                                          counts, argmax_only)
+            if self.controller is not None:
+                tokens = sum(len(inputs[i]) for i in rows)
+                attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
+                                for i in rows)
+                self.controller.observe_forward(len(rows), tokens, attention,
+                                                time.perf_counter() - t0)
             for i, chunk in zip(rows, logits.split(counts)):
                 out[i] = chunk
         return out
@@ -322,7 +374,10 @@ class SpecDecodeEngine:
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
         seq.num_emitted_tokens += len(new_tokens)
         delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
-        return StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats)
+        out = StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats)
+        if seq.finish_reason is not None:
+            out.k_counts, out.mean_speculation_length = dict(seq.k_counts), seq.mean_speculation_length
+        return out
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -350,10 +405,11 @@ class SpecDecodeEngine:
 
     # -- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 *, spec_len: int | None = None) -> list[Completion]:
+                 *, spec_len: int | None = None, adaptive: bool = False) -> list[Completion]:
         """Run prompts to completion (tests, CLI, benchmarks); results in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, spec_len=spec_len) for p, sp in zip(prompts, params_list)]
+        ids = [self.add_request(p, sp, spec_len=spec_len, adaptive=adaptive)
+               for p, sp in zip(prompts, params_list)]
         wanted = set(ids)
         seqs = {s.seq_id: s for s in self.waiting if s.seq_id in wanted}
         done: dict[int, Completion] = {}

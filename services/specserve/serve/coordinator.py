@@ -70,23 +70,23 @@ class AsyncEngine:
         return self.num_running + self.num_waiting
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       spec_len: int | None) -> AsyncIterator[StepOutput]:
+                       spec_len: int | None, adaptive: bool = False) -> AsyncIterator[StepOutput]:
         """Stream the outputs of one request; cancelling the iteration aborts it."""
         if self.num_streams >= self.capacity:
             raise CapacityError(f"the unit is full ({self.capacity} requests running or queued); "
                                 "retry shortly")
         self.num_streams += 1
         try:
-            async for out in self._stream(prompt_token_ids, params, spec_len):
+            async for out in self._stream(prompt_token_ids, params, spec_len, adaptive):
                 yield out
         finally:
             self.num_streams -= 1
 
-    async def _stream(self, prompt_token_ids, params, spec_len) -> AsyncIterator[StepOutput]:
+    async def _stream(self, prompt_token_ids, params, spec_len, adaptive) -> AsyncIterator[StepOutput]:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._submit(("add", prompt_token_ids, params, spec_len, stream, accepted))
+        self._submit(("add", prompt_token_ids, params, spec_len, adaptive, stream, accepted))
         seq_id = await accepted  # raises the engine's validation error, if any
         finished = False
         try:
@@ -141,9 +141,10 @@ class AsyncEngine:
                 self._streams.pop(item[1], None)
             self._count()
 
-    def _add(self, prompt, params, spec_len, stream: _Stream, accepted: asyncio.Future) -> None:
+    def _add(self, prompt, params, spec_len, adaptive, stream: _Stream,
+             accepted: asyncio.Future) -> None:
         try:
-            seq_id = self.engine.add_request(prompt, params, spec_len=spec_len)
+            seq_id = self.engine.add_request(prompt, params, spec_len=spec_len, adaptive=adaptive)
         except Exception as exc:
             stream.loop.call_soon_threadsafe(_resolve, accepted, None, exc)
             return

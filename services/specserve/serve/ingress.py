@@ -25,6 +25,7 @@ from specserve.config import AppConfig
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import CapacityError, InvalidRequestError, SpecServeError
+from specserve.serve.metrics import record_decision, record_finish
 from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,13 @@ def _from_engine(exc: BaseException) -> APIError:
         return APIError(exc.status_code, str(exc), exc.type, exc.code)
     log.exception("unexpected error from a unit", exc_info=exc)
     return APIError(500, "internal error", "internal_error")
+
+
+def _class_key(req, chat: bool) -> str:
+    """The request's acceptance class for the router: route / tenant (OpenAI's ``user``) /
+    ``speculation.traffic_class``."""
+    cls = req.speculation.traffic_class if req.speculation else None
+    return f"{'chat' if chat else 'completions'}|{req.user or ''}|{cls or ''}"
 
 
 def _sse_line(obj: dict) -> str:
@@ -192,12 +200,14 @@ class OpenAIIngress:
         payload = {"prompt_token_ids": prompt_ids,
                    "params": req.sampling_params(max_tokens).model_dump(),
                    "speculation": req.speculation.model_dump() if req.speculation else None,
-                   "stream": req.stream}
+                   "stream": req.stream,
+                   "class_key": _class_key(req, chat)}
         stream = self.unit.generate.remote(payload)
         try:
             start = await stream.__anext__()
         except Exception as exc:
             raise _from_engine(exc) from exc
+        record_decision(start["speculation"])
         headers = {"x-speculation": start["speculation"]["header"]}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if req.stream:
@@ -215,6 +225,7 @@ class OpenAIIngress:
             async for chunk in stream:
                 parts.append(chunk["text"])
                 if chunk["finish_reason"] is not None:
+                    record_finish(chunk)
                     return "".join(parts), chunk["finish_reason"], chunk["usage"]
         except Exception as exc:
             raise _from_engine(exc) from exc
@@ -233,6 +244,8 @@ class OpenAIIngress:
                     delta = {"content": chunk["text"]} if chat else chunk["text"]
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
                                       chunk["finish_reason"]))
+                if chunk["finish_reason"] is not None:
+                    record_finish(chunk)
                 if chunk["finish_reason"] is not None and include_usage:
                     body = _chunk(rid, self.model_name, created, chat, None, None)
                     body["choices"], body["usage"] = [], chunk["usage"]

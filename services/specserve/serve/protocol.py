@@ -24,6 +24,10 @@ class SpeculationOptions(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="K for this request.")
     method: Literal["ngram", "draft_model"] | None = Field(
         None, description="Proposer; must be the one the deployment runs.")
+    traffic_class: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$",
+        description="Prompt class for the router's acceptance tracking (with the route and the "
+                    "tenant, OpenAI's `user`), e.g. 'summarize' or 'code'.")
 
 
 class StreamOptions(BaseModel):

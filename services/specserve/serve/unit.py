@@ -16,13 +16,13 @@ import ray
 from ray import serve
 
 from specserve.config import SamplingParams, UnitConfig
+from specserve.engine.builder import build_controller
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.proposers.ngram import NgramProposer
-from specserve.engine.spec_decode import SpecDecodeEngine
-from specserve.engine.stats import SpecStats
+from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
 from specserve.serve.coordinator import AsyncEngine
 from specserve.serve.groups import RemoteProposer, TargetGroup
-from specserve.serve.policy import decide
+from specserve.serve.policy import Decision, SpeculationRouter
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +48,39 @@ class SpeculationUnit:
         self.engine = SpecDecodeEngine(self.target, tokenizer,
                                        eos_token_ids=frozenset(self.target.info["eos_token_ids"]),
                                        proposer=proposer,
-                                       num_speculative_tokens=spec.num_speculative_tokens)
+                                       num_speculative_tokens=spec.num_speculative_tokens,
+                                       controller=build_controller(spec))
+        self.router = SpeculationRouter(cfg.router, method=spec.method,
+                                        default_k=spec.num_speculative_tokens,
+                                        adaptive=self.engine.controller is not None,
+                                        max_num_seqs=cfg.engine.max_num_seqs)
+        self.decisions: dict[str, int] = {}  # "on:default" -> count, since start
         self.core = AsyncEngine(self.engine, max_queue_len=cfg.max_queue_len,
                                 draft_probe=self.draft.ping if self.draft else None,
                                 draft_retry_s=cfg.draft_retry_s)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """``request``: ``{"prompt_token_ids", "params", "speculation"}``. Yields
-        ``{"event": "start", "speculation": ...}``, then ``{"event": "delta", ...}`` chunks."""
-        decision = decide(request.get("speculation"), method=self.method,
-                          default_k=self.engine.num_speculative_tokens,
-                          draft_available=self.engine.draft_available)
+        """``request``: ``{"prompt_token_ids", "params", "speculation", "stream", "class_key"}``.
+        Yields ``{"event": "start", "speculation": ...}``, then ``{"event": "delta", ...}``
+        chunks; the last carries ``usage`` and, for the ingress's metrics, ``k_counts``."""
+        params = SamplingParams.model_validate(request["params"])
+        key = request.get("class_key", "")
+        decision = self.router.decide(request.get("speculation"), max_tokens=params.max_tokens,
+                                      load=self.core.num_streams, key=key,
+                                      draft_available=self.engine.draft_available)
+        label = f"{'on' if decision.enabled else 'off'}:{decision.reason}"
+        self.decisions[label] = self.decisions.get(label, 0) + 1
         yield {"event": "start", "speculation": {
             "enabled": decision.enabled, "reason": decision.reason, "method": decision.method,
-            "num_speculative_tokens": decision.num_speculative_tokens, "header": decision.header()}}
-        params = SamplingParams.model_validate(request["params"])
+            "num_speculative_tokens": decision.num_speculative_tokens,
+            "adaptive": decision.adaptive, "header": decision.header()}}
         # A client that does not stream gets one chunk: every yielded chunk is a Ray message,
         # and per token they cost the forward pass CPU time on a small machine.
         per_step = request.get("stream", True)
         completion_tokens, pending = 0, []
         async for out in self.core.generate(request["prompt_token_ids"], params,
-                                            spec_len=decision.num_speculative_tokens):
+                                            spec_len=decision.num_speculative_tokens,
+                                            adaptive=decision.adaptive):
             completion_tokens += len(out.new_token_ids)
             pending.append(out.text_delta)
             if not per_step and out.finish_reason is None:
@@ -76,9 +88,20 @@ class SpeculationUnit:
             chunk = {"event": "delta", "text": "".join(pending), "finish_reason": out.finish_reason}
             pending = []
             if out.finish_reason is not None:
+                self.router.observe(key, decision, out.stats.num_draft_tokens,
+                                    out.stats.num_accepted_tokens, self._break_even())
                 chunk["usage"] = _usage(len(request["prompt_token_ids"]), completion_tokens,
-                                        out.stats, decision)
+                                        out, decision, self._estimated_speedup())
+                chunk["k_counts"] = out.k_counts
             yield chunk
+
+    def _break_even(self) -> float | None:
+        ctl = self.engine.controller
+        return ctl.break_even_acceptance() if ctl is not None else None
+
+    def _estimated_speedup(self) -> float | None:
+        ctl = self.engine.controller
+        return round(ctl.estimated_speedup, 4) if ctl is not None and ctl.calibrated else None
 
     def record_routing_stats(self) -> dict:
         return {"load": self.core.load, "free_slots": self.engine.target.num_free_slots}
@@ -92,7 +115,24 @@ class SpeculationUnit:
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
                 "draft_fallbacks": self.engine.num_draft_fallbacks,
-                "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict()}
+                "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict(),
+                "router": {"decisions": dict(self.decisions),
+                           "concurrency_gate_open": self.router.gate.open,
+                           "concurrency_gate_flips": self.router.gate.flips,
+                           "low_acceptance_classes": sorted(
+                               k for k, s in self.router.acceptance.classes.items() if s.low),
+                           "break_even_acceptance": self._break_even()},
+                "controller": self._controller_stats()}
+
+    def _controller_stats(self) -> dict | None:
+        ctl = self.engine.controller
+        if ctl is None:
+            return None
+        acc, got = ctl.acceptance.rates()
+        return {"k": ctl.k, "calibrated": ctl.calibrated, "steps": ctl.steps,
+                "estimated_speedup": round(ctl.estimated_speedup, 4),
+                "acceptance_by_position": [round(float(a), 4) for a in acc],
+                "draft_yield_by_position": [round(float(g), 4) for g in got]}
 
     def draft_actor_name(self) -> str | None:
         """The draft actor's name in the ``specserve`` namespace (fault-injection tests)."""
@@ -108,10 +148,14 @@ class SpeculationUnit:
             core.shutdown()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats, decision) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, out: StepOutput, decision: Decision,
+           estimated_speedup: float | None) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "speculation": {"enabled": decision.enabled, "reason": decision.reason,
                             "method": decision.method,
                             "num_speculative_tokens": decision.num_speculative_tokens,
-                            **stats.as_dict()}}
+                            "k_mode": "adaptive" if decision.adaptive else "fixed",
+                            "mean_speculation_length": round(out.mean_speculation_length, 4),
+                            "estimated_speedup": estimated_speedup,
+                            **out.stats.as_dict()}}

@@ -1,0 +1,239 @@
+"""Per-step speculation length: choose K (0 = off) from the cost model, with measured inputs.
+
+Before every step the controller predicts, for each candidate K in 0..K_max, how many tokens
+the batch's decoding rows will emit and how long the step will take, and keeps the K with the
+most tokens per second. Both sides of that ratio are measured on this unit, not assumed:
+
+- **acceptance**, per draft position j, as decayed counts of rows *asked* for at least j + 1
+  drafts, rows that *got* at least j + 1 (an n-gram proposer often finds fewer, or none), and
+  rows whose first j + 1 drafts were *accepted*. Then E[emitted | K] = 1 + Σ_{j<K} acc_j / asked_j
+  with no independence assumption: n-gram acceptance is strongly correlated across positions,
+  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it.
+- **cost**, fitted online by decayed least squares with non-negative coefficients:
+  the target forward as ``θ0 + θ1·rows + θ2·tokens + θ3·attention`` (attention = Σ new tokens ×
+  context), the draft phase as ``φ0 + φ1·K + φ2·K·rows`` and the accept phase as
+  ``ψ0 + ψ1·rows + ψ2·sampled logit rows``. The design's c and v (draft and verify cost
+  relative to one target decode step) are these predictions at the current batch size and
+  context lengths, divided by the K = 0 prediction.
+
+Smoothing and hysteresis: the statistics decay per observation; K changes only after
+``min_dwell_steps`` at the current one, and only to a K whose predicted throughput beats the
+current K's by ``hysteresis``. Exploration: every ``probe_interval_steps`` one decoding row
+(in turn) drafts its full K, so acceptance beyond the current K, or at all when K = 0, stays
+measured and K can come back. Batch size counts decoding rows only; prefill rows run in
+forwards of their own and only feed the forward-cost fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specserve.config import AdaptiveConfig
+from specserve.engine.cost_model import expected_tokens_per_step
+
+_MIN_WEIGHT = 2.0  # decayed rows a position needs before its own counts are used
+
+
+class DecayedLeastSquares:
+    """Online ``y ≈ θ·x`` with exponentially decayed weights and θ ≥ 0 (costs never shrink as
+    work grows). Features are divided by ``scale`` so the normal equations stay conditioned."""
+
+    def __init__(self, scale: tuple[float, ...], decay: float) -> None:
+        self.scale = np.asarray(scale, dtype=np.float64)
+        self.decay = decay
+        n = len(scale)
+        self.xtx = np.zeros((n, n))
+        self.xty = np.zeros(n)
+        self.num_observations = 0
+        self._theta: np.ndarray | None = None
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        v = np.asarray(x, dtype=np.float64) / self.scale
+        self.xtx = self.decay * self.xtx + np.outer(v, v)
+        self.xty = self.decay * self.xty + v * y
+        self.num_observations += 1
+        self._theta = None
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return float(self.theta @ (np.asarray(x, dtype=np.float64) / self.scale))
+
+    @property
+    def theta(self) -> np.ndarray:
+        if self._theta is None:
+            self._theta = self._solve()
+        return self._theta
+
+    def _solve(self) -> np.ndarray:
+        """Active-set non-negative solve: drop the most negative coefficient and re-solve."""
+        n = len(self.xty)
+        ridge = 1e-6 * (np.trace(self.xtx) / n + 1e-12)
+        a = self.xtx + ridge * np.eye(n)
+        active = list(range(n))
+        theta = np.zeros(n)
+        while active:
+            sub = np.linalg.solve(a[np.ix_(active, active)], self.xty[active])
+            if (sub >= 0).all():
+                theta[active] = sub
+                return theta
+            active.pop(int(np.argmin(sub)))
+        return theta
+
+
+class PositionAcceptance:
+    """Decayed per-position counts: asked / drafted / accepted (see the module docstring)."""
+
+    def __init__(self, max_k: int, decay: float) -> None:
+        self.decay = decay
+        self.asked = np.zeros(max_k)
+        self.drafted = np.zeros(max_k)
+        self.accepted = np.zeros(max_k)
+
+    def observe(self, asked: int, drafted: int, accepted: int) -> None:
+        if asked <= 0:
+            return
+        for counts, n in ((self.asked, asked), (self.drafted, drafted), (self.accepted, accepted)):
+            counts *= self.decay
+            counts[: min(n, len(counts))] += 1.0
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.asked[0] >= _MIN_WEIGHT)
+
+    def rates(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(acc, drafted)`` per position: P(first j + 1 accepted | asked ≥ j + 1) and
+        P(got ≥ j + 1 drafts | asked ≥ j + 1). Sparse positions extrapolate from the last
+        measured ones (acceptance keeps its last conditional ratio, the yield stays flat)."""
+        k = len(self.asked)
+        acc, got = np.zeros(k), np.ones(k)
+        for j in range(k):
+            if self.asked[j] >= _MIN_WEIGHT:
+                acc[j] = self.accepted[j] / self.asked[j]
+                got[j] = self.drafted[j] / self.asked[j]
+            elif j == 0:
+                acc[j], got[j] = 0.5, 1.0
+            else:
+                ratio = acc[j - 1] / acc[j - 2] if j >= 2 and acc[j - 2] > 0 else acc[0]
+                acc[j] = acc[j - 1] * min(1.0, ratio)
+                got[j] = got[j - 1]
+        return np.clip(acc, 0.0, 1.0), np.clip(got, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One decoding row as the controller sees it before the step."""
+
+    context: int       # tokens already in the target cache
+    cap: int           # the most it may draft now (its request's K, max_tokens and context)
+    adaptive: bool     # False: the client fixed K, so the row drafts ``cap``
+    sampled: bool      # not greedy: the accept phase works on full distributions
+
+
+class SpecLengthController:
+    def __init__(self, max_k: int, cfg: AdaptiveConfig) -> None:
+        assert max_k >= 1
+        self.max_k = max_k
+        self.cfg = cfg
+        self.k = max_k                   # current K for adaptive rows
+        self.estimated_speedup = 1.0     # predicted throughput at K over K = 0, last step
+        self.steps = 0
+        self._last_switch = 0
+        self._probe_turn = 0
+        self.acceptance = PositionAcceptance(max_k, cfg.decay)
+        self.forward_cost = DecayedLeastSquares((1.0, 8.0, 64.0, 65536.0), cfg.decay)
+        self.propose_cost = DecayedLeastSquares((1.0, 4.0, 32.0), cfg.decay)
+        self.accept_cost = DecayedLeastSquares((1.0, 8.0, 64.0), cfg.decay)
+
+    # -- measurements -------------------------------------------------------------------------
+    def observe_forward(self, rows: int, tokens: int, attention: int, seconds: float) -> None:
+        self.forward_cost.observe((1.0, rows, tokens, attention), seconds)
+
+    def observe_propose(self, k: int, rows: int, seconds: float) -> None:
+        self.propose_cost.observe((1.0, k, k * rows), seconds)
+
+    def observe_accept(self, rows: int, sampled_logit_rows: int, seconds: float) -> None:
+        self.accept_cost.observe((1.0, rows, sampled_logit_rows), seconds)
+
+    def observe_draft(self, asked: int, drafted: int, accepted: int) -> None:
+        self.acceptance.observe(asked, drafted, accepted)
+
+    @property
+    def calibrated(self) -> bool:
+        return (self.steps > self.cfg.warmup_steps and self.acceptance.measured
+                and self.forward_cost.num_observations >= 4
+                and self.propose_cost.num_observations >= 2)
+
+    # -- the choice ---------------------------------------------------------------------------
+    def plan(self, rows: list[Row]) -> list[int]:
+        """K per decoding row for this step (fixed rows keep their cap)."""
+        self.steps += 1
+        adaptive = [i for i, r in enumerate(rows) if r.adaptive and r.cap > 0]
+        if not adaptive:
+            return [0 if r.adaptive else r.cap for r in rows]
+        if self.cfg.enabled and self.calibrated:
+            self._update_k(rows)
+        ks = [min(r.cap, self.k) if r.adaptive else r.cap for r in rows]
+        if self.k < self.max_k and self.steps % self.cfg.probe_interval_steps == 0:
+            i = adaptive[self._probe_turn % len(adaptive)]
+            self._probe_turn += 1
+            ks[i] = rows[i].cap
+        return ks
+
+    def _update_k(self, rows: list[Row]) -> None:
+        rates = self.acceptance.rates()
+        throughput = [self.throughput(rows, k, rates) for k in range(self.max_k + 1)]
+        best = int(np.argmax(throughput))
+        if (best != self.k and self.steps - self._last_switch >= self.cfg.min_dwell_steps
+                and throughput[best] > throughput[self.k] * (1.0 + self.cfg.hysteresis)):
+            self.k, self._last_switch = best, self.steps
+        self.estimated_speedup = float(throughput[self.k] / throughput[0])
+
+    def throughput(self, rows: list[Row], k: int, rates=None) -> float:
+        """Predicted emitted tokens per second of a step where adaptive rows draft ``k``."""
+        acc, got = rates if rates is not None else self.acceptance.rates()
+        acc_sum = np.concatenate([[0.0], np.cumsum(acc)])
+        got_sum = np.concatenate([[0.0], np.cumsum(got)])
+        emitted = tokens = attention = sampled = 0.0
+        drafting, k_step = 0, 0
+        for r in rows:
+            ki = min(r.cap, k) if r.adaptive else r.cap
+            ki = min(ki, self.max_k)
+            n = 1.0 + got_sum[ki]
+            emitted += 1.0 + acc_sum[ki]
+            tokens += n
+            attention += n * (r.context + n)
+            sampled += n if r.sampled else 0.0
+            drafting += ki > 0
+            k_step = max(k_step, ki)
+        seconds = (self.forward_cost.predict((1.0, len(rows), tokens, attention))
+                   + self.accept_cost.predict((1.0, len(rows), sampled)))
+        if k_step:
+            seconds += self.propose_cost.predict((1.0, k_step, k_step * drafting))
+        return float(emitted / max(seconds, 1e-9))
+
+    def break_even_acceptance(self, context: int = 256) -> float | None:
+        """The per-token acceptance rate α below which no K pays for one sequence alone
+        (the closed form of the cost model with the measured c and v); None until measured."""
+        if self.forward_cost.num_observations < 4 or self.propose_cost.num_observations < 2:
+            return None
+        costs = []
+        for k in range(self.max_k + 1):
+            n = 1.0 + k
+            t = (self.forward_cost.predict((1.0, 1, n, n * (context + n)))
+                 + self.accept_cost.predict((1.0, 1, 0.0)))
+            if k:
+                t += self.propose_cost.predict((1.0, k, k))
+            costs.append(max(t, 1e-9))
+
+        def pays(alpha: float) -> bool:
+            return any(expected_tokens_per_step(alpha, k) * costs[0] / costs[k] > 1.0
+                       for k in range(1, self.max_k + 1))
+
+        if pays(0.0):
+            return 0.0
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+        return hi

@@ -1,0 +1,190 @@
+"""The per-step K controller: its cost fit, its acceptance statistics and its choices, driven
+by a synthetic unit (known step costs, Bernoulli acceptance) so every expectation is exact."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from specserve.config import AdaptiveConfig
+from specserve.engine.adaptive import (
+    DecayedLeastSquares,
+    PositionAcceptance,
+    Row,
+    SpecLengthController,
+)
+
+
+def test_least_squares_recovers_known_costs():
+    fit = DecayedLeastSquares((1.0, 8.0, 64.0), decay=0.99)
+    rng = random.Random(0)
+    for _ in range(200):
+        rows, tokens = rng.randint(1, 16), rng.randint(1, 200)
+        fit.observe((1.0, rows, tokens), 0.05 + 0.001 * rows + 0.0004 * tokens)
+    assert fit.predict((1.0, 4, 100)) == pytest.approx(0.05 + 0.004 + 0.04, rel=1e-4)
+
+
+def test_least_squares_keeps_costs_non_negative():
+    """Noise that suggests more tokens cost less must not produce a negative slope (it would
+    make the controller draft as far as it can)."""
+    fit = DecayedLeastSquares((1.0, 64.0), decay=0.99)
+    for tokens, seconds in ((1, 0.060), (5, 0.058), (2, 0.061), (4, 0.057)):
+        fit.observe((1.0, tokens), seconds)
+    assert (fit.theta >= 0).all()
+    assert fit.predict((1.0, 100)) >= fit.predict((1.0, 1))
+
+
+def test_position_acceptance_counts_and_extrapolates():
+    acc = PositionAcceptance(max_k=4, decay=1.0)
+    for _ in range(10):
+        acc.observe(asked=2, drafted=2, accepted=1)   # position 0 accepted, 1 rejected
+        acc.observe(asked=2, drafted=1, accepted=1)   # proposer found only one token
+        acc.observe(asked=2, drafted=0, accepted=0)   # found nothing
+        acc.observe(asked=2, drafted=2, accepted=2)
+    rates, got = acc.rates()
+    assert rates[0] == pytest.approx(3 / 4) and rates[1] == pytest.approx(1 / 4)
+    assert got[0] == pytest.approx(3 / 4) and got[1] == pytest.approx(2 / 4)
+    # positions 2, 3 never asked: keep the last conditional ratio (1/4 / 3/4), yield stays flat
+    assert rates[2] == pytest.approx(rates[1] / 3) and rates[3] == pytest.approx(rates[2] / 3)
+    assert got[2] == got[1] == got[3]
+
+
+class SyntheticUnit:
+    """Step time = fixed + per_token * tokens (+ draft per K); each drafted token is accepted
+    with probability ``alpha`` until the first rejection. Every ``prefill_every`` steps a new
+    request's prefill (200 tokens) runs, as in a real unit: besides the drafts' own variation,
+    that is what tells the cost fit a fixed part from a per-token part."""
+
+    def __init__(self, ctl: SpecLengthController, *, alpha: float, fixed: float = 0.05,
+                 per_token: float = 0.0005, draft_per_k: float = 0.0, seed: int = 0,
+                 prefill_every: int = 10) -> None:
+        self.ctl, self.alpha, self.prefill_every, self.steps = ctl, alpha, prefill_every, 0
+        self.fixed, self.per_token, self.draft_per_k = fixed, per_token, draft_per_k
+        self.rng = random.Random(seed)
+
+    def step(self, batch: int, cap: int = 4, adaptive: bool = True) -> list[int]:
+        self.steps += 1
+        if self.steps % self.prefill_every == 0:
+            self.ctl.observe_forward(1, 200, 200 * 200, self.fixed + self.per_token * 200)
+        rows = [Row(context=100, cap=cap, adaptive=adaptive, sampled=False)] * batch
+        ks = self.ctl.plan(rows)
+        tokens = sum(k + 1 for k in ks)
+        self.ctl.observe_forward(batch, tokens, tokens * 100, self.fixed + self.per_token * tokens)
+        if max(ks):
+            self.ctl.observe_propose(max(ks), sum(k > 0 for k in ks), self.draft_per_k * max(ks))
+        for k in ks:
+            accepted = 0
+            while accepted < k and self.rng.random() < self.alpha:
+                accepted += 1
+            self.ctl.observe_draft(k, k, accepted)
+        self.ctl.observe_accept(batch, 0, 0.001)
+        return ks
+
+    def run(self, steps: int, batch: int, **kw) -> list[list[int]]:
+        return [self.step(batch, **kw) for _ in range(steps)]
+
+
+def controller(**cfg) -> SpecLengthController:
+    return SpecLengthController(4, AdaptiveConfig(**cfg))
+
+
+def test_keeps_configured_k_until_calibrated():
+    ctl = controller(warmup_steps=10)
+    ks = SyntheticUnit(ctl, alpha=0.0).run(10, batch=1)
+    assert all(k == [4] for k in ks) and not ctl.calibrated
+
+
+def test_speculates_alone_with_good_acceptance():
+    """Weight-streaming-bound (a token costs 1% of a step): with α = 0.8 the most K wins."""
+    ctl = controller()
+    SyntheticUnit(ctl, alpha=0.8).run(200, batch=1)
+    assert ctl.k == 4
+    assert ctl.estimated_speedup > 2.0
+
+
+def test_turns_off_when_verify_cost_grows_with_the_batch():
+    """Compute-bound at 32 rows (a token costs as much as the fixed part / 10): each extra
+    drafted token costs more than it returns at α = 0.45, so K goes to 0."""
+    ctl = controller()
+    SyntheticUnit(ctl, alpha=0.45, per_token=0.005).run(300, batch=32)
+    assert ctl.k == 0
+    assert ctl.estimated_speedup == pytest.approx(1.0)
+
+
+def test_turns_off_when_nothing_is_accepted_and_probes_one_row():
+    ctl = controller(probe_interval_steps=8)
+    ks = SyntheticUnit(ctl, alpha=0.0).run(300, batch=4)
+    assert ctl.k == 0
+    tail = ks[-64:]
+    probes = [k for k in tail if max(k) > 0]
+    assert len(probes) == 64 // 8
+    assert all(sorted(k) == [0, 0, 0, 4] for k in probes)  # one row drafts its full K
+
+
+def test_comes_back_when_acceptance_recovers():
+    ctl = controller(probe_interval_steps=4)
+    unit = SyntheticUnit(ctl, alpha=0.0)
+    unit.run(200, batch=2)
+    assert ctl.k == 0
+    unit.alpha = 0.9
+    unit.run(400, batch=2)
+    assert ctl.k >= 3
+
+
+def k_changes(**cfg) -> list[int]:
+    """Steps at which K changed while the batch alternates between 4 and 6 rows."""
+    ctl = controller(**cfg)
+    unit = SyntheticUnit(ctl, alpha=0.5, per_token=0.0025)
+    unit.run(50, batch=4)
+    changes, last = [], ctl.k
+    for i in range(400):
+        unit.step(batch=4 if i % 2 else 6)
+        if ctl.k != last:
+            changes.append(i)
+            last = ctl.k
+    return changes
+
+
+def test_k_does_not_flap_between_near_ties():
+    """A batch that alternates between two sizes whose best K differ slightly must not make K
+    change on every step: changes are at least min_dwell_steps apart, and few."""
+    changes = k_changes(min_dwell_steps=8, hysteresis=0.05)
+    assert all(b - a >= 8 for a, b in zip(changes, changes[1:]))
+    assert len(changes) <= 25
+
+
+def test_without_hysteresis_the_same_load_flaps():
+    """The check above has power: with no dwell and no margin, K changes constantly."""
+    assert len(k_changes(min_dwell_steps=1, hysteresis=0.0)) > 50
+
+
+def test_fixed_rows_keep_their_k():
+    ctl = controller()
+    unit = SyntheticUnit(ctl, alpha=0.0)
+    unit.run(100, batch=2)
+    assert ctl.k == 0
+    rows = [Row(100, 4, adaptive=False, sampled=False), Row(100, 3, adaptive=True, sampled=False)]
+    assert ctl.plan(rows)[0] == 4
+
+
+def test_break_even_matches_the_closed_form():
+    """v(K) = 1 + 0.1 K, c = 0: K = 1 pays when 1 + α > 1.1, so break-even α = 0.1."""
+    ctl = controller()
+    for tokens in range(1, 40):
+        ctl.observe_forward(1, tokens, tokens * (256 + tokens), 1.0 + 0.1 * (tokens - 1))
+    for k in range(1, 5):
+        ctl.observe_propose(k, 1, 0.0)
+    ctl.observe_accept(1, 0, 0.0)
+    assert ctl.break_even_acceptance(context=256) == pytest.approx(0.1, abs=2e-3)
+
+
+def test_break_even_unknown_before_costs_are_measured():
+    assert controller().break_even_acceptance() is None
+
+
+def test_rates_are_probabilities():
+    ctl = controller()
+    SyntheticUnit(ctl, alpha=0.7).run(100, batch=3)
+    acc, got = ctl.acceptance.rates()
+    assert np.all((0 <= acc) & (acc <= 1)) and np.all(np.diff(acc) <= 1e-12)

@@ -1,0 +1,105 @@
+"""The router over real HTTP: the speculation decision flips with the unit's load and back,
+short outputs are not speculated, and every decision is counted in ``/metrics``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def ask(url: str, model: str, **extra) -> httpx.Response:
+    body = {"model": model, "prompt": "a b c a b c", "max_tokens": 20, "temperature": 0, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + "/v1/units/stats", timeout=10).json()
+
+
+class Background:
+    """``n`` long streaming requests held open until ``stop()`` (closing a stream aborts it,
+    whether it is running or still queued)."""
+
+    def __init__(self, url: str, model: str, n: int) -> None:
+        self.stopping = threading.Event()
+        body = {"model": model, "prompt": "x y z", "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        self.threads = [threading.Thread(target=self._run, args=(url, body)) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                if self.stopping.is_set():
+                    return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+def wait_load(url: str, at_least: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = stats(url)
+        if s["running"] + s["waiting"] >= at_least:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the load never reached {at_least}: {s}")
+
+
+def wait_idle(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = stats(url)
+        if s["running"] == 0 and s["waiting"] == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the unit did not drain: {s}")
+
+
+def test_decision_flips_with_load_and_back(router_app, tiny_models):
+    model = Path(tiny_models[0]).name
+    alone = ask(router_app, model)
+    assert alone.headers["x-speculation"].startswith("on; reason=default; method=ngram")
+    usage = alone.json()["usage"]["speculation"]
+    assert usage["enabled"] and usage["k_mode"] == "adaptive" and usage["reason"] == "default"
+
+    load = Background(router_app, model, 8)   # 2 running, 6 queued: >= the threshold of 3
+    try:
+        wait_load(router_app, 6)
+        busy = ask(router_app, model)
+        assert busy.headers["x-speculation"] == "off; reason=high_concurrency"
+        assert busy.json()["usage"]["speculation"]["num_draft_tokens"] == 0
+        forced = ask(router_app, model, speculation={"enabled": True})  # an override still wins
+        assert forced.headers["x-speculation"].startswith("on; reason=client_override")
+    finally:
+        load.stop()
+    wait_idle(router_app)
+    time.sleep(0.6)  # the dwell time
+    again = ask(router_app, model)
+    assert again.headers["x-speculation"].startswith("on; reason=default")
+
+    s = stats(router_app)
+    assert s["router"]["concurrency_gate_open"] and s["router"]["concurrency_gate_flips"] >= 2
+    assert s["free_slots"] == s["num_slots"]
+    metrics = httpx.get(router_app + "/metrics").text
+    assert 'specserve:router_decisions_total{decision="off",reason="high_concurrency"}' in metrics
+    assert 'specserve:router_decisions_total{decision="on",reason="default"}' in metrics
+    assert "specserve:speculation_length_bucket" in metrics
+
+
+def test_short_outputs_are_not_speculated(router_app, tiny_models):
+    model = Path(tiny_models[0]).name
+    wait_idle(router_app)
+    short = ask(router_app, model, max_tokens=15)
+    assert short.headers["x-speculation"] == "off; reason=short_output"
+    assert short.json()["usage"]["speculation"]["num_draft_tokens"] == 0
+    assert ask(router_app, model, max_tokens=16).headers["x-speculation"].startswith("on")

@@ -1,0 +1,34 @@
+"""The shipped Serve config is a valid AppConfig, and config errors name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from specserve.config import AppConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_serve_config_validates_and_spells_out_the_defaults():
+    doc = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    [app] = doc["applications"]
+    cfg = AppConfig.model_validate(app["args"], context={"check_files": False})
+    # Every router / adaptive value written in the file is the model's default, so the file
+    # documents the behaviour a config without them gets.
+    assert cfg.unit.router == type(cfg.unit.router)()
+    assert cfg.unit.engine.speculative.adaptive == type(cfg.unit.engine.speculative.adaptive)()
+
+
+@pytest.mark.parametrize("router, message", [
+    ({"high_concurrency_threshold": 4, "high_concurrency_resume": 4}, "hysteresis"),
+    ({"high_concurrency_threshold": 0}, "high_concurrency_threshold"),
+    ({"short_output_tokens": -1}, "short_output_tokens"),
+    ({"probe_share": 2}, "probe_share"),
+    ({"unknown": 1}, "unknown"),
+])
+def test_bad_router_config_is_refused(router, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate({"unit": {"router": router}}, context={"check_files": False})
