@@ -6,8 +6,8 @@ For every concurrency level (``--concurrency``, default 1,2,4,8,16,32) and every
 - ``off``:    ``{"speculation": {"enabled": false}}`` (target-only),
 - ``router``: no extension (the server decides),
 
-it sends ``--requests-per-level`` streaming, greedy chat requests (default 2 x concurrency,
-at least 8) with exactly ``concurrency`` of them in flight, and stops a level early at
+it sends ``--requests-per-level`` streaming, greedy chat requests (default 4 x concurrency,
+at least 16) with exactly ``concurrency`` of them in flight, and stops a level early at
 ``--level-timeout`` seconds (in-flight requests are cancelled and counted as unfinished).
 Modes are interleaved per level (on, off, router at c=1, then at c=2, ...) so machine drift
 hits them alike; every mode gets the same prompts in the same order.
@@ -338,7 +338,7 @@ def stop_local() -> None:
 
 # -- the sweep ------------------------------------------------------------------------------------
 def requests_per_level(concurrency: int, flag: int | None) -> int:
-    return flag if flag else max(8, 2 * concurrency)
+    return flag if flag else max(16, 4 * concurrency)
 
 
 def build_bodies(model: str, prompts: list[dict], n: int, max_tokens: int, mode: str) -> list[dict]:
@@ -397,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated concurrency levels")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of: on, off, router")
     p.add_argument("--requests-per-level", type=int, default=None,
-                   help="requests per (mode, level); default max(8, 2 x concurrency)")
+                   help="requests per (mode, level); default max(16, 4 x concurrency)")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
     p.add_argument("--prompts", default="rewrite", help="prompt set (load/prompts/<name>.jsonl)")
     p.add_argument("--level-timeout", type=float, default=300.0,

@@ -96,7 +96,7 @@ def test_header_and_request_bodies():
     assert "speculation" not in bodies["router"]
     assert all(b["stream"] and b["stream_options"]["include_usage"] and b["temperature"] == 0
                for b in bodies.values())
-    assert sweep.requests_per_level(1, None) == 8 and sweep.requests_per_level(32, None) == 64
+    assert sweep.requests_per_level(1, None) == 16 and sweep.requests_per_level(32, None) == 128
     assert sweep.requests_per_level(32, 4) == 4
 
 
