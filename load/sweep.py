@@ -9,8 +9,12 @@ For every concurrency level (``--concurrency``, default 1,2,4,8,16,32) and every
 it sends ``--requests-per-level`` streaming, greedy chat requests (default 4 x concurrency,
 at least 16) with exactly ``concurrency`` of them in flight, and stops a level early at
 ``--level-timeout`` seconds (in-flight requests are cancelled and counted as unfinished).
-Modes are interleaved per level (on, off, router at c=1, then at c=2, ...) so machine drift
-hits them alike; every mode gets the same prompts in the same order.
+Modes are interleaved per level, in rounds: a level's requests are split into ``--rounds``
+parts (default: parts of 2 x concurrency requests, at most 4) and each part runs under every
+mode, the modes' order rotated from round to round (on, off, router; then off, router, on;
+...), so machine drift and position in the order hit every mode alike; every mode gets the
+same prompts in the same order. A mode's throughput is its tokens over the sum of its rounds'
+wall times.
 
 Per (mode, concurrency): output tokens/s (completion tokens of the finished requests / wall
 time of the level), p50 / p99 time to first token, p50 / p99 inter-token latency (gaps
@@ -318,7 +322,7 @@ def start_local(port: int, app_args: dict) -> str:
 
     from deploy.app import build_app
 
-    start_local_ray()
+    start_local_ray(metrics_export_port=None)
     start_serve("127.0.0.1", port)
     serve.run(build_app(app_args), name="sweep", route_prefix="/")
     return f"http://127.0.0.1:{port}"
@@ -374,13 +378,35 @@ async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, lis
         with tqdm(total=total, unit="req", file=sys.stderr) as bar:
             for c in args.concurrency:
                 n = requests_per_level(c, args.requests_per_level)
-                for mode in args.modes:
-                    bar.set_description(f"c={c} {mode}")
-                    bodies = build_bodies(model, prompts, n, args.max_tokens, mode)
-                    results, wall = await run_level(client, url, bodies, c, args.level_timeout,
+                results = {mode: [] for mode in args.modes}
+                walls = dict.fromkeys(args.modes, 0.0)
+                for r, part in enumerate(split_rounds(n, rounds_per_level(c, n, args.rounds))):
+                    for mode in rotated(args.modes, r):
+                        bar.set_description(f"c={c} round {r + 1} {mode}")
+                        bodies = build_bodies(model, prompts, n, args.max_tokens, mode)[part]
+                        got, wall = await run_level(client, url, bodies, c, args.level_timeout,
                                                     on_done=bar.update)
-                    rows.append(summarize(mode, c, n, results, wall))
+                        results[mode] += got
+                        walls[mode] += wall
+                rows += [summarize(mode, c, n, results[mode], walls[mode]) for mode in args.modes]
     return model, spec, rows
+
+
+def rounds_per_level(concurrency: int, n: int, flag: int | None) -> int:
+    return flag if flag else max(1, min(4, n // (2 * concurrency)))
+
+
+def split_rounds(n: int, rounds: int) -> list[slice]:
+    """A level's ``n`` requests in ``rounds`` consecutive parts (sizes differ by at most 1)."""
+    bounds = [round(i * n / rounds) for i in range(rounds + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` starting at position ``r``: round r runs the modes in this order, so no mode
+    always runs first or last within a level."""
+    r %= len(items)
+    return items[r:] + items[:r]
 
 
 def parse_list(text: str, cast=int) -> list:
@@ -398,6 +424,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help="comma list of: on, off, router")
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per (mode, level); default max(16, 4 x concurrency)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="split each level into this many rounds, the modes' order rotated per round "
+                        "(drift and ordering hit every mode alike); default: as many as give each "
+                        "round 2 x concurrency requests, at most 4")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
     p.add_argument("--prompts", default="rewrite", help="prompt set (load/prompts/<name>.jsonl)")
     p.add_argument("--level-timeout", type=float, default=300.0,
@@ -415,8 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency: levels in [1, 1024]")
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes: a comma list of {', '.join(MODES)}")
-    if args.max_tokens < 1 or (args.requests_per_level is not None and args.requests_per_level < 1):
-        p.error("--max-tokens and --requests-per-level must be >= 1")
+    if args.max_tokens < 1 or any(v is not None and v < 1
+                                  for v in (args.requests_per_level, args.rounds)):
+        p.error("--max-tokens, --requests-per-level and --rounds must be >= 1")
     host = urlparse(args.host)
     if host.scheme not in ("http", "https") or not host.hostname:
         p.error("--host: a base URL such as http://127.0.0.1:8000")

@@ -93,6 +93,8 @@ def _serve_parser(sub) -> None:
                                     "YAML; default: the embedded model with n-gram speculation")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=8080,
+                   help="Ray's metrics export port (deploy/prometheus/prometheus.yml scrapes it)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -122,7 +124,7 @@ def cmd_serve(args) -> int:
     from deploy.app import build_app
     from specserve.serve.local import start_local_ray, start_serve
 
-    start_local_ray()
+    start_local_ray(metrics_export_port=args.metrics_port)
     start_serve(args.host, args.port)
     serve.run(build_app(app_args), name="specserve", route_prefix="/")
     print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
@@ -143,12 +145,32 @@ def _wait_for_signal() -> None:
     stop.wait()
 
 
+def _dashboards_parser(sub) -> None:
+    p = sub.add_parser("dashboards", help="Grafana dashboards")
+    dsub = p.add_subparsers(dest="action", required=True)
+    push = dsub.add_parser("push", help="create or overwrite the dashboards in a Grafana (by uid)")
+    push.add_argument("--url", required=True, help="Grafana's base URL, e.g. http://127.0.0.1:3000")
+    push.add_argument("--token", required=True, help="a Grafana service-account token (Editor)")
+    push.add_argument("--folder", help="folder title; created when missing (default: General)")
+    push.add_argument("--timeout", type=float, default=10.0, help="seconds per API call")
+    push.set_defaults(func=cmd_dashboards_push)
+
+
+def cmd_dashboards_push(args) -> int:
+    from specserve.dashboards import push
+
+    for r in push(args.url, args.token, args.folder, timeout_s=args.timeout):
+        print(f"{r['file']}: uid={r['uid']} version={r['version']} {r['url']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _dashboards_parser(sub)
     return parser
 
 

@@ -354,3 +354,14 @@ def test_measure_splits_prefill_from_decode_on_a_tiny_engine():
     assert tally.accepted_tokens == reference.stats.num_accepted_tokens
     off = bs.measure(engine, prompt, 20, spec_len=0)
     assert off.draft_tokens == 0 and off.decode_tokens == off.steps == off.tokens - 1
+
+
+def test_sweep_rounds_split_and_rotate():
+    """Each level runs in rounds with the modes' order rotated; the parts cover every request."""
+    assert sweep.rounds_per_level(1, 16, None) == 4 and sweep.rounds_per_level(32, 128, None) == 2
+    assert sweep.rounds_per_level(8, 32, 3) == 3
+    parts = sweep.split_rounds(16, 3)
+    assert [p.stop - p.start for p in parts] == [5, 6, 5] and parts[0].start == 0 and parts[-1].stop == 16
+    assert sweep.split_rounds(2, 4) == [slice(0, 1), slice(1, 2)]  # never an empty round
+    modes = ["on", "off", "router"]
+    assert [sweep.rotated(modes, r)[0] for r in range(4)] == ["on", "off", "router", "on"]

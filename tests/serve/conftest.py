@@ -18,6 +18,7 @@ from tests.models import perturbed, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
 
 PORT = int(os.environ.get("SPECSERVE_TEST_PORT", "18321"))
+RAY_METRICS_PORT = PORT + 1
 BASE = f"http://127.0.0.1:{PORT}"
 
 
@@ -43,7 +44,7 @@ def ray_cluster():
     from ray import serve
     from specserve.serve.local import start_local_ray, start_serve
 
-    start_local_ray(num_cpus=8, num_gpus=6)
+    start_local_ray(num_cpus=8, num_gpus=6, metrics_export_port=RAY_METRICS_PORT)
     start_serve("127.0.0.1", PORT)
     yield
     serve.shutdown()

@@ -115,6 +115,7 @@ class SpecDecodeEngine:
         self.times = StepTimes()
         self.draft_available = proposer is not None
         self.num_draft_fallbacks = 0       # times the proposer became unavailable
+        self.k_counts: dict[int, int] = {}  # decoding sequence-steps per K drafted, since start
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
@@ -214,16 +215,19 @@ class SpecDecodeEngine:
         """K per sequence for this step: its cap, or the controller's K for adaptive decoding
         rows (rows still in prefill draft at the controller's current K)."""
         caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
-        if self.controller is None:
-            return caps
         decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
-        ks = [min(c, self.controller.k) if s.adaptive else c for s, c in zip(seqs, caps)]
-        planned = self.controller.plan([
-            Row(self.target.length(seqs[i].slot), caps[i], seqs[i].adaptive,
-                not seqs[i].params.greedy) for i in decoding])
-        for i, k in zip(decoding, planned):
-            ks[i] = k
+        ks = list(caps)
+        if self.controller is not None:
+            ks = [min(c, self.controller.k) if s.adaptive else c for s, c in zip(seqs, caps)]
+            planned = self.controller.plan([
+                Row(self.target.length(seqs[i].slot), caps[i], seqs[i].adaptive,
+                    not seqs[i].params.greedy) for i in decoding])
+            for i, k in zip(decoding, planned):
+                ks[i] = k
+        for i in decoding:
+            k = ks[i]
             seqs[i].k_counts[k] = seqs[i].k_counts.get(k, 0) + 1
+            self.k_counts[k] = self.k_counts.get(k, 0) + 1
         return ks
 
     def _observe(self, seqs, ks, proposals, results, propose_s: float, accept_s: float) -> None:

@@ -25,7 +25,7 @@ from specserve.config import AppConfig
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import CapacityError, InvalidRequestError, SpecServeError
-from specserve.serve.metrics import record_decision, record_finish
+from specserve.serve.metrics import exposition, get_hub, record_finish, record_request
 from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,16 @@ class APIError(Exception):
                  code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.body = status, error_body(message, type_, code, param)
+
+
+@app.middleware("http")
+async def _count_requests(request: Request, call_next):
+    """``specserve:requests_total{route, status}``: every response, errors included (an error
+    inside an already-started stream is reported in-band and counted as the 200 it began as)."""
+    response = await call_next(request)
+    route = request.scope.get("route")
+    record_request(getattr(route, "path", "unmatched"), response.status_code)
+    return response
 
 
 @app.exception_handler(APIError)
@@ -114,6 +124,8 @@ class OpenAIIngress:
         self.model_name = self.cfg.served_model_name or src.name
         self.max_model_len = self.cfg.unit.engine.max_model_len
         self.created = int(time.time())
+        self.app_name = serve.get_replica_context().app_name
+        self.hub = get_hub(self.app_name)
 
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/health")
@@ -128,9 +140,15 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        """Prometheus exposition: this ingress's request metrics and every unit's numbers."""
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        try:
+            units = await self.hub.snapshot.remote()
+        except Exception:  # noqa: BLE001  the hub was lost: start a new one, units re-report
+            log.warning("metrics hub unavailable; recreating it", exc_info=True)
+            self.hub, units = get_hub(self.app_name), {}
+        return PlainTextResponse(exposition(units), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/units/stats")
     async def unit_stats(self) -> dict:
@@ -207,25 +225,25 @@ class OpenAIIngress:
             start = await stream.__anext__()
         except Exception as exc:
             raise _from_engine(exc) from exc
-        record_decision(start["speculation"])
         headers = {"x-speculation": start["speculation"]["header"]}
+        route = "/v1/chat/completions" if chat else "/v1/completions"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, rid, chat, include_usage),
+            return StreamingResponse(self._sse(stream, rid, chat, include_usage, route),
                                      media_type="text/event-stream", headers=headers)
-        text, finish, usage = await self._collect(stream)
+        text, finish, usage = await self._collect(stream, route)
         return JSONResponse(_response(rid, self.model_name, chat, text, finish, usage),
                             headers=headers)
 
     @staticmethod
-    async def _collect(stream) -> tuple[str, str, dict]:
+    async def _collect(stream, route: str) -> tuple[str, str, dict]:
         parts: list[str] = []
         try:
             async for chunk in stream:
                 parts.append(chunk["text"])
                 if chunk["finish_reason"] is not None:
-                    record_finish(chunk)
+                    record_finish(route, chunk)
                     return "".join(parts), chunk["finish_reason"], chunk["usage"]
         except Exception as exc:
             raise _from_engine(exc) from exc
@@ -233,7 +251,8 @@ class OpenAIIngress:
             stream.cancel()  # no-op when finished; frees the slot when the client went away
         raise APIError(500, "the unit ended the stream without finishing", "internal_error")
 
-    async def _sse(self, stream, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, stream, rid: str, chat: bool, include_usage: bool,
+                   route: str) -> AsyncIterator[str]:
         created = int(time.time())
         try:
             if chat:
@@ -245,7 +264,7 @@ class OpenAIIngress:
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
                                       chunk["finish_reason"]))
                 if chunk["finish_reason"] is not None:
-                    record_finish(chunk)
+                    record_finish(route, chunk)
                 if chunk["finish_reason"] is not None and include_usage:
                     body = _chunk(rid, self.model_name, created, chat, None, None)
                     body["choices"], body["usage"] = [], chunk["usage"]

@@ -1,36 +1,247 @@
-"""Prometheus metrics of the ingress process (``/metrics``), named as in ../DESIGN "Metrics".
+"""Prometheus metrics: names as in ../DESIGN "Metrics" (vLLM's, under ``specserve:``).
 
-Units report what they decided and did in each response's stream (the decision first, the K
-per decode step and the estimated speedup with the last chunk), and the ingress counts it
-here: one process sees every request, so the counters are exact without collecting from
-replicas. Labels stay low-cardinality: decision, reason.
+Two sources, one ``/metrics`` (the ingress's):
+
+- **Requests** (the ingress records them as they pass): HTTP requests by route and status,
+  prompt and generation tokens, and the latency histograms. Latencies are the unit's own
+  measurements, sent with each request's last chunk (``timing``), so a non-streaming request
+  has a real time to first token and proxy time is not counted, as in vLLM.
+- **Units** (running / waiting / free slots, speculation counters, router decisions, the K
+  chosen per step, the estimated speedup, draft fallbacks): every unit sends a snapshot of
+  its live numbers to a small :class:`MetricsHub` actor every ``REPORT_INTERVAL_S``; a scrape
+  of ``/metrics`` reads the hub and exposes one series per unit (label ``unit``). Counters are
+  the unit's own running totals, exact per step (in-flight requests included); a restarted
+  unit starts again from 0, which ``rate()`` treats as a counter reset. A unit silent for
+  ``STALE_AFTER_S`` is dropped.
+
+The same unit numbers also go through Ray's metrics port (``ray.util.metrics``; Ray names
+them ``ray_specserve_...``, with ``_`` for ``:``), for clusters that scrape Ray's pods.
+Labels stay low-cardinality: route, status, unit, method, decision, reason, position, K.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
 
-ROUTER_DECISIONS = Counter(
-    "specserve:router_decisions", "Speculation decisions per request, by outcome and reason.",
-    ["decision", "reason"])
-SPECULATION_LENGTH = Histogram(
-    "specserve:speculation_length",
-    "K drafted per sequence per decode step (0: that step ran target-only).",
-    buckets=tuple(range(17)))
-ESTIMATED_SPEEDUP = Gauge(
-    "specserve:estimated_speedup",
-    "The coordinator's predicted throughput at its current K over K = 0 (last finished request).")
+import ray
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 1.0
+STALE_AFTER_S = 30.0
+HUB_NAMESPACE = "specserve"
+K_BUCKETS = tuple(range(17))
+
+# -- request metrics (ingress process) -----------------------------------------------------------
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+            5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUESTS = Counter("specserve:requests", "HTTP API requests by route and status code.",
+                   ["route", "status"])
+PROMPT_TOKENS = Counter("specserve:prompt_tokens", "Prompt tokens of finished requests.", ["route"])
+GENERATION_TOKENS = Counter("specserve:generation_tokens", "Output tokens of finished requests.",
+                            ["route"])
+TTFT = Histogram("specserve:time_to_first_token_seconds",
+                 "Arrival at the unit to the first output token.", ["route"], buckets=_LATENCY)
+ITL = Histogram("specserve:inter_token_latency_seconds",
+                "Gap between consecutive outputs of a request (one engine step; a speculative "
+                "step can emit several tokens at once).", ["route"], buckets=_LATENCY)
+TPOT = Histogram("specserve:time_per_output_token_seconds",
+                 "Per request: (last token - first token) / (output tokens - 1); label "
+                 "speculation: whether the request ran with it.", ["route", "speculation"],
+                 buckets=_LATENCY)
+E2E = Histogram("specserve:e2e_request_latency_seconds",
+                "Arrival at the unit to the last output token.", ["route"], buckets=_LATENCY)
 
 
-def record_decision(speculation: dict) -> None:
-    ROUTER_DECISIONS.labels("on" if speculation["enabled"] else "off", speculation["reason"]).inc()
+def record_request(route: str, status: int) -> None:
+    REQUESTS.labels(route, str(status)).inc()
 
 
-def record_finish(chunk: dict) -> None:
-    """The last chunk of a request: its steps per K and the unit's speedup estimate."""
-    for k, steps in (chunk.get("k_counts") or {}).items():
-        for _ in range(steps):
-            SPECULATION_LENGTH.observe(k)
-    speedup = (chunk.get("usage") or {}).get("speculation", {}).get("estimated_speedup")
-    if speedup is not None:
-        ESTIMATED_SPEEDUP.set(speedup)
+def record_finish(route: str, chunk: dict) -> None:
+    """A request's last chunk from its unit: tokens and the unit-measured latencies."""
+    usage = chunk.get("usage") or {}
+    PROMPT_TOKENS.labels(route).inc(usage.get("prompt_tokens", 0))
+    GENERATION_TOKENS.labels(route).inc(usage.get("completion_tokens", 0))
+    timing = chunk.get("timing") or {}
+    if timing.get("ttft_s") is not None:
+        TTFT.labels(route).observe(timing["ttft_s"])
+    for gap in timing.get("itl_s") or ():
+        ITL.labels(route).observe(gap)
+    if timing.get("tpot_s") is not None:
+        speculated = (usage.get("speculation") or {}).get("enabled", False)
+        TPOT.labels(route, "on" if speculated else "off").observe(timing["tpot_s"])
+    if timing.get("e2e_s") is not None:
+        E2E.labels(route).observe(timing["e2e_s"])
+
+
+# -- unit metrics: the hub ----------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Latest snapshot per unit, for the ingress's scrapes."""
+
+    def __init__(self) -> None:
+        self.units: dict[str, tuple[float, dict]] = {}
+
+    def report(self, unit: str, snapshot: dict) -> None:
+        self.units[unit] = (time.monotonic(), snapshot)
+
+    def snapshot(self) -> dict[str, dict]:
+        now = time.monotonic()
+        self.units = {u: v for u, v in self.units.items() if now - v[0] < STALE_AFTER_S}
+        return {u: s for u, (_, s) in self.units.items()}
+
+
+def hub_name(app: str) -> str:
+    return f"metrics-{app}"
+
+
+def get_hub(app: str):
+    """The app's hub, created by whoever asks first (detached: it outlives a replica)."""
+    return MetricsHub.options(name=hub_name(app), namespace=HUB_NAMESPACE, get_if_exists=True,
+                              lifetime="detached").remote()
+
+
+class UnitReporter:
+    """A thread in the unit that sends ``snapshot()`` to the hub every ``interval_s`` and
+    mirrors the numbers into Ray's metrics. Failures are logged once and retried."""
+
+    def __init__(self, app: str, unit: str, snapshot: Callable[[], dict],
+                 interval_s: float = REPORT_INTERVAL_S) -> None:
+        self.app, self.unit, self.snapshot, self.interval_s = app, unit, snapshot, interval_s
+        self._stop = threading.Event()
+        self._ray = RayMirror(unit)
+        self._thread = threading.Thread(target=self._run, name="metrics-reporter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        hub, failed = None, False
+        while not self._stop.wait(self.interval_s):
+            try:
+                snap = self.snapshot()
+                hub = hub or get_hub(self.app)
+                hub.report.remote(self.unit, snap)
+                self._ray.update(snap)
+                failed = False
+            except Exception:  # noqa: BLE001  metrics must never take the unit down
+                if not failed:
+                    log.exception("metrics report failed; retrying every %.1fs", self.interval_s)
+                hub, failed = None, True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class RayMirror:
+    """The unit's gauges and counters through ``ray.util.metrics`` (Ray's metrics port)."""
+
+    def __init__(self, unit: str) -> None:
+        from ray.util.metrics import Counter as RayCounter
+        from ray.util.metrics import Gauge as RayGauge
+
+        tags = ("unit", "method")
+        self.unit = unit
+        self.gauges = {name: RayGauge(f"specserve_{name}", doc, tag_keys=tags)
+                       for name, doc in _GAUGES.items()}
+        self.counters = {name: RayCounter(f"specserve_{name}", doc, tag_keys=tags)
+                         for name, doc in _COUNTERS.items()}
+        self._last: dict[str, float] = {}
+
+    def update(self, snap: dict) -> None:
+        tags = {"unit": self.unit, "method": snap["method"]}
+        for name in _GAUGES:
+            self.gauges[name].set(float(snap[name]), tags)
+        for name in _COUNTERS:
+            value = float(snap[name])
+            delta = value - self._last.get(name, 0.0)
+            if delta > 0:
+                self.counters[name].inc(delta, tags)
+            self._last[name] = value
+
+
+# Unit gauges and counters: snapshot key -> help text (names get the ``specserve:`` prefix;
+# counters get ``_total`` in the exposition).
+_GAUGES = {
+    "num_requests_running": "Sequences decoding in the unit.",
+    "num_requests_waiting": "Requests queued for a KV slot.",
+    "free_slots": "Free KV slots.",
+    "num_slots": "KV slots (max_num_seqs).",
+    "draft_available": "1 while the unit's proposer answers, 0 in draft_unavailable fallback.",
+    "estimated_speedup": "The coordinator's predicted throughput at its K over K = 0 "
+                         "(1 until its cost model is calibrated).",
+    "speculation_length_current": "The K the coordinator drafts for adaptive requests now.",
+    "concurrency_gate_open": "1 while the router speculates new requests, 0 in high_concurrency.",
+}
+_COUNTERS = {
+    "spec_decode_num_drafts": "Verified drafts (one per sequence per step that drafted).",
+    "spec_decode_num_draft_tokens": "Drafted tokens.",
+    "spec_decode_num_accepted_tokens": "Drafted tokens the target accepted.",
+    "draft_fallbacks": "Times the unit lost its draft group and decoded target-only.",
+    "requests_admitted": "Requests the unit's engine accepted.",
+    "requests_aborted": "Requests cancelled before they finished (client went away).",
+}
+
+
+def unit_families(units: dict[str, dict]) -> Iterator:
+    """Metric families of every unit's snapshot (see :meth:`SpeculationUnit.metrics_snapshot`)."""
+    labels = ["unit", "method"]
+    gauges = {n: GaugeMetricFamily(f"specserve:{n}", doc, labels=labels) for n, doc in _GAUGES.items()}
+    counters = {n: CounterMetricFamily(f"specserve:{n}", doc, labels=labels)
+                for n, doc in _COUNTERS.items()}
+    per_pos = CounterMetricFamily(
+        "specserve:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens by draft position (0 = the first drafted token).",
+        labels=[*labels, "position"])
+    decisions = CounterMetricFamily(
+        "specserve:router_decisions", "Speculation decisions per request, by outcome and reason.",
+        labels=[*labels, "decision", "reason"])
+    k_hist = HistogramMetricFamily(
+        "specserve:speculation_length",
+        "K drafted per decoding sequence per step (0: that step ran target-only).", labels=labels)
+    for unit, snap in sorted(units.items()):
+        values = [unit, snap["method"]]
+        for name, family in gauges.items():
+            family.add_metric(values, float(snap[name]))
+        for name, family in counters.items():
+            family.add_metric(values, float(snap[name]))
+        for pos, n in enumerate(snap["accepted_per_position"]):
+            per_pos.add_metric([*values, str(pos)], float(n))
+        for key, n in sorted(snap["router_decisions"].items()):
+            decision, reason = key.split(":", 1)
+            decisions.add_metric([*values, decision, reason], float(n))
+        k_counts = {int(k): n for k, n in snap["k_counts"].items()}
+        cumulative, buckets = 0, []
+        for bound in K_BUCKETS:
+            cumulative += k_counts.get(bound, 0)
+            buckets.append((str(float(bound)), float(cumulative)))
+        total = sum(k_counts.values())
+        buckets.append(("+Inf", float(total)))
+        k_hist.add_metric(values, buckets, sum_value=float(sum(k * n for k, n in k_counts.items())))
+    yield from gauges.values()
+    yield from counters.values()
+    yield from (per_pos, decisions, k_hist)
+
+
+class _Families:
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def exposition(units: dict[str, dict]) -> bytes:
+    """The whole ``/metrics`` body: this process's request metrics, then the units'."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(unit_families(units))))
+    from prometheus_client import REGISTRY
+
+    return generate_latest(REGISTRY) + generate_latest(registry)

@@ -10,6 +10,7 @@ Scaling replicas scales whole units; KV caches never cross units.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -22,6 +23,7 @@ from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
 from specserve.serve.coordinator import AsyncEngine
 from specserve.serve.groups import RemoteProposer, TargetGroup
+from specserve.serve.metrics import UnitReporter
 from specserve.serve.policy import Decision, SpeculationRouter
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,9 @@ class SpeculationUnit:
         pg = ray.util.get_current_placement_group()
         spec = cfg.engine.speculative
         self.method = spec.method
-        self.draft_name = f"draft-{serve.get_replica_context().replica_id.unique_id}"
+        context = serve.get_replica_context()
+        self.unit_id = context.replica_id.unique_id
+        self.draft_name = f"draft-{self.unit_id}"
         self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name)
                       if cfg.has_draft_group else None)
         self.target = TargetGroup.start(cfg, pg, 2 if cfg.has_draft_group else 1)
@@ -55,6 +59,7 @@ class SpeculationUnit:
                                         adaptive=self.engine.controller is not None,
                                         max_num_seqs=cfg.engine.max_num_seqs)
         self.decisions: dict[str, int] = {}  # "on:default" -> count, since start
+        self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot)
         self.core = AsyncEngine(self.engine, max_queue_len=cfg.max_queue_len,
                                 draft_probe=self.draft.ping if self.draft else None,
                                 draft_retry_s=cfg.draft_retry_s)
@@ -78,10 +83,12 @@ class SpeculationUnit:
         # and per token they cost the forward pass CPU time on a small machine.
         per_step = request.get("stream", True)
         completion_tokens, pending = 0, []
+        clock = _Timing(time.perf_counter())
         async for out in self.core.generate(request["prompt_token_ids"], params,
                                             spec_len=decision.num_speculative_tokens,
                                             adaptive=decision.adaptive):
             completion_tokens += len(out.new_token_ids)
+            clock.output(time.perf_counter(), len(out.new_token_ids))
             pending.append(out.text_delta)
             if not per_step and out.finish_reason is None:
                 continue
@@ -92,8 +99,34 @@ class SpeculationUnit:
                                     out.stats.num_accepted_tokens, self._break_even())
                 chunk["usage"] = _usage(len(request["prompt_token_ids"]), completion_tokens,
                                         out, decision, self._estimated_speedup())
-                chunk["k_counts"] = out.k_counts
+                chunk["timing"] = clock.as_dict(completion_tokens)
             yield chunk
+
+    def metrics_snapshot(self) -> dict:
+        """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
+        engine, ctl = self.engine, self.engine.controller
+        spec = engine.stats
+        return {
+            "method": self.method or "none",
+            "num_requests_running": self.core.num_running,
+            "num_requests_waiting": self.core.num_waiting,
+            "free_slots": engine.target.num_free_slots,
+            "num_slots": self.cfg.engine.max_num_seqs,
+            "draft_available": int(engine.draft_available),
+            "estimated_speedup": ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0,
+            "speculation_length_current": ctl.k if ctl is not None else
+            (engine.num_speculative_tokens if self.method else 0),
+            "concurrency_gate_open": int(self.router.gate.open),
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position),
+            "draft_fallbacks": engine.num_draft_fallbacks,
+            "requests_admitted": self.core.num_admitted,
+            "requests_aborted": self.core.num_aborted,
+            "router_decisions": dict(self.decisions),
+            "k_counts": dict(engine.k_counts),
+        }
 
     def _break_even(self) -> float | None:
         ctl = self.engine.controller
@@ -143,9 +176,38 @@ class SpeculationUnit:
             raise RuntimeError("the coordinator loop has stopped")
 
     def __del__(self) -> None:
+        reporter = getattr(self, "reporter", None)
+        if reporter is not None:
+            reporter.stop()
         core = getattr(self, "core", None)
         if core is not None:
             core.shutdown()
+
+
+class _Timing:
+    """A request's latencies as the unit sees them (arrival to outputs), for the metrics."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+
+    def output(self, now: float, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def as_dict(self, num_tokens: int) -> dict:
+        if self.first is None:
+            return {"ttft_s": None, "itl_s": [], "tpot_s": None, "e2e_s": None}
+        tpot = (self.last - self.first) / (num_tokens - 1) if num_tokens > 1 else None
+        return {"ttft_s": self.first - self.arrival, "itl_s": self.gaps, "tpot_s": tpot,
+                "e2e_s": self.last - self.arrival}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, out: StepOutput, decision: Decision,

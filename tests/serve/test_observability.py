@@ -1,0 +1,210 @@
+"""Metrics, rules and dashboards against a real Prometheus (the Debian package) scraping the
+local Serve app on 127.0.0.1: every PromQL expression of every dashboard panel, recording
+rule and alert is valid and returns data.
+
+A Grafana server cannot be installed on these machines (not in apt, PyPI or npm): the
+dashboards are checked as JSON and through their queries here, and the push command against a
+stand-in (``test_dashboards.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve.conftest import BASE, RAY_METRICS_PORT, deploy, unit_args
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS_PORT = 18390
+PROM = f"http://127.0.0.1:{PROMETHEUS_PORT}"
+# Alerts whose condition depends on the traffic the test happens to produce: their condition
+# is checked to evaluate, and their signal (the expression before the threshold) to return data.
+# The others must fire on this traffic: the test makes units full, so 429s exist.
+ALERTS_THAT_MUST_HAVE_DATA = {"SpecServeQueueFull"}
+
+
+def prometheus_bin() -> str:
+    path = shutil.which("prometheus")
+    assert path, "prometheus is not installed (make install puts the Debian package in)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def obs_app(ray_cluster, tiny_models) -> str:
+    """n-gram, adaptive K, two slots and one queue place: enough to make 429s on purpose."""
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
+    args["unit"]["max_queue_len"] = 1
+    return deploy("obs", "/obs", args)
+
+
+@pytest.fixture(scope="module")
+def prometheus(obs_app, tmp_path_factory):
+    """Prometheus on 127.0.0.1 scraping the app's /metrics and Ray's metrics port every
+    second, with the project's rule files; stopped by its PID."""
+    work = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(p) for p in sorted((ROOT / "deploy/prometheus/rules").glob("*.yml"))]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    jobs["specserve"]["metrics_path"] = "/obs/metrics"
+    jobs["specserve"]["static_configs"] = [{"targets": [BASE.removeprefix("http://")]}]
+    jobs["ray"]["static_configs"] = [{"targets": [f"127.0.0.1:{RAY_METRICS_PORT}"]}]
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    log = (work / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [prometheus_bin(), f"--config.file={work / 'prometheus.yml'}",
+         f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(PROM + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (work / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.5)
+        yield PROM
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def send_traffic(url: str, model: str) -> None:
+    """Speculated and target-only requests, streamed and not, both routes, bad requests, and
+    a burst that overflows the unit (429)."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(url + path, json={"model": model, "temperature": 0, **body}, timeout=120)
+
+    for i in range(6):
+        spec = {} if i % 2 else {"speculation": {"enabled": False}}
+        r = post("/v1/completions", {"prompt": "a b c a b c a b", "max_tokens": 40, **spec})
+        assert r.status_code == 200, r.text
+        r = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x y x y"}],
+                                          "max_tokens": 30, "stream": True, **spec})
+        assert r.status_code == 200
+    assert post("/v1/completions", {"prompt": "x", "max_tokens": -1}).status_code == 400
+    burst = {"prompt": "a b c", "max_tokens": 150, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as pool:
+        codes = [r.status_code for r in pool.map(lambda _: post("/v1/completions", burst), range(8))]
+    assert 429 in codes and 200 in codes, codes
+
+
+def query(prom: str, expr: str) -> list:
+    r = httpx.get(prom + "/api/v1/query", params={"query": expr}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}\n{body}"
+    return body["data"]["result"]
+
+
+def wait_for(prom: str, expr: str, timeout: float = 60) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = query(prom, expr)
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(1)
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard, panel, expr) of every target, with the variables set to "All"."""
+    out = []
+    for path in sorted((ROOT / "deploy/grafana").glob("*.json")):
+        dash = json.loads(path.read_text())
+        for panel in dash["panels"]:
+            for target in panel.get("targets", []):
+                expr = target["expr"].replace("$__rate_interval", "1m")
+                expr = re.sub(r"\$(namespace|unit|method)\b", ".*", expr)
+                out.append((path.name, panel["title"], expr))
+    assert len(out) >= 20
+    return out
+
+
+def rules(kind: str) -> list[dict]:
+    doc = yaml.safe_load((ROOT / f"deploy/prometheus/rules/{kind}.yml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def signal(expr: str) -> str:
+    """An alert's expression without its final threshold comparison."""
+    return re.split(r"\s[<>]=?\s*[-\d.]+\s*$", expr.strip())[0]
+
+
+@pytest.fixture(scope="module")
+def scraped(prometheus, obs_app, tiny_models):
+    send_traffic(obs_app, Path(tiny_models[0]).name)
+    time.sleep(3)  # two unit reports and a few scrapes after the last request
+    assert wait_for(prometheus, "specserve:spec_decode_num_draft_tokens_total > 0")
+    assert wait_for(prometheus, 'specserve:requests_total{status="429"}')
+    return prometheus
+
+
+def test_every_dashboard_query_returns_data(scraped):
+    empty = [(d, p, e) for d, p, e in dashboard_queries() if not wait_for(scraped, e, timeout=10)]
+    assert not empty, "queries with no data:\n" + "\n".join(map(str, empty))
+
+
+def test_every_recording_rule_returns_data_and_is_evaluated(scraped):
+    for rule in rules("recording"):
+        assert wait_for(scraped, rule["expr"], timeout=10), rule["record"]
+        assert wait_for(scraped, rule["record"], timeout=30), f"{rule['record']} not recorded"
+
+
+def test_every_alert_evaluates_and_its_signal_has_data(scraped):
+    for rule in rules("alerts"):
+        query(scraped, rule["expr"])  # valid
+        assert wait_for(scraped, signal(rule["expr"]), timeout=10), rule["alert"]
+        if rule["alert"] in ALERTS_THAT_MUST_HAVE_DATA:
+            assert wait_for(scraped, rule["expr"], timeout=10), rule["alert"]
+
+
+def test_metrics_values_agree_with_the_units(scraped, obs_app):
+    """The exposition parses, carries one series per unit, and the drafted tokens equal what
+    the unit reports itself."""
+    time.sleep(2.5)  # let the hub get a report newer than the last request
+    text = httpx.get(obs_app + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    drafted = [s for s in families["specserve:spec_decode_num_draft_tokens"].samples
+               if s.name.endswith("_total")]
+    stats = httpx.get(obs_app + "/v1/units/stats").json()
+    assert len(drafted) == 1 and drafted[0].value == stats["spec"]["num_draft_tokens"]
+    decisions = {(s.labels["decision"], s.labels["reason"]): s.value
+                 for s in families["specserve:router_decisions"].samples if s.name.endswith("_total")}
+    assert decisions[("off", "client_override")] >= 6 and decisions[("on", "default")] >= 6
+    for family in families.values():  # low cardinality: no request ids, prompts, tenants
+        for sample in family.samples:
+            assert set(sample.labels) <= {"route", "status", "speculation", "unit", "method",
+                                          "decision", "reason", "position", "le"}, sample
+
+
+def test_units_are_mirrored_on_rays_metrics_port(scraped):
+    """Ray exports the units' numbers as ray_specserve_* (Ray reports every few seconds)."""
+    assert wait_for(scraped, '{__name__=~"ray_specserve_spec_decode_num_draft_tokens.*"}', timeout=60)
+    assert wait_for(scraped, '{__name__=~"ray_specserve_free_slots.*"}', timeout=60)
+
+
+def test_promtool_checks_and_rule_unit_tests():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (make install puts the Debian package in)"
+    prom_dir = ROOT / "deploy/prometheus"
+    for args in (["check", "config", str(prom_dir / "prometheus.yml")],
+                 ["check", "rules", *map(str, sorted((prom_dir / "rules").glob("*.yml")))],
+                 ["test", "rules", *map(str, sorted((prom_dir / "tests").glob("*.yml")))]):
+        proc = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=120,
+                              cwd=prom_dir)
+        assert proc.returncode == 0, f"promtool {' '.join(args)}\n{proc.stdout}\n{proc.stderr}"
