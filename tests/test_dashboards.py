@@ -15,7 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from specserve.cli import main
 from specserve.dashboards import DashboardPushError, push
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from grafanalib._gen import DashboardEncoder
+from grafanalib.core import Dashboard as _Dashboard
 from grafanalib.core import (
     GridPos,
     RowPanel,
@@ -26,7 +27,6 @@ from grafanalib.core import (
     Templating,
     TimeSeries,
 )
-from grafanalib.core import Dashboard as _Dashboard
 
 HERE = Path(__file__).resolve().parent
 DS = "${datasource}"

@@ -16,7 +16,6 @@ from urllib.parse import urlparse
 from specserve.errors import SpecServeError
 
 
-
 def default_dir() -> Path:
     """``deploy/grafana`` (installed beside ``specserve``, JSON included as package data)."""
     import deploy

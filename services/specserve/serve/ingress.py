@@ -25,7 +25,13 @@ from specserve.config import AppConfig
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import CapacityError, InvalidRequestError, SpecServeError
-from specserve.serve.metrics import exposition, get_hub, record_finish, record_request
+from specserve.serve.metrics import (
+    exposition,
+    get_hub,
+    initialize_request_metrics,
+    record_finish,
+    record_request,
+)
 from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 log = logging.getLogger(__name__)
@@ -124,6 +130,7 @@ class OpenAIIngress:
         self.model_name = self.cfg.served_model_name or src.name
         self.max_model_len = self.cfg.unit.engine.max_model_len
         self.created = int(time.time())
+        initialize_request_metrics()
         self.app_name = serve.get_replica_context().app_name
         self.hub = get_hub(self.app_name)
 

@@ -62,6 +62,14 @@ E2E = Histogram("specserve:e2e_request_latency_seconds",
                 "Arrival at the unit to the last output token.", ["route"], buckets=_LATENCY)
 
 
+def initialize_request_metrics() -> None:
+    """Create the series alerts compute ``increase()`` on, at 0: a counter series born at its
+    first event (e.g. the first 429) would show no increase for that event."""
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        for status in ("200", "400", "429", "500", "503"):
+            REQUESTS.labels(route, status)
+
+
 def record_request(route: str, status: int) -> None:
     REQUESTS.labels(route, str(status)).inc()
 
