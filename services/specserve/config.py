@@ -219,6 +219,16 @@ class UnitConfig(_Strict):
         1.0, gt=0, le=600, description="How often a unit without its draft checks for it.")
     router: RouterConfig = Field(default_factory=RouterConfig,
                                  description="When to speculate, per request.")
+    target_node_resource: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="A custom Ray resource the nodes for target ranks advertise (the Helm chart's "
+                    "target worker group); the coordinator and target bundles ask for a sliver "
+                    "of it, so they land only there. None: any node with the GPUs.")
+    draft_node_resource: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Put the draft actor outside the unit's placement group, on a node that "
+                    "advertises this custom Ray resource (the Helm chart's draft worker group). "
+                    "None: the draft gets a bundle in the unit's placement group (one node).")
 
     @model_validator(mode="after")
     def _check(self) -> UnitConfig:
@@ -233,6 +243,11 @@ class UnitConfig(_Strict):
     @property
     def has_draft_group(self) -> bool:
         return self.engine.speculative.method == "draft_model"
+
+    @property
+    def draft_in_bundle(self) -> bool:
+        """The draft actor has a bundle in the unit's placement group (same node)."""
+        return self.has_draft_group and self.draft_node_resource is None
 
 
 class AppConfig(_Strict):

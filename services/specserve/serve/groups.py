@@ -188,12 +188,16 @@ class RemoteProposer(Proposer):
 
     @classmethod
     def start_group(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None) -> RemoteProposer:
-        """Start the draft actor (Ray restarts it whenever it dies). ``name`` makes it findable
-        (fault-injection tests kill it by name)."""
+        """Start the draft actor (Ray restarts it whenever it dies): in bundle ``bundle`` of the
+        unit's placement group, or, with ``draft_node_resource``, on a node advertising that
+        resource (a separate draft worker group). ``name`` makes it findable (fault-injection
+        tests kill it by name)."""
         engine = cfg.engine
         named = {"name": name, "namespace": DRAFT_NAMESPACE} if name else {}
+        placement = (_in_bundle(cfg, pg, bundle) if cfg.draft_in_bundle else
+                     {**_in_bundle(cfg, None, 0), "resources": {cfg.draft_node_resource: NODE_SLIVER}})
         actor = DraftWorker.options(max_restarts=-1, max_task_retries=0, **named,
-                                    **_in_bundle(cfg, pg, bundle)).remote(
+                                    **placement).remote(
             engine.speculative.draft.model_dump(), engine.max_model_len, engine.max_num_seqs)
         proposer = cls(actor, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
@@ -236,6 +240,9 @@ class RemoteProposer(Proposer):
         ray.kill(self.actor, no_restart=True)
 
 
+NODE_SLIVER = 0.001  # of a node-marking custom resource: many actors fit, only there
+
+
 def _in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
     """Actor options placing it in bundle ``index`` of the unit's placement group."""
     options = {"num_cpus": cfg.cpus_per_actor, "num_gpus": 1 if cfg.accelerator == "gpu" else 0}
@@ -246,8 +253,11 @@ def _in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
 
 
 def unit_bundles(cfg: UnitConfig) -> list[dict]:
-    """``[coordinator, (draft), target rank 0..N-1]`` resource bundles for one unit."""
+    """``[coordinator, (draft), target rank 0..N-1]`` resource bundles for one unit (the
+    draft's only when it shares the unit's node; see ``UnitConfig.draft_node_resource``)."""
     gpu = {"GPU": 1} if cfg.accelerator == "gpu" else {}
+    node = {cfg.target_node_resource: NODE_SLIVER} if cfg.target_node_resource else {}
     group = {"CPU": cfg.cpus_per_actor, **gpu}
-    draft = [dict(group)] if cfg.has_draft_group else []
-    return [{"CPU": cfg.coordinator_cpus}, *draft, *[dict(group) for _ in range(cfg.tensor_parallel_size)]]
+    draft = [dict(group)] if cfg.draft_in_bundle else []
+    return [{"CPU": cfg.coordinator_cpus, **node}, *draft,
+            *[{**group, **node} for _ in range(cfg.tensor_parallel_size)]]

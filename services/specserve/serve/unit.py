@@ -44,7 +44,7 @@ class SpeculationUnit:
         self.draft_name = f"draft-{self.unit_id}"
         self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name)
                       if cfg.has_draft_group else None)
-        self.target = TargetGroup.start(cfg, pg, 2 if cfg.has_draft_group else 1)
+        self.target = TargetGroup.start(cfg, pg, 2 if cfg.draft_in_bundle else 1)
         proposer = self.draft or (NgramProposer(min_n=spec.prompt_lookup_min,
                                                 max_n=spec.prompt_lookup_max)
                                   if spec.method == "ngram" else None)

@@ -1,0 +1,123 @@
+{{/* Names and labels. */}}
+{{- define "specserve.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "specserve.labels" -}}
+{{ include "specserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "specserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "specserve.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the draft worker group exists. */}}
+{{- define "specserve.hasDraft" -}}
+{{- if eq (toString .Values.specserve.unit.engine.speculative.method) "draft_model" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "specserve.hubTokenSecret" -}}
+{{- .Values.hubToken.existingSecret | default (printf "%s-hub-token" (include "specserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "specserve.apiKeysSecret" -}}
+{{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "specserve.fullname" .)) -}}
+{{- end -}}
+
+{{- define "specserve.modelCacheClaim" -}}
+{{- .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "specserve.fullname" .)) -}}
+{{- end -}}
+
+{{/*
+The application config as the Serve app receives it: the values' `specserve` AppConfig plus
+the node resources that pin the coordinator and target ranks to target pods and the draft to
+draft pods (the worker groups advertise them).
+*/}}
+{{- define "specserve.appConfig" -}}
+{{- $unit := merge (dict "target_node_resource" "specserve_target") .Values.specserve.unit -}}
+{{- if include "specserve.hasDraft" . -}}
+{{- $unit = merge (dict "draft_node_resource" "specserve_draft") $unit -}}
+{{- end -}}
+{{- $app := merge (dict "unit" $unit) (omit .Values.specserve "unit") -}}
+{{- toYaml $app -}}
+{{- end -}}
+
+{{/* Env, volumes and mounts shared by every Ray container. */}}
+{{- define "specserve.env" -}}
+- name: SPECSERVE_CACHE_DIR
+  value: /models/cache
+- name: HF_HOME
+  value: /models/hf
+{{- if or .Values.hubToken.value .Values.hubToken.existingSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specserve.hubTokenSecret" . }}
+      key: {{ .Values.hubToken.key }}
+{{- end }}
+{{- if or .Values.apiKeys.values .Values.apiKeys.existingSecret }}
+- name: SPECSERVE_API_KEYS_FILE
+  value: /etc/specserve/api-keys/{{ .Values.apiKeys.key }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.volumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shm }}
+{{- if .root.Values.modelCache.enabled }}
+- name: model-cache
+  persistentVolumeClaim:
+    claimName: {{ include "specserve.modelCacheClaim" .root }}
+{{- end }}
+{{- if or .root.Values.apiKeys.values .root.Values.apiKeys.existingSecret }}
+- name: api-keys
+  secret:
+    secretName: {{ include "specserve.apiKeysSecret" .root }}
+{{- end }}
+{{- end -}}
+
+{{- define "specserve.volumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+{{- if .Values.modelCache.enabled }}
+- name: model-cache
+  mountPath: /models
+{{- end }}
+{{- if or .Values.apiKeys.values .Values.apiKeys.existingSecret }}
+- name: api-keys
+  mountPath: /etc/specserve/api-keys
+  readOnly: true
+{{- end }}
+{{- end -}}

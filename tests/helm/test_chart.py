@@ -1,0 +1,188 @@
+"""The Helm chart, rendered with the real helm 3.17 (``make install`` fetches it into .helm/).
+
+No Kubernetes API server can be had on these machines (no kind, k3s or Docker daemon), so the
+chart is checked by rendering: ``helm lint --strict``, ``helm template`` with every ``ci/``
+values file, built-in kinds validated by ``kubernetes-validate --strict`` at a pinned
+Kubernetes version, the CRD kinds (RayService, ServiceMonitor, PodMonitor, PrometheusRule)
+with ``jsonschema`` against the schemas in ``helm/crd-schemas/``, and assertions on what the
+objects say.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from specserve.config import AppConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "specserve"
+HELM = ROOT / ".helm" / "bin" / "helm"
+K8S_VERSION = "1.30.0"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+CRD_SCHEMAS = {kind: json.loads((ROOT / "helm" / "crd-schemas" / f"{kind.lower()}.schema.json").read_text())
+               for kind in ("RayService", "ServiceMonitor", "PodMonitor", "PrometheusRule")}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    assert HELM.is_file(), "helm is missing: `make install` fetches it into .helm/bin"
+    env = {**os.environ, **{f"HELM_{k}_HOME": str(ROOT / ".helm" / k.lower())
+                            for k in ("CACHE", "CONFIG", "DATA")}}
+    proc = subprocess.run([str(HELM), *args], capture_output=True, text=True, env=env, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def render(*values: Path, sets: tuple[str, ...] = ()) -> list[dict]:
+    args = ["template", "rel", str(CHART), "--namespace", "llm", "--kube-version", K8S_VERSION]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def app_args(docs: list[dict]) -> dict:
+    [svc] = by_kind(docs, "RayService")
+    serve_config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    [application] = serve_config["applications"]
+    return application["args"]
+
+
+def groups(docs: list[dict]) -> dict[str, dict]:
+    [svc] = by_kind(docs, "RayService")
+    return {g["groupName"]: g for g in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def test_lint_strict():
+    helm("lint", "--strict", str(CHART))
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_ci_values_render_and_validate(values, tmp_path):
+    docs = render(values)
+    builtin = [d for d in docs if d["kind"] not in CRD_SCHEMAS]
+    manifest = tmp_path / "builtin.yaml"
+    manifest.write_text(yaml.safe_dump_all(builtin))
+    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict",
+                           "--kubernetes-version", K8S_VERSION, str(manifest)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for doc in docs:
+        if doc["kind"] in CRD_SCHEMAS:
+            jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
+    # The same pydantic model as deploy/ accepts what the chart renders.
+    AppConfig.model_validate(app_args(docs), context={"check_files": False})
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_target_pods_ask_for_exactly_tp_gpus(tp):
+    docs = render(sets=(f"specserve.unit.tensor_parallel_size={tp}",))
+    target = groups(docs)["target"]
+    [container] = target["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == tp
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == tp
+    assert target["rayStartParams"]["num-gpus"] == str(tp)
+    assert groups(docs)["draft"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"] == 1
+    assert app_args(docs)["unit"]["tensor_parallel_size"] == tp
+
+
+def test_ngram_has_no_draft_group():
+    docs = render(CHART / "ci" / "ngram-values.yaml")
+    assert set(groups(docs)) == {"target"}
+    assert [p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")] == ["rel-specserve-target"]
+    unit = app_args(docs)["unit"]
+    assert "draft_node_resource" not in unit and unit["target_node_resource"] == "specserve_target"
+
+
+def test_groups_advertise_the_resources_the_unit_asks_for():
+    docs = render()
+    unit = app_args(docs)["unit"]
+    for name, group in groups(docs).items():
+        resources = group["rayStartParams"]["resources"]
+        assert unit[f"{name}_node_resource"] in resources
+        assert json.loads(json.loads(resources.strip("'"))) == {f"specserve_{name}": 1000}
+
+
+def test_ingress_carries_streaming_annotations_and_tls():
+    docs = render(CHART / "ci" / "ingress-tls-values.yaml")
+    [ingress] = by_kind(docs, "Ingress")
+    notes = ingress["metadata"]["annotations"]
+    assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert int(notes["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 600
+    assert ingress["spec"]["tls"][0]["secretName"] == "llm-example-com-tls"
+    [route] = by_kind(docs, "HTTPRoute")
+    assert route["spec"]["rules"][0]["timeouts"]["request"] == "3600s"
+
+
+def test_existing_secrets_are_referenced_not_inlined():
+    docs = render(CHART / "ci" / "tp4-draft-values.yaml", CHART / "ci" / "ingress-tls-values.yaml")
+    assert not by_kind(docs, "Secret")
+    [svc] = by_kind(docs, "RayService")
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    env = {e["name"]: e for e in head["containers"][0]["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "specserve-api-keys"
+
+
+def test_inline_secret_values_become_secrets():
+    docs = render(sets=("hubToken.value=hf_abcdefghijklmnop", "apiKeys.values[0]=sk-0123456789abcdef"))
+    names = {s["metadata"]["name"] for s in by_kind(docs, "Secret")}
+    assert names == {"rel-specserve-hub-token", "rel-specserve-api-keys"}
+
+
+def test_dashboards_are_byte_identical_to_deploy_grafana():
+    docs = render()
+    maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
+    for name in ("serving", "speculation"):
+        cm = maps[f"rel-specserve-dashboard-{name}"]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["data"][f"{name}.json"] == (ROOT / "deploy" / "grafana" / f"{name}.json").read_text()
+
+
+def test_prometheus_rule_is_deploy_prometheus_rules():
+    docs = render()
+    [rule] = by_kind(docs, "PrometheusRule")
+    expected = [g for f in ("recording", "alerts")
+                for g in yaml.safe_load((ROOT / "deploy/prometheus/rules" / f"{f}.yml").read_text())["groups"]]
+    assert rule["spec"]["groups"] == expected
+
+
+def test_values_schema_is_fresh():
+    proc = subprocess.run([sys.executable, str(ROOT / "helm" / "schema.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("target.replicas=-1",), "target.replicas"),
+    (("specserve.num_units=0",), "num_units"),
+    (("specserve.unit.tensor_parallel_size=3",), "tensor_parallel_size"),
+    (("specserve.unit.engine.speculative.num_speculative_tokens=0",), "num_speculative_tokens"),
+    (("specserve.unit.engine.speculative.method=eagle",), "method"),
+    (("service.port=70000",), "service.port"),
+    (("image.pullPolicy=Sometimes",), "pullPolicy"),
+    (("ingress.hosts[0].paths[0].path=relative",), "path"),
+    (("specserve.unit.router.probe_share=2",), "probe_share"),
+    (("specserve.unit.typo_field=1",), "typo_field"),
+    (("apiKeys.values[0]=short",), "apiKeys"),
+])
+def test_bad_values_are_refused_with_the_field_named(sets, message):
+    proc = helm("template", "rel", str(CHART), *[a for s in sets for a in ("--set", s)], check=False)
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert message in proc.stderr, proc.stderr
