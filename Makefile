@@ -76,7 +76,7 @@ rules: install ## promtool: check the scrape config and rules, run the rule unit
 	promtool test rules deploy/prometheus/tests/*.yml
 
 lint: install ## Ruff over the package and the tests
-	$(PY) -m ruff check services tests load
+	$(PY) -m ruff check services tests load deploy helm
 
 generate: install ## One generation on the embedded default: make generate PROMPT="..."
 	$(VENV)/bin/specserve generate --chat --prompt "$(or $(PROMPT),Write a haiku about GPUs.)"

@@ -19,7 +19,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from specserve.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,8 +156,9 @@ def test_dashboards_are_byte_identical_to_deploy_grafana():
 def test_prometheus_rule_is_deploy_prometheus_rules():
     docs = render()
     [rule] = by_kind(docs, "PrometheusRule")
+    rules = ROOT / "deploy" / "prometheus" / "rules"
     expected = [g for f in ("recording", "alerts")
-                for g in yaml.safe_load((ROOT / "deploy/prometheus/rules" / f"{f}.yml").read_text())["groups"]]
+                for g in yaml.safe_load((rules / f"{f}.yml").read_text())["groups"]]
     assert rule["spec"]["groups"] == expected
 
 

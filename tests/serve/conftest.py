@@ -1,6 +1,6 @@
 """One local Ray cluster and Serve instance for the whole test session (on 127.0.0.1).
 
-Ray gets 6 *fake* GPUs (the draft app takes 2, the TP test 3) so the units' placement
+Ray gets 8 *fake* GPUs (the draft and split apps take 2 each, the TP test 3) so the units' placement
 groups are the cluster's (``{"GPU": 1}`` bundles, actors pinned to bundles); torch sees no
 CUDA, so ranks run on CPU with gloo. A real GPU, NCCL and a Kubernetes cluster cannot be had
 on these machines.
@@ -44,7 +44,10 @@ def ray_cluster():
     from ray import serve
     from specserve.serve.local import start_local_ray, start_serve
 
-    start_local_ray(num_cpus=8, num_gpus=6, metrics_export_port=RAY_METRICS_PORT)
+    # The node also advertises the resources the Helm chart's worker groups do, so a unit
+    # configured for a cluster (target and draft on separate groups) can be placed here.
+    start_local_ray(num_cpus=8, num_gpus=8, metrics_export_port=RAY_METRICS_PORT,
+                    resources={"specserve_target": 1000, "specserve_draft": 1000})
     start_serve("127.0.0.1", PORT)
     yield
     serve.shutdown()

@@ -56,12 +56,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-The application config as the Serve app receives it: the values' `specserve` AppConfig plus
-the node resources that pin the coordinator and target ranks to target pods and the draft to
-draft pods (the worker groups advertise them).
+The application config as the Serve app receives it: the values' `specserve` AppConfig (its
+draft dropped unless method is draft_model) plus the node resources that pin the coordinator
+and target ranks to target pods and the draft to draft pods (the worker groups advertise them).
 */}}
 {{- define "specserve.appConfig" -}}
-{{- $unit := merge (dict "target_node_resource" "specserve_target") .Values.specserve.unit -}}
+{{- $spec := .Values.specserve.unit.engine.speculative -}}
+{{- if not (include "specserve.hasDraft" .) -}}
+{{- /* values.yaml's default draft means nothing without method draft_model (and is refused) */ -}}
+{{- $spec = omit $spec "draft" -}}
+{{- end -}}
+{{- $engine := merge (dict "speculative" $spec) (omit .Values.specserve.unit.engine "speculative") -}}
+{{- $unit := merge (dict "target_node_resource" "specserve_target" "engine" $engine) (omit .Values.specserve.unit "engine") -}}
 {{- if include "specserve.hasDraft" . -}}
 {{- $unit = merge (dict "draft_node_resource" "specserve_draft") $unit -}}
 {{- end -}}

@@ -194,8 +194,12 @@ class RemoteProposer(Proposer):
         tests kill it by name)."""
         engine = cfg.engine
         named = {"name": name, "namespace": DRAFT_NAMESPACE} if name else {}
-        placement = (_in_bundle(cfg, pg, bundle) if cfg.draft_in_bundle else
-                     {**_in_bundle(cfg, None, 0), "resources": {cfg.draft_node_resource: NODE_SLIVER}})
+        if cfg.draft_in_bundle:
+            placement = _in_bundle(cfg, pg, bundle)
+        else:  # out of the replica's placement group, which would otherwise capture it
+            placement = {**_in_bundle(cfg, None, 0),
+                         "resources": {cfg.draft_node_resource: NODE_SLIVER},
+                         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
         actor = DraftWorker.options(max_restarts=-1, max_task_retries=0, **named,
                                     **placement).remote(
             engine.speculative.draft.model_dump(), engine.max_model_len, engine.max_num_seqs)

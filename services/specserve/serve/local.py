@@ -26,7 +26,8 @@ for _key, _value in LOCAL_ENV.items():
 
 
 def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
-                    metrics_export_port: int | None = 8080) -> None:
+                    metrics_export_port: int | None = 8080,
+                    resources: dict[str, float] | None = None) -> None:
     """``ray.init`` on 127.0.0.1 with this process's environment passed to the workers.
     Ray's metrics (and the units' ``ray_specserve_*`` mirror) are served on
     ``metrics_export_port`` (None: Ray picks one)."""
@@ -39,6 +40,7 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
         raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
                            "a non-loopback address")
     ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
+             resources=resources,
              include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port,
              runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
 
