@@ -40,5 +40,10 @@ def build_app(args: dict) -> Application:
     ).bind(cfg.unit.model_dump())
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4 * capacity * cfg.num_units,
-        ray_actor_options={"num_cpus": 0.1})
+        ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)})
     return ingress.bind(unit=unit, config=cfg.model_dump())
+
+
+def _on_node(resource: str | None) -> dict:
+    """Actor options pinning it to nodes that advertise ``resource`` (a sliver of it)."""
+    return {"resources": {resource: 0.001}} if resource else {}

@@ -261,3 +261,7 @@ class AppConfig(_Strict):
     max_tokens_cap: int = Field(
         4096, ge=1, le=1_048_576, description="Largest max_tokens a request may ask for.")
     route_prefix: str = Field("/", pattern=r"^/", description="HTTP prefix of the API.")
+    ingress_node_resource: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="A custom Ray resource the node for the API ingress advertises (the Helm "
+                    "chart's head group, beside the HTTP proxy). None: any node.")

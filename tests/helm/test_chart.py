@@ -110,6 +110,11 @@ def test_ngram_has_no_draft_group():
 def test_groups_advertise_the_resources_the_unit_asks_for():
     docs = render()
     unit = app_args(docs)["unit"]
+    [svc] = by_kind(docs, "RayService")
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert app_args(docs)["ingress_node_resource"] == "specserve_head"
+    assert json.loads(json.loads(head["resources"].strip("'"))) == {"specserve_head": 1000}
+    assert head["num-gpus"] == "0"
     for name, group in groups(docs).items():
         resources = group["rayStartParams"]["resources"]
         assert unit[f"{name}_node_resource"] in resources

@@ -47,7 +47,8 @@ def ray_cluster():
     # The node also advertises the resources the Helm chart's worker groups do, so a unit
     # configured for a cluster (target and draft on separate groups) can be placed here.
     start_local_ray(num_cpus=8, num_gpus=8, metrics_export_port=RAY_METRICS_PORT,
-                    resources={"specserve_target": 1000, "specserve_draft": 1000})
+                    resources={"specserve_head": 1000, "specserve_target": 1000,
+                               "specserve_draft": 1000})
     start_serve("127.0.0.1", PORT)
     yield
     serve.shutdown()

@@ -25,6 +25,7 @@ def split_app(ray_cluster, tiny_models) -> str:
         "adaptive": {"enabled": False}})
     args["unit"].update({"accelerator": "gpu", "target_node_resource": "specserve_target",
                          "draft_node_resource": "specserve_draft"})
+    args["ingress_node_resource"] = "specserve_head"
     return deploy("split", "/split", args)
 
 

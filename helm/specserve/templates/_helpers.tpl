@@ -71,7 +71,7 @@ and target ranks to target pods and the draft to draft pods (the worker groups a
 {{- if include "specserve.hasDraft" . -}}
 {{- $unit = merge (dict "draft_node_resource" "specserve_draft") $unit -}}
 {{- end -}}
-{{- $app := merge (dict "unit" $unit) (omit .Values.specserve "unit") -}}
+{{- $app := merge (dict "unit" $unit "ingress_node_resource" "specserve_head") (omit .Values.specserve "unit") -}}
 {{- toYaml $app -}}
 {{- end -}}
 
