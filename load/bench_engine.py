@@ -52,7 +52,7 @@ from specserve.engine.tokenizer import encode_chat
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
-from common import cpu_seconds  # noqa: E402
+from common import cpu_seconds, rotated  # noqa: E402
 from prompts import load_prompts  # noqa: E402
 
 WORKLOADS = ("rewrite", "chat")
@@ -133,12 +133,6 @@ def build_runners(dtype: str, ks: list[int]) -> dict[str, Runner]:
 
 
 # -- measuring ----------------------------------------------------------------------------------
-def rotated(modes: list[str], i: int) -> list[str]:
-    """The modes starting at the i-th: prompt i runs them in this order."""
-    i %= len(modes)
-    return modes[i:] + modes[:i]
-
-
 def measure(run: Runner, prompt: list[int], max_tokens: int):
     """One run, plus the CPU seconds other processes used meanwhile."""
     busy, mine = cpu_seconds()

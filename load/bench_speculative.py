@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
 
-from load.common import cpu_seconds, format_table, write_csv  # noqa: E402
+from load.common import cpu_seconds, format_table, rotated, write_csv  # noqa: E402
 
 BASELINE = "target-only"
 METHODS = ("ngram", "draft_model")
@@ -283,11 +283,6 @@ def measure(engine, prompt: list[int], max_tokens: int, spec_len: int) -> Tally:
                  draft_tokens=last.stats.num_draft_tokens,
                  accepted_tokens=last.stats.num_accepted_tokens,
                  other_cpu_s=max(0.0, (busy_after - busy) - (mine_after - mine)))
-
-
-def rotated(items: list, i: int) -> list:
-    i %= len(items)
-    return items[i:] + items[:i]
 
 
 def schedule(num_prompts: int, ks: list[int], methods: list[str]) -> list[tuple[int, int, str]]:

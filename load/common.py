@@ -1,4 +1,4 @@
-"""Helpers the load tools share: table and CSV output, and how busy the machine was."""
+"""Helpers the load tools share: table and CSV output, run order, and how busy the machine was."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ def fmt(value, digits: int = 1) -> str:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.{digits}f}"
     return str(value)
+
+
+def rotated(items: list, i: int) -> list:
+    """``items`` starting at the i-th (modulo its length): run i uses this order, so no item
+    always runs first or last and machine drift hits them alike."""
+    i %= len(items)
+    return items[i:] + items[:i]
 
 
 def format_table(rows: list[dict], spec: TableSpec) -> str:

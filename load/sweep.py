@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
 
-from load.common import format_table, write_csv  # noqa: E402
+from load.common import format_table, rotated, write_csv  # noqa: E402
 
 MODES: dict[str, dict] = {
     "on": {"speculation": {"enabled": True}},
@@ -400,13 +400,6 @@ def split_rounds(n: int, rounds: int) -> list[slice]:
     """A level's ``n`` requests in ``rounds`` consecutive parts (sizes differ by at most 1)."""
     bounds = [round(i * n / rounds) for i in range(rounds + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def rotated(items: list, r: int) -> list:
-    """``items`` starting at position ``r``: round r runs the modes in this order, so no mode
-    always runs first or last within a level."""
-    r %= len(items)
-    return items[r:] + items[:r]
 
 
 def parse_list(text: str, cast=int) -> list:

@@ -15,6 +15,7 @@ import torch
 
 from load import bench_speculative as bs
 from load import sweep
+from load.common import rotated
 from load.truncated_draft import truncate_model, truncated_draft
 from tests.tiny import make_tiny_tokenizer
 
@@ -364,4 +365,4 @@ def test_sweep_rounds_split_and_rotate():
     assert [p.stop - p.start for p in parts] == [5, 6, 5] and parts[0].start == 0 and parts[-1].stop == 16
     assert sweep.split_rounds(2, 4) == [slice(0, 1), slice(1, 2)]  # never an empty round
     modes = ["on", "off", "router"]
-    assert [sweep.rotated(modes, r)[0] for r in range(4)] == ["on", "off", "router", "on"]
+    assert [rotated(modes, r)[0] for r in range(4)] == ["on", "off", "router", "on"]
