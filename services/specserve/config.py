@@ -9,13 +9,16 @@ Helm chart on a machine without the models).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, model_validator
 
 from specserve.errors import ConfigError
 
 SpecMethod = Literal["ngram", "draft_model"]
+# A custom Ray resource that marks nodes (the Helm chart's head / target / draft groups).
+NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
+                                                pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class _Strict(BaseModel):
@@ -219,13 +222,13 @@ class UnitConfig(_Strict):
         1.0, gt=0, le=600, description="How often a unit without its draft checks for it.")
     router: RouterConfig = Field(default_factory=RouterConfig,
                                  description="When to speculate, per request.")
-    target_node_resource: str | None = Field(
-        None, min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+    target_node_resource: NodeResource | None = Field(
+        None,
         description="A custom Ray resource the nodes for target ranks advertise (the Helm chart's "
                     "target worker group); the coordinator and target bundles ask for a sliver "
                     "of it, so they land only there. None: any node with the GPUs.")
-    draft_node_resource: str | None = Field(
-        None, min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+    draft_node_resource: NodeResource | None = Field(
+        None,
         description="Put the draft actor outside the unit's placement group, on a node that "
                     "advertises this custom Ray resource (the Helm chart's draft worker group). "
                     "None: the draft gets a bundle in the unit's placement group (one node).")
@@ -261,7 +264,7 @@ class AppConfig(_Strict):
     max_tokens_cap: int = Field(
         4096, ge=1, le=1_048_576, description="Largest max_tokens a request may ask for.")
     route_prefix: str = Field("/", pattern=r"^/", description="HTTP prefix of the API.")
-    ingress_node_resource: str | None = Field(
-        None, min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+    ingress_node_resource: NodeResource | None = Field(
+        None,
         description="A custom Ray resource the node for the API ingress advertises (the Helm "
                     "chart's head group, beside the HTTP proxy). None: any node.")

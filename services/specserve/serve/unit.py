@@ -67,7 +67,7 @@ class SpeculationUnit:
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """``request``: ``{"prompt_token_ids", "params", "speculation", "stream", "class_key"}``.
         Yields ``{"event": "start", "speculation": ...}``, then ``{"event": "delta", ...}``
-        chunks; the last carries ``usage`` and, for the ingress's metrics, ``k_counts``."""
+        chunks; the last carries ``usage`` and, for the ingress's metrics, ``timing``."""
         params = SamplingParams.model_validate(request["params"])
         key = request.get("class_key", "")
         decision = self.router.decide(request.get("speculation"), max_tokens=params.max_tokens,
