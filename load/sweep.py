@@ -6,15 +6,21 @@ For every concurrency level (``--concurrency``, default 1,2,4,8,16,32) and every
 - ``off``:    ``{"speculation": {"enabled": false}}`` (target-only),
 - ``router``: no extension (the server decides),
 
-it sends ``--requests-per-level`` streaming, greedy chat requests (default 4 x concurrency,
-at least 16) with exactly ``concurrency`` of them in flight, and stops a level early at
+it sends ``--requests-per-level`` streaming, greedy chat requests (default 6 x concurrency,
+at least 24) with exactly ``concurrency`` of them in flight, and stops a level early at
 ``--level-timeout`` seconds (in-flight requests are cancelled and counted as unfinished).
 Modes are interleaved per level, in rounds: a level's requests are split into ``--rounds``
-parts (default: parts of 2 x concurrency requests, at most 4) and each part runs under every
-mode, the modes' order rotated from round to round (on, off, router; then off, router, on;
-...), so machine drift and position in the order hit every mode alike; every mode gets the
-same prompts in the same order. A mode's throughput is its tokens over the sum of its rounds'
+parts (default: one part per ``concurrency`` requests, so at c = 1 the modes take turns
+request by request) and each part runs under every mode, the modes' order rotated from round
+to round (on, off, router; then off, router, on; ...), so machine drift and position in the
+order hit every mode alike; every mode gets the same prompts in the same order (greedy and
+lossless: the same tokens). A mode's throughput is its tokens over the sum of its rounds'
 wall times.
+
+The per-level summary puts the router against the better of on and off (issue 5's
+criterion) next to the measurement's own resolution: the spread, over the level's rounds, of
+the per-round ratio router / on. Where the router chose what forced-on does, that ratio is
+an A/A comparison and its spread is the noise of one round on this machine.
 
 Per (mode, concurrency): output tokens/s (completion tokens of the finished requests / wall
 time of the level), p50 / p99 time to first token, p50 / p99 inter-token latency (gaps
@@ -66,6 +72,8 @@ CSV_COLUMNS = (
     "tpot_p50_ms", "acceptance_rate", "mean_acceptance_length", "spec_on_share", "mean_k",
     "error",
 )
+ROUND_COLUMNS = ("concurrency", "round", "mode", "requests", "finished", "completion_tokens",
+                 "wall_s", "output_tokens_per_s")
 
 
 # -- one request ---------------------------------------------------------------------------------
@@ -342,7 +350,7 @@ def stop_local() -> None:
 
 # -- the sweep ------------------------------------------------------------------------------------
 def requests_per_level(concurrency: int, flag: int | None) -> int:
-    return flag if flag else max(16, 4 * concurrency)
+    return flag if flag else max(24, 6 * concurrency)
 
 
 def build_bodies(model: str, prompts: list[dict], n: int, max_tokens: int, mode: str) -> list[dict]:
@@ -357,9 +365,9 @@ async def served_model(client, base: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, list[dict]]:
+async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, list[dict], list[dict]]:
     """Every (level, mode) in order; returns the model id, the server's speculation method
-    (from a warm-up's header) and the table rows."""
+    (from a warm-up's header), the table rows and one row per (level, round, mode)."""
     import httpx
     from tqdm import tqdm
 
@@ -368,7 +376,7 @@ async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, lis
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     total = len(args.modes) * sum(requests_per_level(c, args.requests_per_level)
                                   for c in args.concurrency)
-    rows, spec = [], ""
+    rows, round_rows, spec = [], [], ""
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = await served_model(client, base)
         for mode in args.modes:  # warm-up, not measured
@@ -388,12 +396,22 @@ async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, lis
                                                     on_done=bar.update)
                         results[mode] += got
                         walls[mode] += wall
+                        round_rows.append(round_row(c, r, mode, bodies, got, wall))
                 rows += [summarize(mode, c, n, results[mode], walls[mode]) for mode in args.modes]
-    return model, spec, rows
+    return model, spec, rows, round_rows
+
+
+def round_row(concurrency: int, r: int, mode: str, bodies: list, got: list[RequestResult],
+              wall: float) -> dict:
+    ok = [x for x in got if x.ok]
+    tokens = sum(x.completion_tokens for x in ok)
+    return {"concurrency": concurrency, "round": r, "mode": mode, "requests": len(bodies),
+            "finished": len(ok), "completion_tokens": tokens, "wall_s": wall,
+            "output_tokens_per_s": _ratio(tokens, wall)}
 
 
 def rounds_per_level(concurrency: int, n: int, flag: int | None) -> int:
-    return flag if flag else max(1, min(4, n // (2 * concurrency)))
+    return flag if flag else max(1, n // concurrency)
 
 
 def split_rounds(n: int, rounds: int) -> list[slice]:
@@ -416,11 +434,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated concurrency levels")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of: on, off, router")
     p.add_argument("--requests-per-level", type=int, default=None,
-                   help="requests per (mode, level); default max(16, 4 x concurrency)")
+                   help="requests per (mode, level); default max(24, 6 x concurrency)")
     p.add_argument("--rounds", type=int, default=None,
                    help="split each level into this many rounds, the modes' order rotated per round "
-                        "(drift and ordering hit every mode alike); default: as many as give each "
-                        "round 2 x concurrency requests, at most 4")
+                        "(drift and ordering hit every mode alike); default: one round per "
+                        "concurrency requests")
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
     p.add_argument("--prompts", default="rewrite", help="prompt set (load/prompts/<name>.jsonl)")
     p.add_argument("--level-timeout", type=float, default=300.0,
@@ -431,6 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--machine", default=None, help="machine name for the plot title")
     p.add_argument("--csv", type=Path, default=RESULTS / "sweep.csv")
     p.add_argument("--png", type=Path, default=RESULTS / "sweep.png")
+    p.add_argument("--rounds-csv", type=Path, default=RESULTS / "sweep-rounds.csv",
+                   help="one row per (level, round, mode)")
     args = p.parse_args(argv)
     args.concurrency = sorted(set(parse_list(args.concurrency)))
     args.modes = parse_list(args.modes, str)
@@ -458,16 +478,16 @@ def main(argv: list[str] | None = None) -> int:
             top = max(args.concurrency)
             base = start_local(args.local_port, local_app_args(top, max(64, top),
                                                                args.max_model_len, args.k))
-        model, spec, rows = asyncio.run(run_sweep(args, base, prompts))
+        model, spec, rows, round_rows = asyncio.run(run_sweep(args, base, prompts))
     finally:
         if args.start_local:
             stop_local()
-    report(args, base, model, spec, rows)
+    report(args, base, model, spec, rows, round_rows)
     return 0
 
 
-def report(args, base: str, model: str, spec: str, rows: list[dict]) -> None:
-    """Print the table; write the CSV and the plot."""
+def report(args, base: str, model: str, spec: str, rows: list[dict], round_rows: list[dict]) -> None:
+    """Print the tables; write the CSVs and the plot."""
     local = args.start_local or urlparse(base).hostname in ("127.0.0.1", "localhost")
     machine = args.machine or (machine_label() if local else base)
     title = (f"{model} on {machine}: speculation {' / '.join(args.modes)}\n"
@@ -477,9 +497,47 @@ def report(args, base: str, model: str, spec: str, rows: list[dict]) -> None:
     print(format_table(rows, TABLE))
     print("\nlatencies in ms; ITL = gap between SSE chunks (a speculative chunk can carry several "
           "tokens); TPOT = (last - first token) / (tokens - 1)")
+    levels = level_summary(rows, round_rows)
+    if levels:
+        print("\n" + format_table(levels, LEVEL_TABLE))
+        print("\nrouter / best: router tok/s over the better of on and off (issue 5 wants >= 0.95); "
+              "router / on per round: min, median, max over the level's rounds (the noise of one "
+              "round where the router chose what on does)")
     write_csv(rows, args.csv, CSV_COLUMNS)
+    write_csv(round_rows, args.rounds_csv, ROUND_COLUMNS)
     save_plot(rows, title, args.png)
-    print(f"wrote {args.csv} and {args.png}")
+    print(f"wrote {args.csv}, {args.rounds_csv} and {args.png}")
+
+
+LEVEL_TABLE = (("c", "concurrency", 4, 0), ("on tok/s", "on", 9, 1), ("off tok/s", "off", 9, 1),
+               ("router tok/s", "router", 12, 1), ("router/best", "router_over_best", 11, 3),
+               ("on/off", "on_over_off", 7, 2), ("router/off", "router_over_off", 10, 2),
+               ("rounds", "rounds", 6, 0), ("r/on min", "round_min", 8, 2),
+               ("r/on med", "round_median", 8, 2), ("r/on max", "round_max", 8, 2))
+
+
+def level_summary(rows: list[dict], round_rows: list[dict]) -> list[dict]:
+    """Per level with all three modes: their tok/s, router over the better of on and off,
+    the speedups over off, and min / median / max over the rounds of the per-round ratio
+    router / on (tok/s). Empty when a mode is missing."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        tps = {r["mode"]: r["output_tokens_per_s"] for r in rows if r["concurrency"] == c}
+        if not all(m in tps for m in MODES):
+            return []
+        per_round: dict[int, dict[str, float]] = {}
+        for r in round_rows:
+            if r["concurrency"] == c:
+                per_round.setdefault(r["round"], {})[r["mode"]] = r["output_tokens_per_s"]
+        ratios = [_ratio(v["router"], v["on"]) for v in per_round.values() if "router" in v and "on" in v]
+        ratios = [x for x in ratios if not math.isnan(x)]
+        out.append({"concurrency": c, **{m: tps[m] for m in MODES},
+                    "router_over_best": _ratio(tps["router"], max(tps["on"], tps["off"])),
+                    "on_over_off": _ratio(tps["on"], tps["off"]),
+                    "router_over_off": _ratio(tps["router"], tps["off"]),
+                    "rounds": len(ratios), "round_min": min(ratios, default=math.nan),
+                    "round_median": percentile(ratios, 50), "round_max": max(ratios, default=math.nan)})
+    return out
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def test_header_and_request_bodies():
     assert "speculation" not in bodies["router"]
     assert all(b["stream"] and b["stream_options"]["include_usage"] and b["temperature"] == 0
                for b in bodies.values())
-    assert sweep.requests_per_level(1, None) == 16 and sweep.requests_per_level(32, None) == 128
+    assert sweep.requests_per_level(1, None) == 24 and sweep.requests_per_level(32, None) == 192
     assert sweep.requests_per_level(32, 4) == 4
 
 
@@ -359,10 +359,28 @@ def test_measure_splits_prefill_from_decode_on_a_tiny_engine():
 
 def test_sweep_rounds_split_and_rotate():
     """Each level runs in rounds with the modes' order rotated; the parts cover every request."""
-    assert sweep.rounds_per_level(1, 16, None) == 4 and sweep.rounds_per_level(32, 128, None) == 2
+    assert sweep.rounds_per_level(1, 24, None) == 24 and sweep.rounds_per_level(32, 192, None) == 6
     assert sweep.rounds_per_level(8, 32, 3) == 3
     parts = sweep.split_rounds(16, 3)
     assert [p.stop - p.start for p in parts] == [5, 6, 5] and parts[0].start == 0 and parts[-1].stop == 16
     assert sweep.split_rounds(2, 4) == [slice(0, 1), slice(1, 2)]  # never an empty round
     modes = ["on", "off", "router"]
     assert [rotated(modes, r)[0] for r in range(4)] == ["on", "off", "router", "on"]
+
+
+def test_sweep_level_summary_ratios_and_round_spread():
+    """router / best uses the better of on and off; the round spread is router / on per round."""
+    rows = [{"mode": m, "concurrency": 4, "output_tokens_per_s": v}
+            for m, v in (("on", 40.0), ("off", 20.0), ("router", 38.0))]
+    rounds = [{"concurrency": 4, "round": r, "mode": m, "output_tokens_per_s": v}
+              for r, vals in enumerate(((40.0, 20.0, 36.0), (40.0, 20.0, 44.0), (40.0, 20.0, 38.0)))
+              for m, v in zip(("on", "off", "router"), vals)]
+    [level] = sweep.level_summary(rows, rounds)
+    assert level["router_over_best"] == pytest.approx(0.95)
+    assert level["on_over_off"] == pytest.approx(2.0) and level["router_over_off"] == pytest.approx(1.9)
+    assert level["rounds"] == 3
+    assert (level["round_min"], level["round_median"], level["round_max"]) == pytest.approx((0.9, 0.95, 1.1))
+    off_better = [dict(r, output_tokens_per_s=50.0) if r["mode"] == "off" else r for r in rows]
+    assert sweep.level_summary(off_better, rounds)[0]["router_over_best"] == pytest.approx(38 / 50)
+    assert sweep.level_summary(rows[:2], rounds) == []  # a mode missing: no criterion to show
+    assert "nan" not in sweep.format_table([level], sweep.LEVEL_TABLE).lower()
