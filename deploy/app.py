@@ -37,11 +37,19 @@ def build_app(args: dict) -> Application:
             request_router_class=LeastLoadedUnitRouter,
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         health_check_period_s=10,
+        **_drain(cfg.drain_timeout_s),
     ).bind(cfg.unit.model_dump())
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4 * capacity * cfg.num_units,
-        ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)})
+        ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)},
+        **_drain(cfg.drain_timeout_s))
     return ingress.bind(unit=unit, config=cfg.model_dump())
+
+
+def _drain(timeout_s: float) -> dict:
+    """Serve's graceful stop: a replica being replaced or removed gets no new requests and
+    keeps serving the ones it has (streams included) for up to ``timeout_s``."""
+    return {"graceful_shutdown_timeout_s": timeout_s, "graceful_shutdown_wait_loop_s": 0.5}
 
 
 def _on_node(resource: str | None) -> dict:

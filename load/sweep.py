@@ -308,7 +308,7 @@ def local_app_args(max_num_seqs: int, max_queue_len: int, max_model_len: int, k:
                                 "speculative": {"method": "ngram", "num_speculative_tokens": k},
                                 "max_model_len": max_model_len, "max_num_seqs": max_num_seqs},
                      "max_queue_len": max_queue_len},
-            "max_tokens_cap": 4096}
+            "max_tokens_cap": 4096, "auth": {"enabled": False}}  # loopback benchmark
 
 
 def port_is_free(port: int) -> bool:
@@ -320,7 +320,7 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def start_local(port: int, app_args: dict) -> str:
+def start_local(port: int, app_args: dict, name: str = "sweep") -> str:
     """Local Ray + the Serve app on 127.0.0.1:port (blocks until it is up); its base URL."""
     from specserve.serve.local import start_local_ray, start_serve  # before ray: loopback
 
@@ -332,7 +332,7 @@ def start_local(port: int, app_args: dict) -> str:
 
     start_local_ray(metrics_export_port=None)
     start_serve("127.0.0.1", port)
-    serve.run(build_app(app_args), name="sweep", route_prefix="/")
+    serve.run(build_app(app_args), name=name, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 

@@ -115,10 +115,14 @@ def _app_args(path: str | None) -> dict:
     return doc
 
 
+LOCAL_DEFAULT = {"auth": {"enabled": False}}  # no --config: the local default, keys off
+
+
 def cmd_serve(args) -> int:
     from specserve.config import AppConfig
 
-    app_args = AppConfig.model_validate(_app_args(args.config)).model_dump()  # fail before Ray
+    cfg = AppConfig.model_validate(_app_args(args.config) if args.config else LOCAL_DEFAULT)
+    app_args = cfg.model_dump()  # fail before Ray
     from ray import serve
 
     from deploy.app import build_app
@@ -127,11 +131,36 @@ def cmd_serve(args) -> int:
     start_local_ray(metrics_export_port=args.metrics_port)
     start_serve(args.host, args.port)
     serve.run(build_app(app_args), name="specserve", route_prefix="/")
+    if not cfg.auth.enabled:
+        print("specserve: authentication is OFF (auth.enabled: false): anyone who reaches "
+              f"{args.host}:{args.port} can use the API without a key", flush=True)
     print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
           flush=True)
     _wait_for_signal()
+    drain("specserve", cfg.drain_timeout_s)
     serve.shutdown()
     return 0
+
+
+def drain(app_name: str, timeout_s: float, poll_s: float = 0.2) -> int:
+    """Stop taking requests and wait (at most ``timeout_s``) for those in flight to finish;
+    returns how many were still running at the end. /health answers 503 meanwhile."""
+    import time
+
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("OpenAIIngress", app_name=app_name)
+    status = ingress.drain.remote().result()
+    print(f"specserve: draining, {status['in_flight']} request(s) in flight "
+          f"(at most {timeout_s:g} s)", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while status["in_flight"] and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        status = ingress.drain_status.remote().result()
+    if status["in_flight"]:
+        print(f"specserve: {status['in_flight']} request(s) still running after {timeout_s:g} s; "
+              "stopping anyway", flush=True)
+    return status["in_flight"]
 
 
 def _wait_for_signal() -> None:

@@ -220,6 +220,14 @@ class UnitConfig(_Strict):
         10.0, gt=0, le=600, description="A draft call slower than this counts as a dead draft.")
     draft_retry_s: float = Field(
         1.0, gt=0, le=600, description="How often a unit without its draft checks for it.")
+    target_step_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="A target forward slower than this counts as a failed target group: its "
+                    "requests end with 503 and the unit restarts the group.")
+    target_restart_attempts: int = Field(
+        3, ge=1, le=100,
+        description="Restarts of a failed target group in a row before the unit reports itself "
+                    "unhealthy and Serve replaces the whole unit.")
     router: RouterConfig = Field(default_factory=RouterConfig,
                                  description="When to speculate, per request.")
     target_node_resource: NodeResource | None = Field(
@@ -253,6 +261,60 @@ class UnitConfig(_Strict):
         return self.has_draft_group and self.draft_node_resource is None
 
 
+class AuthConfig(_Strict):
+    """API keys, as OpenAI's: ``Authorization: Bearer <key>`` on every ``/v1`` route.
+
+    Keys come from ``api_keys_file`` (default: the file named by ``$SPECSERVE_API_KEYS_FILE``;
+    one key per line, ``#`` comments) and from the comma-separated ``$<api_keys_env>``; the
+    Helm chart mounts its Secret as that file. The file is re-read when it changes, so keys
+    rotate without a restart. Keys are compared in constant time and never logged; logs and
+    metrics name a key by the first 8 hex digits of its SHA-256 (``key-1a2b3c4d``).
+    """
+
+    enabled: bool = Field(
+        True, description="Require a key. Turning it off is explicit, and the server says so at "
+                          "start-up (`specserve serve` without --config runs that way, on 127.0.0.1).")
+    api_keys_file: str | None = Field(
+        None, min_length=1, max_length=4096,
+        description="File with one key per line; default: the file named by $SPECSERVE_API_KEYS_FILE.")
+    api_keys_env: str = Field(
+        "SPECSERVE_API_KEYS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128,
+        description="Environment variable holding comma-separated keys (read as well as the file).")
+    protect_metrics: bool = Field(
+        False, description="Require a key on /metrics too (Prometheus then sends it as a bearer "
+                           "token). /health is always open.")
+
+
+class LimitsConfig(_Strict):
+    """What one request and one key may take. Every cap answers with an OpenAI-shaped error
+    (400, 413 or 429 with ``Retry-After``) before the request reaches a unit. Per-key limits are
+    exact because the app runs one ingress replica."""
+
+    requests_per_minute: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Requests per key per minute (a token bucket refilled continuously); "
+                    "None: unlimited. With auth off, every client shares the one anonymous key.")
+    burst: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Bucket size: requests a key may send at once; default requests_per_minute.")
+    max_concurrent_requests: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Generation requests (streamed or not) one key may have in flight; None: "
+                    "unlimited (the units' queues still bound the total).")
+    max_request_bytes: int = Field(
+        1_048_576, ge=1024, le=67_108_864, description="Largest request body (413 beyond).")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, le=1_048_576,
+        description="Longest prompt in tokens; None: whatever the context length leaves room for.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, le=86_400,
+        description="A request still running after this long is cancelled (its slot freed) and "
+                    "ends with a 504 (in-band in a stream).")
+    log_request_content: bool = Field(
+        False, description="Log prompts and outputs (debugging only). Off: logs carry ids, "
+                           "key ids, token counts and timings, never text.")
+
+
 class AppConfig(_Strict):
     """The Serve application: an OpenAI-compatible ingress in front of N units."""
 
@@ -264,6 +326,13 @@ class AppConfig(_Strict):
     max_tokens_cap: int = Field(
         4096, ge=1, le=1_048_576, description="Largest max_tokens a request may ask for.")
     route_prefix: str = Field("/", pattern=r"^/", description="HTTP prefix of the API.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig,
+                                 description="Per-request caps and per-key limits.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="On shutdown or redeploy, how long a replica keeps serving the requests it "
+                    "already has (new ones go elsewhere or get 503) before it is stopped.")
     ingress_node_resource: NodeResource | None = Field(
         None,
         description="A custom Ray resource the node for the API ingress advertises (the Helm "

@@ -52,3 +52,13 @@ class ProposerUnavailable(SpecServeError):
 
     code = "draft_unavailable"
     status_code = 503
+
+
+class TargetUnavailable(SpecServeError):
+    """The target group failed (a rank died, or a step ran past ``target_step_timeout_s``)
+    or is being restarted. Requests in flight end with it; new ones get it until the group is
+    back. 503 with ``Retry-After``."""
+
+    type = "service_unavailable"
+    code = "target_unavailable"
+    status_code = 503

@@ -82,7 +82,7 @@ def unit_args(target_dir: str, **engine) -> dict:
                                 "max_num_seqs": 8, **engine},
                      "max_queue_len": 16,
                      "router": {"short_output_tokens": 0, "low_acceptance_threshold": 0.0}},
-            "max_tokens_cap": 200}
+            "max_tokens_cap": 200, "auth": {"enabled": False}}
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,28 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- .Values.hubToken.existingSecret | default (printf "%s-hub-token" (include "specserve.fullname" .)) -}}
 {{- end -}}
 
+{{/* "true" unless specserve.auth.enabled is false: API keys are on by default. */}}
+{{- define "specserve.authEnabled" -}}
+{{- if ne (toString (dig "auth" "enabled" true .Values.specserve)) "false" }}true{{ end -}}
+{{- end -}}
+
+{{/*
+The keys the chart's own Secret holds: apiKeys.values, else the key generated at the first
+install (read back with lookup, so upgrades keep it), else a new random one.
+*/}}
+{{- define "specserve.apiKeysData" -}}
+{{- if .Values.apiKeys.values -}}
+{{- join "\n" .Values.apiKeys.values -}}
+{{- else -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace (include "specserve.apiKeysSecret" .) -}}
+{{- if and $old $old.data (hasKey $old.data .Values.apiKeys.key) -}}
+{{- index $old.data .Values.apiKeys.key | b64dec -}}
+{{- else -}}
+{{- printf "sk-%s" (randAlphaNum 40) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "specserve.apiKeysSecret" -}}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "specserve.fullname" .)) -}}
 {{- end -}}
@@ -88,7 +110,7 @@ and target ranks to target pods and the draft to draft pods (the worker groups a
       name: {{ include "specserve.hubTokenSecret" . }}
       key: {{ .Values.hubToken.key }}
 {{- end }}
-{{- if or .Values.apiKeys.values .Values.apiKeys.existingSecret }}
+{{- if include "specserve.authEnabled" . }}
 - name: SPECSERVE_API_KEYS_FILE
   value: /etc/specserve/api-keys/{{ .Values.apiKeys.key }}
 {{- end }}
@@ -107,7 +129,7 @@ and target ranks to target pods and the draft to draft pods (the worker groups a
   persistentVolumeClaim:
     claimName: {{ include "specserve.modelCacheClaim" .root }}
 {{- end }}
-{{- if or .root.Values.apiKeys.values .root.Values.apiKeys.existingSecret }}
+{{- if include "specserve.authEnabled" .root }}
 - name: api-keys
   secret:
     secretName: {{ include "specserve.apiKeysSecret" .root }}
@@ -121,7 +143,7 @@ and target ranks to target pods and the draft to draft pods (the worker groups a
 - name: model-cache
   mountPath: /models
 {{- end }}
-{{- if or .Values.apiKeys.values .Values.apiKeys.existingSecret }}
+{{- if include "specserve.authEnabled" . }}
 - name: api-keys
   mountPath: /etc/specserve/api-keys
   readOnly: true

@@ -7,6 +7,11 @@ Target group: N :class:`TargetRank` actors form one ``torch.distributed`` proces
 rank 0 is called; it broadcasts each batch to the others over the process group (one Ray call
 per step, however large N is), every rank runs its shard, and rank 0 returns the logits. The
 coordinator owns the slot table and sends each row's start length, so rollback costs nothing.
+A rank that dies or a step slower than ``target_step_timeout_s`` raises
+:class:`~specserve.errors.TargetUnavailable` within that bound (every rank has a ``watch``
+call outstanding that fails the moment the rank dies); :meth:`TargetGroup.restart` then kills
+the rest and starts a fresh group in the same bundles. Ray cannot restart one rank on its
+own: a new process cannot rejoin the old NCCL / gloo group, so the group restarts whole.
 
 Draft group: one :class:`DraftWorker` actor (draft TP = 1) holding the draft-model proposer.
 Sequence bookkeeping (start / commit / finish) is buffered and sent with the next proposal
@@ -34,7 +39,7 @@ from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.tp import apply_tp
 from specserve.engine.worker import ModelWorker, SlotOwner
-from specserve.errors import ProposerUnavailable
+from specserve.errors import ProposerUnavailable, TargetUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"watch": 1})
 class TargetRank:
     """One tensor-parallel rank of the target."""
 
@@ -107,6 +112,11 @@ class TargetRank:
     def ping(self) -> bool:
         return self.worker is not None
 
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Never returns: the caller's reference resolves, with an error, when this rank dies."""
+        threading.Event().wait()
+
     def describe(self) -> dict:
         """Where this rank runs (tests check the placement)."""
         return {"rank": self.rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -118,22 +128,46 @@ class TargetRank:
 class TargetGroup(SlotOwner):
     """Coordinator-side client of the target ranks; the engine sees a ``ModelWorker``."""
 
-    def __init__(self, ranks: list, info: dict, *, num_slots: int, max_seq_len: int) -> None:
-        self.ranks = ranks
-        self.info = info
-        self.table = SlotTable(num_slots)
-        self.max_seq_len = max_seq_len
+    def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
+        self.cfg, self.pg, self.first_bundle, self.name = cfg, pg, first_bundle, name
+        self.table = SlotTable(cfg.engine.max_num_seqs)
+        self.max_seq_len = cfg.engine.max_model_len
+        self.step_timeout_s = cfg.target_step_timeout_s
+        self.generation = 0   # restarts so far
+        self.ranks: list = []
+        self._launch()
 
     @classmethod
-    def start(cls, cfg: UnitConfig, pg, first_bundle: int) -> TargetGroup:
-        world = cfg.tensor_parallel_size
-        ranks = [TargetRank.options(**_in_bundle(cfg, pg, first_bundle + r)).remote(r, world)
-                 for r in range(world)]
-        host, port = ray.get(ranks[0].rendezvous.remote())
+    def start(cls, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> TargetGroup:
+        """Start the ranks in bundles ``first_bundle..`` of ``pg`` and wait until they are
+        loaded. ``name``: rank actors are named ``{name}-g{generation}-r{rank}`` in the
+        ``specserve`` namespace (fault-injection tests kill them by name)."""
+        return cls(cfg, pg, first_bundle, name)
+
+    def _launch(self) -> None:
+        cfg, world = self.cfg, self.cfg.tensor_parallel_size
+        self.ranks = [TargetRank.options(**_in_bundle(cfg, self.pg, self.first_bundle + r),
+                                         **self._named(r)).remote(r, world) for r in range(world)]
+        host, port = ray.get(self.ranks[0].rendezvous.remote())
         engine = cfg.engine.model_dump()
-        infos = ray.get([r.setup.remote(engine, host, port) for r in ranks])
-        return cls(ranks, infos[0], num_slots=cfg.engine.max_num_seqs,
-                   max_seq_len=cfg.engine.max_model_len)
+        self.info = ray.get([r.setup.remote(engine, host, port) for r in self.ranks])[0]
+        self._watch = {r.watch.remote(): i for i, r in enumerate(self.ranks)}
+
+    def _named(self, rank: int) -> dict:
+        if not self.name:
+            return {}
+        return {"name": f"{self.name}-g{self.generation}-r{rank}", "namespace": DRAFT_NAMESPACE}
+
+    def rank_names(self) -> list[str]:
+        return [self._named(r)["name"] for r in range(len(self.ranks))] if self.name else []
+
+    def restart(self) -> None:
+        """Kill every rank and start a fresh group in the same bundles. The caller has ended
+        every sequence first; their slots are free, and the new ranks' caches start empty."""
+        for rank in self.ranks:
+            ray.kill(rank, no_restart=True)
+        self.generation += 1
+        self._launch()
 
     @property
     def vocab_size(self) -> int:
@@ -142,8 +176,17 @@ class TargetGroup(SlotOwner):
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
                 argmax_only: bool = False) -> torch.Tensor:
         starts = [self.table.lengths[s] for s in slots]
-        logits = ray.get(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits,
-                                                      argmax_only))
+        ref = self.ranks[0].forward.remote(slots, starts, token_ids, num_logits, argmax_only)
+        ready, _ = ray.wait([ref, *self._watch], num_returns=1, timeout=self.step_timeout_s)
+        if not ready:
+            raise TargetUnavailable(f"a target step took longer than {self.step_timeout_s:g} s "
+                                    "(target_step_timeout_s)")
+        if ref not in ready:
+            raise TargetUnavailable(f"target rank {self._watch[ready[0]]} died")
+        try:
+            logits = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise TargetUnavailable(f"target rank 0 died: {exc}") from exc
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)
         return logits

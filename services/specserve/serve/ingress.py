@@ -5,26 +5,42 @@ name, the JSON and its types, the bounds, the chat messages, and whether the pro
 requested output fits the context. Errors are OpenAI-shaped
 (``{"error": {"message", "type", "code", "param"}}``); a full unit answers 429 with
 ``Retry-After``. Every response carries ``x-speculation: on|off; reason=...``.
+
+In front of that, per request: the API key (:mod:`specserve.serve.guard`; ``/health`` is
+always open, ``/metrics`` optionally closed), whether the app is draining (503 with
+``Retry-After``; ``/health`` says ``draining``), the key's request rate and requests in
+flight (429 with ``Retry-After``), the body size (413) and, after tokenizing, the prompt
+length. A request that runs past ``limits.request_timeout_s`` is cancelled, which frees its
+slot, and ends with a 504 (in-band once a stream has started). Prompts and outputs are not
+logged unless ``limits.log_request_content`` says so.
+
+The app runs one ingress replica, so the per-key limits and the drain state are exact.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real ``Request`` type
 # on the class-based routes, not a string it cannot resolve.
+import asyncio
 import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import CapacityError, InvalidRequestError, SpecServeError
+from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.metrics import (
     exposition,
     get_hub,
@@ -32,18 +48,47 @@ from specserve.serve.metrics import (
     record_finish,
     record_request,
 )
-from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+)
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="specserve", description="OpenAI-compatible API with speculative decoding")
+# openapi_url=None: the replica serves its own /openapi.json (below), with the request bodies
+# and the served model name, which FastAPI's generated one cannot know.
+app = FastAPI(title="specserve", description="OpenAI-compatible API with speculative decoding",
+              openapi_url=None, docs_url=None, redoc_url=None)
 RETRY_AFTER_S = "1"
+ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for status, text in (
+    (400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+    (413, "Request body too large"), (429, "Rate limit, concurrency limit or capacity; see "
+                                           "Retry-After"),
+    (503, "Draining, or the target group failed; see Retry-After"),
+    (504, "The request ran past limits.request_timeout_s"))}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.body = status, error_body(message, type_, code, param)
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def refused(cls, refusal: Refusal) -> "APIError":
+        return cls(refusal.status, refusal.message, refusal.type, refusal.code,
+                   retry_after_s=refusal.retry_after_s)
+
+    def headers(self) -> dict[str, str]:
+        headers = {}
+        if self.retry_after_s is not None or self.status in (429, 503):
+            headers["Retry-After"] = str(self.retry_after_s or RETRY_AFTER_S)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return headers
 
 
 @app.middleware("http")
@@ -58,8 +103,22 @@ async def _count_requests(request: Request, call_next):
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if exc.status == 429 else None
-    return JSONResponse(exc.body, status_code=exc.status, headers=headers)
+    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers() or None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404) and wrong methods (405), OpenAI-shaped like every other error."""
+    message = {404: "Unknown URL; the API is under /v1 (see /openapi.json)",
+               405: "Method not allowed on this URL"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(error_body(message, "invalid_request_error", None, None),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.errors()[:1]), "invalid_request_error", None, None),
+                        status_code=400)
 
 
 def _from_validation(exc: ValidationError) -> APIError:
@@ -77,7 +136,8 @@ def _from_engine(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), code=exc.code)
     if isinstance(exc, SpecServeError):
-        return APIError(exc.status_code, str(exc), exc.type, exc.code)
+        return APIError(exc.status_code, str(exc), exc.type, exc.code,
+                        retry_after_s=1 if exc.status_code in (429, 503) else None)
     log.exception("unexpected error from a unit", exc_info=exc)
     return APIError(500, "internal error", "internal_error")
 
@@ -116,6 +176,80 @@ def _response(rid: str, model: str, chat: bool, text: str, finish: str, usage: d
             "usage": usage}
 
 
+def _cancel(stream) -> None:
+    """Cancel a unit stream: a no-op once it finished, and it frees the slot of one that has
+    not. Serve re-raises a request's routing error (e.g. BackPressureError) from ``cancel``
+    when the request never reached a unit; that error is being answered already."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _close(stream, lease: Lease) -> None:
+    """End a request: cancel its unit stream and give back its lease."""
+    _cancel(stream)
+    lease.release()
+
+
+class RequestTimeout(Exception):
+    """The request ran past ``limits.request_timeout_s``."""
+
+
+async def _until(stream, deadline: float) -> AsyncIterator[dict]:
+    """``stream``'s chunks, raising :class:`RequestTimeout` once ``deadline`` (monotonic) passes."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RequestTimeout
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), left)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError as exc:
+            raise RequestTimeout from exc
+        yield chunk
+
+
+def _timeout_error(timeout_s: float) -> APIError:
+    return APIError(504, f"the request did not finish within {timeout_s:g} s "
+                         "(limits.request_timeout_s); it was cancelled", "timeout_error",
+                    "request_timeout")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it passes ``limit`` bytes (declared or sent)."""
+    too_large = APIError(413, f"the request body is larger than {limit} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _openapi(model_name: str) -> dict:
+    """The API's OpenAPI document with the request bodies the handlers parse themselves (so
+    schemathesis and client generators see them) and ``model`` fixed to the served one."""
+    doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest),
+                        ("/v1/chat/completions", ChatCompletionRequest)):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schema["properties"]["model"] = {"type": "string", "enum": [model_name]}
+        schemas[model.__name__] = schema
+        doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
 # Helpers above this line: @serve.ingress serializes the app when the class is decorated,
 # so functions defined after the class would be missing in the replica.
 @serve.ingress(app)
@@ -130,26 +264,46 @@ class OpenAIIngress:
         self.model_name = self.cfg.served_model_name or src.name
         self.max_model_len = self.cfg.unit.engine.max_model_len
         self.created = int(time.time())
+        self.limits = self.cfg.limits
+        self.guard = Guard(self.cfg.auth, self.limits)  # no keys while auth is on: fails here
+        if self.guard.keys is None:
+            log.warning("specserve: authentication is OFF (auth.enabled: false): anyone who can "
+                        "reach this port can use the API")
+        self.draining = False
+        self.openapi_doc = _openapi(self.model_name)
         initialize_request_metrics()
         self.app_name = serve.get_replica_context().app_name
         self.hub = get_hub(self.app_name)
 
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        """Always open. 200 while serving; 503 ``draining`` once a drain has begun."""
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": RETRY_AFTER_S})
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models(self) -> dict:
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> dict:
+        """The OpenAPI document: request bodies from the pydantic models, ``model`` fixed to the
+        served one, every error status with the OpenAI error object."""
+        return self.openapi_doc
+
+    @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+    async def models(self, request: Request) -> dict:
+        self._authenticate(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": self.created, "owned_by": "specserve",
                                             "max_model_len": self.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         """Prometheus exposition: this ingress's request metrics and every unit's numbers."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if self.cfg.auth.protect_metrics:
+            self._authenticate(request)
         try:
             units = await self.hub.snapshot.remote()
         except Exception:  # noqa: BLE001  the hub was lost: start a new one, units re-report
@@ -157,37 +311,75 @@ class OpenAIIngress:
             self.hub, units = get_hub(self.app_name), {}
         return PlainTextResponse(exposition(units), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/units/stats")
-    async def unit_stats(self) -> dict:
+    @app.get("/v1/units/stats", responses={401: ERROR_RESPONSES[401]})
+    async def unit_stats(self, request: Request) -> dict:
         """One unit's live numbers (running, waiting, free slots, draft state)."""
+        self._authenticate(request)
         return await self.unit_calls.stats.remote()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, request: Request) -> Response:
-        req = await self._parse(request, CompletionRequest)
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) \
-            else req.prompt
-        ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt)
-        return await self._run(req, ids, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        req = await self._parse(request, ChatCompletionRequest)
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        lease = self._admit(request)
         try:
-            ids = encode_chat(self.tokenizer, messages)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
-        return await self._run(req, ids, chat=True)
+            req = await self._parse(request, CompletionRequest)
+            prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) \
+                else req.prompt
+            ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt)
+            return await self._run(req, ids, lease, chat=False)
+        finally:
+            lease.release()  # no-op once a stream owns it
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(self, request: Request) -> Response:
+        lease = self._admit(request)
+        try:
+            req = await self._parse(request, ChatCompletionRequest)
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            try:
+                ids = encode_chat(self.tokenizer, messages)
+            except InvalidRequestError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+            return await self._run(req, ids, lease, chat=True)
+        finally:
+            lease.release()
+
+    # -- lifecycle (Serve handle calls) -------------------------------------------------------
+    def drain(self) -> dict:
+        """Stop taking generation requests (503 with Retry-After; /health says draining) and
+        let the ones in flight finish. Returns :meth:`drain_status`."""
+        if not self.draining:
+            log.info("draining: %d request(s) in flight", self.guard.requests_in_flight)
+        self.draining = True
+        return self.drain_status()
+
+    def drain_status(self) -> dict:
+        return {"draining": self.draining, "in_flight": self.guard.requests_in_flight}
 
     # -- shared path --------------------------------------------------------------------------
+    def _authenticate(self, request: Request) -> str:
+        kid = self.guard.authenticate(request.headers.get("authorization"))
+        if isinstance(kid, Refusal):
+            raise APIError.refused(kid)
+        return kid
+
+    def _admit(self, request: Request) -> Lease:
+        """Key, drain state, then the key's rate and requests in flight; a lease or an error."""
+        kid = self._authenticate(request)
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica or shortly",
+                           "service_unavailable", "draining", retry_after_s=1)
+        lease = self.guard.admit(kid)
+        if isinstance(lease, Refusal):
+            raise APIError.refused(lease)
+        return lease
+
     async def _parse(self, request: Request, model):
-        body = await request.body()
+        body = await _read_body(request, self.limits.max_request_bytes)
         try:
             req = model.model_validate_json(body)
         except ValidationError as exc:
-            if exc.errors()[0]["type"] == "json_invalid":
-                raise APIError(400, "the request body is not valid JSON") from exc
+            if exc.errors()[0]["type"] in ("json_invalid", "json_type"):
+                raise APIError(400, "the request body is not valid JSON (or not an object)") from exc
             raise _from_validation(exc) from exc
         if req.model != self.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
@@ -195,6 +387,11 @@ class OpenAIIngress:
         return req
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        cap = self.limits.max_prompt_tokens
+        if cap is not None and prompt_len > cap:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
+                                f"{cap} (limits.max_prompt_tokens)", code="context_length_exceeded",
+                           param="messages")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
@@ -211,7 +408,8 @@ class OpenAIIngress:
                            code="context_length_exceeded", param="max_tokens")
         return requested
 
-    async def _run(self, req, prompt_ids: list[int], *, chat: bool) -> Response:
+    async def _run(self, req, prompt_ids: list[int], lease: Lease, *, chat: bool) -> Response:
+        deadline = time.monotonic() + self.limits.request_timeout_s
         served = self.cfg.unit.engine.speculative.method
         asked = req.speculation.method if req.speculation else None
         if asked is not None and asked != served:
@@ -227,58 +425,80 @@ class OpenAIIngress:
                    "speculation": req.speculation.model_dump() if req.speculation else None,
                    "stream": req.stream,
                    "class_key": _class_key(req, chat)}
-        stream = self.unit.generate.remote(payload)
-        try:
-            start = await stream.__anext__()
-        except Exception as exc:
-            raise _from_engine(exc) from exc
-        headers = {"x-speculation": start["speculation"]["header"]}
         route = "/v1/chat/completions" if chat else "/v1/completions"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if self.limits.log_request_content:
+            log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
+                "messages" if chat else "prompt"))
+        stream = self.unit.generate.remote(payload)
+        chunks = _until(stream, deadline)
+        try:
+            start = await chunks.__anext__()
+        except RequestTimeout:
+            _cancel(stream)
+            raise _timeout_error(self.limits.request_timeout_s) from None
+        except Exception as exc:
+            _cancel(stream)
+            raise _from_engine(exc) from exc
+        headers = {"x-speculation": start["speculation"]["header"]}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(stream, rid, chat, include_usage, route),
-                                     media_type="text/event-stream", headers=headers)
-        text, finish, usage = await self._collect(stream, route)
+            lease = lease.hand_over()
+            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease)
+            # A client gone before the body starts never runs the generator's ``finally``:
+            # free the slot and the lease when the generator is dropped.
+            weakref.finalize(body, _close, stream, lease)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        text, finish, usage = await self._collect(stream, chunks, route, rid)
         return JSONResponse(_response(rid, self.model_name, chat, text, finish, usage),
                             headers=headers)
 
-    @staticmethod
-    async def _collect(stream, route: str) -> tuple[str, str, dict]:
+    async def _collect(self, stream, chunks, route: str, rid: str) -> tuple[str, str, dict]:
         parts: list[str] = []
         try:
-            async for chunk in stream:
+            async for chunk in chunks:
                 parts.append(chunk["text"])
                 if chunk["finish_reason"] is not None:
                     record_finish(route, chunk)
+                    self._log_output(rid, "".join(parts))
                     return "".join(parts), chunk["finish_reason"], chunk["usage"]
+        except RequestTimeout:
+            raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
             raise _from_engine(exc) from exc
         finally:
-            stream.cancel()  # no-op when finished; frees the slot when the client went away
+            _cancel(stream)  # no-op when finished; frees the slot when the client went away
         raise APIError(500, "the unit ended the stream without finishing", "internal_error")
 
-    async def _sse(self, stream, rid: str, chat: bool, include_usage: bool,
-                   route: str) -> AsyncIterator[str]:
+    async def _sse(self, stream, chunks, rid: str, chat: bool, include_usage: bool,
+                   route: str, lease: Lease) -> AsyncIterator[str]:
         created = int(time.time())
+        parts: list[str] = []
         try:
             if chat:
                 yield _sse_line(_chunk(rid, self.model_name, created, chat, {"role": "assistant",
                                                                          "content": ""}, None))
-            async for chunk in stream:
+            async for chunk in chunks:
                 if chunk["text"] or chunk["finish_reason"]:
                     delta = {"content": chunk["text"]} if chat else chunk["text"]
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
                                       chunk["finish_reason"]))
+                    parts.append(chunk["text"])
                 if chunk["finish_reason"] is not None:
                     record_finish(route, chunk)
+                    self._log_output(rid, "".join(parts))
                 if chunk["finish_reason"] is not None and include_usage:
                     body = _chunk(rid, self.model_name, created, chat, None, None)
                     body["choices"], body["usage"] = [], chunk["usage"]
                     yield _sse_line(body)
+        except RequestTimeout:
+            yield _sse_line(_timeout_error(self.limits.request_timeout_s).body)
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does
             yield _sse_line(_from_engine(exc).body)
         finally:
-            stream.cancel()  # a client that disconnects mid-stream frees its slot
+            _close(stream, lease)  # a client that disconnects mid-stream frees its slot
         yield "data: [DONE]\n\n"
 
+    def _log_output(self, rid: str, text: str) -> None:
+        if self.limits.log_request_content:
+            log.info("request %s: output %r", rid, text)

@@ -187,6 +187,7 @@ _GAUGES = {
                          "(1 until its cost model is calibrated).",
     "speculation_length_current": "The K the coordinator drafts for adaptive requests now.",
     "concurrency_gate_open": "1 while the router speculates new requests, 0 in high_concurrency.",
+    "target_available": "1 while the target group serves, 0 while it is restarted after a failure.",
 }
 _COUNTERS = {
     "spec_decode_num_drafts": "Verified drafts (one per sequence per step that drafted).",
@@ -195,6 +196,7 @@ _COUNTERS = {
     "draft_fallbacks": "Times the unit lost its draft group and decoded target-only.",
     "requests_admitted": "Requests the unit's engine accepted.",
     "requests_aborted": "Requests cancelled before they finished (client went away).",
+    "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
 }
 
 

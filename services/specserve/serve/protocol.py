@@ -124,3 +124,16 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | N
                param: str | None = None) -> dict:
     """The OpenAI error object."""
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body (and an in-band stream error): OpenAI's error object."""
+
+    error: ErrorObject

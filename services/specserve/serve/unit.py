@@ -44,7 +44,8 @@ class SpeculationUnit:
         self.draft_name = f"draft-{self.unit_id}"
         self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name)
                       if cfg.has_draft_group else None)
-        self.target = TargetGroup.start(cfg, pg, 2 if cfg.draft_in_bundle else 1)
+        self.target = TargetGroup.start(cfg, pg, 2 if cfg.draft_in_bundle else 1,
+                                        name=f"target-{self.unit_id}")
         proposer = self.draft or (NgramProposer(min_n=spec.prompt_lookup_min,
                                                 max_n=spec.prompt_lookup_max)
                                   if spec.method == "ngram" else None)
@@ -62,13 +63,16 @@ class SpeculationUnit:
         self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot)
         self.core = AsyncEngine(self.engine, max_queue_len=cfg.max_queue_len,
                                 draft_probe=self.draft.ping if self.draft else None,
-                                draft_retry_s=cfg.draft_retry_s)
+                                draft_retry_s=cfg.draft_retry_s,
+                                restart_target=self.target.restart,
+                                max_restarts=cfg.target_restart_attempts)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """``request``: ``{"prompt_token_ids", "params", "speculation", "stream", "class_key"}``.
         Yields ``{"event": "start", "speculation": ...}``, then ``{"event": "delta", ...}``
         chunks; the last carries ``usage`` and, for the ingress's metrics, ``timing``."""
         params = SamplingParams.model_validate(request["params"])
+        self.core.check_admission()
         key = request.get("class_key", "")
         decision = self.router.decide(request.get("speculation"), max_tokens=params.max_tokens,
                                       load=self.core.num_streams, key=key,
@@ -113,6 +117,8 @@ class SpeculationUnit:
             "free_slots": engine.target.num_free_slots,
             "num_slots": self.cfg.engine.max_num_seqs,
             "draft_available": int(engine.draft_available),
+            "target_available": int(not (self.core.recovering or self.core.broken)),
+            "target_restarts": self.core.num_target_restarts,
             "estimated_speedup": ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0,
             "speculation_length_current": ctl.k if ctl is not None else
             (engine.num_speculative_tokens if self.method else 0),
@@ -148,6 +154,8 @@ class SpeculationUnit:
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
                 "draft_fallbacks": self.engine.num_draft_fallbacks,
+                "target_available": not (self.core.recovering or self.core.broken),
+                "target_restarts": self.core.num_target_restarts,
                 "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict(),
                 "router": {"decisions": dict(self.decisions),
                            "concurrency_gate_open": self.router.gate.open,
@@ -171,9 +179,19 @@ class SpeculationUnit:
         """The draft actor's name in the ``specserve`` namespace (fault-injection tests)."""
         return self.draft_name if self.draft else None
 
+    def target_actor_names(self) -> list[str]:
+        """The current target ranks' names in the ``specserve`` namespace (fault injection)."""
+        return self.target.rank_names()
+
+    def stall(self, seconds: float) -> None:
+        """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``."""
+        self.core.stall(min(float(seconds), 60.0))
+
     def check_health(self) -> None:
         if not self.core._thread.is_alive():
             raise RuntimeError("the coordinator loop has stopped")
+        if self.core.broken:
+            raise RuntimeError("the target group could not be restarted")
 
     def __del__(self) -> None:
         reporter = getattr(self, "reporter", None)
