@@ -98,9 +98,12 @@ bench-spec: install ## K x method in-process (ngram, truncated self-draft) vs ta
 sweep: install ## Concurrency sweep over HTTP: speculation on / off / router (own local Ray; results/sweep.*)
 	$(PY) load/sweep.py --start-local $(SWEEP_ARGS)
 
+soak: install ## Bounded soak over HTTP (own local Ray; 3 minutes): failures, RSS growth, free slots (results/soak.json)
+	$(PY) load/soak.py --start-local $(SOAK_ARGS)
+
 bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep bench clean dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep soak bench clean dashboards rules prometheus helm-lint helm-schema

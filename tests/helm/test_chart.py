@@ -149,6 +149,44 @@ def test_inline_secret_values_become_secrets():
     assert names == {"rel-specserve-hub-token", "rel-specserve-api-keys"}
 
 
+def test_api_keys_are_on_by_default_with_a_generated_key():
+    """No keys given: the chart still turns auth on, with one random key in its Secret
+    (``lookup`` keeps it across upgrades on a cluster), mounted where the app reads it."""
+    docs = render()
+    args = app_args(docs)
+    assert args["auth"]["enabled"] is True
+    assert AppConfig.model_validate(args, context={"check_files": False}).auth.enabled
+    [secret] = [s for s in by_kind(docs, "Secret") if s["metadata"]["name"] == "rel-specserve-api-keys"]
+    key = secret["stringData"]["api-keys"]
+    assert key.startswith("sk-") and len(key) == 43 and key[3:].isalnum()
+    other = [s for s in by_kind(render(), "Secret") if s["metadata"]["name"] == "rel-specserve-api-keys"]
+    assert other[0]["stringData"]["api-keys"] != key  # random per install (no cluster to look up)
+    [svc] = by_kind(docs, "RayService")
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
+    assert env["SPECSERVE_API_KEYS_FILE"] == "/etc/specserve/api-keys/api-keys"
+    mounts = {m["name"]: m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    assert mounts["api-keys"] == "/etc/specserve/api-keys"
+
+
+def test_auth_off_is_explicit_and_mounts_no_keys():
+    docs = render(sets=("specserve.auth.enabled=false",))
+    assert app_args(docs)["auth"]["enabled"] is False
+    assert not by_kind(docs, "Secret")
+    [svc] = by_kind(docs, "RayService")
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "api-keys" not in {v["name"] for v in head["volumes"]}
+    assert "SPECSERVE_API_KEYS_FILE" not in {e["name"] for e in head["containers"][0]["env"]}
+
+
+def test_limits_and_drain_reach_the_app():
+    docs = render(sets=("specserve.limits.requests_per_minute=600",
+                        "specserve.limits.max_concurrent_requests=8", "specserve.drain_timeout_s=120"))
+    cfg = AppConfig.model_validate(app_args(docs), context={"check_files": False})
+    assert cfg.limits.requests_per_minute == 600 and cfg.limits.max_concurrent_requests == 8
+    assert cfg.drain_timeout_s == 120
+
+
 def test_dashboards_are_byte_identical_to_deploy_grafana():
     docs = render()
     maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
@@ -185,6 +223,8 @@ def test_values_schema_is_fresh():
     (("specserve.unit.router.probe_share=2",), "probe_share"),
     (("specserve.unit.typo_field=1",), "typo_field"),
     (("apiKeys.values[0]=short",), "apiKeys"),
+    (("specserve.limits.max_request_bytes=10",), "max_request_bytes"),
+    (("specserve.auth.enabled=maybe",), "enabled"),
 ])
 def test_bad_values_are_refused_with_the_field_named(sets, message):
     proc = helm("template", "rel", str(CHART), *[a for s in sets for a in ("--set", s)], check=False)
