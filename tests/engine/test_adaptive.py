@@ -188,3 +188,20 @@ def test_rates_are_probabilities():
     SyntheticUnit(ctl, alpha=0.7).run(100, batch=3)
     acc, got = ctl.acceptance.rates()
     assert np.all((0 <= acc) & (acc <= 1)) and np.all(np.diff(acc) <= 1e-12)
+
+
+def test_break_even_is_solved_again_only_when_a_cost_fit_changed(monkeypatch):
+    ctl = controller()
+    for tokens in range(1, 10):
+        ctl.observe_forward(1, tokens, tokens * (256 + tokens), 1.0 + 0.1 * (tokens - 1))
+    for k in range(1, 5):
+        ctl.observe_propose(k, 1, 0.0)
+    solves = []
+    real = ctl._solve_break_even
+    monkeypatch.setattr(ctl, "_solve_break_even", lambda c: solves.append(c) or real(c))
+    first = ctl.break_even_acceptance()
+    assert ctl.break_even_acceptance() == first and len(solves) == 1
+    ctl.observe_forward(1, 3, 3 * 259, 1.2)
+    assert ctl.break_even_acceptance() == pytest.approx(first, abs=0.05) and len(solves) == 2
+    ctl.break_even_acceptance(context=512)
+    assert len(solves) == 3

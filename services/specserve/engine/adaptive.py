@@ -138,6 +138,7 @@ class SpecLengthController:
         self.k = max_k                   # current K for adaptive rows
         self.estimated_speedup = 1.0     # predicted throughput at K over K = 0, last step
         self.steps = 0
+        self._break_even: tuple | None = None  # (what it was solved from, the value)
         self._last_switch = 0
         self._probe_turn = 0
         self.acceptance = PositionAcceptance(max_k, cfg.decay)
@@ -214,9 +215,17 @@ class SpecLengthController:
 
     def break_even_acceptance(self, context: int = 256) -> float | None:
         """The per-token acceptance rate α below which no K pays for one sequence alone
-        (the closed form of the cost model with the measured c and v); None until measured."""
+        (the closed form of the cost model with the measured c and v); None until measured.
+        Cached until a cost fit changes: the router asks once per finished request."""
         if self.forward_cost.num_observations < 4 or self.propose_cost.num_observations < 2:
             return None
+        key = (self.forward_cost.num_observations, self.propose_cost.num_observations,
+               self.accept_cost.num_observations, context)
+        if self._break_even is None or self._break_even[0] != key:
+            self._break_even = (key, self._solve_break_even(context))
+        return self._break_even[1]
+
+    def _solve_break_even(self, context: int) -> float:
         costs = []
         for k in range(self.max_k + 1):
             n = 1.0 + k
