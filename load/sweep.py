@@ -388,10 +388,12 @@ async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, lis
                 n = requests_per_level(c, args.requests_per_level)
                 results = {mode: [] for mode in args.modes}
                 walls = dict.fromkeys(args.modes, 0.0)
+                level = {mode: build_bodies(model, prompts, n, args.max_tokens, mode)
+                         for mode in args.modes}
                 for r, part in enumerate(split_rounds(n, rounds_per_level(c, n, args.rounds))):
                     for mode in rotated(args.modes, r):
                         bar.set_description(f"c={c} round {r + 1} {mode}")
-                        bodies = build_bodies(model, prompts, n, args.max_tokens, mode)[part]
+                        bodies = level[mode][part]
                         got, wall = await run_level(client, url, bodies, c, args.level_timeout,
                                                     on_done=bar.update)
                         results[mode] += got

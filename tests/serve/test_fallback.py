@@ -31,7 +31,7 @@ def stream_text(url: str, model: str, prompt: str, first_chunk) -> str:
 
 
 def unit_stats(url: str) -> dict:
-    return httpx.get(url + "/v1/units/stats").json()
+    return httpx.get(url + "/v1/units/stats", timeout=30).json()
 
 
 def test_killing_the_draft_mid_stream_loses_nothing(draft_app, tiny_models):

@@ -24,6 +24,7 @@ from specserve.engine.tokenizer import encode_prompt
 from specserve.serve.groups import DRAFT_NAMESPACE
 
 from tests.serve.conftest import deploy, unit_args
+from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import PROMPTS, target_only_text
 from tests.tiny import make_tiny_tokenizer
 
@@ -38,10 +39,6 @@ def faults_app(ray_cluster, tiny_models):
     url = deploy("faults", "/faults", args)
     yield url
     serve.delete("faults")
-
-
-def stats(url: str) -> dict:
-    return httpx.get(url + "/v1/units/stats", timeout=30).json()
 
 
 def long_body(model: str, prompt: str, stream: bool) -> dict:
@@ -70,7 +67,7 @@ def run_plain(url: str, body: dict) -> tuple[httpx.Response, float]:
 def test_killing_a_target_rank_ends_requests_with_503_then_recovers(faults_app, tiny_models, rank):
     model = Path(tiny_models[0]).name
     unit = serve.get_deployment_handle("SpeculationUnit", app_name="faults")
-    before = stats(faults_app)
+    before = unit_stats(faults_app)
     names = unit.target_actor_names.remote().result()
     assert len(names) == 2 and before["target_available"]
     reference = httpx.post(faults_app + "/v1/completions", timeout=60, json={
@@ -83,9 +80,9 @@ def test_killing_a_target_rank_ends_requests_with_503_then_recovers(faults_app, 
         plains = [pool.submit(run_plain, faults_app, long_body(model, p, False)) for p in PROMPTS[2:4]]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (len(first_chunks) < 2
-                                               or stats(faults_app)["running"] < 4):
+                                               or unit_stats(faults_app)["running"] < 4):
             time.sleep(0.02)  # all four are decoding
-        assert stats(faults_app)["running"] == 4
+        assert unit_stats(faults_app)["running"] == 4
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(names[rank], namespace=DRAFT_NAMESPACE), no_restart=True)
         stream_results = [f.result(timeout=END_WITHIN_S + 30) for f in streams]
@@ -114,7 +111,7 @@ def test_killing_a_target_rank_ends_requests_with_503_then_recovers(faults_app, 
         time.sleep(0.5)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == reference["choices"][0]["text"]  # the same model
-    after = stats(faults_app)
+    after = unit_stats(faults_app)
     assert after["free_slots"] == after["num_slots"] and after["running"] == after["waiting"] == 0
     assert after["target_available"] and after["target_restarts"] == before["target_restarts"] + 1
     assert unit.target_actor_names.remote().result() != names  # a fresh group
@@ -149,17 +146,17 @@ def test_killing_the_draft_under_load_fails_no_request(draft_app, tiny_models):
             ray.kill(ray.get_actor(name, namespace=DRAFT_NAMESPACE), no_restart=False)
         return status, prompt, text
 
-    before = httpx.get(draft_app + "/v1/units/stats", timeout=30).json()
+    before = unit_stats(draft_app)
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, jobs))
     assert [status for status, _, _ in results] == [200] * len(jobs)
     expected = {p: target_only_text(tiny_models[2], encode_prompt(tok, p), 60) for p, _ in jobs}
     for _, prompt, text in results:
         assert text == expected[prompt], prompt
-    after = httpx.get(draft_app + "/v1/units/stats", timeout=30).json()
+    after = unit_stats(draft_app)
     assert after["draft_fallbacks"] >= before["draft_fallbacks"] + 1
     assert after["free_slots"] == after["num_slots"]
     deadline = time.monotonic() + 60
-    while not httpx.get(draft_app + "/v1/units/stats", timeout=30).json()["draft_available"]:
+    while not unit_stats(draft_app)["draft_available"]:
         assert time.monotonic() < deadline, "the draft did not come back"
         time.sleep(0.5)

@@ -94,11 +94,16 @@ class AsyncEngine:
         finally:
             self.num_streams -= 1
 
+    @property
+    def target_available(self) -> bool:
+        """False while the target group restarts after a failure, or once the unit gave up."""
+        return not (self.recovering or self.broken)
+
     def check_admission(self) -> None:
         """Raise what a new request would get now: 503 while the target group restarts, 429
         when the unit is full. The unit asks before it answers anything, so the client gets a
         status code rather than an error inside a stream that already said 200."""
-        if self.recovering or self.broken:
+        if not self.target_available:
             raise TargetUnavailable("the target group is restarting after a failure; retry shortly")
         if self.num_streams >= self.capacity:
             raise CapacityError(f"the unit is full ({self.capacity} requests running or queued); "

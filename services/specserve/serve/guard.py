@@ -162,7 +162,7 @@ class Guard:
         self.keys = KeyRing(auth, environ, clock) if auth.enabled else None
         self._buckets: dict[str, TokenBucket] = {}
         self.in_flight: dict[str, int] = {}
-        self.refused: dict[str, int] = {}   # "401:invalid_api_key" -> count, for the metrics
+        self.refused: dict[str, int] = {}   # "401:invalid_api_key" -> count, since start
 
     def authenticate(self, authorization: str | None) -> str | Refusal:
         """The key id, or a 401. ``authorization`` is the raw ``Authorization`` header."""

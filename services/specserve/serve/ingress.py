@@ -136,8 +136,7 @@ def _from_engine(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), code=exc.code)
     if isinstance(exc, SpecServeError):
-        return APIError(exc.status_code, str(exc), exc.type, exc.code,
-                        retry_after_s=1 if exc.status_code in (429, 503) else None)
+        return APIError(exc.status_code, str(exc), exc.type, exc.code)  # 429 / 503: Retry-After
     log.exception("unexpected error from a unit", exc_info=exc)
     return APIError(500, "internal error", "internal_error")
 
@@ -367,7 +366,7 @@ class OpenAIIngress:
         kid = self._authenticate(request)
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica or shortly",
-                           "service_unavailable", "draining", retry_after_s=1)
+                           "service_unavailable", "draining")
         lease = self.guard.admit(kid)
         if isinstance(lease, Refusal):
             raise APIError.refused(lease)
@@ -473,7 +472,7 @@ class OpenAIIngress:
     async def _sse(self, stream, chunks, rid: str, chat: bool, include_usage: bool,
                    route: str, lease: Lease) -> AsyncIterator[str]:
         created = int(time.time())
-        parts: list[str] = []
+        parts: list[str] = []  # kept only to log the output (limits.log_request_content)
         try:
             if chat:
                 yield _sse_line(_chunk(rid, self.model_name, created, chat, {"role": "assistant",
@@ -483,7 +482,8 @@ class OpenAIIngress:
                     delta = {"content": chunk["text"]} if chat else chunk["text"]
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
                                       chunk["finish_reason"]))
-                    parts.append(chunk["text"])
+                    if self.limits.log_request_content:
+                        parts.append(chunk["text"])
                 if chunk["finish_reason"] is not None:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))

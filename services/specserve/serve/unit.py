@@ -117,7 +117,7 @@ class SpeculationUnit:
             "free_slots": engine.target.num_free_slots,
             "num_slots": self.cfg.engine.max_num_seqs,
             "draft_available": int(engine.draft_available),
-            "target_available": int(not (self.core.recovering or self.core.broken)),
+            "target_available": int(self.core.target_available),
             "target_restarts": self.core.num_target_restarts,
             "estimated_speedup": ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0,
             "speculation_length_current": ctl.k if ctl is not None else
@@ -154,7 +154,7 @@ class SpeculationUnit:
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
                 "draft_fallbacks": self.engine.num_draft_fallbacks,
-                "target_available": not (self.core.recovering or self.core.broken),
+                "target_available": self.core.target_available,
                 "target_restarts": self.core.num_target_restarts,
                 "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict(),
                 "router": {"decisions": dict(self.decisions),
