@@ -9,6 +9,8 @@ PYTEST_ARGS ?=
 HOST ?= http://127.0.0.1:8000
 USERS ?= 5
 DURATION ?= 60s
+DRAFT_ARGS ?=
+BENCH_DRAFT_ARGS ?=
 CLASSES ?=
 SWEEP_ARGS ?=
 BENCH_SPEC_ARGS ?=
@@ -101,9 +103,15 @@ sweep: install ## Concurrency sweep over HTTP: speculation on / off / router (ow
 soak: install ## Bounded soak over HTTP (own local Ray; 3 minutes): failures, RSS growth, free slots (results/soak.json)
 	$(PY) load/soak.py --start-local $(SOAK_ARGS)
 
+draft: install ## Evaluate the shipped EAGLE draft again (DRAFT_ARGS=--retrain: train it anew, about an hour here)
+	$(VENV)/bin/specserve train-draft --target embedded --out embedded-eagle --work-dir results/draft-work $(DRAFT_ARGS)
+
+bench-draft: install ## The shipped draft vs target-only vs ngram at batch 1 on held-out chat (results/bench-draft.json)
+	$(PY) load/bench_draft.py $(BENCH_DRAFT_ARGS)
+
 bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep soak bench clean dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep soak bench clean draft bench-draft dashboards rules prometheus helm-lint helm-schema

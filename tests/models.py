@@ -66,3 +66,38 @@ def perturbed(hf_model, scale: float, seed: int = 1):
         for p in clone.parameters():
             p.add_(torch.randn_like(p) * scale * p.std())
     return clone
+
+
+def eagle_head_of(hf_model, *, feature_mix: float = 0.01, seed: int = 0, max_len: int = 256):
+    """An EAGLE head that agrees with a 2-layer tiny target about half the time, untrained.
+
+    Built as the target's own layers on a fuser that passes the token embedding through and
+    mixes in a little of the target's features: the head then recomputes the target's next
+    hidden state, off by its missing first position and the mixed-in features (which makes
+    the features matter: without them the drafts change). Acceptance about 0.45 (greedy and
+    T = 0.7) on ``tiny_hf_model("llama-gqa", logit_scale=3)``.
+    """
+    from specserve.engine.draft_head import new_draft_head
+
+    target = runtime_of(hf_model, max_len)
+    head = new_draft_head(target, kind="eagle", num_layers=target.arch.num_layers,
+                          draft_vocab=torch.arange(target.arch.vocab_size))
+    hidden = target.arch.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :hidden] = torch.eye(hidden)
+        head.fc.weight[:, hidden:] = torch.randn(hidden, hidden, generator=gen) * feature_mix / 8
+    return head.requires_grad_(False).eval()
+
+
+def decoder_head_of(hf_model, *, keep_every: int = 4, max_len: int = 256):
+    """A decoder draft: the target's layers under a reduced vocabulary that leaves out every
+    ``keep_every``-th id (so the draft's q is zero there, and the target must still get its
+    own distribution back). Acceptance about 0.5 to 0.6."""
+    from specserve.engine.draft_head import new_draft_head
+
+    target = runtime_of(hf_model, max_len)
+    vocab = torch.tensor([i for i in range(target.arch.vocab_size) if i % keep_every != keep_every - 1])
+    head = new_draft_head(target, kind="decoder", num_layers=target.arch.num_layers, draft_vocab=vocab)
+    return head.requires_grad_(False).eval()

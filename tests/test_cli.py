@@ -32,3 +32,29 @@ def test_generate_on_the_embedded_default(capsys):
     assert report["method"] == "ngram" and 0 < report["completion_tokens"] <= 24
     assert report["num_drafts"] > 0 and report["mean_acceptance_length"] > 1.0
     assert "one two three" in report["text"]
+
+
+def test_serve_uses_the_shipped_draft_or_says_it_falls_back(monkeypatch, capsys, tmp_path):
+    """`make serve`'s config names the shipped EAGLE draft: served when present (the start-up
+    line names it and what it measured), n-gram with a message when it is missing."""
+    import yaml
+    from specserve import cli
+    from specserve.config import AppConfig
+    from specserve.engine import draft_head
+
+    args = yaml.safe_load(open("deploy/serve_config.yaml"))["applications"][0]["args"]
+    assert args["unit"]["engine"]["speculative"]["draft"]["source"] == draft_head.EMBEDDED_DRAFT
+    assert cli._default_draft_or_ngram(args) is args  # shipped: used as configured
+    line = cli._speculation_line(AppConfig.model_validate(args, context={"check_files": False}))
+    assert line.startswith("speculation: eagle") and "embedded-eagle" in line
+    assert "acceptance" in line and "at batch 1" in line  # from its eval.json
+    assert capsys.readouterr().out == ""
+
+    monkeypatch.setattr(draft_head, "EMBEDDED_DRAFT_DIR", tmp_path / "absent")
+    fallback = cli._default_draft_or_ngram(args)
+    assert "not installed" in capsys.readouterr().out
+    spec = fallback["unit"]["engine"]["speculative"]
+    assert spec["method"] == "ngram" and "draft" not in spec and not spec.get("ngram_first")
+    cfg = AppConfig.model_validate(fallback, context={"check_files": False})
+    assert cli._speculation_line(cfg).startswith("speculation: ngram")
+    assert args["unit"]["engine"]["speculative"]["method"] == "eagle"  # the input is untouched

@@ -27,9 +27,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--model", default="embedded",
                    help="target: 'embedded', a .gguf file, a HF directory or a hub id")
-    p.add_argument("--method", default="ngram", choices=["off", "ngram", "draft_model"],
+    p.add_argument("--method", default="ngram", choices=["off", "ngram", "draft_model", "eagle"],
                    help="proposer (off: target-only)")
-    p.add_argument("--draft", help="draft model for --method draft_model (same tokenizer)")
+    p.add_argument("--draft", help="draft for --method draft_model (a model of the same tokenizer or "
+                                    "a decoder draft) or eagle (an eagle draft), from train-draft")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k",
                    help="K: tokens drafted per step")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -121,7 +122,8 @@ LOCAL_DEFAULT = {"auth": {"enabled": False}}  # no --config: the local default, 
 def cmd_serve(args) -> int:
     from specserve.config import AppConfig
 
-    cfg = AppConfig.model_validate(_app_args(args.config) if args.config else LOCAL_DEFAULT)
+    raw = _app_args(args.config) if args.config else LOCAL_DEFAULT
+    cfg = AppConfig.model_validate(_default_draft_or_ngram(raw))
     app_args = cfg.model_dump()  # fail before Ray
     from ray import serve
 
@@ -134,12 +136,53 @@ def cmd_serve(args) -> int:
     if not cfg.auth.enabled:
         print("specserve: authentication is OFF (auth.enabled: false): anyone who reaches "
               f"{args.host}:{args.port} can use the API without a key", flush=True)
+    print(f"specserve: {_speculation_line(cfg)}", flush=True)
     print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
           flush=True)
     _wait_for_signal()
     drain("specserve", cfg.drain_timeout_s)
     serve.shutdown()
     return 0
+
+
+def _default_draft_or_ngram(app_args: dict) -> dict:
+    """The shipped EAGLE draft (``embedded-eagle``) is used when it is there; a checkout or
+    install without it serves with n-gram speculation instead, and says so."""
+    from specserve.engine.draft_head import EMBEDDED_DRAFT, is_draft_dir
+
+    spec = app_args.get("unit", {}).get("engine", {}).get("speculative", {})
+    if (spec.get("draft") or {}).get("source") != EMBEDDED_DRAFT or is_draft_dir(EMBEDDED_DRAFT):
+        return app_args
+    print(f"specserve: the default draft ({EMBEDDED_DRAFT}) is not installed (`make draft` trains "
+          "it); speculating with ngram (prompt lookup) instead", flush=True)
+    spec = {k: v for k, v in spec.items() if k not in ("draft", "ngram_first")} | {"method": "ngram"}
+    engine = app_args["unit"]["engine"] | {"speculative": spec}
+    return app_args | {"unit": app_args["unit"] | {"engine": engine}}
+
+
+def _speculation_line(cfg) -> str:
+    """Which proposer and which draft the app speculates with (and what the draft measured)."""
+    import json as _json
+
+    from specserve.engine.draft_head import draft_path, is_draft_dir
+
+    spec = cfg.unit.engine.speculative
+    if spec.method is None:
+        return "speculation off (target-only)"
+    if spec.method == "ngram":
+        return f"speculation: ngram (prompt lookup), K up to {spec.num_speculative_tokens}"
+    where = draft_path(spec.draft.source)
+    line = f"speculation: {spec.method}, K up to {spec.num_speculative_tokens}, draft {spec.draft.source}"
+    if is_draft_dir(spec.draft.source):
+        line += f" ({where})"
+        try:
+            report = _json.loads((where / "eval.json").read_text())
+            e2e = report.get("end_to_end", {})
+            line += (f"; held-out greedy acceptance {e2e['acceptance_rate']:.2f} at K={e2e['k']}, "
+                     f"{e2e['speedup']:.2f}x at batch 1 when it was trained")
+        except (OSError, ValueError, KeyError):
+            pass
+    return line
 
 
 def drain(app_name: str, timeout_s: float, poll_s: float = 0.2) -> int:
@@ -193,6 +236,23 @@ def cmd_dashboards_push(args) -> int:
     return 0
 
 
+def _train_draft_parser(sub) -> None:
+    from specserve.draft.pipeline import add_arguments
+
+    p = sub.add_parser("train-draft", help="train a draft by self-distillation on the target's outputs")
+    add_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the evaluation as JSON")
+    p.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(args) -> int:
+    from specserve.draft.pipeline import run, summary_lines
+
+    report = run(args)
+    print(json.dumps(report, indent=2) if args.json else "\n".join(summary_lines(report)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -200,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _dashboards_parser(sub)
+    _train_draft_parser(sub)
     return parser
 
 

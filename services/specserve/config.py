@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from specserve.errors import ConfigError
 
-SpecMethod = Literal["ngram", "draft_model"]
+SpecMethod = Literal["ngram", "draft_model", "eagle"]
+MODEL_METHODS = ("draft_model", "eagle")  # methods with a draft model (and a draft group)
 # A custom Ray resource that marks nodes (the Helm chart's head / target / draft groups).
 NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -100,7 +101,12 @@ class SpeculativeConfig(_Strict):
     num_speculative_tokens: int = Field(
         4, ge=1, le=16, description="K: tokens drafted per step (the most; the coordinator may use fewer).")
     draft: ModelConfig | None = Field(
-        None, description="The draft model, for method draft_model (same tokenizer as the target).")
+        None, description="The draft, for draft_model (a smaller model of the target's tokenizer, "
+                          "or a 'decoder' draft from `specserve train-draft`) and eagle (an 'eagle' "
+                          "draft from `specserve train-draft`, which reads the target's features).")
+    ngram_first: bool = Field(
+        False, description="draft_model / eagle: rows whose last 2+ tokens occurred before take the "
+                           "n-gram (prompt lookup) drafts; only the others ask the draft model.")
     prompt_lookup_min: int = Field(1, ge=1, le=16, description="ngram: shortest suffix to match.")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix to match.")
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig,
@@ -108,10 +114,12 @@ class SpeculativeConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
-        if self.method == "draft_model" and self.draft is None:
-            raise ValueError("method draft_model needs a draft model (speculative.draft.source)")
-        if self.method != "draft_model" and self.draft is not None:
+        if self.method in MODEL_METHODS and self.draft is None:
+            raise ValueError(f"method {self.method} needs a draft (speculative.draft.source)")
+        if self.method not in MODEL_METHODS and self.draft is not None:
             raise ValueError(f"a draft model is set but method is {self.method!r}")
+        if self.ngram_first and self.method not in MODEL_METHODS:
+            raise ValueError("ngram_first needs a draft model method (draft_model or eagle)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         return self
@@ -134,16 +142,31 @@ class EngineConfig(_Strict):
         if draft is None or not (info.context or {}).get("check_files", True):
             return self
         check_same_tokenizer(self.target, draft)
+        check_draft_kind(self.speculative.method, draft)
         return self
+
+
+def check_draft_kind(method: str, draft: ModelConfig) -> None:
+    """eagle needs an eagle draft directory; draft_model takes a model or a decoder draft."""
+    from specserve.engine.draft_head import is_draft_dir, read_draft_meta
+
+    kind = read_draft_meta(draft.source)["kind"] if is_draft_dir(draft.source) else None
+    wanted = {"eagle": "eagle", "draft_model": "decoder"}[method]
+    if kind not in (wanted, None) or (method == "eagle" and kind is None):
+        raise ConfigError(f"method {method} needs a {wanted!r} draft from `specserve train-draft`; "
+                          f"{draft.source!r} is {'a ' + repr(kind) + ' draft' if kind else 'a plain model'}")
 
 
 def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
     """Refuse a draft whose vocabulary differs from the target's: its token ids would mean
     other strings, and verification would compare unrelated tokens."""
-    from specserve.engine.loader import load_tokenizer, resolve
+    from specserve.engine.draft_head import draft_path, is_draft_dir
+    from specserve.engine.loader import ResolvedSource, load_tokenizer, resolve
 
     target_vocab = load_tokenizer(resolve(target.source, target.cache_dir)).get_vocab()
-    draft_vocab = load_tokenizer(resolve(draft.source, draft.cache_dir)).get_vocab()
+    draft_src = (ResolvedSource(draft.source, str(draft_path(draft.source))) if is_draft_dir(draft.source)
+                 else resolve(draft.source, draft.cache_dir))
+    draft_vocab = load_tokenizer(draft_src).get_vocab()
     if target_vocab != draft_vocab:
         raise ConfigError(
             f"draft {draft.source!r} does not share the target's tokenizer "
@@ -253,7 +276,7 @@ class UnitConfig(_Strict):
 
     @property
     def has_draft_group(self) -> bool:
-        return self.engine.speculative.method == "draft_model"
+        return self.engine.speculative.method in MODEL_METHODS
 
     @property
     def draft_in_bundle(self) -> bool:

@@ -13,11 +13,13 @@ from scipy import stats
 from specserve.config import AdaptiveConfig, SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError, ProposerUnavailable
 
-from tests.models import VOCAB, perturbed, tiny_hf_model, worker_of
+from tests.models import VOCAB, decoder_head_of, eagle_head_of, perturbed, tiny_hf_model, worker_of
 from tests.tiny import make_tiny_tokenizer
 
 EOS = frozenset({2})
@@ -55,6 +57,12 @@ def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slo
         proposer = NgramProposer(min_n=1, max_n=3)
     elif method == "draft_model":
         proposer = DraftModelProposer(worker_of(draft_hf, slots, max_len))
+    elif method == "eagle":  # a head reading the target's features (train-draft's kind eagle)
+        proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
+                                             num_slots=slots, max_seq_len=max_len))
+    elif method == "decoder_head":  # train-draft's kind decoder, with a reduced vocabulary
+        proposer = DraftModelProposer(ModelWorker(decoder_head_of(target_hf, max_len=max_len),
+                                                  num_slots=slots, max_seq_len=max_len))
     return SpecDecodeEngine(worker_of(target_hf, slots, max_len), make_tiny_tokenizer(),
                             eos_token_ids=eos, proposer=proposer, num_speculative_tokens=k,
                             controller=controller)
@@ -71,9 +79,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+MODEL_METHODS = ["draft_model", "eagle", "decoder_head"]  # every proposer with a model
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
     batch = prompts(8, seed=k)
@@ -87,7 +96,7 @@ def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
     assert spec.target.num_free_slots == 8
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
 def test_greedy_equals_target_only_with_k_changing_every_step(target_hf, close_draft_hf, method):
     """Per-step K (random here, 0 included) for adaptive rows, fixed K for the others, in one
     batch: every output is still the target-only output."""
@@ -188,7 +197,7 @@ def test_stop_string_inside_draft_window(target_hf):
     assert steps[-1] < 5
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
 def test_stop_conditions_match_target_only(target_hf, close_draft_hf, method):
     """Per-request stop strings, stop ids and max_tokens in one mixed batch."""
     tok = make_tiny_tokenizer()
@@ -317,7 +326,7 @@ def sampling_prompt(target_hf) -> tuple[int, ...]:
     raise AssertionError("no fixed-point prompt found")
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", [*MODEL_METHODS, "ngram"])
 @pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
 def test_sampled_output_has_target_distribution(target_hf, method, params):
     """8000 seeded samples of the first two tokens, chi-square against the exact joint
@@ -371,7 +380,7 @@ def chi_square_pvalue_or_zero(samples, joint) -> float:
     return chi_square_pvalue(samples, joint)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
 def test_same_seed_same_output(target_hf, close_draft_hf, method):
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1234)
     batch = prompts(4, seed=8)

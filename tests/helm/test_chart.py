@@ -107,6 +107,17 @@ def test_ngram_has_no_draft_group():
     assert "draft_node_resource" not in unit and unit["target_node_resource"] == "specserve_target"
 
 
+def test_eagle_gets_a_draft_group_and_keeps_its_draft():
+    """method eagle, like draft_model, runs the draft in its own worker group (the head reads
+    the features rank 0 sends); the app keeps the draft directory and ngram_first."""
+    docs = render(CHART / "ci" / "eagle-values.yaml")
+    assert "draft" in groups(docs)
+    spec = app_args(docs)["unit"]["engine"]["speculative"]
+    assert spec["method"] == "eagle" and spec["ngram_first"] is True
+    assert spec["draft"]["source"] == "/models/drafts/llama-3.1-70b-eagle"
+    assert app_args(docs)["unit"]["draft_node_resource"] == "specserve_draft"
+
+
 def test_groups_advertise_the_resources_the_unit_asks_for():
     docs = render()
     unit = app_args(docs)["unit"]
@@ -216,7 +227,7 @@ def test_values_schema_is_fresh():
     (("specserve.num_units=0",), "num_units"),
     (("specserve.unit.tensor_parallel_size=3",), "tensor_parallel_size"),
     (("specserve.unit.engine.speculative.num_speculative_tokens=0",), "num_speculative_tokens"),
-    (("specserve.unit.engine.speculative.method=eagle",), "method"),
+    (("specserve.unit.engine.speculative.method=medusa",), "method"),
     (("service.port=70000",), "service.port"),
     (("image.pullPolicy=Sometimes",), "pullPolicy"),
     (("ingress.hosts[0].paths[0].path=relative",), "path"),

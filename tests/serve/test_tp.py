@@ -12,11 +12,14 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from specserve.config import SamplingParams, UnitConfig
+from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.worker import ModelWorker
 from specserve.serve.groups import TargetGroup, unit_bundles
 
 from tests.engine.test_spec_decode import prompts
+from tests.models import eagle_head_of
 from tests.tiny import make_tiny_tokenizer
 
 
@@ -69,3 +72,26 @@ def test_tp2_greedy_generation_equals_tp1(groups, method):
         outputs[tp] = [c.output_token_ids for c in done]
         assert group.num_free_slots == 4
     assert outputs[2] == outputs[1]
+
+
+def test_tp2_returns_tp1_hidden_states_and_feeds_eagle(groups, tiny_models):
+    """The final hidden states come back from rank 0 under TP (what an EAGLE head reads),
+    equal to TP = 1's, and EAGLE speculation over the TP group keeps greedy output."""
+    batch = [p[:n] for p, n in zip(prompts(2, seed=5), (6, 13))]
+    hidden = {}
+    for tp, group in groups.items():
+        slots = [group.allocate() for _ in batch]
+        logits, hidden[tp] = group.forward(slots, batch, [1, 2], return_hidden=True)
+        assert logits.shape[0] == 3 and hidden[tp].shape[0] == sum(map(len, batch))
+        for slot in slots:
+            group.free(slot)
+    assert (hidden[2] - hidden[1]).abs().max() <= 1e-4
+    head = eagle_head_of(tiny_models[2])
+    params = SamplingParams(temperature=0, max_tokens=30)
+    reference = SpecDecodeEngine(groups[1], make_tiny_tokenizer(), eos_token_ids=frozenset({2}))
+    expected = [c.output_token_ids for c in reference.generate(prompts(4, seed=9), params)]
+    engine = SpecDecodeEngine(groups[2], make_tiny_tokenizer(), eos_token_ids=frozenset({2}),
+                              proposer=EagleProposer(ModelWorker(head, num_slots=4, max_seq_len=256)),
+                              num_speculative_tokens=3)
+    assert [c.output_token_ids for c in engine.generate(prompts(4, seed=9), params)] == expected
+    assert engine.stats.num_accepted_tokens > 0 and groups[2].num_free_slots == 4

@@ -40,7 +40,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* Whether the draft worker group exists. */}}
 {{- define "specserve.hasDraft" -}}
-{{- if eq (toString .Values.specserve.unit.engine.speculative.method) "draft_model" -}}true{{- end -}}
+{{- if has (toString .Values.specserve.unit.engine.speculative.method) (list "draft_model" "eagle") -}}true{{- end -}}
 {{- end -}}
 
 {{- define "specserve.hubTokenSecret" -}}
@@ -79,13 +79,13 @@ install (read back with lookup, so upgrades keep it), else a new random one.
 
 {{/*
 The application config as the Serve app receives it: the values' `specserve` AppConfig (its
-draft dropped unless method is draft_model) plus the node resources that pin the coordinator
+draft dropped unless method is draft_model or eagle) plus the node resources that pin the coordinator
 and target ranks to target pods and the draft to draft pods (the worker groups advertise them).
 */}}
 {{- define "specserve.appConfig" -}}
 {{- $spec := .Values.specserve.unit.engine.speculative -}}
 {{- if not (include "specserve.hasDraft" .) -}}
-{{- /* values.yaml's default draft means nothing without method draft_model (and is refused) */ -}}
+{{- /* values.yaml's default draft means nothing without a draft method (and is refused) */ -}}
 {{- $spec = omit $spec "draft" -}}
 {{- end -}}
 {{- $engine := merge (dict "speculative" $spec) (omit .Values.specserve.unit.engine "speculative") -}}

@@ -5,9 +5,11 @@ Vocabulary (every name in this package uses it):
 - **target**: the model whose output we promise. Its distribution over the next token is
   ``p`` (after the request's temperature / top-k / top-p transform).
 - **draft** (or *proposer*): anything that proposes tokens cheaply: a smaller model of the
-  same tokenizer (``draft_model``) or prompt lookup (``ngram``). A draft model's
-  distribution is ``q``; a proposer without a model proposes deterministically, which is the
-  same as a one-hot ``q``.
+  same tokenizer (``draft_model``), an EAGLE head that reads the target's hidden states
+  (``eagle``), or prompt lookup (``ngram``). A draft model's distribution is ``q``; a proposer
+  without a model proposes deterministically, which is the same as a one-hot ``q``.
+- **features** (``hidden``): the target's final hidden state at a position (what its LM head
+  reads), which the verify forward returns for an ``eagle`` proposer.
 - **K** (γ, ``num_speculative_tokens``): how many tokens are drafted per step for a sequence.
   ``max_spec_len`` is the largest K in a batch. A row may draft fewer (``num_draft_tokens``),
   even zero, which is plain target-only decoding.

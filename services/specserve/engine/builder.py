@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from specserve.engine.adaptive import SpecLengthController
-from specserve.engine.loader import LoadedModel, load_model
+from specserve.engine.draft_head import is_draft_dir, load_draft_head
+from specserve.engine.loader import (
+    LoadedModel,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from specserve.engine.proposers.base import Proposer
 from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.proposers.hybrid import NgramFirstProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
@@ -19,10 +27,41 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, *, num_slots: i
         return None
     if spec.method == "ngram":
         return NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
-    draft = load_model(spec.draft, max_model_len=max_model_len)
-    if draft.runtime.arch.vocab_size != target.runtime.arch.vocab_size:
+    model = load_draft_proposer(spec.method, spec.draft, target_runtime=target.runtime,
+                                num_slots=num_slots, max_model_len=max_model_len)
+    return with_ngram_first(spec, model)
+
+
+def with_ngram_first(spec: SpeculativeConfig, model: Proposer) -> Proposer:
+    """``model``, behind prompt lookup when ``speculative.ngram_first`` asks for it."""
+    if not spec.ngram_first:
+        return model
+    return NgramFirstProposer(model, min_n=max(2, spec.prompt_lookup_min),
+                              max_n=max(2, spec.prompt_lookup_max))
+
+
+def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, max_model_len: int,
+                        target_runtime=None, target_cfg: ModelConfig | None = None) -> Proposer:
+    """The proposer of a model method: a plain draft model, or a draft from ``train-draft``
+    (a directory with ``draft.json``) on the target's embeddings, taken from
+    ``target_runtime`` when the target is in this process, else read via ``target_cfg``."""
+    if is_draft_dir(draft_cfg.source):
+        device = resolve_device(draft_cfg.device)
+        head = load_draft_head(draft_cfg.source, target_runtime, target_cfg=target_cfg,
+                               max_model_len=max_model_len, device=device,
+                               dtype=resolve_dtype(draft_cfg.dtype, device))
+        worker = ModelWorker(head, num_slots=num_slots, max_seq_len=max_model_len)
+        if (method == "eagle") != head.uses_features:
+            raise ConfigError(f"a {head.kind!r} draft cannot serve method {method}")
+        return EagleProposer(worker) if head.uses_features else DraftModelProposer(worker)
+    if method == "eagle":
+        raise ConfigError("method eagle needs an 'eagle' draft made by `specserve train-draft`")
+    draft = load_model(draft_cfg, max_model_len=max_model_len)
+    # (Out of the target's process the config's same-tokenizer check is the guard.)
+    vocab = target_runtime.arch.vocab_size if target_runtime is not None else None
+    if vocab is not None and draft.runtime.arch.vocab_size != vocab:
         raise ConfigError(f"draft vocabulary size {draft.runtime.arch.vocab_size} differs from the "
-                          f"target's {target.runtime.arch.vocab_size}")
+                          f"target's {vocab}")
     return DraftModelProposer(ModelWorker(draft.runtime, num_slots=num_slots,
                                           max_seq_len=max_model_len))
 

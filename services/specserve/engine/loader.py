@@ -191,3 +191,35 @@ def load_model(cfg, *, max_model_len: int) -> LoadedModel:
                             dtype=resolve_dtype(cfg.dtype, device), device=device)
     runtime.requires_grad_(False)
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(hf_model, tokenizer))
+
+
+def load_target_parts(cfg, *, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's input embeddings and rope tables, without loading the rest of it: what a
+    trained draft (``specserve.engine.draft_head``) needs in a process that has no target.
+    Reads one tensor from the target's safetensors; other formats load the whole model."""
+    from transformers import AutoConfig
+
+    from specserve.engine.model import rope_tables
+
+    src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)
+    name = "model.embed_tokens.weight"
+    embed = None
+    folder = Path(src.location)
+    if folder.is_dir() and src.gguf_file is None:
+        from safetensors import safe_open
+
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                if name in f.keys():
+                    embed = f.get_tensor(name)
+                    break
+        hf_config = AutoConfig.from_pretrained(src.location)
+    if embed is None:
+        hf_model = load_hf_model(src)
+        hf_config, embed = hf_model.config, hf_model.state_dict()[name]
+    max_len = min(max_model_len, hf_config.max_position_embeddings)
+    cos, sin = rope_tables(hf_config, max_len)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    return embed.to(device=device, dtype=dtype), cos.to(device=device, dtype=dtype), \
+        sin.to(device=device, dtype=dtype)

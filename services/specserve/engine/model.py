@@ -144,6 +144,19 @@ class Attention(nn.Module):
         return self.all_reduce(out) if self.all_reduce is not None else out
 
 
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
+        (``cos``/``sin``: ``[1, T, 1, D]``). Right padding is harmless: nothing attends to it."""
+        bsz, t, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        q = apply_rope(q.view(bsz, t, h, d), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(bsz, t, hk, d), cos, sin).transpose(1, 2)
+        v = v.view(bsz, t, hk, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h)
+        return self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
+
+
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -169,6 +182,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), ctx, cache)
+        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: see :meth:`Attention.forward_full`."""
+        x = x + self.attn.forward_full(rms_norm(x, self.input_norm, self.eps), cos, sin)
         return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
 
 
@@ -220,7 +238,9 @@ class LlamaRuntime(nn.Module):
 
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
-                num_logits: list[int] | None = None, starts: list[int] | None = None) -> torch.Tensor:
+                num_logits: list[int] | None = None, starts: list[int] | None = None, *,
+                features: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
 
         Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
@@ -228,6 +248,11 @@ class LlamaRuntime(nn.Module):
         number of new tokens; callers roll back what the rejection sampler did not keep.
         ``starts``, when given, first sets each slot's length (a remote caller that keeps the
         lengths itself rolls back this way, with no extra round trip).
+
+        ``return_hidden``: also return the final hidden state (after the last norm, what the
+        LM head reads) of *every* new token, ``[sum(len(ids)), hidden]`` in row order: the
+        features an EAGLE draft head reads. ``features``: per-token inputs of that shape for
+        a model that takes them (:class:`~specserve.engine.draft_head.DraftHead`).
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
@@ -235,14 +260,28 @@ class LlamaRuntime(nn.Module):
             for slot, start in zip(slots, starts):
                 cache.rollback(slot, start)
         ctx, tokens = self._prepare(cache, slots, token_ids)
-        x = self.embed(tokens)  # [B, T, hidden]
+        x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
         for layer in self.layers:
             x = layer(x, ctx, cache)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = _logit_positions(token_ids, num_logits, x.device)
-        hidden = rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps)  # [N, hidden]
-        return self.lm_head(hidden).float()  # [N, vocab]
+        if not return_hidden:
+            return self.logits(rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps))
+        hidden = rms_norm(x[ctx.valid], self.norm, self.arch.rms_norm_eps)  # [sum(len), hidden]
+        index = torch.zeros_like(ctx.valid, dtype=torch.long)
+        index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
+        return self.logits(hidden[index[rows, cols]]), hidden
+
+    def _inputs(self, tokens: torch.Tensor, ctx: ForwardContext,
+                features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input: token embeddings (a draft head adds its features)."""
+        assert features is None, "this model takes no features"
+        return self.embed(tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` float32 logits of final hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden).float()
 
     def _prepare(self, cache: SlotKVCache, slots: list[int],
                  token_ids: list[list[int]]) -> tuple[ForwardContext, torch.Tensor]:

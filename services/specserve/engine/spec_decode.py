@@ -60,6 +60,7 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0        # output tokens already reported by step()
     k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
+    hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
 
     @property
     def mean_speculation_length(self) -> float:
@@ -107,6 +108,7 @@ class SpecDecodeEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.proposer = proposer
+        self.needs_hidden = proposer is not None and proposer.needs_hidden
         self.num_speculative_tokens = num_speculative_tokens
         self.controller = controller if proposer is not None else None
         self.waiting: deque[Sequence] = deque()
@@ -182,11 +184,14 @@ class SpecDecodeEngine:
         ks = self._plan(seqs)
         proposals = self._propose(seqs, ks)
         t1 = time.perf_counter()
-        logits = self._verify(seqs, proposals)
+        starts = [self.target.length(s.slot) for s in seqs]
+        logits, hidden = self._verify(seqs, proposals)
         t2 = time.perf_counter()
         results = self._sample(seqs, proposals, logits)
         outputs = [self._advance(seq, prop, res, row)
                    for seq, prop, (res, row) in zip(seqs, proposals, results)]
+        if hidden is not None:
+            self._keep_hidden(seqs, starts, hidden)
         t3 = time.perf_counter()
         self.times.add(t1 - t0, t2 - t1, t3 - t2)
         if self.controller is not None:
@@ -241,11 +246,24 @@ class SpecDecodeEngine:
         sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
         ctl.observe_accept(len(seqs), sampled, accept_s)
 
+    def _keep_hidden(self, seqs: list[Sequence], starts: list[int],
+                     hidden: list[torch.Tensor | None]) -> None:
+        """Queue, for the proposer, the target features of the tokens that are now final
+        (positions from the step's start to the cache length after rollback)."""
+        for seq, start, rows in zip(seqs, starts, hidden):
+            if rows is not None and seq.draft_attached and seq.finish_reason is None:
+                seq.hidden.append(rows[:self.target.length(seq.slot) - start])
+
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         requests = [DraftRequest(s.seq_id, s.token_ids, k, s.params.temperature, s.params.top_k,
                                  s.params.top_p)
                     for s, k in zip(seqs, ks)]
         active = [i for i, r in enumerate(requests) if r.k > 0]
+        if self.needs_hidden:
+            for i in active:
+                if seqs[i].hidden:
+                    requests[i].hidden = torch.cat(seqs[i].hidden)
+                    seqs[i].hidden = []
         proposals = [Proposal([]) for _ in seqs]
         if active:
             try:
@@ -274,20 +292,27 @@ class SpecDecodeEngine:
         self.draft_available = False
         for seq in self.running.values():
             seq.draft_attached = False
+            seq.hidden = []
 
     def reattach_proposer(self) -> None:
         """The proposer is back (a restarted draft actor has no state): start every running
-        sequence on it again; it catches up from the tokens on its first proposal."""
+        sequence on it again; it catches up from the tokens on its first proposal. A proposer
+        that reads target features cannot catch up on features it never got: sequences past
+        their prefill stay target-only, new ones speculate."""
         self.draft_available = self.proposer is not None
         for seq in list(self.running.values()):
-            if seq.spec_len > 0 and not seq.draft_attached and self.draft_available:
+            lost = self.needs_hidden and self.target.length(seq.slot) > 0
+            if seq.spec_len > 0 and not seq.draft_attached and self.draft_available and not lost:
                 self._attach(seq)
 
-    def _verify(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[torch.Tensor]:
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None]:
         """Target logits ``[num_drafts + 1, V]`` per row (``[num_drafts + 1]`` argmax ids when
-        every row is greedy). Decode rows share one forward; prefill rows share one per input
-        length, so no row is padded to a prompt's length."""
+        every row is greedy), and for a proposer that reads them the target's hidden states of
+        every input token per row (None otherwise). Decode rows share one forward; prefill rows
+        share one per input length, so no row is padded to a prompt's length."""
         argmax_only = all(s.params.greedy for s in seqs)
+        want_hidden = self.needs_hidden and any(s.draft_attached for s in seqs)
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
                   for s, p in zip(seqs, proposals)]
         groups: dict[int, list[int]] = {}
@@ -295,20 +320,25 @@ class SpecDecodeEngine:
             key = 0 if self.target.length(s.slot) > 0 else len(inputs[i])  # 0: decode rows
             groups.setdefault(key, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(seqs)
+        hidden: list[torch.Tensor | None] = [None] * len(seqs)
         for rows in groups.values():
             counts = [len(proposals[i].token_ids) + 1 for i in rows]
             t0 = time.perf_counter()
-            logits = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
-                                         counts, argmax_only)
+            result = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
+                                         counts, argmax_only, return_hidden=want_hidden)
             if self.controller is not None:
                 tokens = sum(len(inputs[i]) for i in rows)
                 attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
                                 for i in rows)
                 self.controller.observe_forward(len(rows), tokens, attention,
                                                 time.perf_counter() - t0)
+            logits = result[0] if want_hidden else result
             for i, chunk in zip(rows, logits.split(counts)):
                 out[i] = chunk
-        return out
+            if want_hidden:
+                for i, chunk in zip(rows, result[1].split([len(inputs[i]) for i in rows])):
+                    hidden[i] = chunk
+        return out, hidden if want_hidden else None
 
     def _sample(self, seqs: list[Sequence], proposals: list[Proposal],
                 logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:

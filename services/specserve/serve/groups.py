@@ -33,10 +33,10 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.config import EngineConfig, ModelConfig, UnitConfig
+from specserve.engine.builder import load_draft_proposer
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
-from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.tp import apply_tp
 from specserve.engine.worker import ModelWorker, SlotOwner
 from specserve.errors import ProposerUnavailable, TargetUnavailable
@@ -90,17 +90,21 @@ class TargetRank:
                 "eos_token_ids": sorted(loaded.eos_token_ids)}
 
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
-                num_logits: list[int], argmax_only: bool = False) -> torch.Tensor:
+                num_logits: list[int], argmax_only: bool = False,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
-        (``[N]`` token ids with ``argmax_only``)."""
+        (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
+        states, which every rank has in full after the last all-reduce)."""
         batch = (slots, starts, token_ids, num_logits)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
-        return self._run(batch, argmax_only).cpu()
+        out = self._run(batch, argmax_only, return_hidden)
+        return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
 
-    def _run(self, batch, argmax_only: bool = False) -> torch.Tensor:
+    def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
         slots, starts, token_ids, num_logits = batch
-        return self.worker.forward(slots, token_ids, num_logits, argmax_only, starts=starts)
+        return self.worker.forward(slots, token_ids, num_logits, argmax_only, starts=starts,
+                                   return_hidden=return_hidden)
 
     def _follow(self) -> None:
         """Ranks > 0: run whatever rank 0 broadcasts, for as long as the actor lives."""
@@ -174,9 +178,11 @@ class TargetGroup(SlotOwner):
         return self.info["vocab_size"]
 
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
-                argmax_only: bool = False) -> torch.Tensor:
+                argmax_only: bool = False,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         starts = [self.table.lengths[s] for s in slots]
-        ref = self.ranks[0].forward.remote(slots, starts, token_ids, num_logits, argmax_only)
+        ref = self.ranks[0].forward.remote(slots, starts, token_ids, num_logits, argmax_only,
+                                           return_hidden)
         ready, _ = ray.wait([ref, *self._watch], num_returns=1, timeout=self.step_timeout_s)
         if not ready:
             raise TargetUnavailable(f"a target step took longer than {self.step_timeout_s:g} s "
@@ -200,11 +206,12 @@ class TargetGroup(SlotOwner):
 class DraftWorker:
     """The draft group: a draft model with its own slot cache, behind the proposer API."""
 
-    def __init__(self, draft: dict, max_model_len: int, num_slots: int) -> None:
+    def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
+                 num_slots: int) -> None:
         _threads(1)
-        loaded = load_model(ModelConfig.model_validate(draft), max_model_len=max_model_len)
-        worker = ModelWorker(loaded.runtime, num_slots=num_slots, max_seq_len=max_model_len)
-        self.proposer = DraftModelProposer(worker)
+        self.proposer = load_draft_proposer(
+            method, ModelConfig.model_validate(draft), target_cfg=ModelConfig.model_validate(target),
+            num_slots=num_slots, max_model_len=max_model_len)
 
     def step(self, ops: list[tuple], requests: list[DraftRequest]) -> list[Proposal]:
         self.apply(ops)
@@ -221,11 +228,12 @@ class DraftWorker:
 class RemoteProposer(Proposer):
     """Coordinator-side client of the draft group."""
 
-    method = "draft_model"
     MAX_BUFFERED_OPS = 64  # flush bookkeeping without waiting for a proposal beyond this
 
-    def __init__(self, actor, *, timeout_s: float) -> None:
+    def __init__(self, actor, *, method: str, timeout_s: float) -> None:
         self.actor = actor
+        self.method = method
+        self.needs_hidden = method == "eagle"  # the features travel in each DraftRequest
         self.timeout_s = timeout_s
         self._ops: list[tuple] = []
 
@@ -245,8 +253,9 @@ class RemoteProposer(Proposer):
                          "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=None)}
         actor = DraftWorker.options(max_restarts=-1, max_task_retries=0, **named,
                                     **placement).remote(
-            engine.speculative.draft.model_dump(), engine.max_model_len, engine.max_num_seqs)
-        proposer = cls(actor, timeout_s=cfg.draft_timeout_s)
+            engine.speculative.method, engine.speculative.draft.model_dump(),
+            engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs)
+        proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
             raise RuntimeError("the draft group did not start")
         return proposer

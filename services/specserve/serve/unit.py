@@ -17,7 +17,7 @@ import ray
 from ray import serve
 
 from specserve.config import SamplingParams, UnitConfig
-from specserve.engine.builder import build_controller
+from specserve.engine.builder import build_controller, with_ngram_first
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
@@ -46,9 +46,11 @@ class SpeculationUnit:
                       if cfg.has_draft_group else None)
         self.target = TargetGroup.start(cfg, pg, 2 if cfg.draft_in_bundle else 1,
                                         name=f"target-{self.unit_id}")
-        proposer = self.draft or (NgramProposer(min_n=spec.prompt_lookup_min,
-                                                max_n=spec.prompt_lookup_max)
-                                  if spec.method == "ngram" else None)
+        proposer = None
+        if self.draft is not None:
+            proposer = with_ngram_first(spec, self.draft)
+        elif spec.method == "ngram":
+            proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
         tokenizer = load_tokenizer(resolve(cfg.engine.target.source, cfg.engine.target.cache_dir))
         self.engine = SpecDecodeEngine(self.target, tokenizer,
                                        eos_token_ids=frozenset(self.target.info["eos_token_ids"]),

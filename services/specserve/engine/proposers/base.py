@@ -24,6 +24,7 @@ class DraftRequest:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    hidden: torch.Tensor | None = None  # for needs_hidden proposers: target features since last time
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Proposer(ABC):
     """
 
     method: str
+    needs_hidden = False  # True: reads the target's hidden states (EAGLE); the engine sends them
 
     def start(self, seq_id: int, seed: int) -> None:
         """A new sequence begins (reserve state). ``seed`` seeds the draft's own sampling."""

@@ -1,0 +1,80 @@
+"""The shipped EAGLE draft (alone and behind prompt lookup) vs n-gram vs target-only, batch 1.
+
+Workloads: ``chat`` is the held-out chat set (``eval-chat``: no prompt of it is a training
+prompt of the draft); ``rewrite`` (``load/prompts/rewrite.jsonl``) is where n-gram lookup is at
+its best, for contrast. Per prompt every mode runs once, the order rotating, and the outputs
+must be identical to target-only's (they are the same greedy decode). Speedup = target-only
+seconds / mode seconds, summed over the prompts (prefill included, as a client sees it).
+
+    make bench-draft                       # or: python load/bench_draft.py --help
+
+Prints a table and writes ``results/bench-draft.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+from specserve.config import EngineConfig
+from specserve.draft.data import read_prompts
+from specserve.draft.evaluate import end_to_end
+from specserve.engine.builder import build_engine
+from specserve.engine.draft_head import EMBEDDED_DRAFT, draft_path
+from specserve.engine.tokenizer import encode_chat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
+from prompts import load_prompts  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", default=EMBEDDED_DRAFT, help="an eagle draft directory")
+    p.add_argument("--k", type=int, help="K for the draft (default: the K its eval.json measured)")
+    p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=12, help="prompts per workload")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--workloads", default="chat,rewrite")
+    p.add_argument("--out", default="results/bench-draft.json")
+    args = p.parse_args()
+    k = args.k or json.loads((draft_path(args.draft) / "eval.json").read_text())["end_to_end"]["k"]
+
+    def engine(spec: dict):
+        cfg = EngineConfig.model_validate({"speculative": spec, "max_num_seqs": 1, "max_model_len": 2048})
+        return build_engine(cfg)
+
+    target_only, target = engine({"method": None})
+    ngram, _ = engine({"method": "ngram", "num_speculative_tokens": args.ngram_k})
+    eagle, _ = engine({"method": "eagle", "num_speculative_tokens": k, "draft": {"source": args.draft}})
+    both, _ = engine({"method": "eagle", "num_speculative_tokens": k, "draft": {"source": args.draft},
+                      "ngram_first": True})
+    modes = {"target-only": (target_only, 0), f"ngram K={args.ngram_k}": (ngram, args.ngram_k),
+             f"eagle K={k}": (eagle, k), f"eagle+ngram K={k}": (both, k)}
+    results = {}
+    for workload in args.workloads.split(","):
+        rows = (read_prompts("eval-chat") if workload == "chat"
+                else [r["messages"] for r in load_prompts(workload)])
+        prompts = [encode_chat(target.tokenizer, m) for m in rows[:args.prompts]]
+        end_to_end(modes, prompts[:1], max_tokens=16, progress=False)  # warm-up
+        results[workload] = end_to_end(modes, prompts, max_tokens=args.max_tokens)
+    print(f"\nbatch 1, greedy, max {args.max_tokens} tokens, {platform.processor() or platform.machine()}")
+    print(f"{'workload':10} {'mode':18} {'seconds':>8} {'speedup':>8} {'accept':>7} {'mean len':>9} "
+          f"{'identical':>9}")
+    for workload, runs in results.items():
+        for name, r in runs.items():
+            print(f"{workload:10} {name:18} {r['seconds']:8.1f} {r['speedup']:8.2f} "
+                  f"{r['acceptance_rate']:7.3f} {r['mean_acceptance_length']:9.2f} "
+                  f"{str(r['outputs_identical']):>9}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "draft": args.draft,
+                               "max_tokens": args.max_tokens, "results": results}, indent=2) + "\n")
+    return 0 if all(r["outputs_identical"] for runs in results.values() for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""``specserve train-draft``: data, training, saving, evaluation, in one resumable run.
+
+1. **Data**: the target answers the training prompts greedily (``data.py``); answers and the
+   target's features are kept under ``<work>/data``. Held-out prompts get the same treatment
+   under ``<work>/eval-data``; a held-out prompt that is also a training prompt is dropped.
+2. **Draft vocabulary**: the ``draft_vocab`` tokens most frequent in the training answers.
+3. **Training** (``train.py``), checkpointed under ``<work>/checkpoints``.
+4. **Saving** into ``--out`` (``draft.json``, weights, tokenizer), then loading it back: the
+   evaluation runs on what was saved.
+5. **Evaluation** (``evaluate.py``): acceptance per K, costs, predicted and measured speedup,
+   printed and written to ``<out>/eval.json``.
+
+A rerun with the same settings reuses the data shards and resumes training from the last
+checkpoint; a finished training is not repeated (``--retrain`` forces it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from specserve.config import ModelConfig
+from specserve.draft.data import build_dataset, encode, generation_seconds, select_prompts
+from specserve.draft.evaluate import (
+    MAX_K,
+    acceptance_table,
+    end_to_end,
+    matched_lengths,
+    measure_costs,
+    predicted_speedup,
+)
+from specserve.draft.train import TrainConfig, Trainer
+from specserve.engine.draft_head import (
+    KINDS,
+    draft_path,
+    is_draft_dir,
+    load_draft_head,
+    load_draft_vocab,
+    new_draft_head,
+    read_draft_meta,
+    save_draft,
+)
+from specserve.engine.loader import load_model
+from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.worker import ModelWorker
+from specserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="embedded",
+                   help="the target: 'embedded', a .gguf file, a HF directory or a hub id")
+    p.add_argument("--out", required=True,
+                   help="directory the draft is written to (embedded-eagle: the shipped default's)")
+    p.add_argument("--work-dir", help="data and checkpoints (default: <out>/work)")
+    p.add_argument("--kind", default="eagle", choices=KINDS,
+                   help="eagle: a head on the target's features (serve with method eagle); "
+                        "decoder: a small separate decoder (method draft_model)")
+    p.add_argument("--prompts", default="chat,code,summarize",
+                   help="comma-separated shipped sets (chat, code, summarize) and/or JSONL/TXT files")
+    p.add_argument("--num-prompts", type=int, help="use this many of them (seeded shuffle; default all)")
+    p.add_argument("--eval-prompts", default="eval-chat",
+                   help="held-out prompts (default: the shipped eval-chat set, hand-written)")
+    p.add_argument("--eval-num-prompts", type=int, help="use this many held-out prompts")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap, training data")
+    p.add_argument("--eval-max-tokens", type=int, default=128, help="answer length cap, evaluation")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-batch-size", type=int, default=64, help="sequences generated together")
+    p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft LM head size: the most frequent answer tokens (0: the whole vocabulary)")
+    p.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    p.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--unroll", type=int, default=TrainConfig.unroll, choices=[1, 2, 3],
+                   help="eagle: training passes over predicted features")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-k", type=int, help="K of the end-to-end run (default: best predicted)")
+    p.add_argument("--skip-end-to-end", action="store_true", help="skip the timed engine runs")
+    p.add_argument("--retrain", action="store_true", help="train again even if --out has a draft")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _check(args) -> None:
+    for name in ("num_prompts", "eval_num_prompts", "max_new_tokens", "eval_max_tokens",
+                 "gen_batch_size", "num_layers", "epochs", "batch_tokens", "max_prompt_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.draft_vocab < 0 or args.lr <= 0:
+        raise ConfigError("--draft-vocab must be >= 0 and --lr > 0")
+    if args.eval_k is not None and not 1 <= args.eval_k <= MAX_K:
+        raise ConfigError(f"--eval-k must be in [1, {MAX_K}]")
+    if args.max_prompt_tokens + args.max_new_tokens > args.max_model_len:
+        raise ConfigError("--max-prompt-tokens + --max-new-tokens exceed --max-model-len")
+
+
+def run(args) -> dict:
+    _check(args)
+    torch.manual_seed(args.seed)
+    progress = not args.no_progress
+    out = draft_path(args.out)
+    work = Path(args.work_dir).expanduser() if args.work_dir else out / "work"
+    started = time.perf_counter()
+    train_msgs = select_prompts(args.prompts, num_prompts=args.num_prompts, seed=args.seed)
+    eval_msgs = select_prompts(args.eval_prompts, num_prompts=None, seed=args.seed)
+    target = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu"),
+                        max_model_len=args.max_model_len)
+    tok, eos = target.tokenizer, target.eos_token_ids
+
+    # 1. data
+    seen = {json.dumps(m, sort_keys=True) for m in train_msgs}
+    held_out = [m for m in eval_msgs if json.dumps(m, sort_keys=True) not in seen]
+    if len(held_out) < len(eval_msgs):
+        log.warning("dropped %d held-out prompts that are also training prompts",
+                    len(eval_msgs) - len(held_out))
+    held_out = held_out[:args.eval_num_prompts] if args.eval_num_prompts else held_out
+    if not held_out:
+        raise ConfigError("no held-out prompts left (every one is also a training prompt)")
+    train_ids = [encode(tok, m, args.max_prompt_tokens) for m in train_msgs]
+    eval_ids = [encode(tok, m, args.max_prompt_tokens) for m in held_out]
+    out_path = out
+    must_train = args.retrain or not is_draft_dir(out_path)
+    gen = ModelWorker(target.runtime, num_slots=args.gen_batch_size, max_seq_len=args.max_model_len)
+    held = build_dataset(gen, tok, eval_ids, work / "eval-data", max_new_tokens=args.eval_max_tokens,
+                         eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (held-out)")
+    if must_train:
+        t0 = time.perf_counter()
+        train = build_dataset(gen, tok, train_ids, work / "data", max_new_tokens=args.max_new_tokens,
+                              eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (train)")
+        data_info = {"prompts": args.prompts, "sequences": len(train),
+                     "tokens": sum(s.num_tokens for s in train),
+                     "answer_tokens": sum(s.num_tokens - s.prompt_len for s in train),
+                     "held_out_prompts": args.eval_prompts, "held_out_sequences": len(held),
+                     "generation_seconds": round(generation_seconds(work / "data"), 1),
+                     "seconds": round(time.perf_counter() - t0, 1)}
+    del gen
+
+    # 2.-4. vocabulary, training, saving (a draft already in --out is kept: evaluated again)
+    if must_train:
+        vocab = draft_vocabulary(train, target.runtime.arch.vocab_size, args.draft_vocab, eos)
+        head = new_draft_head(target.runtime, kind=args.kind, num_layers=args.num_layers,
+                              draft_vocab=vocab, seed=args.seed)
+        cfg = _train_config(args)
+        trainer = Trainer(head, target.runtime.lm_head.weight[vocab], cfg, work)
+        t0 = time.perf_counter()
+        summary = trainer.fit(train, progress=progress)
+        save_draft(head, out_path, target_name=target.name, tokenizer=tok, extra={
+            "training": {**summary, "seconds": round(time.perf_counter() - t0, 1)},
+            "data": data_info})
+    meta = read_draft_meta(out_path)
+
+    # 5. evaluation, on the saved draft
+    report = evaluate(out_path, target, held, eval_k=args.eval_k, max_tokens=args.eval_max_tokens,
+                      end_to_end_run=not args.skip_end_to_end, progress=progress)
+    report = {"draft": str(args.out), "kind": meta["kind"], "target": target.name,
+              "machine": _machine(), "date": time.strftime("%Y-%m-%d"),
+              "data": meta["data"], "training": meta["training"],
+              "held_out_vocab_coverage": _coverage(held, load_draft_vocab(out_path)), **report,
+              "total_seconds": round(time.perf_counter() - started, 1)}
+    (out_path / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _train_config(args) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return TrainConfig(**given)
+
+
+def draft_vocabulary(samples, vocab_size: int, size: int, always: frozenset[int]) -> torch.Tensor:
+    """The ``size`` token ids most frequent in the answers (EOS always in), sorted; all ids when
+    ``size`` is 0 or covers the vocabulary."""
+    if size == 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = Counter()
+    for s in samples:
+        counts.update(s.token_ids[s.prompt_len:])
+    keep = set(always) | {t for t, _ in counts.most_common(size)}
+    ranked = [t for t, _ in counts.most_common()] + list(range(vocab_size))
+    for t in ranked:  # top up (rare tokens, then any) to exactly ``size``
+        if len(keep) >= size:
+            break
+        keep.add(t)
+    return torch.tensor(sorted(keep)[:max(size, len(always))])
+
+
+def _coverage(samples, vocab: torch.Tensor) -> float:
+    """Share of held-out answer tokens the draft vocabulary contains (a ceiling on acceptance)."""
+    ids = set(vocab.tolist())
+    answer = [t for s in samples for t in s.token_ids[s.prompt_len:]]
+    return sum(t in ids for t in answer) / max(1, len(answer))
+
+
+def evaluate(draft_dir: Path, target, held, *, eval_k: int | None, max_tokens: int,
+             end_to_end_run: bool, progress: bool) -> dict:
+    head = load_draft_head(draft_dir, target.runtime, max_model_len=target.runtime.max_positions)
+    make = lambda slots: (EagleProposer if head.uses_features else DraftModelProposer)(  # noqa: E731
+        ModelWorker(head, num_slots=slots, max_seq_len=target.runtime.max_positions))
+    table = acceptance_table(matched_lengths(make(1), held, progress=progress))
+    context = max(held, key=lambda s: s.num_tokens).token_ids
+    target_worker = ModelWorker(target.runtime, num_slots=1, max_seq_len=target.runtime.max_positions)
+    costs = measure_costs(target_worker, make(MAX_K), context)
+    predicted = predicted_speedup(table, costs)
+    k = eval_k or max(predicted, key=predicted.get)
+    report = {"greedy_acceptance": {str(k_): row for k_, row in table.items()},
+              "costs_s": {"target_forward": {str(n): v for n, v in costs["target_forward_s"].items()},
+                          "draft_token": costs["draft_token_s"]},
+              "predicted_speedup": {str(k_): v for k_, v in predicted.items()}}
+    if end_to_end_run:
+        engine = lambda proposer: SpecDecodeEngine(  # noqa: E731
+            ModelWorker(target.runtime, num_slots=1, max_seq_len=target.runtime.max_positions),
+            target.tokenizer, eos_token_ids=target.eos_token_ids, proposer=proposer,
+            num_speculative_tokens=k)
+        prompts = [s.token_ids[:s.prompt_len] for s in held]
+        runs = end_to_end({"target_only": (engine(None), None), "speculative": (engine(make(1)), k)},
+                          prompts, max_tokens=max_tokens, progress=progress)
+        spec = runs["speculative"]
+        report["end_to_end"] = {**spec, "target_only_s": runs["target_only"]["seconds"],
+                                "speculative_s": spec.pop("seconds")}
+    return report
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What the CLI prints."""
+    lines = [f"draft {report['draft']} ({report['kind']}) for {report['target']}",
+             f"data: {report['data']['sequences']} sequences, {report['data']['tokens']} tokens "
+             f"({report['data']['answer_tokens']} answer tokens), generated in "
+             f"{report['data'].get('generation_seconds')} s; "
+             f"training: {report['training']['steps']} steps, {report['training']['seconds']} s",
+             f"held-out vocabulary coverage {report['held_out_vocab_coverage']:.3f}",
+             "K  acceptance  mean-acc-len  predicted-speedup"]
+    for k, row in report["greedy_acceptance"].items():
+        lines.append(f"{k:>1}  {row['acceptance_rate']:10.3f}  {row['mean_acceptance_length']:12.2f}  "
+                     f"{report['predicted_speedup'][k]:17.2f}")
+    e2e = report.get("end_to_end")
+    if e2e:
+        lines.append(f"end-to-end, batch 1, K={e2e['k']}: speedup {e2e['speedup']:.2f}x "
+                     f"(target-only {e2e['target_only_s']:.1f} s, speculative {e2e['speculative_s']:.1f} s), "
+                     f"acceptance {e2e['acceptance_rate']:.3f}, mean acceptance length "
+                     f"{e2e['mean_acceptance_length']:.2f}, outputs identical: {e2e['outputs_identical']}")
+    return lines

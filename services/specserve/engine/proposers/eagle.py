@@ -1,0 +1,90 @@
+"""EAGLE proposer: a draft head that reads the target's hidden states (``draft_head.DraftHead``
+of kind ``eagle``).
+
+Head position t holds the pair ``(x_{t+1}, f_t)``: token t+1 and the target's final hidden
+state at t. The engine sends, with each request, the target features that became final since
+the last one (``DraftRequest.hidden``; it asks the target for them in the verify forward).
+A sequence of n + 1 tokens whose target cache holds n of them has features f_0..f_{n-1}, so
+the head catches up on pairs up to ``(x_n, f_{n-1})`` and its output there drafts x_{n+1}.
+Each further draft feeds the head its own predicted feature with the token it just drafted.
+
+State per sequence: a slot in the head's cache, the features received but not yet fed, and
+``real``, how many pairs in the cache are built from real (not predicted) features. After
+verification the cache is rolled back to ``real``; the next request brings the features of
+the tokens the target kept. A sequence whose features were lost (a restarted draft actor)
+cannot be caught up: the engine leaves it target-only (``Proposer.needs_hidden``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.proposers.base import DraftRequest, Proposal
+from specserve.engine.proposers.draft_model import DraftModelProposer
+
+
+class EagleProposer(DraftModelProposer):
+    method = "eagle"
+    needs_hidden = True
+
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        assert getattr(worker.runtime, "uses_features", False), "an EAGLE proposer needs an eagle head"
+        self.pending: dict[int, list[torch.Tensor]] = {}  # seq_id -> features not yet fed
+        self.real: dict[int, int] = {}                     # seq_id -> pairs from real features
+
+    def start(self, seq_id: int, seed: int) -> None:
+        super().start(seq_id, seed)
+        self.pending[seq_id], self.real[seq_id] = [], 0
+
+    def finish(self, seq_id: int) -> None:
+        super().finish(seq_id)
+        self.pending.pop(seq_id, None)
+        self.real.pop(seq_id, None)
+
+    def commit(self, seq_id: int, num_valid_tokens: int) -> None:
+        slot = self.slots.get(seq_id)
+        if slot is not None:  # drafted pairs used predicted features: drop them all
+            self.worker.rollback(slot, min(self.worker.length(slot), self.real[seq_id]))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        feeds: dict[int, tuple[list[int], torch.Tensor]] = {}
+        for i, r in enumerate(requests):
+            if r.hidden is not None and len(r.hidden):
+                self.pending[r.seq_id].append(r.hidden)
+            if r.k > 0 and (feed := self._catch_up(r)) is not None:
+                feeds[i] = feed
+        while feeds:
+            rows = list(feeds)
+            slots = [self.slots[requests[i].seq_id] for i in rows]
+            tokens = [feeds[i][0] for i in rows]
+            logits, hidden = self.worker.runtime(
+                self.worker.cache, slots, tokens, [1] * len(rows),
+                features=torch.cat([feeds[i][1] for i in rows]), return_hidden=True)
+            last = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
+            predicted = hidden[last]  # [n, hidden]: f-hat at each row's newest position
+            picked, row_probs = self._sample([requests[i] for i in rows], logits)
+            feeds = {}
+            for j, i in enumerate(rows):
+                drafts[i].append(picked[j])
+                if row_probs[j] is not None:
+                    probs[i].append(row_probs[j])
+                if len(drafts[i]) < requests[i].k:
+                    feeds[i] = ([picked[j]], predicted[j:j + 1])
+        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _catch_up(self, r: DraftRequest) -> tuple[list[int], torch.Tensor] | None:
+        """The pairs from ``real`` up to the sequence's last token, or None while the target
+        has not produced the features for them (the step that prefills the prompt)."""
+        seq, n = r.seq_id, len(r.token_ids) - 1
+        real = self.real[seq]
+        have = real + sum(len(h) for h in self.pending[seq])
+        if n <= real or have < n:
+            return None
+        features = torch.cat(self.pending[seq])
+        use = n - real
+        self.pending[seq] = [features[use:]] if use < len(features) else []
+        self.real[seq] = n
+        return r.token_ids[real + 1:n + 1], features[:use].to(self.worker.runtime.embed.weight.dtype)

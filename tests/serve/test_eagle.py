@@ -1,0 +1,65 @@
+"""An EAGLE draft served over real HTTP: a draft directory from ``save_draft`` (the format
+``train-draft`` writes), the draft actor reading only the target's embeddings from its files,
+features travelling from target rank 0 through the coordinator to the draft actor every step,
+prompt lookup in front (``ngram_first``), TP = 2."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from ray import serve
+from specserve.engine.draft_head import save_draft
+from specserve.engine.tokenizer import encode_prompt
+
+from tests.models import eagle_head_of
+from tests.serve.conftest import deploy, unit_args
+from tests.serve.test_fallback import unit_stats
+from tests.serve.test_http import PROMPTS, complete, model_name, read_sse, target_only_text  # noqa: F401
+from tests.tiny import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def eagle_app(ray_cluster, tiny_models, tmp_path_factory):
+    draft = tmp_path_factory.mktemp("eagle") / "draft"
+    save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
+               extra={})
+    args = unit_args(tiny_models[0], max_num_seqs=4, speculative={
+        "method": "eagle", "num_speculative_tokens": 3, "ngram_first": True,
+        "draft": {"source": str(draft)}, "adaptive": {"enabled": False}})
+    args["unit"]["tensor_parallel_size"] = 2
+    yield deploy("eagle", "/eagle", args)
+    serve.delete("eagle")
+
+
+def test_eagle_greedy_output_equals_target_only(eagle_app, tiny_models, model_name):  # noqa: F811
+    tok = make_tiny_tokenizer()
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        r = complete(eagle_app, model_name, prompt, 32)
+        assert r.status_code == 200, r.text
+        expected = target_only_text(tiny_models[2], encode_prompt(tok, prompt), 32)
+        assert r.json()["choices"][0]["text"] == expected
+        assert r.headers["x-speculation"].startswith("on; reason=default; method=eagle")
+        accepted += r.json()["usage"]["speculation"]["num_accepted_tokens"]
+    assert accepted > 0
+
+
+def test_eagle_streams_and_seeded_sampling_repeats(eagle_app, model_name):  # noqa: F811
+    body = {"model": model_name, "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0.8,
+            "seed": 7, "stream": True}
+    texts = []
+    for _ in range(2):
+        with httpx.stream("POST", eagle_app + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = read_sse(r)
+        texts.append("".join(e["choices"][0]["text"] for e in events if e["choices"]))
+        assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length") or not events[-1]["choices"]
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_eagle_unit_frees_every_slot(eagle_app, model_name):  # noqa: F811
+    for prompt in PROMPTS[4:]:
+        assert complete(eagle_app, model_name, prompt, 8).status_code == 200
+    stats = unit_stats(eagle_app)
+    assert stats["method"] == "eagle" and stats["draft_available"]
+    assert stats["running"] == 0 and stats["waiting"] == 0
