@@ -115,7 +115,7 @@ class SpeculativeConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
         if self.method in MODEL_METHODS and self.draft is None:
-            raise ValueError(f"method {self.method} needs a draft (speculative.draft.source)")
+            raise ValueError(f"method {self.method} needs a draft model (speculative.draft.source)")
         if self.method not in MODEL_METHODS and self.draft is not None:
             raise ValueError(f"a draft model is set but method is {self.method!r}")
         if self.ngram_first and self.method not in MODEL_METHODS:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specserve.config import EngineConfig
+from specserve.config import AdaptiveConfig, EngineConfig
+from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.builder import build_engine
 from specserve.engine.draft_head import (
     is_draft_dir,
@@ -187,3 +188,38 @@ def test_lost_eagle_leaves_running_sequences_target_only(target_hf):
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
     assert engine.num_draft_fallbacks == 1
     assert flaky.worker.num_free_slots == 8 - 3  # the lost sequences' slots died with the "actor"
+
+
+class ZeroThenK(SpecLengthController):
+    """K = 0 for every row for the first ``zero_steps`` steps, then the cap."""
+
+    def __init__(self, max_k: int, zero_steps: int) -> None:
+        super().__init__(max_k, AdaptiveConfig())
+        self.steps, self.zero_steps = 0, zero_steps
+
+    def plan(self, rows: list[Row]) -> list[int]:
+        self.steps += 1
+        return [0 if self.steps <= self.zero_steps else r.cap for r in rows]
+
+
+def test_features_do_not_pile_up_while_nothing_is_drafted(target_hf):
+    """Rows the controller keeps at K = 0 still hand their features over each step, and the
+    head folds them into its cache once 16 wait: neither side's queue grows with the
+    sequence. Drafting resumes afterwards, and the output is target-only's."""
+    batch = prompts(3, seed=31)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf), num_slots=8, max_seq_len=256))
+    engine = make_engine(target_hf, None, controller=None)
+    engine.proposer, engine.needs_hidden, engine.draft_available = proposer, True, True
+    engine.controller = ZeroThenK(3, zero_steps=30)
+    ids = [engine.add_request(p, GREEDY, adaptive=True) for p in batch]
+    outputs: dict[int, list[int]] = {}
+    most_waiting = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
+        assert all(len(s.hidden) <= 1 for s in engine.running.values())  # only this step's
+        most_waiting = max([most_waiting, *(sum(map(len, q)) for q in proposer.pending.values())])
+    assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
+    assert most_waiting < EagleProposer.CATCH_UP_BACKLOG + 8
+    assert engine.stats.num_accepted_tokens > 0  # drafting resumed after step 30

@@ -259,7 +259,8 @@ class SpecDecodeEngine:
                                  s.params.top_p)
                     for s, k in zip(seqs, ks)]
         active = [i for i, r in enumerate(requests) if r.k > 0]
-        if self.needs_hidden:
+        if self.needs_hidden:  # features go out every step, drafting or not: none pile up here
+            active = [i for i, s in enumerate(seqs) if requests[i].k > 0 or (s.draft_attached and s.hidden)]
             for i in active:
                 if seqs[i].hidden:
                     requests[i].hidden = torch.cat(seqs[i].hidden)

@@ -26,6 +26,7 @@ from specserve.engine.proposers.draft_model import DraftModelProposer
 class EagleProposer(DraftModelProposer):
     method = "eagle"
     needs_hidden = True
+    CATCH_UP_BACKLOG = 16  # features waiting for a row that drafts nothing before they are fed
 
     def __init__(self, worker) -> None:
         super().__init__(worker)
@@ -48,14 +49,22 @@ class EagleProposer(DraftModelProposer):
             self.worker.rollback(slot, min(self.worker.length(slot), self.real[seq_id]))
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Draft for rows with ``k > 0``. Rows with ``k = 0`` only deliver features; once
+        ``CATCH_UP_BACKLOG`` of them wait, they are fed to the head's cache (in the same
+        forward as the drafting rows, output unused), so a sequence that goes without drafts
+        for long holds its features in the cache it has anyway, not in a growing queue."""
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         feeds: dict[int, tuple[list[int], torch.Tensor]] = {}
+        silent: set[int] = set()  # rows fed only to catch up
         for i, r in enumerate(requests):
             if r.hidden is not None and len(r.hidden):
                 self.pending[r.seq_id].append(r.hidden)
-            if r.k > 0 and (feed := self._catch_up(r)) is not None:
+            backlog = sum(len(h) for h in self.pending[r.seq_id])
+            if (r.k > 0 or backlog >= self.CATCH_UP_BACKLOG) and (feed := self._catch_up(r)) is not None:
                 feeds[i] = feed
+                if r.k == 0:
+                    silent.add(i)
         while feeds:
             rows = list(feeds)
             slots = [self.slots[requests[i].seq_id] for i in rows]
@@ -68,6 +77,8 @@ class EagleProposer(DraftModelProposer):
             picked, row_probs = self._sample([requests[i] for i in rows], logits)
             feeds = {}
             for j, i in enumerate(rows):
+                if i in silent:
+                    continue
                 drafts[i].append(picked[j])
                 if row_probs[j] is not None:
                     probs[i].append(row_probs[j])
@@ -87,4 +98,5 @@ class EagleProposer(DraftModelProposer):
         use = n - real
         self.pending[seq] = [features[use:]] if use < len(features) else []
         self.real[seq] = n
-        return r.token_ids[real + 1:n + 1], features[:use].to(self.worker.runtime.embed.weight.dtype)
+        # Features arrive on the CPU from a remote target; the head may sit on a GPU.
+        return r.token_ids[real + 1:n + 1], features[:use].to(self.worker.runtime.embed.weight)
