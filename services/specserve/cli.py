@@ -172,7 +172,9 @@ def _speculation_line(cfg) -> str:
     if spec.method == "ngram":
         return f"speculation: ngram (prompt lookup), K up to {spec.num_speculative_tokens}"
     where = draft_path(spec.draft.source)
-    line = f"speculation: {spec.method}, K up to {spec.num_speculative_tokens}, draft {spec.draft.source}"
+    lookup = ", prompt lookup first" if spec.ngram_first else ""
+    line = (f"speculation: {spec.method}{lookup}, K up to {spec.num_speculative_tokens}, "
+            f"draft {spec.draft.source}")
     if is_draft_dir(spec.draft.source):
         line += f" ({where})"
         try:
