@@ -39,8 +39,11 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=12, help="prompts per workload")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--workloads", default="chat,rewrite")
+    p.add_argument("--modes", help="comma-separated mode names to run (target-only, ngram, eagle, "
+                                   "eagle+ngram); default all")
     p.add_argument("--out", default="results/bench-draft.json")
     args = p.parse_args()
+    args.modes = set(args.modes.split(",")) if args.modes else None
     k = args.k or json.loads((draft_path(args.draft) / "eval.json").read_text())["end_to_end"]["k"]
 
     def engine(spec: dict):
@@ -49,11 +52,17 @@ def main() -> int:
 
     target_only, target = engine({"method": None})
     ngram, _ = engine({"method": "ngram", "num_speculative_tokens": args.ngram_k})
+    ngram_tuned, _ = engine({"method": "ngram", "num_speculative_tokens": args.ngram_k})
     eagle, _ = engine({"method": "eagle", "num_speculative_tokens": k, "draft": {"source": args.draft}})
     both, _ = engine({"method": "eagle", "num_speculative_tokens": k, "draft": {"source": args.draft},
                       "ngram_first": True})
+    tuned, _ = engine({"method": "eagle", "num_speculative_tokens": k, "draft": {"source": args.draft},
+                       "ngram_first": True})
     modes = {"target-only": (target_only, 0), f"ngram K={args.ngram_k}": (ngram, args.ngram_k),
-             f"eagle K={k}": (eagle, k), f"eagle+ngram K={k}": (both, k)}
+             f"eagle K={k}": (eagle, k), f"eagle+ngram K={k}": (both, k),
+             f"eagle+ngram K<={k} adaptive": (tuned, k, True),  # what `make serve` runs
+             f"ngram K<={args.ngram_k} adaptive": (ngram_tuned, args.ngram_k, True)}  # before issue 9
+    modes = {name: mode for name, mode in modes.items() if not args.modes or name.split()[0] in args.modes}
     results = {}
     for workload in args.workloads.split(","):
         rows = (read_prompts("eval-chat") if workload == "chat"
@@ -62,11 +71,11 @@ def main() -> int:
         end_to_end(modes, prompts[:1], max_tokens=16, progress=False)  # warm-up
         results[workload] = end_to_end(modes, prompts, max_tokens=args.max_tokens)
     print(f"\nbatch 1, greedy, max {args.max_tokens} tokens, {platform.processor() or platform.machine()}")
-    print(f"{'workload':10} {'mode':18} {'seconds':>8} {'speedup':>8} {'accept':>7} {'mean len':>9} "
+    print(f"{'workload':10} {'mode':28} {'seconds':>8} {'speedup':>8} {'accept':>7} {'mean len':>9} "
           f"{'identical':>9}")
     for workload, runs in results.items():
         for name, r in runs.items():
-            print(f"{workload:10} {name:18} {r['seconds']:8.1f} {r['speedup']:8.2f} "
+            print(f"{workload:10} {name:28} {r['seconds']:8.1f} {r['speedup']:8.2f} "
                   f"{r['acceptance_rate']:7.3f} {r['mean_acceptance_length']:9.2f} "
                   f"{str(r['outputs_identical']):>9}")
     out = Path(args.out)

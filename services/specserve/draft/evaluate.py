@@ -127,30 +127,31 @@ def predicted_speedup(table: dict[int, dict], costs: dict) -> dict[int, float]:
             for k, row in table.items()}
 
 
-def end_to_end(engines: dict[str, tuple[SpecDecodeEngine, int | None]], prompts: list[list[int]], *,
+def end_to_end(engines: dict[str, tuple], prompts: list[list[int]], *,
                max_tokens: int, progress: bool = True) -> dict[str, dict]:
-    """Batch-1 greedy wall time of every prompt on every engine (``name: (engine, K)``, K None
-    for target-only), the order rotating per prompt so drift hits all alike. The first engine
-    is the baseline: every output must equal its output, and speedups are over it."""
+    """Batch-1 greedy wall time of every prompt on every engine (``name: (engine, K)`` or
+    ``(engine, K, adaptive)``; K None for target-only; adaptive: the engine's controller picks
+    K per step, at most K), the order rotating per prompt so drift hits all alike. The first
+    engine is the baseline: every output must equal its output, and speedups are over it."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     names = list(engines)
     times = dict.fromkeys(names, 0.0)
     mismatches = dict.fromkeys(names, 0)
-    before = {n: _counts(e) for n, (e, _) in engines.items()}
+    before = {n: _counts(e) for n, (e, *_) in engines.items()}
     tokens = 0
     for i, prompt in enumerate(tqdm(prompts, desc="end-to-end", unit="prompt", disable=not progress)):
         outputs = {}
         for name in names[i % len(names):] + names[:i % len(names)]:
-            engine, k = engines[name]
+            engine, k, *adaptive = engines[name]
             t0 = time.perf_counter()
-            (done,) = engine.generate([prompt], params, spec_len=k)
+            (done,) = engine.generate([prompt], params, spec_len=k, adaptive=bool(adaptive and adaptive[0]))
             times[name] += time.perf_counter() - t0
             outputs[name] = done.output_token_ids
         for name in names:
             mismatches[name] += outputs[name] != outputs[names[0]]
         tokens += len(outputs[names[0]])
     report = {}
-    for name, (engine, k) in engines.items():
+    for name, (engine, k, *_) in engines.items():
         drafts, drafted, accepted = (a - b for a, b in zip(_counts(engine), before[name]))
         report[name] = {"k": k, "seconds": times[name], "speedup": times[names[0]] / times[name],
                         "acceptance_rate": accepted / drafted if drafted else 0.0,
