@@ -124,7 +124,7 @@ def greedy_with_features(worker: ModelWorker, prompts: list[list[int]], *, max_n
 
 def build_dataset(worker: ModelWorker, tokenizer, prompt_ids: list[list[int]], out: Path, *,
                   max_new_tokens: int, eos_token_ids: frozenset[int], batch_size: int,
-                  desc: str = "data") -> list[Sample]:
+                  desc: str = "data", progress: bool = True) -> list[Sample]:
     """Generate (or reuse) every shard of ``out``; returns all samples in prompt order."""
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"num_prompts": len(prompt_ids), "max_new_tokens": max_new_tokens,
@@ -138,7 +138,7 @@ def build_dataset(worker: ModelWorker, tokenizer, prompt_ids: list[list[int]], o
     seconds = json.loads(timing.read_text()) if timing.is_file() else {}
     samples: list[Sample] = []
     num_shards = (len(prompt_ids) + SHARD_SIZE - 1) // SHARD_SIZE
-    with tqdm(total=len(prompt_ids), desc=desc, unit="seq") as bar:
+    with tqdm(total=len(prompt_ids), desc=desc, unit="seq", disable=not progress) as bar:
         for shard in range(num_shards):
             path = out / f"shard-{shard:05d}.pt"
             if path.is_file():

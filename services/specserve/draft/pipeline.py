@@ -134,11 +134,13 @@ def run(args) -> dict:
     must_train = args.retrain or not is_draft_dir(out_path)
     gen = ModelWorker(target.runtime, num_slots=args.gen_batch_size, max_seq_len=args.max_model_len)
     held = build_dataset(gen, tok, eval_ids, work / "eval-data", max_new_tokens=args.eval_max_tokens,
-                         eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (held-out)")
+                         eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (held-out)",
+                         progress=progress)
     if must_train:
         t0 = time.perf_counter()
         train = build_dataset(gen, tok, train_ids, work / "data", max_new_tokens=args.max_new_tokens,
-                              eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (train)")
+                              eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (train)",
+                              progress=progress)
         data_info = {"prompts": args.prompts, "sequences": len(train),
                      "tokens": sum(s.num_tokens for s in train),
                      "answer_tokens": sum(s.num_tokens - s.prompt_len for s in train),
