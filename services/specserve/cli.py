@@ -162,8 +162,6 @@ def _default_draft_or_ngram(app_args: dict) -> dict:
 
 def _speculation_line(cfg) -> str:
     """Which proposer and which draft the app speculates with (and what the draft measured)."""
-    import json as _json
-
     from specserve.engine.draft_head import draft_path, is_draft_dir
 
     spec = cfg.unit.engine.speculative
@@ -178,7 +176,7 @@ def _speculation_line(cfg) -> str:
     if is_draft_dir(spec.draft.source):
         line += f" ({where})"
         try:
-            report = _json.loads((where / "eval.json").read_text())
+            report = json.loads((where / "eval.json").read_text())
             e2e = report.get("end_to_end", {})
             line += (f"; held-out greedy acceptance {e2e['acceptance_rate']:.2f} at K={e2e['k']}, "
                      f"{e2e['speedup']:.2f}x at batch 1 when it was trained")
@@ -239,7 +237,7 @@ def cmd_dashboards_push(args) -> int:
 
 
 def _train_draft_parser(sub) -> None:
-    from specserve.draft.pipeline import add_arguments
+    from specserve.draft.options import add_arguments
 
     p = sub.add_parser("train-draft", help="train a draft by self-distillation on the target's outputs")
     add_arguments(p)

@@ -17,6 +17,7 @@ from specserve.errors import ConfigError
 
 SpecMethod = Literal["ngram", "draft_model", "eagle"]
 MODEL_METHODS = ("draft_model", "eagle")  # methods with a draft model (and a draft group)
+DRAFT_KINDS = ("decoder", "eagle")  # what `specserve train-draft --kind` makes
 # A custom Ray resource that marks nodes (the Helm chart's head / target / draft groups).
 NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]

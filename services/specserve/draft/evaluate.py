@@ -23,11 +23,10 @@ from tqdm import tqdm
 
 from specserve.config import SamplingParams
 from specserve.draft.data import Sample
+from specserve.draft.options import MAX_K
 from specserve.engine.proposers.base import DraftRequest, Proposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
-
-MAX_K = 8
 
 
 def matched_lengths(proposer: Proposer, samples: list[Sample], *, max_k: int = MAX_K,
@@ -81,8 +80,8 @@ def measure_costs(target: ModelWorker, proposer: Proposer, context: list[int], *
     """Median seconds, batch 1, at ``context``: target forwards of 1..max_k + 1 tokens and one
     draft step per drafted token (from a K = max_k proposal)."""
     slot = target.allocate()
-    try:
-        target.forward([slot], [context[:-1]], [1])
+    try:  # the prefill also gives the features an EAGLE proposer catches up on below
+        _, hidden = target.forward([slot], [context[:-1]], [1], return_hidden=True)
         base = target.length(slot)
         verify = {}
         for n in range(1, max_k + 2):
@@ -95,13 +94,8 @@ def measure_costs(target: ModelWorker, proposer: Proposer, context: list[int], *
             verify[n] = statistics.median(times)
     finally:
         target.free(slot)
-    hidden = None
-    if proposer.needs_hidden:
-        slot = target.allocate()
-        try:
-            _, hidden = target.forward([slot], [context[:-1]], [1], return_hidden=True)
-        finally:
-            target.free(slot)
+    if not proposer.needs_hidden:
+        hidden = None
     times = []
     for r in range(repeats):  # a step after a catch-up: one new token, then max_k - 1 drafts
         seq = -1 - r

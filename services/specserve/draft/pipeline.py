@@ -16,7 +16,6 @@ checkpoint; a finished training is not repeated (``--retrain`` forces it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -29,16 +28,15 @@ import torch
 from specserve.config import ModelConfig
 from specserve.draft.data import build_dataset, encode, generation_seconds, select_prompts
 from specserve.draft.evaluate import (
-    MAX_K,
     acceptance_table,
     end_to_end,
     matched_lengths,
     measure_costs,
     predicted_speedup,
 )
-from specserve.draft.train import TrainConfig, Trainer
+from specserve.draft.options import MAX_K, TrainConfig, check
+from specserve.draft.train import Trainer
 from specserve.engine.draft_head import (
-    KINDS,
     draft_path,
     is_draft_dir,
     load_draft_head,
@@ -57,57 +55,8 @@ from specserve.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="embedded",
-                   help="the target: 'embedded', a .gguf file, a HF directory or a hub id")
-    p.add_argument("--out", required=True,
-                   help="directory the draft is written to (embedded-eagle: the shipped default's)")
-    p.add_argument("--work-dir", help="data and checkpoints (default: <out>/work)")
-    p.add_argument("--kind", default="eagle", choices=KINDS,
-                   help="eagle: a head on the target's features (serve with method eagle); "
-                        "decoder: a small separate decoder (method draft_model)")
-    p.add_argument("--prompts", default="chat,code,summarize",
-                   help="comma-separated shipped sets (chat, code, summarize) and/or JSONL/TXT files")
-    p.add_argument("--num-prompts", type=int, help="use this many of them (seeded shuffle; default all)")
-    p.add_argument("--eval-prompts", default="eval-chat",
-                   help="held-out prompts (default: the shipped eval-chat set, hand-written)")
-    p.add_argument("--eval-num-prompts", type=int, help="use this many held-out prompts")
-    p.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap, training data")
-    p.add_argument("--eval-max-tokens", type=int, default=128, help="answer length cap, evaluation")
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--gen-batch-size", type=int, default=64, help="sequences generated together")
-    p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="draft LM head size: the most frequent answer tokens (0: the whole vocabulary)")
-    p.add_argument("--epochs", type=int, default=TrainConfig.epochs)
-    p.add_argument("--batch-tokens", type=int, default=TrainConfig.batch_tokens)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--unroll", type=int, default=TrainConfig.unroll, choices=[1, 2, 3],
-                   help="eagle: training passes over predicted features")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-k", type=int, help="K of the end-to-end run (default: best predicted)")
-    p.add_argument("--skip-end-to-end", action="store_true", help="skip the timed engine runs")
-    p.add_argument("--retrain", action="store_true", help="train again even if --out has a draft")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def _check(args) -> None:
-    for name in ("num_prompts", "eval_num_prompts", "max_new_tokens", "eval_max_tokens",
-                 "gen_batch_size", "num_layers", "epochs", "batch_tokens", "max_prompt_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.draft_vocab < 0 or args.lr <= 0:
-        raise ConfigError("--draft-vocab must be >= 0 and --lr > 0")
-    if args.eval_k is not None and not 1 <= args.eval_k <= MAX_K:
-        raise ConfigError(f"--eval-k must be in [1, {MAX_K}]")
-    if args.max_prompt_tokens + args.max_new_tokens > args.max_model_len:
-        raise ConfigError("--max-prompt-tokens + --max-new-tokens exceed --max-model-len")
-
-
 def run(args) -> dict:
-    _check(args)
+    check(args)
     torch.manual_seed(args.seed)
     progress = not args.no_progress
     out = draft_path(args.out)
@@ -130,8 +79,7 @@ def run(args) -> dict:
         raise ConfigError("no held-out prompts left (every one is also a training prompt)")
     train_ids = [encode(tok, m, args.max_prompt_tokens) for m in train_msgs]
     eval_ids = [encode(tok, m, args.max_prompt_tokens) for m in held_out]
-    out_path = out
-    must_train = args.retrain or not is_draft_dir(out_path)
+    must_train = args.retrain or not is_draft_dir(out)
     gen = ModelWorker(target.runtime, num_slots=args.gen_batch_size, max_seq_len=args.max_model_len)
     held = build_dataset(gen, tok, eval_ids, work / "eval-data", max_new_tokens=args.eval_max_tokens,
                          eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (held-out)",
@@ -158,20 +106,20 @@ def run(args) -> dict:
         trainer = Trainer(head, target.runtime.lm_head.weight[vocab], cfg, work)
         t0 = time.perf_counter()
         summary = trainer.fit(train, progress=progress)
-        save_draft(head, out_path, target_name=target.name, tokenizer=tok, extra={
+        save_draft(head, out, target_name=target.name, tokenizer=tok, extra={
             "training": {**summary, "seconds": round(time.perf_counter() - t0, 1)},
             "data": data_info})
-    meta = read_draft_meta(out_path)
+    meta = read_draft_meta(out)
 
     # 5. evaluation, on the saved draft
-    report = evaluate(out_path, target, held, eval_k=args.eval_k, max_tokens=args.eval_max_tokens,
+    report = evaluate(out, target, held, eval_k=args.eval_k, max_tokens=args.eval_max_tokens,
                       end_to_end_run=not args.skip_end_to_end, progress=progress)
     report = {"draft": str(args.out), "kind": meta["kind"], "target": target.name,
               "machine": _machine(), "date": time.strftime("%Y-%m-%d"),
               "data": meta["data"], "training": meta["training"],
-              "held_out_vocab_coverage": _coverage(held, load_draft_vocab(out_path)), **report,
+              "held_out_vocab_coverage": _coverage(held, load_draft_vocab(out)), **report,
               "total_seconds": round(time.perf_counter() - started, 1)}
-    (out_path / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,24 +28,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.draft.data import Sample
+from specserve.draft.options import TrainConfig
 from specserve.engine.draft_head import DraftHead, trainable_state
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 3
-    batch_tokens: int = 4096
-    max_len: int = 512
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 30
-    feature_noise: float = 0.1   # eagle: Gaussian noise, times each feature dimension's std
-    reg_weight: float = 1.0      # eagle: weight of the feature regression
-    unroll: int = 2              # eagle: passes (2: the second reads the first's predictions)
-    prompt_weight: float = 0.1   # loss weight of positions that predict prompt tokens (answers: 1)
-    train_lm_head: bool = False  # False: keep the target's LM head rows frozen (as EAGLE does)
-    checkpoint_every: int = 100
-    seed: int = 0
 
 
 def batches(samples: list[Sample], batch_tokens: int, max_len: int, seed: int) -> list[list[int]]:

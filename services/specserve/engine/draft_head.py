@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.config import DRAFT_KINDS
 from specserve.engine.model import LlamaRuntime, ModelArch, rms_norm
 from specserve.errors import ConfigError
 
@@ -41,7 +42,7 @@ EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-1
 DRAFT_FILE = "draft.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
-KINDS = ("decoder", "eagle")
+KINDS = DRAFT_KINDS
 
 
 def draft_path(source: str | Path) -> Path:

@@ -143,7 +143,6 @@ class Attention(nn.Module):
         out = self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
         return self.all_reduce(out) if self.all_reduce is not None else out
 
-
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
         (``cos``/``sin``: ``[1, T, 1, D]``). Right padding is harmless: nothing attends to it."""
