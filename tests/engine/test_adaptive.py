@@ -12,6 +12,7 @@ from specserve.engine.adaptive import (
     DecayedLeastSquares,
     PositionAcceptance,
     Row,
+    SizeCosts,
     SpecLengthController,
 )
 
@@ -157,6 +158,78 @@ def test_k_does_not_flap_between_near_ties():
 def test_without_hysteresis_the_same_load_flaps():
     """The check above has power: with no dwell and no margin, K changes constantly."""
     assert len(k_changes(min_dwell_steps=1, hysteresis=0.0)) > 50
+
+
+# Batch-1 target forward of 1..5 tokens, ms, measured on this project's CPU (SmolLM2-135M,
+# float32, MKL): 2 and 3 tokens cost more than 4 and 5.
+CPU_FORWARD_MS = {1: 54.0, 2: 90.0, 3: 112.0, 4: 77.0, 5: 69.0}
+
+
+def run_on_cpu_costs(ctl: SpecLengthController, steps: int = 600,
+                     alpha: float = 0.5) -> tuple[float, float]:
+    """Tokens per second, and the share of uncapped steps drafting K = 4, over the last half
+    of ``steps`` batch-1 steps on the CPU's costs (draft 3.6 ms a token). Every 16th step is a
+    request's last, whose cap (its max_tokens) is 0..3: that is how a real unit meets the
+    small sizes without choosing them."""
+    rng = random.Random(0)
+    emitted = seconds = 0.0
+    at_four = uncapped = 0
+    for step in range(steps):
+        if step % 40 == 0:
+            ctl.observe_forward(1, 120, 120 * 120, 0.054 + 0.0008 * 120, 120)  # a prefill
+        cap = (step // 16) % 4 if step % 16 == 15 else 4
+        (k,) = ctl.plan([Row(context=200, cap=cap, adaptive=True, sampled=False, limit=4)])
+        forward = CPU_FORWARD_MS[k + 1] / 1000
+        ctl.observe_forward(1, k + 1, (k + 1) * (200 + k + 1), forward, k + 1)
+        if k:
+            ctl.observe_propose(k, 1, 0.0036 * k)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        ctl.observe_draft(k, k, accepted)
+        ctl.observe_accept(1, 0, 0.0005)
+        if step >= steps // 2:
+            emitted += accepted + 1
+            seconds += forward + 0.0036 * k + 0.0005
+            uncapped += cap == 4
+            at_four += cap == 4 and k == 4
+    return emitted / seconds, at_four / uncapped
+
+
+def test_measured_sizes_are_predicted_as_measured():
+    """On the CPU's costs K = 4 is best at α = 0.5 (23 tok/s against 16 and 15 at K = 1 and
+    2). The controller holds it, and predicts each size it met as measured, the sizes that a
+    line through the others would call cheap (2 and 3 tokens) included."""
+    ctl = controller()
+    _, share = run_on_cpu_costs(ctl)
+    assert ctl.k == 4 and share > 0.95, share
+    for n, ms in CPU_FORWARD_MS.items():
+        predicted = ctl.forward_seconds(1, n, n * (200 + n), n)
+        assert predicted == pytest.approx(ms / 1000, rel=0.02), (n, predicted)
+    fit = [ctl.forward_cost.predict((1.0, 1, n, n * (200 + n))) for n in (2, 3)]
+    assert fit[0] < 0.080 and fit[1] < 0.090, fit  # what the line alone would have used
+
+
+def test_a_capped_last_step_does_not_move_k():
+    """A batch-1 request's last step, capped at 1 by its max_tokens, finds K = 0 better than
+    K = 1 on these costs. That decides the step (it drafts at most 1), not the K of the
+    requests that follow; without the request's own K (``limit``) it did."""
+    for limit, after in ((4, 4), (None, 0)):
+        ctl = controller(min_dwell_steps=1)
+        run_on_cpu_costs(ctl)
+        assert ctl.k == 4
+        (k,) = ctl.plan([Row(context=200, cap=1, adaptive=True, sampled=False, limit=limit)])
+        assert k <= 1 and ctl.k == after, (limit, ctl.k)
+
+
+def test_size_costs_need_two_observations_and_ignore_large_sizes():
+    sizes = SizeCosts(decay=0.9, max_size=8)
+    sizes.observe(3, 0.01)
+    assert sizes.get(3) is None
+    sizes.observe(3, 0.03)
+    assert sizes.get(3) == pytest.approx((0.9 * 0.01 + 0.03) / 1.9)
+    sizes.observe(9, 1.0)
+    assert sizes.get(9) is None and sizes.version == 2
 
 
 def test_fixed_rows_keep_their_k():

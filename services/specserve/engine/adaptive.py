@@ -15,6 +15,13 @@ most tokens per second. Both sides of that ratio are measured on this unit, not 
   ``ψ0 + ψ1·rows + ψ2·sampled logit rows``. The design's c and v (draft and verify cost
   relative to one target decode step) are these predictions at the current batch size and
   context lengths, divided by the K = 0 prediction.
+- **shape**: kernels are not linear in the work where the matrices are small. On this
+  project's CPU (MKL/oneDNN GEMMs) a batch-1 forward of 2 or 3 tokens costs 1.7x and 2.2x one
+  of 1 token, more than one of 4 or 5 (1.4x); a linear fit through those points calls 2 and 3
+  cheap and picks them. So forwards of up to ``SHAPE_SIZES`` padded tokens (rows x longest
+  row) are also averaged per size, less their attention term, and a size measured twice is
+  predicted from its own mean plus the fit's attention term; other sizes from the fit. A size
+  the fit calls cheap gets chosen, measured and, if it is not, left.
 
 Smoothing and hysteresis: the statistics decay per observation; K changes only after
 ``min_dwell_steps`` at the current one, and only to a K whose predicted throughput beats the
@@ -26,7 +33,7 @@ forwards of their own and only feed the forward-cost fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +41,7 @@ from specserve.config import AdaptiveConfig
 from specserve.engine.cost_model import expected_tokens_per_step
 
 _MIN_WEIGHT = 2.0  # decayed rows a position needs before its own counts are used
+SHAPE_SIZES = 64   # padded forward sizes (rows x longest row) whose residual is kept
 
 
 class DecayedLeastSquares:
@@ -79,6 +87,28 @@ class DecayedLeastSquares:
                 return theta
             active.pop(int(np.argmin(sub)))
         return theta
+
+
+class SizeCosts:
+    """Decayed mean seconds per padded forward size (module docstring); a size's mean decays
+    only with that size's own observations."""
+
+    def __init__(self, decay: float, max_size: int = SHAPE_SIZES) -> None:
+        self.decay = decay
+        self.total = np.zeros(max_size + 1)
+        self.weight = np.zeros(max_size + 1)
+        self.version = 0  # counts observations (what cached solutions depend on)
+
+    def observe(self, size: int, seconds: float) -> None:
+        if 1 <= size < len(self.total):
+            self.total[size] = self.decay * self.total[size] + seconds
+            self.weight[size] = self.decay * self.weight[size] + 1.0
+            self.version += 1
+
+    def get(self, size: int) -> float | None:
+        if 1 <= size < len(self.total) and self.weight[size] >= 1.5:  # two observations
+            return float(self.total[size] / self.weight[size])
+        return None
 
 
 class PositionAcceptance:
@@ -128,6 +158,14 @@ class Row:
     cap: int           # the most it may draft now (its request's K, max_tokens and context)
     adaptive: bool     # False: the client fixed K, so the row drafts ``cap``
     sampled: bool      # not greedy: the accept phase works on full distributions
+    limit: int | None = None  # its request's K (default: cap); what K is chosen for
+
+    @property
+    def level(self) -> Row:
+        """The row as K is chosen for it: a request's last steps, capped by its max_tokens,
+        must not move the K of the steps that follow (a batch-1 request's last step, capped
+        at 1, would find K = 0 better than K = 1 and hold the next request at 0)."""
+        return self if self.limit is None else replace(self, cap=self.limit, limit=None)
 
 
 class SpecLengthController:
@@ -143,12 +181,28 @@ class SpecLengthController:
         self._probe_turn = 0
         self.acceptance = PositionAcceptance(max_k, cfg.decay)
         self.forward_cost = DecayedLeastSquares((1.0, 8.0, 64.0, 65536.0), cfg.decay)
+        self.sizes = SizeCosts(cfg.decay)
         self.propose_cost = DecayedLeastSquares((1.0, 4.0, 32.0), cfg.decay)
         self.accept_cost = DecayedLeastSquares((1.0, 8.0, 64.0), cfg.decay)
 
     # -- measurements -------------------------------------------------------------------------
-    def observe_forward(self, rows: int, tokens: int, attention: int, seconds: float) -> None:
+    def observe_forward(self, rows: int, tokens: int, attention: int, seconds: float,
+                        padded: int | None = None) -> None:
+        """One target forward: ``rows`` rows, ``tokens`` new tokens in all, ``attention`` =
+        Σ new tokens x context, ``padded`` = rows x the longest row (default: ``tokens``)."""
         self.forward_cost.observe((1.0, rows, tokens, attention), seconds)
+        self.sizes.observe(padded or tokens, seconds - self._attention_seconds(attention))
+
+    def forward_seconds(self, rows: int, tokens: float, attention: float, padded: int) -> float:
+        """Predicted seconds of a target forward: the size's measured mean plus the attention
+        term where the size was measured, the linear fit elsewhere."""
+        measured = self.sizes.get(padded)
+        if measured is None:
+            return self.forward_cost.predict((1.0, rows, tokens, attention))
+        return measured + self._attention_seconds(attention)
+
+    def _attention_seconds(self, attention: float) -> float:
+        return self.forward_cost.predict((0.0, 0.0, 0.0, attention))
 
     def observe_propose(self, k: int, rows: int, seconds: float) -> None:
         self.propose_cost.observe((1.0, k, k * rows), seconds)
@@ -173,7 +227,7 @@ class SpecLengthController:
         if not adaptive:
             return [0 if r.adaptive else r.cap for r in rows]
         if self.cfg.enabled and self.calibrated:
-            self._update_k(rows)
+            self._update_k([r.level for r in rows])
         ks = [min(r.cap, self.k) if r.adaptive else r.cap for r in rows]
         if self.k < self.max_k and self.steps % self.cfg.probe_interval_steps == 0:
             i = adaptive[self._probe_turn % len(adaptive)]
@@ -207,7 +261,7 @@ class SpecLengthController:
             sampled += n if r.sampled else 0.0
             drafting += ki > 0
             k_step = max(k_step, ki)
-        seconds = (self.forward_cost.predict((1.0, len(rows), tokens, attention))
+        seconds = (self.forward_seconds(len(rows), tokens, attention, len(rows) * (1 + k_step))
                    + self.accept_cost.predict((1.0, len(rows), sampled)))
         if k_step:
             seconds += self.propose_cost.predict((1.0, k_step, k_step * drafting))
@@ -220,7 +274,7 @@ class SpecLengthController:
         if self.forward_cost.num_observations < 4 or self.propose_cost.num_observations < 2:
             return None
         key = (self.forward_cost.num_observations, self.propose_cost.num_observations,
-               self.accept_cost.num_observations, context)
+               self.accept_cost.num_observations, self.sizes.version, context)
         if self._break_even is None or self._break_even[0] != key:
             self._break_even = (key, self._solve_break_even(context))
         return self._break_even[1]
@@ -229,7 +283,7 @@ class SpecLengthController:
         costs = []
         for k in range(self.max_k + 1):
             n = 1.0 + k
-            t = (self.forward_cost.predict((1.0, 1, n, n * (context + n)))
+            t = (self.forward_seconds(1, n, n * (context + n), k + 1)
                  + self.accept_cost.predict((1.0, 1, 0.0)))
             if k:
                 t += self.propose_cost.predict((1.0, k, k))

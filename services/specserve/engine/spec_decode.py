@@ -226,7 +226,8 @@ class SpecDecodeEngine:
             ks = [min(c, self.controller.k) if s.adaptive else c for s, c in zip(seqs, caps)]
             planned = self.controller.plan([
                 Row(self.target.length(seqs[i].slot), caps[i], seqs[i].adaptive,
-                    not seqs[i].params.greedy) for i in decoding])
+                    not seqs[i].params.greedy, seqs[i].spec_len if seqs[i].draft_attached else 0)
+                for i in decoding])
             for i, k in zip(decoding, planned):
                 ks[i] = k
         for i in decoding:
@@ -331,8 +332,8 @@ class SpecDecodeEngine:
                 tokens = sum(len(inputs[i]) for i in rows)
                 attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
                                 for i in rows)
-                self.controller.observe_forward(len(rows), tokens, attention,
-                                                time.perf_counter() - t0)
+                self.controller.observe_forward(len(rows), tokens, attention, time.perf_counter() - t0,
+                                                len(rows) * max(len(inputs[i]) for i in rows))
             logits = result[0] if want_hidden else result
             for i, chunk in zip(rows, logits.split(counts)):
                 out[i] = chunk
