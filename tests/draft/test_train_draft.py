@@ -5,6 +5,7 @@ loading, evaluation; resumable training; bad input. (The real default draft and 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,14 @@ from specserve.cli import main
 from specserve.config import ModelConfig
 from specserve.draft.data import PROMPTS_DIR, SHIPPED, Sample, greedy_with_features, read_prompts
 from specserve.draft.evaluate import acceptance_table, matched_lengths
+from specserve.draft.self_prompts import self_prompts
 from specserve.draft.train import TrainConfig, Trainer
 from specserve.engine.draft_head import new_draft_head
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
+from specserve.errors import ConfigError
 
 from tests.models import tiny_hf_model
 from tests.serve.conftest import save_tiny
@@ -119,6 +123,51 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny, tmp_path):
     assert resumed.step == whole.step > 7
     for (name, a), b in zip(whole.head.state_dict().items(), resumed.head.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_self_prompts_are_sampled_from_the_target_and_reused(tiny, tmp_path):
+    """``self:N``: user turns the target writes from its chat template, kept only when it ended
+    them itself; seeded, so the same settings give the same set; cached; held-out texts out."""
+    loaded = load_model(ModelConfig(source=tiny[0]), max_model_len=256)
+    engine = SpecDecodeEngine(ModelWorker(loaded.runtime, num_slots=64, max_seq_len=256),
+                              loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
+    kw = dict(seed=0, max_tokens=64, min_chars=1, progress=False)
+    first, seconds = self_prompts(engine, loaded.tokenizer, 6, tmp_path / "a.jsonl", **kw)
+    texts = [m[0]["content"] for m in first]
+    assert 1 <= len(first) <= 6 and len(set(texts)) == len(texts) and all(t.strip() for t in texts)
+    assert all(m[0]["role"] == "user" and len(m) == 1 for m in first)
+    assert self_prompts(engine, loaded.tokenizer, 6, tmp_path / "b.jsonl", **kw)[0] == first  # seeded
+    stamp = (tmp_path / "a.jsonl").stat().st_mtime_ns
+    assert self_prompts(engine, loaded.tokenizer, 6, tmp_path / "a.jsonl", **kw) == (first, seconds)
+    assert (tmp_path / "a.jsonl").stat().st_mtime_ns == stamp  # read back, not sampled again
+    without, _ = self_prompts(engine, loaded.tokenizer, 6, tmp_path / "c.jsonl", exclude={texts[0]}, **kw)
+    assert texts[0] not in {m[0]["content"] for m in without}
+    with pytest.raises(ConfigError, match="other settings"):
+        self_prompts(engine, loaded.tokenizer, 6, tmp_path / "a.jsonl", **{**kw, "seed": 1})
+
+
+def test_self_prompts_extend_the_data_and_old_shards_are_reused(tiny, tmp_path, capsys):
+    """Adding ``self:N`` to a finished run's prompts generates only the shards whose prompts
+    changed; its checkpoint, made on the old data, is refused (one line) rather than resumed."""
+    target, train, held, _ = tiny
+    work = tmp_path / "work"
+    fast = ("--epochs", "1", "--skip-end-to-end", "--work-dir", str(work))
+    assert main(_args(target, train, held, tmp_path / "one", *fast)) == 0
+    capsys.readouterr()
+    first_shard = (work / "data" / "shard-00000.pt").stat().st_mtime_ns
+    args = _args(target, train, held, tmp_path / "two", *fast)
+    args[args.index("--prompts") + 1] = f"{train},self:12"
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "made with other settings or data" in err, err
+    shutil.rmtree(work / "checkpoints")
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    own = report["data"]["self_prompts"]
+    assert own["asked"] == 12 and 1 <= own["kept"] <= 12
+    assert report["data"]["sequences"] == 120 + own["kept"]
+    assert (work / "data" / "shard-00000.pt").stat().st_mtime_ns == first_shard
+    assert len(_samples(work / "data")) == 120 + own["kept"]
 
 
 def test_shipped_prompt_sets_exclude_the_held_out_ones():

@@ -44,14 +44,26 @@ class Sample:
         return len(self.token_ids)
 
 
-def read_prompts(spec: str) -> list[list[dict]]:
-    """Chat message lists from a comma-separated list of shipped set names and/or JSONL files.
+def self_prompt_count(spec: str) -> int:
+    """N of a ``self:N`` item in ``spec`` (prompts the target writes: ``self_prompts.py``); 0 if none."""
+    counts = [item.strip()[5:] for item in spec.split(",") if item.strip().startswith("self:")]
+    if len(counts) > 1 or (counts and not (counts[0].isdigit() and int(counts[0]) >= 1)):
+        raise ConfigError(f"prompt sets {spec!r}: at most one self:N item, with N a positive integer")
+    return int(counts[0]) if counts else 0
+
+
+def read_prompts(spec: str, *, allow_empty: bool = False) -> list[list[dict]]:
+    """Chat message lists from a comma-separated list of shipped set names and/or JSONL files
+    (a ``self:N`` item is skipped here: see ``self_prompt_count``).
 
     A JSONL line is ``{"messages": [...]}`` (OpenAI chat format) or ``{"prompt": "..."}``
     (taken as one user message); a ``.txt`` file has one prompt per line.
     """
     out: list[list[dict]] = []
+    self_prompt_count(spec)  # checks the self:N item
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        if item.startswith("self:"):
+            continue
         shipped = PROMPTS_DIR / f"{item}.jsonl"
         path = shipped if "/" not in item and shipped.is_file() else Path(item).expanduser()
         if not path.is_file():
@@ -71,7 +83,7 @@ def read_prompts(spec: str) -> list[list[dict]]:
                 raise ConfigError(f"{path}:{n}: expected {{\"messages\": [...]}} or "
                                   f"{{\"prompt\": \"...\"}}: {exc}") from exc
             out.append(messages)
-    if not out:
+    if not out and not allow_empty:
         raise ConfigError(f"no prompts in {spec!r}")
     return out
 
@@ -125,15 +137,19 @@ def greedy_with_features(worker: ModelWorker, prompts: list[list[int]], *, max_n
 def build_dataset(worker: ModelWorker, tokenizer, prompt_ids: list[list[int]], out: Path, *,
                   max_new_tokens: int, eos_token_ids: frozenset[int], batch_size: int,
                   desc: str = "data", progress: bool = True) -> list[Sample]:
-    """Generate (or reuse) every shard of ``out``; returns all samples in prompt order."""
+    """Generate (or reuse) every shard of ``out``; returns all samples in prompt order.
+
+    A shard is reused when the manifest records the same prompts for it (a hash per shard), so
+    an interrupted run resumes and a longer prompt list, the old one plus more, generates only
+    the new shards. A shard made from other prompts is generated again.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"num_prompts": len(prompt_ids), "max_new_tokens": max_new_tokens,
-                "prompt_hash": _hash(prompt_ids)}
     mf = out / "manifest.json"
-    if mf.is_file() and json.loads(mf.read_text()) != manifest:
-        raise ConfigError(f"{out} holds data for other prompts or settings; use another --out "
-                          "or delete it")
-    mf.write_text(json.dumps(manifest))
+    manifest = json.loads(mf.read_text()) if mf.is_file() else {}
+    if manifest.get("max_new_tokens", max_new_tokens) != max_new_tokens:
+        raise ConfigError(f"{out} holds answers of up to {manifest['max_new_tokens']} tokens, not "
+                          f"{max_new_tokens}; use another --work-dir or delete it")
+    made = manifest.get("shards", {})
     timing = out / "generation_seconds.json"  # per shard, so a resumed run still knows the total
     seconds = json.loads(timing.read_text()) if timing.is_file() else {}
     samples: list[Sample] = []
@@ -141,34 +157,39 @@ def build_dataset(worker: ModelWorker, tokenizer, prompt_ids: list[list[int]], o
     with tqdm(total=len(prompt_ids), desc=desc, unit="seq", disable=not progress) as bar:
         for shard in range(num_shards):
             path = out / f"shard-{shard:05d}.pt"
-            if path.is_file():
+            chunk = prompt_ids[shard * SHARD_SIZE:(shard + 1) * SHARD_SIZE]
+            key = _hash(chunk)
+            if path.is_file() and made.get(path.name) == key:
                 got = [Sample(**s) for s in torch.load(path)]
-            else:
-                chunk = prompt_ids[shard * SHARD_SIZE:(shard + 1) * SHARD_SIZE]
-                started = time.perf_counter()
-                got = []
-                for start in range(0, len(chunk), batch_size):
-                    got += greedy_with_features(worker, chunk[start:start + batch_size],
-                                                max_new_tokens=max_new_tokens,
-                                                eos_token_ids=eos_token_ids)
-                    bar.update(min(batch_size, len(chunk) - start))
-                tmp = path.with_suffix(".tmp")
-                torch.save([s.__dict__ for s in got], tmp)
-                tmp.rename(path)
-                seconds[path.name] = round(time.perf_counter() - started, 1)
-                timing.write_text(json.dumps(seconds))
+                bar.update(len(got))
                 samples += got
                 continue
+            started = time.perf_counter()
+            got = []
+            for start in range(0, len(chunk), batch_size):
+                got += greedy_with_features(worker, chunk[start:start + batch_size],
+                                            max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+                bar.update(min(batch_size, len(chunk) - start))
+            tmp = path.with_suffix(".tmp")
+            torch.save([s.__dict__ for s in got], tmp)
+            tmp.rename(path)
+            made[path.name] = key
+            mf.write_text(json.dumps({"max_new_tokens": max_new_tokens, "shards": made}))
+            seconds[path.name] = round(time.perf_counter() - started, 1)
+            timing.write_text(json.dumps(seconds))
             samples += got
-            bar.update(len(got))
     return samples
 
 
-def generation_seconds(folder: Path) -> float:
-    """Seconds the target spent generating the shards in ``folder`` (shards made by earlier,
-    interrupted runs included; 0 for shards from before this was recorded)."""
+def generation_seconds(folder: Path, num_shards: int | None = None) -> float:
+    """Seconds the target spent generating the shards in ``folder`` (the first ``num_shards``;
+    shards made by earlier, interrupted runs included; 0 for shards from before this was
+    recorded)."""
     timing = folder / "generation_seconds.json"
-    return sum(json.loads(timing.read_text()).values()) if timing.is_file() else 0.0
+    if not timing.is_file():
+        return 0.0
+    names = None if num_shards is None else {f"shard-{i:05d}.pt" for i in range(num_shards)}
+    return sum(v for k, v in json.loads(timing.read_text()).items() if names is None or k in names)
 
 
 def _hash(prompt_ids: list[list[int]]) -> str:
@@ -180,10 +201,11 @@ def _hash(prompt_ids: list[list[int]]) -> str:
     return h.hexdigest()[:16]
 
 
-def select_prompts(spec: str, *, num_prompts: int | None, seed: int) -> list[list[dict]]:
+def select_prompts(spec: str, *, num_prompts: int | None, seed: int,
+                   allow_empty: bool = False) -> list[list[dict]]:
     """``read_prompts(spec)``, shuffled with ``seed``, the first ``num_prompts`` (all: None)."""
     import random
 
-    prompts = read_prompts(spec)
+    prompts = read_prompts(spec, allow_empty=allow_empty)
     random.Random(seed).shuffle(prompts)
     return prompts[:num_prompts] if num_prompts else prompts

@@ -40,8 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle: a head on the target's features (serve with method eagle); "
                         "decoder: a small separate decoder (method draft_model)")
     p.add_argument("--prompts", default="chat,code,summarize",
-                   help="comma-separated shipped sets (chat, code, summarize) and/or JSONL/TXT files")
-    p.add_argument("--num-prompts", type=int, help="use this many of them (seeded shuffle; default all)")
+                   help="comma-separated shipped sets (chat, code, summarize), JSONL/TXT files and/or "
+                        "self:N (N user prompts the target writes itself, from its chat template)")
+    p.add_argument("--num-prompts", type=int,
+                   help="use this many of the sets' and files' prompts (seeded shuffle; default all)")
     p.add_argument("--eval-prompts", default="eval-chat",
                    help="held-out prompts (default: the shipped eval-chat set, hand-written)")
     p.add_argument("--eval-num-prompts", type=int, help="use this many held-out prompts")

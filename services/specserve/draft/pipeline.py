@@ -26,7 +26,14 @@ from pathlib import Path
 import torch
 
 from specserve.config import ModelConfig
-from specserve.draft.data import build_dataset, encode, generation_seconds, select_prompts
+from specserve.draft.data import (
+    SHARD_SIZE,
+    build_dataset,
+    encode,
+    generation_seconds,
+    select_prompts,
+    self_prompt_count,
+)
 from specserve.draft.evaluate import (
     acceptance_table,
     end_to_end,
@@ -35,6 +42,7 @@ from specserve.draft.evaluate import (
     predicted_speedup,
 )
 from specserve.draft.options import MAX_K, TrainConfig, check
+from specserve.draft.self_prompts import self_prompts
 from specserve.draft.train import Trainer
 from specserve.engine.draft_head import (
     draft_path,
@@ -57,16 +65,39 @@ log = logging.getLogger(__name__)
 
 def run(args) -> dict:
     check(args)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if args.no_progress:  # transformers draws its own bar while loading weights
+        hf_logging.disable_progress_bar()
+    try:
+        return _run(args, progress=not args.no_progress)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run(args, *, progress: bool) -> dict:
     torch.manual_seed(args.seed)
-    progress = not args.no_progress
     out = draft_path(args.out)
     work = Path(args.work_dir).expanduser() if args.work_dir else out / "work"
     started = time.perf_counter()
-    train_msgs = select_prompts(args.prompts, num_prompts=args.num_prompts, seed=args.seed)
+    num_self = self_prompt_count(args.prompts)
+    train_msgs = select_prompts(args.prompts, num_prompts=args.num_prompts, seed=args.seed,
+                                allow_empty=num_self > 0)
     eval_msgs = select_prompts(args.eval_prompts, num_prompts=None, seed=args.seed)
     target = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu"),
                         max_model_len=args.max_model_len)
     tok, eos = target.tokenizer, target.eos_token_ids
+    must_train = args.retrain or not is_draft_dir(out)
+    gen = ModelWorker(target.runtime, num_slots=args.gen_batch_size, max_seq_len=args.max_model_len)
+    own: list[list[dict]] = []
+    if must_train and num_self:  # after the files' prompts, so their shards stay reusable
+        held_texts = {m["content"] for msgs in eval_msgs for m in msgs if m["role"] == "user"}
+        own, own_seconds = self_prompts(SpecDecodeEngine(gen, tok, eos_token_ids=eos), tok, num_self,
+                           work / "self-prompts.jsonl", seed=args.seed, exclude=held_texts,
+                           progress=progress)
+        train_msgs += own
 
     # 1. data
     seen = {json.dumps(m, sort_keys=True) for m in train_msgs}
@@ -79,8 +110,6 @@ def run(args) -> dict:
         raise ConfigError("no held-out prompts left (every one is also a training prompt)")
     train_ids = [encode(tok, m, args.max_prompt_tokens) for m in train_msgs]
     eval_ids = [encode(tok, m, args.max_prompt_tokens) for m in held_out]
-    must_train = args.retrain or not is_draft_dir(out)
-    gen = ModelWorker(target.runtime, num_slots=args.gen_batch_size, max_seq_len=args.max_model_len)
     held = build_dataset(gen, tok, eval_ids, work / "eval-data", max_new_tokens=args.eval_max_tokens,
                          eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (held-out)",
                          progress=progress)
@@ -93,8 +122,11 @@ def run(args) -> dict:
                      "tokens": sum(s.num_tokens for s in train),
                      "answer_tokens": sum(s.num_tokens - s.prompt_len for s in train),
                      "held_out_prompts": args.eval_prompts, "held_out_sequences": len(held),
-                     "generation_seconds": round(generation_seconds(work / "data"), 1),
+                     "generation_seconds": round(generation_seconds(
+                         work / "data", -(-len(train) // SHARD_SIZE)), 1),
                      "seconds": round(time.perf_counter() - t0, 1)}
+        if num_self:
+            data_info["self_prompts"] = {"asked": num_self, "kept": len(own), "seconds": own_seconds}
     del gen
 
     # 2.-4. vocabulary, training, saving (a draft already in --out is kept: evaluated again)

@@ -18,6 +18,7 @@ at the end, so a rerun resumes where it stopped. Everything is seeded.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import asdict
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from specserve.draft.data import Sample
 from specserve.draft.options import TrainConfig
 from specserve.engine.draft_head import DraftHead, trainable_state
+from specserve.errors import ConfigError
 
 
 def batches(samples: list[Sample], batch_tokens: int, max_len: int, seed: int) -> list[list[int]]:
@@ -46,6 +48,15 @@ def batches(samples: list[Sample], batch_tokens: int, max_len: int, seed: int) -
         out.append(cur)
     random.Random(seed).shuffle(out)
     return out
+
+
+def data_key(samples: list[Sample]) -> str:
+    """A fingerprint of the training sequences: a checkpoint resumes only on the same data."""
+    h = hashlib.sha1()
+    for s in samples:
+        h.update(torch.tensor(s.token_ids, dtype=torch.int64).numpy().tobytes())
+        h.update(s.prompt_len.to_bytes(4, "little"))
+    return h.hexdigest()[:16]
 
 
 def collate(samples: list[Sample], max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,6 +86,7 @@ class Trainer:
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
+        self.data_key = ""
         self.feature_std: torch.Tensor | None = None
 
     def fit(self, train: list[Sample], *, progress: bool = True) -> dict:
@@ -84,6 +96,7 @@ class Trainer:
             self.feature_std = torch.cat([s.features[:256].float() for s in train[:64]]).std(0)
         plan = [batches(train, cfg.batch_tokens, cfg.max_len, cfg.seed + e) for e in range(cfg.epochs)]
         total = sum(len(p) for p in plan)
+        self.data_key = data_key(train)
         self._resume()
         self.head.train()
         history: list[dict] = []
@@ -188,7 +201,7 @@ class Trainer:
     def _save(self) -> None:
         self.ckpt.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt.with_suffix(".tmp")
-        torch.save({"step": self.step, "model": trainable_state(self.head),
+        torch.save({"step": self.step, "model": trainable_state(self.head), "data": self.data_key,
                     "optimizer": self.opt.state_dict(), "config": asdict(self.cfg)}, tmp)
         tmp.replace(self.ckpt)
 
@@ -196,9 +209,9 @@ class Trainer:
         if not self.ckpt.is_file():
             return
         state = torch.load(self.ckpt)
-        if state["config"] != asdict(self.cfg):
-            raise ValueError(f"checkpoint {self.ckpt} was made with other settings; "
-                             "delete it or train into another --out")
+        if state["config"] != asdict(self.cfg) or state.get("data") != self.data_key:
+            raise ConfigError(f"checkpoint {self.ckpt} was made with other settings or data; "
+                              "delete it to start over, or use another --work-dir")
         model = {k: v for k, v in state["model"].items() if k != "draft_vocab"}
         self.head.load_state_dict(model, strict=False)
         self.opt.load_state_dict(state["optimizer"])
