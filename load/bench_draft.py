@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from specserve.draft.evaluate import end_to_end
 from specserve.engine.builder import build_engine
 from specserve.engine.draft_head import EMBEDDED_DRAFT, draft_path
 from specserve.engine.tokenizer import encode_chat
+from specserve.machine import machine_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
 from prompts import load_prompts  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> int:
         prompts = [encode_chat(target.tokenizer, m) for m in rows[:args.prompts]]
         end_to_end(modes, prompts[:1], max_tokens=16, progress=False)  # warm-up
         results[workload] = end_to_end(modes, prompts, max_tokens=args.max_tokens)
-    print(f"\nbatch 1, greedy, max {args.max_tokens} tokens, {platform.processor() or platform.machine()}")
+    print(f"\nbatch 1, greedy, max {args.max_tokens} tokens, {machine_label()}")
     print(f"{'workload':10} {'mode':28} {'seconds':>8} {'speedup':>8} {'accept':>7} {'mean len':>9} "
           f"{'identical':>9}")
     for workload, runs in results.items():

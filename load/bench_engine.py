@@ -49,6 +49,7 @@ from specserve.engine.builder import build_engine
 from specserve.engine.loader import load_hf_model, load_tokenizer, resolve
 from specserve.engine.stats import SpecStats
 from specserve.engine.tokenizer import encode_chat
+from specserve.machine import cpu_name
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
@@ -261,12 +262,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def machine_info() -> dict:
-    cpu = "unknown"
-    if Path("/proc/cpuinfo").is_file():
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                 .splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(),

@@ -392,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def title_of(args, model: str) -> str:
-    from load.sweep import machine_label
+    from specserve.machine import machine_label
 
     parts = [f"prompts: {args.num_prompts} x {args.prompts}", f"max_tokens={args.max_tokens}"]
     if "draft_model" in args.methods:

@@ -44,8 +44,6 @@ import asyncio
 import datetime
 import json
 import math
-import os
-import platform
 import socket
 import sys
 import time
@@ -56,6 +54,8 @@ from urllib.parse import urlparse
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
+
+from specserve.machine import machine_label  # noqa: E402
 
 from load.common import format_table, rotated, write_csv  # noqa: E402
 
@@ -288,17 +288,6 @@ def make_figure(rows: list[dict], title: str):
 def save_plot(rows: list[dict], title: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     make_figure(rows, title).savefig(path, dpi=120)
-
-
-def machine_label() -> str:
-    """This machine in a few words: CPU model and core count."""
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 # -- server ---------------------------------------------------------------------------------------

@@ -9,12 +9,17 @@ import httpx
 import pytest
 from ray import serve
 from specserve.engine.draft_head import save_draft
-from specserve.engine.tokenizer import encode_prompt
 
 from tests.models import eagle_head_of
 from tests.serve.conftest import deploy, unit_args
 from tests.serve.test_fallback import unit_stats
-from tests.serve.test_http import PROMPTS, complete, model_name, read_sse, target_only_text  # noqa: F401
+from tests.serve.test_http import (  # noqa: F401
+    PROMPTS,
+    complete,
+    greedy_equals_target_only,
+    model_name,
+    read_sse,
+)
 from tests.tiny import make_tiny_tokenizer
 
 
@@ -32,16 +37,8 @@ def eagle_app(ray_cluster, tiny_models, tmp_path_factory):
 
 
 def test_eagle_greedy_output_equals_target_only(eagle_app, tiny_models, model_name):  # noqa: F811
-    tok = make_tiny_tokenizer()
-    accepted = 0
-    for prompt in PROMPTS[:4]:
-        r = complete(eagle_app, model_name, prompt, 32)
-        assert r.status_code == 200, r.text
-        expected = target_only_text(tiny_models[2], encode_prompt(tok, prompt), 32)
-        assert r.json()["choices"][0]["text"] == expected
-        assert r.headers["x-speculation"].startswith("on; reason=default; method=eagle")
-        accepted += r.json()["usage"]["speculation"]["num_accepted_tokens"]
-    assert accepted > 0
+    bodies = greedy_equals_target_only(eagle_app, model_name, tiny_models[2], PROMPTS[:4], 32, "eagle")
+    assert sum(b["usage"]["speculation"]["num_accepted_tokens"] for b in bodies) > 0
 
 
 def test_eagle_streams_and_seeded_sampling_repeats(eagle_app, model_name):  # noqa: F811

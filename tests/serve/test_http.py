@@ -37,6 +37,22 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, **extra) -> htt
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
 
 
+def greedy_equals_target_only(url: str, model: str, target_hf, prompts: list[str], max_tokens: int,
+                              method: str) -> list[dict]:
+    """Each prompt served greedily over HTTP, speculated by ``method``, must produce what the
+    target alone produces; returns the response bodies."""
+    tok = make_tiny_tokenizer()
+    bodies = []
+    for prompt in prompts:
+        r = complete(url, model, prompt, max_tokens)
+        assert r.status_code == 200, r.text
+        expected = target_only_text(target_hf, encode_prompt(tok, prompt), max_tokens)
+        assert r.json()["choices"][0]["text"] == expected, prompt
+        assert r.headers["x-speculation"].startswith(f"on; reason=default; method={method}")
+        bodies.append(r.json())
+    return bodies
+
+
 def read_sse(response: httpx.Response) -> list[dict]:
     events = []
     for line in response.iter_lines():
@@ -46,14 +62,8 @@ def read_sse(response: httpx.Response) -> list[dict]:
 
 
 def test_greedy_output_equals_the_engine_target_only(ngram_app, tiny_models, model_name):
-    tok = make_tiny_tokenizer()
-    for prompt in PROMPTS[:3]:
-        r = complete(ngram_app, model_name, prompt, 24)
-        assert r.status_code == 200, r.text
-        expected = target_only_text(tiny_models[2], encode_prompt(tok, prompt), 24)
-        assert r.json()["choices"][0]["text"] == expected
-        assert r.headers["x-speculation"].startswith("on; reason=default; method=ngram")
-        spec = r.json()["usage"]["speculation"]
+    for body in greedy_equals_target_only(ngram_app, model_name, tiny_models[2], PROMPTS[:3], 24, "ngram"):
+        spec = body["usage"]["speculation"]
         assert spec["enabled"] and spec["num_drafts"] >= 0 and "mean_acceptance_length" in spec
 
 

@@ -59,6 +59,7 @@ from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
+from specserve.machine import machine_label
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def _run(args, *, progress: bool) -> dict:
     report = evaluate(out, target, held, eval_k=args.eval_k, max_tokens=args.eval_max_tokens,
                       end_to_end_run=not args.skip_end_to_end, progress=progress)
     report = {"draft": str(args.out), "kind": meta["kind"], "target": target.name,
-              "machine": _machine(), "date": time.strftime("%Y-%m-%d"),
+              "machine": f"{machine_label()}, torch {torch.__version__}", "date": time.strftime("%Y-%m-%d"),
               "data": meta["data"], "training": meta["training"],
               "held_out_vocab_coverage": _coverage(held, load_draft_vocab(out)), **report,
               "total_seconds": round(time.perf_counter() - started, 1)}
@@ -212,21 +213,6 @@ def evaluate(draft_dir: Path, target, held, *, eval_k: int | None, max_tokens: i
         report["end_to_end"] = {**spec, "target_only_s": runs["target_only"]["seconds"],
                                 "speculative_s": spec.pop("seconds")}
     return report
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
 def summary_lines(report: dict) -> list[str]:

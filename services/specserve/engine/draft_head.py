@@ -95,13 +95,18 @@ class DraftHead(LlamaRuntime):
         return self.fc is not None
 
     def _inputs(self, tokens: torch.Tensor, ctx, features: torch.Tensor | None) -> torch.Tensor:
-        x = self.embed(tokens)  # [B, T, hidden]
         if self.fc is None:
             assert features is None, "a decoder draft takes no features"
-            return x
-        padded = x.new_zeros(x.shape)
-        padded[ctx.valid] = features.to(x.dtype)
-        return self.fc(torch.cat([x, padded], dim=-1))
+            return self.embed(tokens)
+        padded = features.new_zeros(*tokens.shape, features.shape[-1])  # [B, T, hidden]
+        padded[ctx.valid] = features
+        return self._fuse(tokens, padded)
+
+    def _fuse(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input ``[B, T, hidden]``: the token embeddings, for ``eagle``
+        fused with the features ``[B, T, hidden]`` by ``fc``."""
+        x = self.embed(tokens)
+        return x if self.fc is None else self.fc(torch.cat([x, features.to(x.dtype)], dim=-1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary ``[N, vocab]`` logits: the draft vocabulary's, -inf elsewhere."""
@@ -112,9 +117,7 @@ class DraftHead(LlamaRuntime):
     def train_forward(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states ``[B, T, hidden]`` of whole right-padded sequences starting at
         position 0 (``features``: ``[B, T, hidden]`` for ``eagle``). With grad, no cache."""
-        x = self.embed(tokens)
-        if self.fc is not None:
-            x = self.fc(torch.cat([x, features.to(x.dtype)], dim=-1))
+        x = self._fuse(tokens, features)
         t = tokens.shape[1]
         cos, sin = self.rope_cos[None, :t, None], self.rope_sin[None, :t, None]
         for layer in self.layers:
@@ -205,10 +208,11 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
     with torch.device("meta"):
         head = DraftHead(arch, torch.empty_like(cos[:n]), torch.empty_like(sin[:n]),
                          kind=meta["kind"], draft_vocab=torch.empty_like(draft_vocab))
-    head.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
+    missing = head.load_state_dict({k: v.float() for k, v in state.items()},
+                                   strict=False, assign=True).missing_keys
+    missing = [k for k in missing if not k.startswith("embed.")]  # the target's, set below
     head.embed.weight = nn.Parameter(embed.detach(), requires_grad=False)
     head.rope_cos, head.rope_sin, head.draft_vocab = cos[:n], sin[:n], draft_vocab
-    missing = {k for k, _ in head.named_parameters() if not k.startswith("embed.")} - set(state)
     if missing:
         raise ConfigError(f"draft {path}: weights missing: {', '.join(sorted(missing))}")
     dtype = dtype or embed.dtype

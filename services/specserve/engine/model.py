@@ -124,15 +124,21 @@ class Attention(nn.Module):
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
 
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[B, T, H, D]``, k and v ``[B, T, Hk, D]``, RoPE applied. RoPE runs in the layout
+        the projection produced (broadcasting over a transposed view is several times slower
+        on CPU)."""
+        bsz, t, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        return (apply_rope(q.view(bsz, t, h, d), cos, sin), apply_rope(k.view(bsz, t, hk, d), cos, sin),
+                v.view(bsz, t, hk, d))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
         bsz, t, _ = x.shape  # [B, T, hidden]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
-        # RoPE in the [B, T, H, D] layout the projection produced (broadcasting over a
-        # transposed view is several times slower on CPU).
-        q = apply_rope(q.view(bsz, t, h, d), ctx.cos, ctx.sin)
-        k = apply_rope(k.view(bsz, t, hk, d), ctx.cos, ctx.sin)
-        v = v.view(bsz, t, hk, d)
+        q, k, v = self._qkv(x, ctx.cos, ctx.sin)
         # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
         cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
         q = q.transpose(1, 2)  # [B, H, T, D]
@@ -148,10 +154,7 @@ class Attention(nn.Module):
         (``cos``/``sin``: ``[1, T, 1, D]``). Right padding is harmless: nothing attends to it."""
         bsz, t, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
-        q = apply_rope(q.view(bsz, t, h, d), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(bsz, t, hk, d), cos, sin).transpose(1, 2)
-        v = v.view(bsz, t, hk, d).transpose(1, 2)
+        q, k, v = (y.transpose(1, 2) for y in self._qkv(x, cos, sin))  # [B, heads, T, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h)
         return self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
 

@@ -41,24 +41,38 @@ class DraftModelProposer(Proposer):
         self.worker.rollback(slot, min(self.worker.length(slot), num_valid_tokens))
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        # The first forward catches each cache up with its sequence; later ones feed the draft.
+        return self._draft(requests, {i: (r.token_ids[self.worker.length(self.slots[r.seq_id]):], None)
+                                      for i, r in enumerate(requests) if r.k > 0})
+
+    def _draft(self, requests: list[DraftRequest], feeds: dict[int, tuple[list[int], torch.Tensor | None]],
+               silent: frozenset[int] | set[int] = frozenset()) -> list[Proposal]:
+        """Decode from ``feeds`` (row -> its input tokens and features, None for a model that
+        reads none) until every fed row has its ``k`` drafts; ``silent`` rows are fed once and
+        draft nothing. Each draft feeds back its token (and the model's predicted feature)."""
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        # The first forward catches each cache up with its sequence; later ones feed the draft.
-        feeds = {i: r.token_ids[self.worker.length(self.slots[r.seq_id]):]
-                 for i, r in enumerate(requests) if r.k > 0}
         while feeds:
             rows = list(feeds)
-            logits = self.worker.forward([self.slots[requests[i].seq_id] for i in rows],
-                                         [feeds[i] for i in rows], [1] * len(rows))  # [n, V]
+            logits, predicted = self._forward([self.slots[requests[i].seq_id] for i in rows],
+                                              [feeds[i] for i in rows])
             tokens, row_probs = self._sample([requests[i] for i in rows], logits)
             feeds = {}
             for j, i in enumerate(rows):
+                if i in silent:
+                    continue
                 drafts[i].append(tokens[j])
                 if row_probs[j] is not None:
                     probs[i].append(row_probs[j])
                 if len(drafts[i]) < requests[i].k:
-                    feeds[i] = [tokens[j]]
+                    feeds[i] = ([tokens[j]], None if predicted is None else predicted[j:j + 1])
         return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[n, V]`` after each row's last fed token, and the features to feed with
+        the next drafts (None: this model reads no features)."""
+        return self.worker.forward(slots, [tokens for tokens, _ in feeds], [1] * len(feeds)), None
 
     def _sample(self, requests: list[DraftRequest],
                 logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:

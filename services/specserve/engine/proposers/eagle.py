@@ -53,8 +53,6 @@ class EagleProposer(DraftModelProposer):
         ``CATCH_UP_BACKLOG`` of them wait, they are fed to the head's cache (in the same
         forward as the drafting rows, output unused), so a sequence that goes without drafts
         for long holds its features in the cache it has anyway, not in a growing queue."""
-        drafts: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
         feeds: dict[int, tuple[list[int], torch.Tensor]] = {}
         silent: set[int] = set()  # rows fed only to catch up
         for i, r in enumerate(requests):
@@ -65,26 +63,16 @@ class EagleProposer(DraftModelProposer):
                 feeds[i] = feed
                 if r.k == 0:
                     silent.add(i)
-        while feeds:
-            rows = list(feeds)
-            slots = [self.slots[requests[i].seq_id] for i in rows]
-            tokens = [feeds[i][0] for i in rows]
-            logits, hidden = self.worker.runtime(
-                self.worker.cache, slots, tokens, [1] * len(rows),
-                features=torch.cat([feeds[i][1] for i in rows]), return_hidden=True)
-            last = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
-            predicted = hidden[last]  # [n, hidden]: f-hat at each row's newest position
-            picked, row_probs = self._sample([requests[i] for i in rows], logits)
-            feeds = {}
-            for j, i in enumerate(rows):
-                if i in silent:
-                    continue
-                drafts[i].append(picked[j])
-                if row_probs[j] is not None:
-                    probs[i].append(row_probs[j])
-                if len(drafts[i]) < requests[i].k:
-                    feeds[i] = ([picked[j]], predicted[j:j + 1])
-        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+        return self._draft(requests, feeds, silent)
+
+    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = [t for t, _ in feeds]
+        logits, hidden = self.worker.runtime(
+            self.worker.cache, slots, tokens, [1] * len(feeds),
+            features=torch.cat([f for _, f in feeds]), return_hidden=True)
+        last = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
+        return logits, hidden[last]  # f-hat at each row's newest position
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], torch.Tensor] | None:
         """The pairs from ``real`` up to the sequence's last token, or None while the target
