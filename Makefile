@@ -103,7 +103,7 @@ sweep: install ## Concurrency sweep over HTTP: speculation on / off / router (ow
 soak: install ## Bounded soak over HTTP (own local Ray; 3 minutes): failures, RSS growth, free slots (results/soak.json)
 	$(PY) load/soak.py --start-local $(SOAK_ARGS)
 
-draft: install ## Evaluate the shipped EAGLE draft again (DRAFT_ARGS=--retrain: train it anew, about an hour here)
+draft: install ## Evaluate the shipped EAGLE draft again (DRAFT_ARGS=--retrain ...: train it anew, docs/DRAFTS.md; about 95 minutes here)
 	$(VENV)/bin/specserve train-draft --target embedded --out embedded-eagle --work-dir results/draft-work $(DRAFT_ARGS)
 
 bench-draft: install ## The shipped draft vs target-only vs ngram at batch 1 on held-out chat (results/bench-draft.json)

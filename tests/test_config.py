@@ -17,12 +17,11 @@ def test_shipped_serve_config_validates_and_spells_out_the_defaults():
     [app] = doc["applications"]
     cfg = AppConfig.model_validate(app["args"], context={"check_files": False})
     # Every router / adaptive value written in the file is the model's default, so the file
-    # documents the behaviour a config without them gets; the one exception is per-step K,
-    # off for the shipped EAGLE draft on CPU (the file says why; docs/BENCHMARKS.md).
+    # documents the behaviour a config without them gets.
     assert cfg.unit.router == type(cfg.unit.router)()
     spec = cfg.unit.engine.speculative
     assert spec.method == "eagle" and spec.ngram_first
-    assert spec.adaptive == type(spec.adaptive)(enabled=False)
+    assert spec.adaptive == type(spec.adaptive)()
 
 
 @pytest.mark.parametrize("router, message", [
