@@ -15,10 +15,10 @@ most tokens per second. Both sides of that ratio are measured on this unit, not 
   ``ψ0 + ψ1·rows + ψ2·sampled logit rows``. The design's c and v (draft and verify cost
   relative to one target decode step) are these predictions at the current batch size and
   context lengths, divided by the K = 0 prediction.
-- **shape**: kernels are not linear in the work where the matrices are small. On this
+- **size**: kernels are not linear in the work where the matrices are small. On this
   project's CPU (MKL/oneDNN GEMMs) a batch-1 forward of 2 or 3 tokens costs 1.7x and 2.2x one
   of 1 token, more than one of 4 or 5 (1.4x); a linear fit through those points calls 2 and 3
-  cheap and picks them. So forwards of up to ``SHAPE_SIZES`` padded tokens (rows x longest
+  cheap and picks them. So forwards of up to ``MEASURED_SIZES`` padded tokens (rows x longest
   row) are also averaged per size, less their attention term, and a size measured twice is
   predicted from its own mean plus the fit's attention term; other sizes from the fit. A size
   the fit calls cheap gets chosen, measured and, if it is not, left.
@@ -41,7 +41,7 @@ from specserve.config import AdaptiveConfig
 from specserve.engine.cost_model import expected_tokens_per_step
 
 _MIN_WEIGHT = 2.0  # decayed rows a position needs before its own counts are used
-SHAPE_SIZES = 64   # padded forward sizes (rows x longest row) whose residual is kept
+MEASURED_SIZES = 64  # padded forward sizes (rows x longest row) whose mean time is kept
 
 
 class DecayedLeastSquares:
@@ -93,7 +93,7 @@ class SizeCosts:
     """Decayed mean seconds per padded forward size (module docstring); a size's mean decays
     only with that size's own observations."""
 
-    def __init__(self, decay: float, max_size: int = SHAPE_SIZES) -> None:
+    def __init__(self, decay: float, max_size: int = MEASURED_SIZES) -> None:
         self.decay = decay
         self.total = np.zeros(max_size + 1)
         self.weight = np.zeros(max_size + 1)
