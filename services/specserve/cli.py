@@ -178,8 +178,10 @@ def _speculation_line(cfg) -> str:
         try:
             report = json.loads((where / "eval.json").read_text())
             e2e = report.get("end_to_end", {})
-            line += (f"; held-out greedy acceptance {e2e['acceptance_rate']:.2f} at K={e2e['k']}, "
-                     f"{e2e['speedup']:.2f}x at batch 1 when it was trained")
+            first = report["greedy_acceptance"]["1"]["acceptance_rate"]
+            line += (f"; on held-out prompts: first-token acceptance {first:.2f}, mean acceptance "
+                     f"length {e2e['mean_acceptance_length']:.2f} at K={e2e['k']}, "
+                     f"{e2e['speedup']:.2f}x at batch 1 (eval.json, {report.get('date', 'undated')})")
         except (OSError, ValueError, KeyError):
             pass
     return line
