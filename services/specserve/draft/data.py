@@ -7,7 +7,8 @@ position is its LM head applied to the feature there, so the training loss can u
 target's full soft labels without storing any logits, and an EAGLE head reads them as input.
 
 Data is written in shards of ``SHARD_SIZE`` sequences under ``<out>/data/`` (features in
-float16); a rerun skips the shards already there, so an interrupted run resumes.
+float16), each recorded in the manifest with its prompts' hash; a rerun skips the shards made
+from the same prompts, so an interrupted run resumes and a longer prompt list reuses them.
 """
 
 from __future__ import annotations
