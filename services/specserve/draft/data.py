@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.engine.tokenizer import encode_chat
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 
@@ -90,10 +91,10 @@ def read_prompts(spec: str, *, allow_empty: bool = False) -> list[list[dict]]:
 
 
 def encode(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
-    """The chat-templated prompt ids, the way the API builds them (generation prompt added)."""
+    """The prompt ids the API builds for ``messages`` (``encode_chat``; without a chat
+    template, the contents joined by newlines), the last ``max_prompt_tokens`` of them."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        ids = encode_chat(tokenizer, messages)
     else:
         ids = tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
     return list(ids)[-max_prompt_tokens:]

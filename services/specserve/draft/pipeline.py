@@ -96,8 +96,8 @@ def _run(args, *, progress: bool) -> dict:
     if must_train and num_self:  # after the files' prompts, so their shards stay reusable
         held_texts = {m["content"] for msgs in eval_msgs for m in msgs if m["role"] == "user"}
         own, own_seconds = self_prompts(SpecDecodeEngine(gen, tok, eos_token_ids=eos), tok, num_self,
-                           work / "self-prompts.jsonl", seed=args.seed, exclude=held_texts,
-                           progress=progress)
+                                        work / "self-prompts.jsonl", seed=args.seed,
+                                        exclude=held_texts, progress=progress)
         train_msgs += own
 
     # 1. data

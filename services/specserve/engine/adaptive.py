@@ -97,13 +97,11 @@ class SizeCosts:
         self.decay = decay
         self.total = np.zeros(max_size + 1)
         self.weight = np.zeros(max_size + 1)
-        self.version = 0  # counts observations (what cached solutions depend on)
 
     def observe(self, size: int, seconds: float) -> None:
         if 1 <= size < len(self.total):
             self.total[size] = self.decay * self.total[size] + seconds
             self.weight[size] = self.decay * self.weight[size] + 1.0
-            self.version += 1
 
     def get(self, size: int) -> float | None:
         if 1 <= size < len(self.total) and self.weight[size] >= 1.5:  # two observations
@@ -273,8 +271,9 @@ class SpecLengthController:
         Cached until a cost fit changes: the router asks once per finished request."""
         if self.forward_cost.num_observations < 4 or self.propose_cost.num_observations < 2:
             return None
+        # (every forward observed, sized or not, counts in forward_cost.num_observations)
         key = (self.forward_cost.num_observations, self.propose_cost.num_observations,
-               self.accept_cost.num_observations, self.sizes.version, context)
+               self.accept_cost.num_observations, context)
         if self._break_even is None or self._break_even[0] != key:
             self._break_even = (key, self._solve_break_even(context))
         return self._break_even[1]

@@ -42,7 +42,6 @@ EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-1
 DRAFT_FILE = "draft.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
-KINDS = DRAFT_KINDS
 
 
 def draft_path(source: str | Path) -> Path:
@@ -67,7 +66,7 @@ def read_draft_meta(source: str | Path) -> dict:
         meta = json.loads((path / DRAFT_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} is not a readable specserve draft ({DRAFT_FILE}): {exc}") from exc
-    if meta.get("format_version") != FORMAT_VERSION or meta.get("kind") not in KINDS:
+    if meta.get("format_version") != FORMAT_VERSION or meta.get("kind") not in DRAFT_KINDS:
         raise ConfigError(f"{path / DRAFT_FILE}: unsupported format {meta.get('format_version')!r} "
                           f"or kind {meta.get('kind')!r}")
     return meta
@@ -82,7 +81,7 @@ class DraftHead(LlamaRuntime):
 
     def __init__(self, arch: ModelArch, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
                  kind: str, draft_vocab: torch.Tensor) -> None:
-        assert kind in KINDS and not arch.tie_word_embeddings
+        assert kind in DRAFT_KINDS and not arch.tie_word_embeddings
         super().__init__(arch, rope_cos, rope_sin)
         self.kind = kind
         hidden = arch.hidden_size
@@ -137,8 +136,8 @@ def new_draft_head(target: LlamaRuntime, *, kind: str, num_layers: int,
     of its LM head, and copies of its first (``decoder``) or last (``eagle``: they see
     late-stage features) ``num_layers`` layers. ``eagle``'s fuser starts as "take the
     feature" (plus seeded noise); embeddings are the target's tensor itself (frozen, shared)."""
-    if kind not in KINDS:
-        raise ConfigError(f"draft kind must be one of {', '.join(KINDS)}")
+    if kind not in DRAFT_KINDS:
+        raise ConfigError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}")
     if not 1 <= num_layers <= target.arch.num_layers:
         raise ConfigError(f"num_layers must be in [1, {target.arch.num_layers}]")
     arch = draft_arch(target.arch, num_layers)
