@@ -38,6 +38,15 @@ class InvalidRequestError(SpecServeError, ValueError):
     status_code = 400
 
 
+class RequestFailed(SpecServeError):
+    """A step failed for this request alone (the unit stepped each row on its own to find
+    out); the other requests of the unit go on. The detail is in the server log."""
+
+    type = "internal_error"
+    code = "request_failed"
+    status_code = 500
+
+
 class CapacityError(SpecServeError):
     """No free KV slot / the queue is full. The API answers 429 with Retry-After."""
 

@@ -3,6 +3,7 @@ sampled output has the target-only distribution. Tiny seeded models, tiny tokeni
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 
@@ -15,9 +16,9 @@ from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
-from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
 from specserve.engine.worker import ModelWorker
-from specserve.errors import InvalidRequestError, ProposerUnavailable
+from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed
 
 from tests.models import VOCAB, decoder_head_of, eagle_head_of, perturbed, tiny_hf_model, worker_of
 from tests.tiny import make_tiny_tokenizer
@@ -295,9 +296,11 @@ SAMPLED = [
 NUM_SAMPLES = 8000
 
 
-def _sample_pairs(engine, prompt, params) -> list[tuple[int, int]]:
+def _sample_pairs(engine, prompt, params, seeded: bool = True) -> list[tuple[int, int]]:
+    """Seeded: drafter-invariant verification; unseeded: the rejection test (random seeds)."""
     out = engine.generate([prompt] * NUM_SAMPLES,
-                          [params.model_copy(update={"seed": i}) for i in range(NUM_SAMPLES)])
+                          [params.model_copy(update={"seed": i if seeded else None})
+                           for i in range(NUM_SAMPLES)])
     return [tuple(c.output_token_ids[:2]) for c in out]
 
 
@@ -326,21 +329,23 @@ def sampling_prompt(target_hf) -> tuple[int, ...]:
     raise AssertionError("no fixed-point prompt found")
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("method", [*MODEL_METHODS, "ngram"])
 @pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
-def test_sampled_output_has_target_distribution(target_hf, method, params):
+def test_sampled_output_has_target_distribution(target_hf, method, params, seeded):
     """8000 seeded samples of the first two tokens, chi-square against the exact joint
     distribution of target-only sampling (bins expected below 5 pooled); fails below
     p = 1e-3. The draft model is the target with noise on every weight (acceptance about
     0.45), so drafts are both accepted and rejected. K = 3 drafts 2 tokens per step here
     (max_tokens 3), so accepted, recovered and bonus tokens all reach the pair.
     ``test_distribution_test_has_power`` shows the same test rejects the draft's own
-    distribution at this sample size."""
+    distribution at this sample size. Seeded requests go through drafter-invariant
+    verification, unseeded ones through the rejection test: both must be exact."""
     engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
                          eos=frozenset())
     prompt = list(sampling_prompt(target_hf))
     joint = exact_joint(target_hf, prompt, params)
-    pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params), joint)
+    pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params, seeded), joint)
     rate = engine.stats.acceptance_rate
     assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
     assert pvalue > 1e-3
@@ -391,6 +396,30 @@ def test_same_seed_same_output(target_hf, close_draft_hf, method):
     other = make_engine(target_hf, method, 4, draft_hf=close_draft_hf).generate(
         batch, params.model_copy(update={"seed": 99}))
     assert [c.output_token_ids for c in other] != [c.output_token_ids for c in first]
+
+
+@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+def test_seeded_output_is_the_same_with_speculation_off_on_at_any_k_alone_or_batched(
+        target_hf, close_draft_hf, method):
+    """Same seed, same text: target-only, K = 1 and K = 4, K chosen at random per row and
+    step, a prompt alone or in a batch of four. The drafts are accepted often enough that the
+    comparison means something."""
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=32, seed=100 + i)
+              for i, (t, p, k) in enumerate([(0.9, 0.95, 0), (1.0, 1.0, 0), (0.7, 1.0, 20),
+                                            (1.3, 0.9, 50)])]
+    batch = prompts(4, seed=8)
+    reference = [c.output_token_ids for c in make_engine(target_hf, None).generate(batch, params)]
+    accepted = 0
+    for k, controller in ((1, None), (4, None), (4, RandomK(4, seed=3))):
+        engine = make_engine(target_hf, method, k, draft_hf=close_draft_hf, controller=controller)
+        together = engine.generate(batch, params, adaptive=controller is not None)
+        assert [c.output_token_ids for c in together] == reference, (k, controller)
+        for i in (0, 3):
+            alone = make_engine(target_hf, method, k, draft_hf=close_draft_hf).generate(
+                [batch[i]], params[i])
+            assert alone[0].output_token_ids == reference[i], (k, i)
+        accepted += engine.stats.num_accepted_tokens
+    assert accepted > 0  # drafts were kept, so the comparison covers accepted tokens
 
 
 # -- bad input -----------------------------------------------------------------------------
@@ -446,3 +475,67 @@ def test_draft_loss_falls_back_to_target_only_and_recovers(target_hf):
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
     assert engine.num_draft_fallbacks == 1 and engine.draft_available
     assert len(flaky.started) == 2 * len(batch)  # started, lost, started again
+
+
+def _drain(engine) -> tuple[dict[int, list[int]], dict[int, StepOutput]]:
+    """Step until idle: every sequence's streamed tokens and its last output."""
+    tokens: dict[int, list[int]] = {}
+    last: dict[int, StepOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.seq_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                last[out.seq_id] = out
+    return tokens, last
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_request_caused_step_failure_fails_that_request_alone(target_hf, close_draft_hf, method):
+    """A step that raises for one row (fault injection: a prompt holding ``fault_token``)
+    ends that request with a RequestFailed and nothing else; the others' outputs are the
+    target's own, and every slot is free afterwards."""
+    batch = prompts(4, seed=31)
+    poison = 499
+    batch[2] = batch[2][:3] + [poison] + batch[2][3:]
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    engine = make_engine(target_hf, method, 3, draft_hf=close_draft_hf)
+    engine.fault_token = poison
+    ids = [engine.add_request(p, GREEDY) for p in batch]
+    tokens, last = _drain(engine)
+    assert last[ids[2]].finish_reason == "error" and isinstance(last[ids[2]].error, RequestFailed)
+    for i in (0, 1, 3):
+        assert last[ids[i]].error is None and tokens[ids[i]] == reference[i].output_token_ids
+    assert engine.target.num_free_slots == 8
+    if method == "draft_model":
+        assert engine.proposer.num_slots_in_use == 0
+
+
+def resized(hf_model, size: int):
+    """A close draft whose embedding table and LM head have ``size`` rows (another padding of
+    the same tokenizer, as Qwen2.5-0.5B's 151936 against Qwen2.5-7B's 152064)."""
+    model = perturbed(hf_model, scale=0.3)
+    model.config = copy.deepcopy(model.config)  # perturbed() shares the target's config object
+    model.resize_token_embeddings(size, mean_resizing=False)
+    return model
+
+
+@pytest.mark.parametrize("draft_vocab", [VOCAB + 64, VOCAB - 12])
+def test_a_draft_with_another_vocabulary_size_is_mapped(target_hf, draft_vocab):
+    """A draft whose embedding table is larger or smaller than the target's: greedy output
+    is the target's, seeded sampled output too (so q is over the target's ids), unseeded
+    sampling runs, and drafts are accepted."""
+    draft = resized(target_hf, draft_vocab)
+    assert draft.config.vocab_size == draft_vocab
+    batch = prompts(4, seed=41)
+    sampled = [SamplingParams(temperature=0.8, max_tokens=24, seed=7 + i) for i in range(4)]
+    for params in (GREEDY, sampled):
+        reference = make_engine(target_hf, None).generate(batch, params)
+        engine = make_engine(target_hf, "draft_model", 3, draft_hf=draft)
+        engine.proposer.vocab_size = VOCAB  # what the builder passes from the target
+        out = engine.generate(batch, params)
+        assert [c.output_token_ids for c in out] == [c.output_token_ids for c in reference]
+        assert engine.stats.num_accepted_tokens > 0
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=draft)
+    engine.proposer.vocab_size = VOCAB
+    unseeded = engine.generate(batch, SamplingParams(temperature=0.8, max_tokens=24))
+    assert all(len(c.output_token_ids) > 0 for c in unseeded)

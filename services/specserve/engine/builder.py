@@ -41,10 +41,13 @@ def with_ngram_first(spec: SpeculativeConfig, model: Proposer) -> Proposer:
 
 
 def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, max_model_len: int,
-                        target_runtime=None, target_cfg: ModelConfig | None = None) -> Proposer:
+                        target_runtime=None, target_cfg: ModelConfig | None = None,
+                        target_vocab_size: int | None = None) -> Proposer:
     """The proposer of a model method: a plain draft model, or a draft from ``train-draft``
     (a directory with ``draft.json``) on the target's embeddings, taken from
-    ``target_runtime`` when the target is in this process, else read via ``target_cfg``."""
+    ``target_runtime`` when the target is in this process, else read via ``target_cfg``.
+    ``target_vocab_size`` (default: ``target_runtime``'s): the ids the target verifies; a
+    plain draft with more or fewer embedding rows drafts over exactly those."""
     if is_draft_dir(draft_cfg.source):
         device = resolve_device(draft_cfg.device)
         head = load_draft_head(draft_cfg.source, target_runtime, target_cfg=target_cfg,
@@ -57,13 +60,12 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
     if method == "eagle":
         raise ConfigError("method eagle needs an 'eagle' draft made by `specserve train-draft`")
     draft = load_model(draft_cfg, max_model_len=max_model_len)
-    # (Out of the target's process the config's same-tokenizer check is the guard.)
-    vocab = target_runtime.arch.vocab_size if target_runtime is not None else None
-    if vocab is not None and draft.runtime.arch.vocab_size != vocab:
-        raise ConfigError(f"draft vocabulary size {draft.runtime.arch.vocab_size} differs from the "
-                          f"target's {vocab}")
-    return DraftModelProposer(ModelWorker(draft.runtime, num_slots=num_slots,
-                                          max_seq_len=max_model_len))
+    # The config's same-tokenizer check makes the ids mean the same strings; the embedding
+    # tables may still differ in padding, which the proposer maps (draft_model.py).
+    if target_vocab_size is None and target_runtime is not None:
+        target_vocab_size = target_runtime.arch.vocab_size
+    return DraftModelProposer(ModelWorker(draft.runtime, num_slots=num_slots, max_seq_len=max_model_len),
+                              target_vocab_size=target_vocab_size)
 
 
 def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:

@@ -13,6 +13,16 @@ Worked example, K = 3, greedy: drafts ``[5, 9, 2]``, target argmax at the four p
 ``[5, 9, 7, 4]`` → drafts 5 and 9 accepted, 2 rejected, recovered token 7: the step emits
 ``[5, 9, 7]`` and ``num_accepted = 2``.
 
+**Drafter-invariant verification** (seeded requests; Daliri, Musco and Suresh 2024, "Coupling
+without Communication and Drafter-Invariant Speculative Decoding"): the target's token at
+each position is decided by a Gumbel race with noise fixed by (seed, position) alone,
+``t_i = argmax(p_i / E_i)``, and a draft is kept while it equals that token. The emitted text
+is then *identical* to a target-only run with the same seed, whatever the draft, K or the
+batch, and so exactly distributed as sampling from ``p``. A model draft that samples with
+the same noise (``argmax(q_i / E_i)``) agrees with the target with probability at least
+``(1 - TV) / (1 + TV)``, below the ``1 - TV`` of the rejection test above: seeded requests
+trade a little acceptance for reproducibility; unseeded ones keep the higher acceptance.
+
 Shapes: B rows (sequences), K = ``max_spec_len`` columns; a row with fewer drafts is padded and
 its ``num_draft_tokens`` says how many are real (0 is allowed: plain decoding).
 """
@@ -83,15 +93,9 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     noise: ``[B, V]`` Exp(1), used for the one recovered or bonus token of each row.
     """
     bsz, k = draft_token_ids.shape
-    assert target_probs.shape[:2] == (bsz, k + 1) and uniform.shape == (bsz, k)
     assert noise.shape == (bsz, target_probs.shape[-1])
-    index = draft_token_ids.clamp(min=0)[..., None]                       # [B, K, 1]
-    p_draft = target_probs[:, :k].gather(2, index)[..., 0]                # [B, K]
-    q_draft = (draft_probs.gather(2, index)[..., 0] if draft_probs is not None
-               else torch.ones_like(p_draft))
-    # u < p/q, written without a division (q > 0 where the draft was sampled from q).
-    num_accepted = _num_leading_true(uniform * q_draft < p_draft, num_draft_tokens)
-
+    num_accepted = stochastic_num_accepted(draft_token_ids, num_draft_tokens, target_probs,
+                                           draft_probs, uniform)
     rows = torch.arange(bsz, device=draft_token_ids.device)
     p_at = target_probs[rows, num_accepted]                               # [B, V]
     rejected = num_accepted < num_draft_tokens                            # [B]
@@ -101,6 +105,36 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_at, residual)
     return _assemble(draft_token_ids, num_accepted, sample_from(residual, noise))
+
+
+def stochastic_num_accepted(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                            target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                            uniform: torch.Tensor) -> torch.Tensor:
+    """``[B]`` drafts kept by the rejection test of :func:`rejection_sample` (the caller needs
+    it first to draw the noise of the position its recovered or bonus token lands on)."""
+    bsz, k = draft_token_ids.shape
+    assert target_probs.shape[:2] == (bsz, k + 1) and uniform.shape == (bsz, k)
+    index = draft_token_ids.clamp(min=0)[..., None]                       # [B, K, 1]
+    p_draft = target_probs[:, :k].gather(2, index)[..., 0]                # [B, K]
+    q_draft = (draft_probs.gather(2, index)[..., 0] if draft_probs is not None
+               else torch.ones_like(p_draft))
+    # u < p/q, written without a division (q > 0 where the draft was sampled from q).
+    return _num_leading_true(uniform * q_draft < p_draft, num_draft_tokens)
+
+
+def drafter_invariant_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                             target_probs: torch.Tensor, noise: torch.Tensor) -> RejectionOutput:
+    """Drafter-invariant verification (module docstring): keep drafts while they equal the
+    target's own sample under the position's noise, then emit that sample.
+
+    draft_token_ids: ``[B, K]``; num_draft_tokens: ``[B]``; target_probs p: ``[B, K + 1, V]``;
+    noise: ``[B, K + 1, V]`` Exp(1), row i column j fixed by the row's seed and the position
+    of its j-th token (positions after a row's first disagreement may hold anything positive:
+    they are never emitted).
+    """
+    assert noise.shape == target_probs.shape and target_probs.shape[1] == draft_token_ids.shape[1] + 1
+    return greedy_rejection_sample(draft_token_ids, num_draft_tokens,
+                                   sample_from(target_probs, noise))  # [B, K + 1] target's tokens
 
 
 def _draft_probs_at(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,

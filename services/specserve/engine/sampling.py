@@ -5,9 +5,12 @@ use) is applied to draft and target logits. Speculative sampling then reproduces
 from the *transformed* target distribution exactly, which is what a target-only run with the
 same settings samples from.
 
-Randomness is per request: each sequence owns a ``torch.Generator`` (seeded when the request
-gives a seed), and every draw of a step comes from it in a fixed order. A sequence's output
-therefore depends only on its seed and its own settings, never on what else is in the batch.
+Randomness is counter-based: every draw is a function of the request's seed, the **position**
+of the token it decides (its index in the sequence, prompt included) and a stream name
+(:data:`NOISE`, :data:`UNIFORM`, :data:`DRAFT`), never of how many tokens were drafted, how
+many steps came before, or what else is in the batch. Seeded requests rely on it for
+"same seed, same text, with or without speculation, at any K" (see
+:func:`~specserve.engine.rejection_sampler.drafter_invariant_sample`).
 """
 
 from __future__ import annotations
@@ -59,26 +62,36 @@ def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def draw_exponential(generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
-    """``[B, V]`` Exp(1) noise, row i from ``generators[i]``."""
-    return torch.stack([torch.empty(vocab).exponential_(generator=g) for g in generators])
+# Streams of the counter-based generator: one per kind of draw, so no two kinds of draw at
+# one position share random numbers (the rejection test's uniform, the target's sampling
+# noise and a draft's own sampling noise must be independent for sampling to stay exact).
+NOISE, UNIFORM, DRAFT = 0, 1, 2
+_MASK64 = (1 << 64) - 1
 
 
-def make_generator(seed: int) -> torch.Generator:
-    """A sequence's generator. Every sequence has a seed: the request's, or a random one."""
-    return torch.Generator().manual_seed(seed)
+def _mix(seed: int, position: int, stream: int) -> int:
+    """A 64-bit generator seed from (seed, position, stream): SplitMix64's finaliser over a
+    combination of the three, so neighbouring positions get unrelated seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB
+         + 0x2545F4914F6CDD1D) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_noise(seed: int, position: int, vocab: int, stream: int = NOISE) -> torch.Tensor:
+    """``[V]`` Exp(1) noise deciding the token at ``position`` of a sequence seeded ``seed``
+    (``sample_from(probs, noise)`` samples it). Same arguments, same noise, in any process."""
+    g = torch.Generator().manual_seed(_mix(seed, position, stream))
+    return torch.empty(vocab).exponential_(generator=g)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The U[0, 1) of the rejection test of the draft at ``position``."""
+    g = torch.Generator().manual_seed(_mix(seed, position, UNIFORM))
+    return float(torch.rand(1, generator=g))
 
 
 def random_seed() -> int:
     """A fresh seed for a request that gave none (62 bits of OS entropy)."""
     return int.from_bytes(os.urandom(8), "little") >> 2
-
-
-def draft_seed(seed: int) -> int:
-    """The seed of a sequence's *draft* generator, derived from its request seed.
-
-    The draft samples in its own process, so it cannot share the coordinator's generator; a
-    fixed mixing of the request seed (one LCG step) keeps "same seed, same output" true for a
-    draft anywhere.
-    """
-    return (seed * 6364136223846793005 + 1442695040888963407) % (1 << 63)

@@ -13,6 +13,12 @@ One :meth:`SpecDecodeEngine.step`:
    where target-only decoding would have stopped;
 5. **roll back** both caches to the tokens that are now final, and free finished slots.
 
+**One request's fault stays its own.** If a step raises anything but
+:class:`~specserve.errors.TargetUnavailable` (a dead rank or a step timeout, which only the
+unit can answer, by restarting the group), the caches are put back as they were before the
+step and each of its rows is stepped again alone: a row that fails alone ends with its error
+(:attr:`StepOutput.error`), the others go on as if nothing had happened.
+
 Invariant between steps: a running sequence's target cache holds all of its tokens but the
 last (``length == len(token_ids) - 1``); a new sequence's cache is empty and its first forward
 is the prefill. Prefill rows run in forwards of their own so a long prompt never pads the
@@ -22,6 +28,7 @@ decode rows to its length.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,14 +40,24 @@ from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.rejection_sampler import (
     RejectionOutput,
+    drafter_invariant_sample,
     greedy_rejection_sample,
     rejection_sample,
+    stochastic_num_accepted,
 )
-from specserve.engine.sampling import compute_probs, draw_exponential, make_generator, random_seed
+from specserve.engine.sampling import (
+    compute_probs,
+    position_noise,
+    position_uniform,
+    random_seed,
+    sample_from,
+)
 from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.engine.worker import ModelWorker
-from specserve.errors import InvalidRequestError, ProposerUnavailable
+from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed, TargetUnavailable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,8 +69,7 @@ class Sequence:
     spec_len: int                     # K for this sequence (the most, when adaptive); 0 = off
     adaptive: bool                    # the controller picks K per step (up to spec_len)
     detokenizer: IncrementalDetokenizer
-    seed: int                         # the request's, or a random one
-    generator: torch.Generator
+    seed: int                         # the request's, or a random one: every draw derives from it
     slot: int = -1
     draft_attached: bool = False       # the proposer holds state for this sequence
     stats: SpecStats = field(default_factory=SpecStats)
@@ -83,6 +99,7 @@ class StepOutput:
     stats: SpecStats
     k_counts: dict[int, int] | None = None  # on the last output: decode steps per K drafted
     mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
+    error: Exception | None = None          # finish_reason "error": why this request failed
 
 
 @dataclass
@@ -118,6 +135,9 @@ class SpecDecodeEngine:
         self.draft_available = proposer is not None
         self.num_draft_fallbacks = 0       # times the proposer became unavailable
         self.k_counts: dict[int, int] = {}  # decoding sequence-steps per K drafted, since start
+        # Fault injection (tests): a step whose rows include a prompt with this token raises,
+        # as a request-caused failure would; only that request may fail.
+        self.fault_token: int | None = None
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
@@ -141,7 +161,7 @@ class SpecDecodeEngine:
             spec_len=k if self.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
-            seed=seed, generator=make_generator(seed))
+            seed=seed)
         self.waiting.append(seq)
         return seq.seq_id
 
@@ -180,6 +200,54 @@ class SpecDecodeEngine:
         seqs = list(self.running.values())
         if not seqs:
             return []
+        try:
+            return self._step(seqs)
+        except TargetUnavailable:
+            raise
+        except Exception:  # noqa: BLE001  whose fault? Each row alone tells (module docstring)
+            log.exception("a step of %d rows failed; stepping each row alone", len(seqs))
+            return self._step_alone(seqs)
+
+    def _step_alone(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """After a failed step: restore the caches, then step every row on its own; a row
+        that fails alone fails, with its error."""
+        self._restore(seqs)
+        outputs = []
+        for seq in seqs:
+            try:
+                outputs += self._step([seq])
+            except TargetUnavailable:
+                raise
+            except Exception as exc:  # noqa: BLE001  this row's own fault
+                log.exception("request %d failed alone; ending it", seq.seq_id)
+                self._restore([seq])
+                outputs.append(self._fail(seq, exc))
+        return outputs
+
+    def _restore(self, seqs: list[Sequence]) -> None:
+        """Caches back to the step invariant: target and draft hold every token but the last
+        (the drafts of the failed step are dropped)."""
+        for seq in seqs:
+            if seq.seq_id not in self.running:
+                continue
+            final = max(0, len(seq.token_ids) - 1)
+            self.target.rollback(seq.slot, min(self.target.length(seq.slot), final))
+            if seq.draft_attached:
+                self._proposer_call(self.proposer.commit, seq.seq_id, final)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        """End ``seq`` with ``exc`` (our own 4xx errors as they are, anything else a 500)."""
+        if self.running.get(seq.seq_id) is seq:
+            self._release(seq)
+        seq.finish_reason = "error"
+        error = exc if isinstance(exc, InvalidRequestError) else RequestFailed(
+            "the server could not process this request")
+        return StepOutput(seq.seq_id, [], "", "error", seq.stats, error=error)
+
+    def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """Plan, draft, verify, sample: nothing of a sequence changes until every row has its
+        result, so a failure up to there leaves only caches to restore. Then each row
+        advances on its own, and a row that fails there fails alone."""
         t0 = time.perf_counter()
         ks = self._plan(seqs)
         proposals = self._propose(seqs, ks)
@@ -188,15 +256,27 @@ class SpecDecodeEngine:
         logits, hidden = self._verify(seqs, proposals)
         t2 = time.perf_counter()
         results = self._sample(seqs, proposals, logits)
-        outputs = [self._advance(seq, prop, res, row)
+        outputs = [self._advance_or_fail(seq, prop, res, row)
                    for seq, prop, (res, row) in zip(seqs, proposals, results)]
-        if hidden is not None:
-            self._keep_hidden(seqs, starts, hidden)
         t3 = time.perf_counter()
-        self.times.add(t1 - t0, t2 - t1, t3 - t2)
-        if self.controller is not None:
-            self._observe(seqs, ks, proposals, results, t1 - t0, t3 - t2)
+        try:  # bookkeeping of the unit, not of a request: it must not fail the outputs above
+            if hidden is not None:
+                self._keep_hidden(seqs, starts, hidden)
+            self.times.add(t1 - t0, t2 - t1, t3 - t2)
+            if self.controller is not None:
+                self._observe(seqs, ks, proposals, results, t1 - t0, t3 - t2)
+        except Exception:  # noqa: BLE001
+            log.exception("step bookkeeping failed; the draft starts afresh")
+            self._draft_lost()
         return outputs
+
+    def _advance_or_fail(self, seq: Sequence, proposal: Proposal, res: RejectionOutput,
+                         row: int) -> StepOutput:
+        try:
+            return self._advance(seq, proposal, res, row)
+        except Exception as exc:  # noqa: BLE001  this row's own fault
+            log.exception("request %d failed while advancing; ending it", seq.seq_id)
+            return self._fail(seq, exc)
 
     def _admit(self) -> None:
         while self.waiting and self.target.num_free_slots > 0:
@@ -257,7 +337,7 @@ class SpecDecodeEngine:
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         requests = [DraftRequest(s.seq_id, s.token_ids, k, s.params.temperature, s.params.top_k,
-                                 s.params.top_p)
+                                 s.params.top_p, seeded=s.params.seed is not None)
                     for s, k in zip(seqs, ks)]
         active = [i for i, r in enumerate(requests) if r.k > 0]
         if self.needs_hidden:  # features go out every step, drafting or not: none pile up here
@@ -324,6 +404,9 @@ class SpecDecodeEngine:
         out: list[torch.Tensor | None] = [None] * len(seqs)
         hidden: list[torch.Tensor | None] = [None] * len(seqs)
         for rows in groups.values():
+            if self.fault_token is not None and any(
+                    self.fault_token in seqs[i].token_ids[:seqs[i].prompt_len] for i in rows):
+                raise RuntimeError("injected fault (fault_token)")
             counts = [len(proposals[i].token_ids) + 1 for i in rows]
             t0 = time.perf_counter()
             result = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
@@ -348,8 +431,10 @@ class SpecDecodeEngine:
         each); returns, per sequence, its sampler output and its row in that output."""
         results: list[tuple[RejectionOutput, int] | None] = [None] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        for rows, fn in ((greedy, self._greedy_rows), (sampled, self._sampled_rows)):
+        seeded = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is not None]
+        unseeded = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
+        for rows, fn in ((greedy, self._greedy_rows), (seeded, self._seeded_rows),
+                         (unseeded, self._sampled_rows)):
             if rows:
                 res = fn([seqs[i] for i in rows], [proposals[i] for i in rows],
                          [logits[i] for i in rows])
@@ -366,24 +451,33 @@ class SpecDecodeEngine:
         return greedy_rejection_sample(drafts, num_drafts, argmax)
 
     @staticmethod
+    def _seeded_rows(seqs, proposals, logits) -> RejectionOutput:
+        """Drafter-invariant verification: the text is the target-only text of the seed."""
+        drafts, num_drafts = _pad_drafts(proposals)
+        target_probs = _target_probs(seqs, logits, drafts.shape[1])  # [B, K + 1, V]
+        noise = torch.ones_like(target_probs)
+        for i, s in enumerate(seqs):
+            first = len(s.token_ids)  # the position of this step's first token
+            for j in range(int(num_drafts[i]) + 1):  # noise up to the first disagreement only
+                noise[i, j] = position_noise(s.seed, first + j, noise.shape[-1])
+                if j == num_drafts[i] or int(sample_from(target_probs[i, j], noise[i, j])) != drafts[i, j]:
+                    break
+        return drafter_invariant_sample(drafts, num_drafts, target_probs, noise)
+
+    @staticmethod
     def _sampled_rows(seqs, proposals, logits) -> RejectionOutput:
+        """The rejection test (Leviathan), its draws fixed by (seed, position)."""
         drafts, num_drafts = _pad_drafts(proposals)
         bsz, k = drafts.shape
-        counts = [x.shape[0] for x in logits]
-        per_row = lambda values: torch.tensor(  # noqa: E731  one value per logits row
-            [v for v, n in zip(values, counts) for _ in range(n)])
-        probs = compute_probs(torch.cat(logits), per_row([s.params.temperature for s in seqs]),
-                              per_row([s.params.top_k for s in seqs]),
-                              per_row([s.params.top_p for s in seqs]))  # [sum(K_i + 1), V]
-        vocab = probs.shape[-1]
-        target_probs = torch.stack([_pad_rows(p, k + 1, 0.0) for p in probs.split(counts)])
-        draft_probs = _draft_probs(proposals, drafts, k, vocab)
-        # Each row draws exactly its own K uniforms, then its noise: independent of the batch.
-        generators = [s.generator for s in seqs]
+        target_probs = _target_probs(seqs, logits, k)  # [B, K + 1, V]
+        draft_probs = _draft_probs(proposals, drafts, k, target_probs.shape[-1])
         uniform = torch.ones(bsz, k)
-        for i, (g, n) in enumerate(zip(generators, num_drafts.tolist())):
-            uniform[i, :n] = torch.rand(n, generator=g)
-        noise = draw_exponential(generators, vocab)
+        for i, s in enumerate(seqs):
+            for j in range(int(num_drafts[i])):
+                uniform[i, j] = position_uniform(s.seed, len(s.token_ids) + j)
+        accepted = stochastic_num_accepted(drafts, num_drafts, target_probs, draft_probs, uniform)
+        noise = torch.stack([position_noise(s.seed, len(s.token_ids) + int(n), target_probs.shape[-1])
+                             for s, n in zip(seqs, accepted)])  # [B, V]: where each row's last token lands
         return rejection_sample(drafts, num_drafts, target_probs, draft_probs, uniform, noise)
 
     def _advance(self, seq: Sequence, proposal: Proposal, res: RejectionOutput,
@@ -466,6 +560,17 @@ def _pad_drafts(proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor]:
     for i, p in enumerate(proposals):
         drafts[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
     return drafts, torch.tensor([len(p.token_ids) for p in proposals])
+
+
+def _target_probs(seqs: list[Sequence], logits: list[torch.Tensor], k: int) -> torch.Tensor:
+    """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0)."""
+    counts = [x.shape[0] for x in logits]
+    per_row = lambda values: torch.tensor(  # noqa: E731  one value per logits row
+        [v for v, n in zip(values, counts) for _ in range(n)])
+    probs = compute_probs(torch.cat(logits), per_row([s.params.temperature for s in seqs]),
+                          per_row([s.params.top_k for s in seqs]),
+                          per_row([s.params.top_p for s in seqs]))  # [sum(K_i + 1), V]
+    return torch.stack([_pad_rows(p, k + 1, 0.0) for p in probs.split(counts)])
 
 
 def _pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:

@@ -25,6 +25,9 @@ class DraftRequest:
     top_k: int = 0
     top_p: float = 1.0
     hidden: torch.Tensor | None = None  # for needs_hidden proposers: target features since last time
+    # The request gave a seed: it is verified drafter-invariantly, so a model draft samples
+    # with the target's noise of each position (``sampling.NOISE``) and sends no q.
+    seeded: bool = False
 
 
 @dataclass
@@ -47,7 +50,8 @@ class Proposer(ABC):
     needs_hidden = False  # True: reads the target's hidden states (EAGLE); the engine sends them
 
     def start(self, seq_id: int, seed: int) -> None:
-        """A new sequence begins (reserve state). ``seed`` seeds the draft's own sampling."""
+        """A new sequence begins (reserve state; a second start of one id starts it afresh).
+        ``seed`` is the request's: the draft's draws derive from it and the position."""
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
@@ -58,6 +62,9 @@ class Proposer(ABC):
 
     def finish(self, seq_id: int) -> None:
         """The sequence ended or was aborted (release state)."""
+
+    def reset(self) -> None:
+        """Forget every sequence (a draft re-attached after a loss: what it held is stale)."""
 
     def health_check(self) -> None:
         """Raise if the proposer cannot serve (used by the Serve fallback)."""

@@ -36,6 +36,9 @@ class NgramFirstProposer(Proposer):
     def finish(self, seq_id: int) -> None:
         self.model.finish(seq_id)
 
+    def reset(self) -> None:
+        self.model.reset()
+
     def health_check(self) -> None:
         self.model.health_check()
 
