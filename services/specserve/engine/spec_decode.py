@@ -380,8 +380,12 @@ class SpecDecodeEngine:
         """The proposer is back (a restarted draft actor has no state): start every running
         sequence on it again; it catches up from the tokens on its first proposal. A proposer
         that reads target features cannot catch up on features it never got: sequences past
-        their prefill stay target-only, new ones speculate."""
+        their prefill stay target-only, new ones speculate. The proposer first forgets
+        everything it held: a draft that was slow rather than dead still has the slots of
+        sequences that ended while it was away."""
         self.draft_available = self.proposer is not None
+        if self.draft_available:
+            self._proposer_call(self.proposer.reset)
         for seq in list(self.running.values()):
             lost = self.needs_hidden and self.target.length(seq.slot) > 0
             if seq.spec_len > 0 and not seq.draft_attached and self.draft_available and not lost:

@@ -4,15 +4,22 @@ The engine is not thread-safe, so a single background thread does everything to 
 new requests and aborts from an inbox at the top of each iteration (continuous batching at
 the step level: a request joins at the next step, a finished or cancelled one leaves and frees
 its slots), runs one :meth:`SpecDecodeEngine.step`, and hands each :class:`StepOutput` to the
-request's ``asyncio.Queue`` on the replica's event loop. While the draft group is lost, the
-thread also asks it every ``draft_retry_s`` whether it is back, and re-attaches it.
+request's ``asyncio.Queue`` on the replica's event loop.
+
+While the draft group is lost, a second thread (:class:`DraftWatch`) probes it, off the engine
+thread and with exponential backoff, through the same call a step makes: a dead, hung or
+slow draft therefore costs the engine one ``draft_timeout_s`` when it is found out, never
+again while it stays bad. Once a probe answers in time, the engine thread re-attaches it,
+after telling it to drop everything it held (its slots of sequences that ended meanwhile).
 
 A request that cannot get a slot waits in the engine's queue; beyond ``max_queue_len`` waiting
 requests, :class:`~specserve.errors.CapacityError` (429) is raised before anything is queued.
 
-When a step fails (the target group lost a rank, or a step ran past its timeout), every
-request in the unit ends with :class:`EngineFailed` (503, retry), which frees every slot; the
-thread then restarts the target group (``restart_target``) while new requests are refused
+A request's own failure ends that request alone (the engine steps the rows of a failed step
+one by one, see ``spec_decode``). When the target group fails (a rank died, or a step ran
+past its timeout: :class:`~specserve.errors.TargetUnavailable`), every request in the unit
+ends with :class:`EngineFailed` (503, retry), which frees every slot; the thread then
+restarts the target group (``restart_target``) while new requests are refused
 with :class:`~specserve.errors.TargetUnavailable` (503, retry) instead of waiting. After
 ``max_restarts`` restarts without a successful step in between, the unit gives up
 (:attr:`AsyncEngine.broken`): its health check fails and Serve replaces the whole unit.
@@ -49,14 +56,87 @@ class EngineFailed(SpecServeError):
     status_code = 503
 
 
+class UnitError(SpecServeError):
+    """The unit failed outside any one request (a bug, logged with its traceback); the
+    requests in flight end with this (500). The target group is not restarted."""
+
+    code = "unit_error"
+    status_code = 500
+
+
+class DraftWatch:
+    """Probes a lost draft group off the engine thread: after ``retry_s``, then twice as long
+    after each probe that fails, up to ``max_retry_s``. A draft lost again soon after it came
+    back (within ``max_retry_s``) resumes the backoff where it stopped, so a draft that
+    answers a probe but then times out on real steps is asked ever more rarely."""
+
+    def __init__(self, probe: Callable[[], bool], *, retry_s: float, max_retry_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.probe, self.retry_s, self.max_retry_s, self.clock = probe, retry_s, max_retry_s, clock
+        self.failures = 0              # failed probes (and quick relapses) in a row
+        self.num_probes = 0
+        self._back_at: float | None = None  # when the draft last came back
+        self._lost = threading.Event()
+        self._back = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="draft-watch", daemon=True)
+        self._thread.start()
+
+    def lost(self) -> None:
+        """The engine thread found the draft gone: start probing."""
+        if self._back_at is not None and self.clock() - self._back_at >= self.max_retry_s:
+            self.failures = 0  # it had been well for a while: a fresh loss
+        self._back.clear()
+        self._lost.set()
+
+    def take_back(self) -> bool:
+        """True once (per recovery) when a probe found the draft answering."""
+        if not self._back.is_set():
+            return False
+        self._back.clear()
+        return True
+
+    def delay(self) -> float:
+        return min(self.max_retry_s, self.retry_s * 2.0 ** self.failures)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._lost.wait()
+            if self._stopped:
+                return
+            time.sleep(self.delay())
+            self.num_probes += 1
+            if self._probe():
+                self._lost.clear()
+                self._back_at = self.clock()
+                self.failures += 1  # a relapse soon after waits longer (see lost())
+                self._back.set()
+            else:
+                self.failures += 1
+
+    def _probe(self) -> bool:
+        try:
+            return bool(self.probe())
+        except Exception:  # noqa: BLE001  a probe that raises is a probe that failed
+            log.warning("draft probe raised", exc_info=True)
+            return False
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._lost.set()
+
+
 class AsyncEngine:
     def __init__(self, engine: SpecDecodeEngine, *, max_queue_len: int,
                  draft_probe: Callable[[], bool] | None = None, draft_retry_s: float = 1.0,
+                 draft_max_retry_s: float = 30.0,
                  restart_target: Callable[[], None] | None = None, max_restarts: int = 3) -> None:
         self.engine = engine
         self.max_queue_len = max_queue_len
-        self.draft_probe = draft_probe
-        self.draft_retry_s = draft_retry_s
+        # In-process proposers have nothing to probe: they are back at the next turn.
+        self.draft_watch = DraftWatch(draft_probe, retry_s=draft_retry_s,
+                                      max_retry_s=max(draft_retry_s, draft_max_retry_s)) \
+            if draft_probe is not None else None
         self.restart_target = restart_target
         self.max_restarts = max_restarts
         self.recovering = False       # the target group is being restarted
@@ -67,7 +147,7 @@ class AsyncEngine:
         self._streams: dict[int, _Stream] = {}
         self._wake = threading.Event()
         self._stopped = False
-        self._last_probe = 0.0
+        self._draft_was_available = engine.draft_available
         self.num_running = 0
         self.num_waiting = 0
         self.num_streams = 0  # generate() calls in progress (asyncio side)
@@ -114,7 +194,14 @@ class AsyncEngine:
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
         self._submit(("add", prompt_token_ids, params, spec_len, adaptive, stream, accepted))
-        seq_id = await accepted  # raises the engine's validation error, if any
+        try:
+            seq_id = await accepted  # raises the engine's validation error, if any
+        except asyncio.CancelledError:
+            # Cancelled after the engine thread accepted it but before this task resumed:
+            # the future holds a sequence nobody will read. Abort it.
+            if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
+                self._submit(("abort", accepted.result()))
+            raise
         finished = False
         try:
             while not finished:
@@ -139,29 +226,37 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
+        if self.draft_watch is not None:
+            self.draft_watch.stop()
         self._thread.join(timeout=10)
 
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
-            self._maybe_reattach_draft()
+            self._watch_draft()
             if not self.engine.has_unfinished():
-                self._wake.wait(timeout=self.draft_retry_s)
+                self._flush_draft()
+                self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # the target group failed: end every request clearly
-                log.exception("engine step failed")
-                self._fail_all(EngineFailed(f"the target group failed ({exc}); the request was "
-                                            "cancelled, retry shortly"))
+            except TargetUnavailable:  # the target group failed: end every request clearly
+                log.exception("the target group failed")
+                self._fail_all(EngineFailed("the target group failed; the request was cancelled, "
+                                            "retry shortly"))
                 self._recover()
+                continue
+            except Exception:  # noqa: BLE001  a bug outside any one request: no restart
+                log.exception("the engine failed outside any one request")
+                self._fail_all(UnitError("the server failed while processing this request"))
                 continue
             self._restarts_in_a_row = 0
             self._count()
             for out in outputs:
-                self._deliver(out.seq_id, out, last=out.finish_reason is not None)
+                item = out if out.error is None else out.error
+                self._deliver(out.seq_id, item, last=out.finish_reason is not None)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -236,16 +331,29 @@ class AsyncEngine:
         self.num_running = len(self.engine.running)
         self.num_waiting = len(self.engine.waiting)
 
-    def _maybe_reattach_draft(self) -> None:
-        if self.engine.draft_available or self.draft_probe is None or self.engine.proposer is None:
+    def _watch_draft(self) -> None:
+        """Tell the watch when the draft is lost; re-attach it when the watch found it back."""
+        engine = self.engine
+        if engine.proposer is None:
             return
-        now = time.monotonic()
-        if now - self._last_probe < self.draft_retry_s:
-            return
-        self._last_probe = now
-        if self.draft_probe():
-            log.info("draft group is back; resuming speculation")
-            self.engine.reattach_proposer()
+        if not engine.draft_available:
+            if self.draft_watch is None:  # in-process: nothing to wait for
+                engine.reattach_proposer()
+            elif self._draft_was_available:
+                self.draft_watch.lost()
+            elif self.draft_watch.take_back():
+                log.info("draft group is back; resuming speculation")
+                engine.reattach_proposer()
+        self._draft_was_available = engine.draft_available
+
+    def _flush_draft(self) -> None:
+        """Idle: send the draft's buffered bookkeeping (the ``finish`` of the last requests),
+        so an idle draft holds no slots."""
+        if self.engine.proposer is not None and self.engine.draft_available:
+            try:
+                self.engine.proposer.flush()
+            except Exception:  # noqa: BLE001  a lost draft is found out by the next step
+                log.warning("flushing the draft's bookkeeping failed", exc_info=True)
 
 
 def _resolve(future: asyncio.Future, value, exc: Exception | None) -> None:

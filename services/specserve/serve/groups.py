@@ -15,8 +15,11 @@ own: a new process cannot rejoin the old NCCL / gloo group, so the group restart
 
 Draft group: one :class:`DraftWorker` actor (draft TP = 1) holding the draft-model proposer.
 Sequence bookkeeping (start / commit / finish) is buffered and sent with the next proposal
-request, so a step costs one round trip. Any failure or timeout becomes
-:class:`~specserve.errors.ProposerUnavailable`, which the engine answers by decoding target-only.
+request, so a step costs one round trip (and flushed when the unit goes idle, so an idle
+draft holds no slots). Any failure or timeout becomes
+:class:`~specserve.errors.ProposerUnavailable`, which the engine answers by decoding
+target-only. When the draft is back, the coordinator's first message to it is ``reset``: it
+drops every sequence it held, whatever bookkeeping was lost with the connection.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import ray
 import torch
@@ -44,6 +48,7 @@ from specserve.errors import ProposerUnavailable, TargetUnavailable
 log = logging.getLogger(__name__)
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
+DRAFT_NICENESS = 10  # CPU draft actors run at this lower priority (see DraftWorker)
 DRAFT_NAMESPACE = "specserve"
 
 
@@ -206,23 +211,54 @@ class TargetGroup(SlotOwner):
 class DraftWorker:
     """The draft group: a draft model with its own slot cache, behind the proposer API."""
 
+    OPS = frozenset({"start", "commit", "finish", "reset"})
+
     def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
-                 num_slots: int) -> None:
+                 num_slots: int, target_vocab_size: int | None = None) -> None:
         _threads(1)
+        if not torch.cuda.is_available():
+            # CPU nodes share cores between the groups. The draft is optional and the target
+            # is not: a draft that (re)loads its model must not slow the target's steps.
+            os.nice(DRAFT_NICENESS)
         self.proposer = load_draft_proposer(
             method, ModelConfig.model_validate(draft), target_cfg=ModelConfig.model_validate(target),
-            num_slots=num_slots, max_model_len=max_model_len)
+            num_slots=num_slots, max_model_len=max_model_len, target_vocab_size=target_vocab_size)
+        self._slow: tuple[float, float] = (0.0, 0.0)  # fault injection: (seconds per call, until)
 
     def step(self, ops: list[tuple], requests: list[DraftRequest]) -> list[Proposal]:
+        self._maybe_slow()
         self.apply(ops)
         return self.proposer.propose(requests) if requests else []
 
     def apply(self, ops: list[tuple]) -> None:
+        """Every op is applied, whatever the one before did: one sequence's failed ``commit``
+        must not keep the ``finish`` of another from freeing its slot."""
         for name, args in ops:
-            getattr(self.proposer, name)(*args)
+            if name not in self.OPS:
+                log.error("draft: unknown bookkeeping op %r", name)
+                continue
+            try:
+                getattr(self.proposer, name)(*args)
+            except Exception:  # noqa: BLE001
+                log.exception("draft: %s%r failed", name, args)
 
     def ping(self) -> bool:
         return True
+
+    def slots_in_use(self) -> int:
+        """Sequences the draft holds a cache slot for (tests: zero once the unit is idle)."""
+        model = getattr(self.proposer, "model", self.proposer)  # behind ngram_first
+        return model.num_slots_in_use
+
+    def slow_down(self, seconds: float, for_s: float) -> None:
+        """Fault injection: every ``step`` in the next ``for_s`` seconds first sleeps
+        ``seconds`` (a draft slower than its timeout; a long sleep is a hung one)."""
+        self._slow = (seconds, time.monotonic() + for_s)
+
+    def _maybe_slow(self) -> None:
+        seconds, until = self._slow
+        if seconds > 0 and time.monotonic() < until:
+            time.sleep(seconds)
 
 
 class RemoteProposer(Proposer):
@@ -238,7 +274,8 @@ class RemoteProposer(Proposer):
         self._ops: list[tuple] = []
 
     @classmethod
-    def start_group(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None) -> RemoteProposer:
+    def start_group(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None,
+                    target_vocab_size: int | None = None) -> RemoteProposer:
         """Start the draft actor (Ray restarts it whenever it dies): in bundle ``bundle`` of the
         unit's placement group, or, with ``draft_node_resource``, on a node advertising that
         resource (a separate draft worker group). ``name`` makes it findable (fault-injection
@@ -254,7 +291,7 @@ class RemoteProposer(Proposer):
         actor = DraftWorker.options(max_restarts=-1, max_task_retries=0, **named,
                                     **placement).remote(
             engine.speculative.method, engine.speculative.draft.model_dump(),
-            engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs)
+            engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs, target_vocab_size)
         proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
             raise RuntimeError("the draft group did not start")
@@ -275,6 +312,15 @@ class RemoteProposer(Proposer):
     def finish(self, seq_id: int) -> None:
         self._buffer(("finish", (seq_id,)))
 
+    def reset(self) -> None:
+        """The draft is back: what was buffered for the old one is moot; it drops everything."""
+        self._ops = [("reset", ())]
+
+    def flush(self) -> None:
+        if self._ops:
+            ops, self._ops = self._ops, []
+            self.actor.apply.remote(ops)
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         ops, self._ops = self._ops, []
         try:
@@ -284,12 +330,22 @@ class RemoteProposer(Proposer):
             raise ProposerUnavailable(str(exc)) from exc
 
     def ping(self, timeout_s: float | None = None) -> bool:
-        """True when the draft actor answers; pending bookkeeping of a lost actor is dropped."""
+        """True when the draft actor answers at all (start-up: the first load may be long)."""
         try:
             ray.get(self.actor.ping.remote(), timeout=timeout_s or self.timeout_s)
             return True
-        except Exception:
-            self._ops.clear()
+        except Exception:  # noqa: BLE001
+            return False
+
+    def probe(self) -> bool:
+        """True when the draft answers a step within ``draft_timeout_s``: the call a real step
+        makes, so a draft that answers pings but is too slow to draft stays lost. Called off
+        the engine thread (``coordinator.DraftWatch``); it sends no bookkeeping."""
+        try:
+            ray.get(self.actor.step.remote([], []), timeout=self.timeout_s)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            log.info("draft probe failed: %s", type(exc).__name__)
             return False
 
     def shutdown(self) -> None:

@@ -42,10 +42,13 @@ class SpeculationUnit:
         context = serve.get_replica_context()
         self.unit_id = context.replica_id.unique_id
         self.draft_name = f"draft-{self.unit_id}"
-        self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name)
-                      if cfg.has_draft_group else None)
+        # The target first: the draft drafts over the target's vocabulary (its own may be
+        # padded differently, draft_model.py).
         self.target = TargetGroup.start(cfg, pg, 2 if cfg.draft_in_bundle else 1,
                                         name=f"target-{self.unit_id}")
+        self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name,
+                                                 target_vocab_size=self.target.vocab_size)
+                      if cfg.has_draft_group else None)
         proposer = None
         if self.draft is not None:
             proposer = with_ngram_first(spec, self.draft)
@@ -64,8 +67,9 @@ class SpeculationUnit:
         self.decisions: dict[str, int] = {}  # "on:default" -> count, since start
         self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot)
         self.core = AsyncEngine(self.engine, max_queue_len=cfg.max_queue_len,
-                                draft_probe=self.draft.ping if self.draft else None,
+                                draft_probe=self.draft.probe if self.draft else None,
                                 draft_retry_s=cfg.draft_retry_s,
+                                draft_max_retry_s=cfg.draft_retry_max_s,
                                 restart_target=self.target.restart,
                                 max_restarts=cfg.target_restart_attempts)
 
@@ -156,6 +160,7 @@ class SpeculationUnit:
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
                 "draft_fallbacks": self.engine.num_draft_fallbacks,
+                "draft_probes": self.core.draft_watch.num_probes if self.core.draft_watch else 0,
                 "target_available": self.core.target_available,
                 "target_restarts": self.core.num_target_restarts,
                 "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict(),
@@ -192,6 +197,8 @@ class SpeculationUnit:
     def check_health(self) -> None:
         if not self.core._thread.is_alive():
             raise RuntimeError("the coordinator loop has stopped")
+        if self.core.draft_watch is not None and not self.core.draft_watch._thread.is_alive():
+            raise RuntimeError("the draft watch has stopped")
         if self.core.broken:
             raise RuntimeError("the target group could not be restarted")
 

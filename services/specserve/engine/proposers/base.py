@@ -66,5 +66,8 @@ class Proposer(ABC):
     def reset(self) -> None:
         """Forget every sequence (a draft re-attached after a loss: what it held is stale)."""
 
+    def flush(self) -> None:
+        """Deliver buffered bookkeeping now (a remote proposer; called when the unit is idle)."""
+
     def health_check(self) -> None:
         """Raise if the proposer cannot serve (used by the Serve fallback)."""

@@ -39,6 +39,9 @@ class NgramFirstProposer(Proposer):
     def reset(self) -> None:
         self.model.reset()
 
+    def flush(self) -> None:
+        self.model.flush()
+
     def health_check(self) -> None:
         self.model.health_check()
 

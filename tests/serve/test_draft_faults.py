@@ -1,0 +1,197 @@
+"""The draft group killed, hung past its timeout, and slower than its timeout, each while a
+load streams through the unit (real Ray actors, real HTTP):
+
+- no request fails, and every output is the target's own (greedy);
+- meanwhile the unit keeps stepping at target-only speed: steps per second over the fault
+  window are at least half those of the same load with speculation off, measured side by
+  side in this run (the draft's timeout is paid once, when the fault is found, not per step);
+- speculation resumes once the draft answers again, and the draft actor holds no slot once
+  the unit is idle (the slots of sequences that ended while it was away included).
+
+Rates are compared with each other, never with a number: the test holds on a slow machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from ray import serve
+from specserve.engine.tokenizer import encode_prompt
+from specserve.serve.groups import DRAFT_NAMESPACE
+
+from tests.serve.conftest import deploy, unit_args
+from tests.serve.test_http import PROMPTS, read_sse, target_only_text
+from tests.tiny import make_tiny_tokenizer
+
+APP = "draftfaults"
+DRAFT_TIMEOUT_S = 2.0
+FAULT_WINDOW_S = 5 * DRAFT_TIMEOUT_S  # long beside the one timeout a fault may cost
+MAX_TOKENS = 100
+WORKERS = 4
+DEADLINE_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, tiny_models):
+    args = unit_args(tiny_models[0], speculative={
+        "method": "draft_model", "num_speculative_tokens": 3, "draft": {"source": tiny_models[1]},
+        "adaptive": {"enabled": False}})  # draft every step: the faults must be met
+    args["unit"].update({"draft_timeout_s": DRAFT_TIMEOUT_S, "draft_retry_s": 0.2,
+                         "draft_retry_max_s": 2.0})
+    url = deploy(APP, "/" + APP, args)
+    yield url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models) -> dict[str, str]:
+    tok = make_tiny_tokenizer()
+    return {p: target_only_text(tiny_models[2], encode_prompt(tok, p), MAX_TOKENS) for p in PROMPTS}
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + "/v1/units/stats", timeout=60).json()
+
+
+def draft_actor():
+    unit = serve.get_deployment_handle("SpeculationUnit", app_name=APP)
+    return ray.get_actor(unit.draft_actor_name.remote().result(), namespace=DRAFT_NAMESPACE)
+
+
+class Load:
+    """``WORKERS`` threads streaming greedy completions back to back until stopped; every
+    output is checked against the target's own."""
+
+    def __init__(self, url: str, model: str, expected: dict[str, str], speculation: dict | None):
+        self.url, self.model, self.expected, self.speculation = url, model, expected, speculation
+        self.stop = threading.Event()
+        self.done = 0
+        self.failures: list[str] = []
+        self.pool = ThreadPoolExecutor(WORKERS)
+        self.futures = [self.pool.submit(self._worker, i) for i in range(WORKERS)]
+
+    def _worker(self, i: int) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        n = 0
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            prompt = PROMPTS[(i + n * WORKERS) % len(PROMPTS)]
+            n += 1
+            body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "stream": True}
+            if self.speculation is not None:
+                body["speculation"] = self.speculation
+            try:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=120) as r:
+                    events = read_sse(r) if r.status_code == 200 else []
+                    if r.status_code != 200:
+                        r.read()
+                        self.failures.append(f"{r.status_code}: {r.text}")
+                        continue
+            except httpx.HTTPError as exc:
+                self.failures.append(repr(exc))
+                continue
+            if any("error" in e for e in events):
+                self.failures.append(str(events[-1]))
+                continue
+            text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+            if text != self.expected[prompt]:
+                self.failures.append(f"wrong output for {prompt!r}: {text!r}")
+            self.done += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        for f in self.futures:
+            f.result()
+        self.pool.shutdown()
+
+
+def wait_for(condition, what: str, timeout_s: float = DEADLINE_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sample_steps(url: str, load: Load, window_s: float, start=None) -> list[tuple[float, int, bool]]:
+    """``(time, steps, draft_available)`` of the unit every 0.1 s over ``window_s`` while
+    ``load`` runs (after ``start()``)."""
+    wait_for(lambda: stats(url)["running"] >= WORKERS - 1, "the load to be running")
+    samples = []
+    if start is not None:
+        start()
+    end = time.monotonic() + window_s
+    while time.monotonic() < end:
+        s = stats(url)
+        samples.append((time.monotonic(), s["times"]["steps"], s["draft_available"]))
+        time.sleep(0.1)
+    return samples
+
+
+def rate(samples: list[tuple[float, int, bool]]) -> float:
+    (t0, n0, _), (t1, n1, _) = samples[0], samples[-1]
+    return (n1 - n0) / (t1 - t0)
+
+
+def target_only_rate(url: str, model: str, expected: dict[str, str]) -> float:
+    """Steps per second of the same load with speculation off, measured just before the
+    fault (so both rates see the same machine)."""
+    load = Load(url, model, expected, {"enabled": False})
+    try:
+        samples = sample_steps(url, load, FAULT_WINDOW_S / 2)
+    finally:
+        load.finish()
+    assert not load.failures, load.failures[:3]
+    return rate(samples)
+
+
+def kill(actor) -> None:
+    ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
+
+
+def hang(actor) -> None:
+    actor.slow_down.remote(4 * DRAFT_TIMEOUT_S, 0.1)  # its next step hangs for 4 timeouts
+
+
+def slow(actor) -> None:
+    actor.slow_down.remote(1.5 * DRAFT_TIMEOUT_S, FAULT_WINDOW_S)  # every step, for the window
+
+
+@pytest.mark.parametrize("fault", [kill, hang, slow], ids=lambda f: f.__name__)
+def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_models, expected, fault):
+    model = Path(tiny_models[0]).name
+    reference = target_only_rate(app, model, expected)
+    before = wait_for(lambda: (s := stats(app))["draft_available"] and s, "the draft to be attached")
+    load = Load(app, model, expected, None)
+    try:
+        samples = sample_steps(app, load, FAULT_WINDOW_S + DRAFT_TIMEOUT_S,
+                               start=lambda: fault(draft_actor()))
+        during = stats(app)
+        assert during["draft_fallbacks"] == before["draft_fallbacks"] + 1
+        # Speculation comes back (the draft answers probes again) while the load goes on.
+        back = wait_for(lambda: (s := stats(app))["draft_available"] and s, "the draft to be back")
+        wait_for(lambda: stats(app)["spec"]["num_drafts"] > back["spec"]["num_drafts"],
+                 "drafts after the draft came back")
+    finally:
+        load.finish()
+    assert not load.failures, load.failures[:3]
+    assert load.done > 0
+    # While the draft is lost, the unit steps target-only, at target-only speed.
+    lost = [s for s in samples if not s[2]]
+    print(f"{fault.__name__}: lost for {lost[-1][0] - lost[0][0]:.1f} s of "
+          f"{samples[-1][0] - samples[0][0]:.1f}; {rate(lost):.1f} steps/s lost, "
+          f"{rate(samples):.1f} over the window, {reference:.1f} target-only")
+    assert len(lost) >= 5, "the draft was lost too briefly to measure"
+    assert rate(lost) >= 0.5 * reference, (rate(lost), reference)
+    after = wait_for(lambda: (s := stats(app))["running"] == 0 and s, "the unit to be idle")
+    assert after["free_slots"] == after["num_slots"] and after["target_restarts"] == 0
+    wait_for(lambda: ray.get(draft_actor().slots_in_use.remote(), timeout=60) == 0,
+             "the draft to hold no slot", timeout_s=60)
