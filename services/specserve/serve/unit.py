@@ -190,6 +190,11 @@ class SpeculationUnit:
         """The current target ranks' names in the ``specserve`` namespace (fault injection)."""
         return self.target.rank_names()
 
+    def inject_fault_token(self, token_id: int | None) -> None:
+        """Fault injection (handle call only, not HTTP): a request whose prompt holds
+        ``token_id`` makes its step raise, as a request-caused failure would (None: off)."""
+        self.engine.fault_token = token_id
+
     def stall(self, seconds: float) -> None:
         """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``."""
         self.core.stall(min(float(seconds), 60.0))
