@@ -1,13 +1,19 @@
-"""Shared fixtures: tiny seeded models built from a config (never downloaded)."""
+"""Shared fixtures: tiny seeded models built from a config (never downloaded), and a
+suite-wide check that no error response leaks server internals (``tests/leaks.py``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
+import httpx
 import pytest
+import requests
 import specserve.serve.local  # noqa: F401  (before ray: local Ray advertises 127.0.0.1)
 import torch
+
+from tests.leaks import leaks, sse_errors
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -31,3 +37,115 @@ def smollm2():
 
     src = resolve("embedded")
     return load_hf_model(src), load_tokenizer(src)
+
+
+# -- no error body leaks internals -------------------------------------------------------------
+_LEAKED: list[str] = []  # "status url: patterns: body", appended from any thread
+_LEAKED_LOCK = threading.Lock()
+
+
+def _check(url, status: int, text: str) -> None:
+    found = leaks(text)
+    if found:
+        with _LEAKED_LOCK:
+            _LEAKED.append(f"{status} {url}: {', '.join(found)}: {text[:500]}")
+
+
+def _check_sse(url, body: bytes) -> None:
+    """An error sent in-band, after a stream's 200, follows the same rules."""
+    for event in sse_errors(body.decode("utf-8", "replace")):
+        _check(url, 200, event)
+
+
+def _is_sse(headers) -> bool:
+    return headers.get("content-type", "").startswith("text/event-stream")
+
+
+class _SyncSSE(httpx.SyncByteStream):
+    """A streamed response's body as the client reads it, checked when it is closed."""
+
+    def __init__(self, inner: httpx.SyncByteStream, url) -> None:
+        self.inner, self.url, self.parts = inner, url, []
+
+    def __iter__(self):
+        for chunk in self.inner:
+            self.parts.append(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        self.inner.close()
+        _check_sse(self.url, b"".join(self.parts))
+
+
+class _AsyncSSE(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, url) -> None:
+        self.inner, self.url, self.parts = inner, url, []
+
+    async def __aiter__(self):
+        async for chunk in self.inner:
+            self.parts.append(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        _check_sse(self.url, b"".join(self.parts))
+
+
+def _watch_httpx(response: httpx.Response, wrapper) -> bool:
+    """Check what is there now; wrap a stream not read yet. True if the body must be read
+    first (an error response still streaming: read it, httpx keeps it for the caller)."""
+    if response.status_code >= 400:
+        if response.is_stream_consumed:
+            _check(response.url, response.status_code, response.text)
+            return False
+        return True
+    if _is_sse(response.headers):
+        if response.is_stream_consumed:
+            _check_sse(response.url, response.content)
+        else:
+            response.stream = wrapper(response.stream, response.url)
+    return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leak_watch():
+    """Wraps every HTTP client the suite uses (httpx, which the openai client uses too, and
+    requests) so each error response is checked by :func:`_no_leaks`."""
+    sync_send, async_send, requests_send = httpx.Client.send, httpx.AsyncClient.send, \
+        requests.Session.send
+
+    def send(self, request, **kwargs):
+        response = sync_send(self, request, **kwargs)
+        if _watch_httpx(response, _SyncSSE):
+            response.read()
+            _check(response.url, response.status_code, response.text)
+        return response
+
+    async def asend(self, request, **kwargs):
+        response = await async_send(self, request, **kwargs)
+        if _watch_httpx(response, _AsyncSSE):
+            await response.aread()
+            _check(response.url, response.status_code, response.text)
+        return response
+
+    def rsend(self, request, **kwargs):
+        response = requests_send(self, request, **kwargs)
+        if response.status_code >= 400:
+            _check(response.url, response.status_code, response.text)  # cached for the caller
+        return response
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(httpx.Client, "send", send)
+        patch.setattr(httpx.AsyncClient, "send", asend)
+        patch.setattr(requests.Session, "send", rsend)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(_leak_watch):
+    """Fails the test whose requests got an error body with a traceback, pid, actor id, host
+    path or Ray class name in it."""
+    start = len(_LEAKED)
+    yield
+    found = _LEAKED[start:]
+    assert not found, "error bodies leak server internals:\n" + "\n".join(found[:5])

@@ -34,3 +34,17 @@ def test_shipped_serve_config_validates_and_spells_out_the_defaults():
 def test_bad_router_config_is_refused(router, message):
     with pytest.raises(ValidationError, match=message):
         AppConfig.model_validate({"unit": {"router": router}}, context={"check_files": False})
+
+
+@pytest.mark.parametrize("limits, ok", [
+    ({"burst": 8}, False),  # a bucket size with no refill rate would limit nothing
+    ({"burst": 8, "requests_per_minute": 60}, True),
+    ({"requests_per_minute": 60}, True),
+    ({}, True),
+])
+def test_burst_needs_a_rate(limits, ok):
+    if ok:
+        AppConfig.model_validate({"limits": limits}, context={"check_files": False})
+        return
+    with pytest.raises(ValidationError, match="burst needs limits.requests_per_minute"):
+        AppConfig.model_validate({"limits": limits}, context={"check_files": False})

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specserve.errors import ConfigError
 
@@ -23,8 +31,12 @@ NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
+MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy (vLLM's _SAMPLING_EPS)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinities (which JSON parsers and YAML accept) are never a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SamplingParams(_Strict):
@@ -37,12 +49,22 @@ class SamplingParams(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 disables.")
     top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 disables.")
     seed: int | None = Field(
-        None, ge=0, le=2**63 - 1, description="Seed of this request's own generator; same seed, same output.")
+        None, ge=0, le=2**63 - 1,
+        description="Seed of this request's draws; same seed, same output, with or without "
+                    "speculation, at any K, alone or in a batch.")
     stop: tuple[str, ...] = Field(
         (), max_length=16, description="Strings that end generation; not included in the text.")
     stop_token_ids: tuple[int, ...] = Field(
         (), max_length=64, description="Token ids that end generation (besides EOS).")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, value: float) -> float:
+        """Below ``MIN_TEMPERATURE`` the distribution is a point mass for every practical
+        purpose, and dividing logits by a subnormal number gives inf and NaN: greedy (vLLM's
+        rule, with its epsilon)."""
+        return 0.0 if value < MIN_TEMPERATURE else value
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -243,7 +265,13 @@ class UnitConfig(_Strict):
     draft_timeout_s: float = Field(
         10.0, gt=0, le=600, description="A draft call slower than this counts as a dead draft.")
     draft_retry_s: float = Field(
-        1.0, gt=0, le=600, description="How often a unit without its draft checks for it.")
+        1.0, gt=0, le=600,
+        description="A unit that lost its draft probes it after this long, then twice as long "
+                    "after each probe that fails (off the engine thread).")
+    draft_retry_max_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="The longest wait between two probes of a lost draft; a draft lost again "
+                    "within this long of coming back keeps its backoff.")
     target_step_timeout_s: float = Field(
         60.0, gt=0, le=3600,
         description="A target forward slower than this counts as a failed target group: its "
@@ -337,6 +365,15 @@ class LimitsConfig(_Strict):
     log_request_content: bool = Field(
         False, description="Log prompts and outputs (debugging only). Off: logs carry ids, "
                            "key ids, token counts and timings, never text.")
+
+    @model_validator(mode="after")
+    def _burst_needs_a_rate(self) -> LimitsConfig:
+        # A bucket size without a refill rate limits nothing: the setting would be silently
+        # dead, and whoever wrote it meant a limit.
+        if self.burst is not None and self.requests_per_minute is None:
+            raise ValueError("limits.burst needs limits.requests_per_minute (the bucket's refill "
+                             "rate); set both or neither")
+        return self
 
 
 class AppConfig(_Strict):

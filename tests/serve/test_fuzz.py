@@ -1,8 +1,9 @@
 """Bad input over real HTTP: a hand-written list of nasty requests, property tests of the request
 models (hypothesis) and schemathesis against the service's own OpenAPI document.
 
-Every answer must be a 4xx with an OpenAI-shaped body (or a 200 where the input is odd but
-valid); never a 5xx, never a hang, and no slot may be left taken afterwards."""
+Every answer must be a 4xx with an OpenAI-shaped body that leaks nothing of the server (or a
+200 where the input is odd but valid); never a 5xx, never a hang, and no slot may be left taken
+afterwards."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 
+from tests.leaks import leaks
+
 MODEL = "tiny-target"  # in the bodies below; replaced by the served name (its directory's)
 
 
@@ -27,6 +30,7 @@ def assert_clean_4xx(r: httpx.Response, status: int | None = None) -> dict:
     error = r.json()["error"]
     assert set(error) == {"message", "type", "code", "param"}, error
     assert isinstance(error["message"], str) and error["message"] and error["type"]
+    assert not leaks(r.text), r.text[:300]
     return error
 
 
@@ -80,6 +84,11 @@ NASTY: list[tuple[str, bytes, int | None]] = [
         {"role": "user", "content": "x"}]}).encode(), 400),
     ("wrong model", messages({"role": "user", "content": "x"}).replace(b"tiny-target", b"gpt-4"), 404),
     ("tools", chat("x", tools=[{"type": "function"}]), 400),
+    ("response_format json", chat("x", response_format={"type": "json_object"}), 400),
+    ("logit_bias", chat("x", logit_bias={"5": 100}), 400),
+    ("NaN presence_penalty", chat_raw(b'"presence_penalty": NaN'), 400),
+    ("-Infinity temperature", chat_raw(b'"temperature": -Infinity'), 400),
+    ("top_k -1.0", chat("x", top_k=-1.0), 400),  # -1 disables; a float is still not an int
     ("n = 5", chat("x", n=5), 400),
     ("stream as string", chat("x", stream="true"), 400),
     ("speculation K too big", chat("x", speculation={"num_speculative_tokens": 10**6}), 400),
@@ -90,6 +99,11 @@ FINE: list[tuple[str, bytes]] = [  # odd but valid: 200
     ("zero-width and RTL", chat("\u200b\u200e\u202eabc\ufeff")),
     ("emoji and CJK", chat("🦙🚀 日本語 𝔘𝔫𝔦𝔠𝔬𝔡𝔢")),
     ("unknown extra fields", chat("x", frobnicate={"deep": [1, 2]}, logit_bias=None)),
+    ("explicit nulls", chat("x", temperature=None, top_p=None, n=None, stop=None, seed=None,
+                            tools=None, response_format=None, stream=None)),
+    ("values that ask for nothing", chat("x", top_k=-1, n=1, logprobs=False, tools=[],
+                                         response_format={"type": "text"}, tool_choice="none")),
+    ("subnormal temperature", chat_raw(b'"temperature": 5e-324, "max_tokens": 4')),
 ]
 
 
@@ -120,7 +134,8 @@ FIELDS = st.fixed_dictionaries({}, optional={
     "model": JSON | st.just(MODEL), "prompt": JSON | st.text(), "messages": JSON,
     "max_tokens": JSON, "temperature": JSON, "top_p": JSON, "top_k": JSON, "n": JSON,
     "stop": JSON, "seed": JSON, "stream": JSON, "stream_options": JSON, "speculation": JSON,
-    "user": JSON, "logprobs": JSON, "max_completion_tokens": JSON})
+    "user": JSON, "logprobs": JSON, "max_completion_tokens": JSON, "tools": JSON,
+    "response_format": JSON, "logit_bias": JSON, "presence_penalty": JSON})
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -122,3 +122,18 @@ def test_concurrency_limit_counts_leases_until_released():
     streamed.release()
     second.release()
     assert g.requests_in_flight == 0 and g.in_flight == {}
+
+
+def test_a_request_refused_for_concurrency_spends_no_rate_token():
+    """Checked in that order: a client retrying while its streams run must not drain its own
+    rate budget with requests that were never admitted."""
+    g = guard({"requests_per_minute": 60, "burst": 2, "max_concurrent_requests": 1})
+    kid = key_id(KEY_A)
+    running = g.admit(kid)
+    assert isinstance(running, Lease)
+    for _ in range(5):
+        refusal = g.admit(kid)
+        assert isinstance(refusal, Refusal) and refusal.code == "concurrency_limit_exceeded"
+    running.release()
+    assert isinstance(g.admit(kid), Lease)  # the second token of the burst is still there
+    assert g.refused == {"429:concurrency_limit_exceeded": 5}

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
 from specserve.errors import InvalidRequestError
 
 # Enough tokens of context for a SentencePiece decode to keep the first output token's space.
@@ -134,8 +136,23 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     conversation = _validate_messages(messages)
     # Render to text first: apply_chat_template(tokenize=True) returns a BatchEncoding in
     # some transformers versions. The template already holds the special tokens it wants.
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    text = _render(tokenizer, conversation)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _render(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
+    """The chat template's text, or InvalidRequestError when the template refuses the
+    messages. Templates check what the model was trained on and say so with
+    ``raise_exception`` (a jinja ``TemplateError``): roles must alternate, no system role...
+    A template that does not even compile is the deployment's fault, not the request's: that
+    ``TemplateSyntaxError`` propagates (a 500, logged)."""
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except TemplateSyntaxError:
+        raise
+    except TemplateError as exc:
+        raise InvalidRequestError(f"messages: this model's chat template refuses them: "
+                                  f"{exc.message or type(exc).__name__}") from exc
 
 
 def _validate_messages(messages: Any) -> list[dict[str, str]]:

@@ -154,7 +154,7 @@ class Lease:
 
 
 class Guard:
-    """Authentication, then the key's request rate, then its requests in flight."""
+    """Authentication, then the key's requests in flight, then its request rate."""
 
     def __init__(self, auth: AuthConfig, limits: LimitsConfig, *, environ: dict | None = None,
                  clock=time.monotonic) -> None:
@@ -180,28 +180,35 @@ class Guard:
         return kid
 
     def admit(self, kid: str) -> Lease | Refusal:
-        """A lease for one generation request of key ``kid``, or a 429 with the wait."""
+        """A lease for one generation request of key ``kid``, or a 429 with the wait. The
+        concurrency limit is checked first: a request it refuses must not spend a rate token."""
         lim = self.limits
-        if lim.requests_per_minute is not None:
-            now = self.clock()
-            bucket = self._buckets.get(kid)
-            if bucket is None:
-                bucket = self._buckets[kid] = TokenBucket(lim.requests_per_minute / 60.0,
-                                                          lim.burst or lim.requests_per_minute, now)
-            wait = bucket.take(now)
-            if wait > 0:
-                return self._refuse(Refusal(
-                    429, f"Rate limit reached: {lim.requests_per_minute} requests per minute for "
-                         f"this key. Retry after {math.ceil(wait)} s.",
-                    "rate_limit_error", "rate_limit_exceeded", max(1, math.ceil(wait))))
         running = self.in_flight.get(kid, 0)
         if lim.max_concurrent_requests is not None and running >= lim.max_concurrent_requests:
             return self._refuse(Refusal(
                 429, f"Too many requests in flight for this key (at most "
                      f"{lim.max_concurrent_requests}). Retry when one has finished.",
                 "rate_limit_error", "concurrency_limit_exceeded", 1))
+        wait = self._take_token(kid)
+        if wait > 0:
+            return self._refuse(Refusal(
+                429, f"Rate limit reached: {lim.requests_per_minute} requests per minute for "
+                     f"this key. Retry after {math.ceil(wait)} s.",
+                "rate_limit_error", "rate_limit_exceeded", max(1, math.ceil(wait))))
         self.in_flight[kid] = running + 1
         return Lease(kid, self)
+
+    def _take_token(self, kid: str) -> float:
+        """0 when ``kid`` may send a request now (a token is spent), else the seconds to wait."""
+        lim = self.limits
+        if lim.requests_per_minute is None:
+            return 0.0
+        now = self.clock()
+        bucket = self._buckets.get(kid)
+        if bucket is None:
+            bucket = self._buckets[kid] = TokenBucket(lim.requests_per_minute / 60.0,
+                                                      lim.burst or lim.requests_per_minute, now)
+        return bucket.take(now)
 
     def _release(self, kid: str) -> None:
         left = self.in_flight.get(kid, 0) - 1

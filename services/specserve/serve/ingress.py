@@ -6,6 +6,12 @@ requested output fits the context. Errors are OpenAI-shaped
 (``{"error": {"message", "type", "code", "param"}}``); a full unit answers 429 with
 ``Retry-After``. Every response carries ``x-speculation: on|off; reason=...``.
 
+An error body helps and leaks nothing. A 4xx names what was wrong (``param`` is the field). A
+5xx says in one sentence what happened and gives the request id; the detail (a unit's
+exception arrives wrapped by Ray, whose text is the remote traceback with pids, actor ids and
+host paths) goes to the server log under that id. Nothing, not even a bug, answers with a
+traceback or a plain-text "Internal Server Error".
+
 In front of that, per request: the API key (:mod:`specserve.serve.guard`; ``/health`` is
 always open, ``/metrics`` optionally closed), whether the app is draining (503 with
 ``Retry-After``; ``/health`` says ``draining``), the key's request rate and requests in
@@ -33,7 +39,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
@@ -49,6 +60,7 @@ from specserve.serve.metrics import (
     record_request,
 )
 from specserve.serve.protocol import (
+    UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
@@ -65,8 +77,24 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for sta
     (400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
     (413, "Request body too large"), (429, "Rate limit, concurrency limit or capacity; see "
                                            "Retry-After"),
+    (500, "A failure on the server's side; the message carries the request id that the "
+          "server logged the detail under"),
     (503, "Draining, or the target group failed; see Retry-After"),
     (504, "The request ran past limits.request_timeout_s"))}
+# What a client is told when its request failed on the server's side, by error code, else by
+# status; the message ends with the request id, under which the server logged the detail.
+TARGET_FAILED = "the target group failed or is restarting and the request was cancelled; retry shortly"
+FAILURES = {
+    "target_unavailable": TARGET_FAILED,
+    "engine_failed": TARGET_FAILED,
+    "unit_unavailable": "the unit serving the request is gone and the request was cancelled; "
+                        "retry shortly",
+    "request_failed": "the server failed while generating this request's output",
+    503: "the service is unavailable for a moment and the request was cancelled; retry shortly",
+    500: "the server failed to process this request",
+}
+# Union members pydantic names in an error's location (``prompt.str``, ``stop.list[str]``).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class APIError(Exception):
@@ -91,11 +119,26 @@ class APIError(Exception):
         return headers
 
 
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status, headers=error.headers() or None)
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: an OpenAI-shaped 500 with the request id, the traceback in the log."""
+    rid = getattr(request.state, "request_id", None) or "req-" + uuid.uuid4().hex
+    return _error_response(_server_error(exc, rid))
+
+
 @app.middleware("http")
 async def _count_requests(request: Request, call_next):
     """``specserve:requests_total{route, status}``: every response, errors included (an error
-    inside an already-started stream is reported in-band and counted as the 200 it began as)."""
-    response = await call_next(request)
+    inside an already-started stream is reported in-band and counted as the 200 it began as).
+    An exception that no handler took is answered here, so it is counted as the 500 it is and
+    does not reach Serve, which would log it again."""
+    try:
+        response = await call_next(request)
+    except Exception as exc:  # noqa: BLE001
+        response = _unexpected(request, exc)
     route = request.scope.get("route")
     record_request(getattr(route, "path", "unmatched"), response.status_code)
     return response
@@ -103,7 +146,13 @@ async def _count_requests(request: Request, call_next):
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers() or None)
+    return _error_response(exc)
+
+
+@app.exception_handler(Exception)
+async def _any_error(request: Request, exc: Exception) -> JSONResponse:
+    """The last line, should the middleware above itself fail."""
+    return _unexpected(request, exc)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -117,35 +166,83 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(error_body(str(exc.errors()[:1]), "invalid_request_error", None, None),
-                        status_code=400)
+    return _error_response(_from_errors(exc.errors()))
 
 
-def _from_validation(exc: ValidationError) -> APIError:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+def _param(loc: tuple) -> str | None:
+    """``messages[0].content`` from pydantic's location, without the union members it names."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part not in _TYPE_TAGS and "[" not in part and not part[:1].isupper():
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _from_errors(errors: list[dict]) -> APIError:
+    """A 400 for one of pydantic's errors: one line, ``param`` naming the field. The deepest
+    is the most precise: a value that fits no member of a union gets one error per member,
+    and the one that went furthest (``stop[0]`` of a list) says what to fix."""
+    err = max(errors, key=lambda e: len(e["loc"]))
+    param = _param(err["loc"])
     message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == UNSUPPORTED:  # the message names the feature already
+        return APIError(400, message, code=UNSUPPORTED, param=param)
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
-def _from_engine(exc: BaseException) -> APIError:
-    """Map an exception from a unit (re-raised by Serve as the same type) to an API error."""
-    if isinstance(exc, (CapacityError, BackPressureError)):
-        return APIError(429, str(exc) or "the service is at capacity; retry shortly",
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a unit raised. Serve re-raises it as a ``RayTaskError`` (also an instance
+    of the cause's class, hence the unwrapping) whose text is the remote traceback, pid and
+    host paths; one unit calling a group's actor can wrap it twice."""
+    while isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):
+        exc = exc.cause
+    return exc
+
+
+def _from_engine(exc: BaseException, rid: str) -> APIError:
+    """Map an exception from a unit to an API error: our own 4xx with their message, every
+    other cause a 5xx that says what happened (:func:`_server_error`)."""
+    cause = _cause(exc)
+    if isinstance(cause, (CapacityError, BackPressureError)):
+        message = str(cause) if isinstance(cause, CapacityError) else ""
+        return APIError(429, message or "the service is at capacity; retry shortly",
                         "rate_limit_error", "capacity_exceeded")
-    if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), code=exc.code)
-    if isinstance(exc, SpecServeError):
-        return APIError(exc.status_code, str(exc), exc.type, exc.code)  # 429 / 503: Retry-After
-    log.exception("unexpected error from a unit", exc_info=exc)
-    return APIError(500, "internal error", "internal_error")
+    if isinstance(cause, SpecServeError) and cause.status_code < 500:
+        return APIError(cause.status_code, str(cause), cause.type, cause.code)
+    return _server_error(exc, rid)
 
 
-def _class_key(req, chat: bool) -> str:
-    """The request's acceptance class for the router: route / tenant (OpenAI's ``user``) /
-    ``speculation.traffic_class``."""
+def _server_error(exc: BaseException, rid: str) -> APIError:
+    """A 5xx: one sentence and the request id for the client; the detail, with Ray's remote
+    traceback when there is one, in the log."""
+    cause = _cause(exc)
+    if isinstance(cause, SpecServeError):
+        status, type_, code = cause.status_code, cause.type, cause.code  # 503: Retry-After
+    elif isinstance(cause, (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)):
+        status, type_, code = 503, "service_unavailable", "unit_unavailable"
+    else:
+        status, type_, code = 500, "internal_error", "internal_error"
+    log.error("request %s failed (%d %s)", rid, status, code, exc_info=exc)
+    what = FAILURES.get(code) or FAILURES.get(status) or FAILURES[500]
+    return APIError(status, f"{what} (request id {rid})", type_, code)
+
+
+def _class_key(req, chat: bool, key_id: str) -> str:
+    """The request's acceptance class for the router: route / API key / OpenAI's ``user`` /
+    ``speculation.traffic_class``. ``user`` is whatever a client sends: without the key, one
+    tenant could drag another's class below break-even and so switch its speculation off.
+    (Only ``user`` may contain ``|``, so the key stays unambiguous.)"""
     cls = req.speculation.traffic_class if req.speculation else None
-    return f"{'chat' if chat else 'completions'}|{req.user or ''}|{cls or ''}"
+    return f"{'chat' if chat else 'completions'}|{key_id}|{req.user or ''}|{cls or ''}"
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    """A new request id, also kept on the request for :func:`_unexpected`."""
+    rid = prefix + uuid.uuid4().hex
+    request.state.request_id = rid
+    return rid
 
 
 def _sse_line(obj: dict) -> str:
@@ -318,18 +415,20 @@ class OpenAIIngress:
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(self, request: Request) -> Response:
+        rid = _request_id(request, "cmpl-")
         lease = self._admit(request)
         try:
             req = await self._parse(request, CompletionRequest)
             prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) \
                 else req.prompt
             ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt)
-            return await self._run(req, ids, lease, chat=False)
+            return await self._run(req, ids, lease, rid, chat=False)
         finally:
             lease.release()  # no-op once a stream owns it
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(self, request: Request) -> Response:
+        rid = _request_id(request, "chatcmpl-")
         lease = self._admit(request)
         try:
             req = await self._parse(request, ChatCompletionRequest)
@@ -338,7 +437,7 @@ class OpenAIIngress:
                 ids = encode_chat(self.tokenizer, messages)
             except InvalidRequestError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
-            return await self._run(req, ids, lease, chat=True)
+            return await self._run(req, ids, lease, rid, chat=True)
         finally:
             lease.release()
 
@@ -379,7 +478,7 @@ class OpenAIIngress:
         except ValidationError as exc:
             if exc.errors()[0]["type"] in ("json_invalid", "json_type"):
                 raise APIError(400, "the request body is not valid JSON (or not an object)") from exc
-            raise _from_validation(exc) from exc
+            raise _from_errors(exc.errors()) from exc
         if req.model != self.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", code="model_not_found", param="model")
@@ -407,7 +506,8 @@ class OpenAIIngress:
                            code="context_length_exceeded", param="max_tokens")
         return requested
 
-    async def _run(self, req, prompt_ids: list[int], lease: Lease, *, chat: bool) -> Response:
+    async def _run(self, req, prompt_ids: list[int], lease: Lease, rid: str, *,
+                   chat: bool) -> Response:
         deadline = time.monotonic() + self.limits.request_timeout_s
         served = self.cfg.unit.engine.speculative.method
         asked = req.speculation.method if req.speculation else None
@@ -423,9 +523,8 @@ class OpenAIIngress:
                    "params": req.sampling_params(max_tokens).model_dump(),
                    "speculation": req.speculation.model_dump() if req.speculation else None,
                    "stream": req.stream,
-                   "class_key": _class_key(req, chat)}
+                   "class_key": _class_key(req, chat, lease.key_id)}
         route = "/v1/chat/completions" if chat else "/v1/completions"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
                 "messages" if chat else "prompt"))
@@ -438,7 +537,7 @@ class OpenAIIngress:
             raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
             _cancel(stream)
-            raise _from_engine(exc) from exc
+            raise _from_engine(exc, rid) from exc
         headers = {"x-speculation": start["speculation"]["header"]}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -464,10 +563,10 @@ class OpenAIIngress:
         except RequestTimeout:
             raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
-            raise _from_engine(exc) from exc
+            raise _from_engine(exc, rid) from exc
         finally:
             _cancel(stream)  # no-op when finished; frees the slot when the client went away
-        raise APIError(500, "the unit ended the stream without finishing", "internal_error")
+        raise _server_error(RuntimeError("the unit ended the stream without finishing"), rid)
 
     async def _sse(self, stream, chunks, rid: str, chat: bool, include_usage: bool,
                    route: str, lease: Lease) -> AsyncIterator[str]:
@@ -494,7 +593,7 @@ class OpenAIIngress:
         except RequestTimeout:
             yield _sse_line(_timeout_error(self.limits.request_timeout_s).body)
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does
-            yield _sse_line(_from_engine(exc).body)
+            yield _sse_line(_from_engine(exc, rid).body)
         finally:
             _close(stream, lease)  # a client that disconnects mid-stream frees its slot
         yield "data: [DONE]\n\n"

@@ -1,24 +1,121 @@
 """OpenAI-compatible request models (and our ``speculation`` extension).
 
-Known fields are validated strictly (a string where a number belongs is a 400, not a
-coercion); unknown fields are ignored, as OpenAI's own API and vLLM do, so clients that send
-newer fields keep working. Features we do not implement (``n > 1``, logprobs, tools,
-penalties) are refused with a clear message rather than silently ignored.
+Three rules decide what a request may carry:
+
+- **Known fields are validated strictly**: a string where a number belongs is a 400, not a
+  coercion, and NaN / ±Infinity (which JSON parsers accept as ``NaN``, ``Infinity``, ``1e999``)
+  never reach a sampler. An explicit ``null`` means the default, as OpenAI's spec allows for
+  every optional field (``"max_tokens": null`` on /v1/completions is 16).
+- **Features we do not implement are refused**, with a 400 whose ``param`` names the field
+  (``response_format is not supported by this server``), whenever the value would change the
+  output: tools, logprobs, ``n > 1``, penalties, guided decoding... A value that asks for
+  nothing (``logprobs: false``, ``n: 1``, ``tools: []``, ``response_format: {"type": "text"}``)
+  is accepted. Silently ignoring one would hand a client output it did not ask for.
+- **Unknown fields are ignored**, as OpenAI's own API and vLLM do, so clients that send newer
+  fields without semantics for generation (``store``, ``metadata``, ``service_tier``,
+  ``parallel_tool_calls``...) keep working.
+
+The JSON schema of each model says which values are accepted (``/openapi.json`` is built from
+it), so a client generator or a fuzzer sees the refused values as invalid.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from specserve.config import SamplingParams
 
+UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
 
-class SpeculationOptions(BaseModel):
+
+def _only(harmless: Callable[[Any], bool], what: str | None = None, hint: str = "") -> AfterValidator:
+    """Refuse a value that would ask for a feature this server does not implement; ``harmless``
+    says which values ask for nothing. ``what`` names the feature (default: the field)."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if harmless(value):
+            return value
+        raise PydanticCustomError(UNSUPPORTED, "{what} is not supported by this server{hint}",
+                                  {"what": what or info.field_name, "hint": hint})
+
+    return AfterValidator(check)
+
+
+def _never(_: Any) -> bool:
+    return False
+
+
+def _empty(value: Any) -> bool:
+    return not value
+
+
+# Each alias is the type a client may send, the JSON schema of the values accepted, and the rule.
+Refused = Annotated[Any, WithJsonSchema({"type": "null"}), _only(_never)]
+EmptyList = Annotated[list[Any], WithJsonSchema({"type": "array", "maxItems": 0}), _only(_empty)]
+EmptyObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "maxProperties": 0}),
+                        _only(_empty)]
+NoneChoice = Annotated[str | dict[str, Any], WithJsonSchema({"type": "string", "enum": ["none"]}),
+                       _only(lambda v: v == "none")]
+No = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [False]}), _only(lambda v: not v)]
+Yes = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [True]}), _only(lambda v: v)]
+
+
+def _off(type_: type, value: float) -> Any:
+    """A number whose only implemented value is ``value``: the one that turns the feature off."""
+    kind = "integer" if type_ is int else "number"
+    return Annotated[type_, WithJsonSchema({"type": kind, "minimum": value, "maximum": value}),
+                     _only(lambda v: v == value, hint=f"; only {value:g} (off) is accepted")]
+
+
+ZeroPenalty = _off(float, 0.0)   # presence / frequency penalties, min_p
+OnePenalty = _off(float, 1.0)    # vLLM's repetition_penalty
+ZeroCount = _off(int, 0)         # top_logprobs, min_tokens
+
+
+def _null_means_default(schema: dict[str, Any]) -> None:
+    """The JSON schema side of :meth:`_Lenient._drop_nulls`: every optional property also
+    takes null."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or prop.get("type") == "null" or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        meta = {key: prop.pop(key) for key in ("title", "description", "default") if key in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **meta}
+
+
+class _Lenient(BaseModel):
+    """Strict types, finite numbers, and ``null`` as "the default"."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False,
+                              json_schema_extra=_null_means_default)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        """OpenAI's spec allows an explicit null for every optional field and its clients send
+        them; dropping the key lets the field's default apply (and its bounds stay simple)."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class SpeculationOptions(_Lenient):
     """Per-request control of speculation (our extension; absent = the router decides)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")  # our own extension: a typo is an error
 
     enabled: bool | None = Field(None, description="Force speculation on or off for this request.")
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="K for this request.")
@@ -26,43 +123,86 @@ class SpeculationOptions(BaseModel):
         None, description="Proposer; must be the one the deployment runs.")
     traffic_class: str | None = Field(
         None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$",
-        description="Prompt class for the router's acceptance tracking (with the route and the "
-                    "tenant, OpenAI's `user`), e.g. 'summarize' or 'code'.")
+        description="Prompt class for the router's acceptance tracking (with the route, the API "
+                    "key and OpenAI's `user`), e.g. 'summarize' or 'code'.")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class _Request(_Lenient):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(
+        1.0, ge=0.0, le=2.0, description="0 is greedy; so is anything below 1e-5, as in vLLM.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1_000_000, description="vLLM extension; 0 disables.")
-    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
+    top_k: int = Field(0, ge=0, le=1_000_000, json_schema_extra={"minimum": -1},
+                       description="vLLM extension; 0 or -1 disables.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
+        [], max_length=64, description="vLLM extension: token ids that end generation.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; must be 0.")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="Not supported; must be 0.")
-    logprobs: None = Field(None, description="Not supported.")
     speculation: SpeculationOptions | None = None
 
-    @model_validator(mode="after")
-    def _check_stop(self):
-        stops = self.stop_list
+    # -- accepted only with the value that asks for nothing (see the module docstring) --------
+    n: Annotated[int, _only(lambda v: v == 1, "n > 1", "; send one request per completion")] = \
+        Field(1, ge=1, json_schema_extra={"maximum": 1})
+    best_of: Annotated[int, _only(lambda v: v == 1, "best_of > 1")] = \
+        Field(1, ge=1, json_schema_extra={"maximum": 1})
+    logprobs: Annotated[bool | int, WithJsonSchema({"enum": [False, 0]}),
+                        _only(lambda v: v == 0)] = False  # False or 0 (True == 1)
+    top_logprobs: ZeroCount = 0
+    presence_penalty: ZeroPenalty = 0.0
+    frequency_penalty: ZeroPenalty = 0.0
+    repetition_penalty: OnePenalty = 1.0
+    min_p: ZeroPenalty = 0.0
+    min_tokens: ZeroCount = 0
+    logit_bias: EmptyObject | None = None
+    response_format: Annotated[
+        dict[str, Any], _only(lambda v: v == {"type": "text"}, hint='; only {"type": "text"}'),
+        WithJsonSchema({"type": "object", "properties": {"type": {"enum": ["text"]}},
+                        "required": ["type"], "additionalProperties": False})] | None = None
+    tools: EmptyList | None = None
+    tool_choice: NoneChoice | None = None
+    functions: EmptyList | None = None
+    function_call: NoneChoice | None = None
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    structured_outputs: Refused = None
+    prediction: Refused = None
+    audio: Refused = None
+    modalities: Annotated[list[str], _only(lambda v: v == ["text"], hint='; only ["text"]'),
+                          WithJsonSchema({"type": "array", "items": {"enum": ["text"]},
+                                          "minItems": 1, "maxItems": 1})] | None = None
+    use_beam_search: No = False
+    include_stop_str_in_output: No = False
+    skip_special_tokens: Yes = True
+    allowed_token_ids: EmptyList | None = None
+    bad_words: EmptyList | None = None
+    prompt_logprobs: Refused = None
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_minus_one_disables(cls, value: Any) -> Any:
+        """vLLM spells "no top-k" -1; ours is 0. (``type`` check: ``True == 1``, ``-1.0 == -1``.)"""
+        return 0 if type(value) is int and value == -1 else value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
         if any(not s or len(s) > 1024 for s in stops):
             raise ValueError("stop strings must be 1 to 1024 characters")
-        return self
+        return stop
 
     @property
     def stop_list(self) -> list[str]:
@@ -73,28 +213,24 @@ class _Request(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=tuple(self.stop_list),
-                              ignore_eos=self.ignore_eos)
+                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
         description="Text, a list of token ids, or a list of exactly one string.")
     max_tokens: int | None = Field(16, ge=1, description="OpenAI's default for completions is 16.")
-    echo: bool = Field(False, description="Not supported; must be false.")
-    suffix: None = None
+    echo: No = False
+    suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0}), _only(_empty)] = ""
 
-    @model_validator(mode="after")
-    def _check_prompt(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if isinstance(self.prompt, list):
-            if not self.prompt:
-                raise ValueError("prompt must not be empty")
-            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-        elif not self.prompt:
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if not prompt:
             raise ValueError("prompt must not be empty")
-        return self
+        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
+            raise ValueError("batched prompts are not supported; send one prompt per request")
+        return prompt
 
 
 class TextPart(BaseModel):
@@ -113,7 +249,6 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
-    tools: None = Field(None, description="Not supported.")
 
     @property
     def requested_max_tokens(self) -> int | None:

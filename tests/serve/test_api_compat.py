@@ -1,0 +1,347 @@
+"""OpenAI API compatibility at the edges: explicit nulls mean the default, values that ask for
+nothing are accepted, every feature we do not implement is refused by name, numbers are
+finite, and error bodies say what happened without leaking internals.
+
+Over real HTTP against the session's n-gram app (the official ``openai`` client and raw
+httpx), plus the pieces that need no server: the mapping of a unit's exceptions to API
+errors, the catch-all handler, the chat template's refusals and the router's class key."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import Request  # module level: FastAPI resolves the route's annotation here
+from openai import OpenAI
+from ray.exceptions import ActorDiedError, RayTaskError
+from specserve.config import SamplingParams
+from specserve.engine.tokenizer import encode_chat, encode_prompt
+from specserve.errors import CapacityError, InvalidRequestError, RequestFailed, TargetUnavailable
+from specserve.serve.coordinator import EngineFailed, UnitError
+
+from tests.engine.test_spec_decode import make_engine
+from tests.leaks import leaks
+from tests.serve.test_http import target_only_text
+from tests.tiny import make_tiny_tokenizer
+
+PROMPT = "The quick brown fox jumps over"
+MESSAGES = [{"role": "user", "content": "Say something nice"}]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> str:
+    return Path(tiny_models[0]).name
+
+
+@pytest.fixture(scope="module")
+def client(ngram_app) -> OpenAI:
+    return OpenAI(base_url=ngram_app + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_models):
+    """``greedy(prompt_ids, n)``: the target's own greedy text, memoized."""
+    cache: dict[tuple, str] = {}
+
+    def text(ids: list[int], n: int) -> str:
+        if (tuple(ids), n) not in cache:
+            cache[tuple(ids), n] = target_only_text(tiny_models[2], ids, n)
+        return cache[tuple(ids), n]
+
+    return text
+
+
+def post(url: str, body: dict | bytes, chat: bool = True) -> httpx.Response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, timeout=120,
+                          headers={"content-type": "application/json"})
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def assert_error(r: httpx.Response, status: int = 400, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"} and error["message"], error
+    assert "\n" not in error["message"] and not leaks(r.text), error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# -- explicit nulls mean the default ------------------------------------------------------------
+def test_openai_client_with_explicit_nones(client, model, greedy):
+    """Every optional field the client lets a caller pass, as None: sent as JSON null."""
+    nones = dict(top_p=None, n=None, stop=None, seed=None, presence_penalty=None,
+                 frequency_penalty=None, logprobs=None, top_logprobs=None, user=None,
+                 logit_bias=None, response_format=None, tools=None, tool_choice=None)
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                          max_tokens=None, max_completion_tokens=12,
+                                          extra_body={"top_k": -1}, **nones)
+    expected = greedy(encode_chat(make_tiny_tokenizer(), MESSAGES), 12)
+    assert chat.choices[0].message.content == expected
+    assert chat.usage.completion_tokens <= 12
+    sampled = client.chat.completions.create(model=model, messages=MESSAGES, temperature=None,
+                                             max_completion_tokens=4, **nones)
+    assert sampled.choices[0].finish_reason in ("stop", "length")
+    comp = client.completions.create(model=model, prompt=PROMPT, max_tokens=None, temperature=0,
+                                     echo=None, suffix=None, best_of=None, **{
+                                         k: v for k, v in nones.items() if k not in (
+                                             "top_logprobs", "response_format", "tools",
+                                             "tool_choice")})
+    # null max_tokens on /v1/completions is OpenAI's default there, 16
+    assert comp.choices[0].text == greedy(encode_prompt(make_tiny_tokenizer(), PROMPT), 16)
+
+
+def test_openai_client_values_that_ask_for_nothing(client, model, greedy):
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_completion_tokens=12, n=1,
+        logprobs=False, presence_penalty=0, frequency_penalty=0, top_logprobs=0,
+        response_format={"type": "text"}, tool_choice="none", logit_bias={},
+        extra_body={"top_k": -1, "repetition_penalty": 1.0, "min_p": 0})
+    assert chat.choices[0].message.content == \
+        greedy(encode_chat(make_tiny_tokenizer(), MESSAGES), 12)
+
+
+def test_openai_client_streams_with_null_options(client, model, greedy):
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                            max_tokens=12, stream=True, stream_options=None)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == greedy(encode_chat(make_tiny_tokenizer(), MESSAGES), 12)
+
+
+def test_raw_json_nulls_everywhere(ngram_app, model, greedy):
+    nulls = {key: None for key in (
+        "max_tokens", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed", "user",
+        "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "echo",
+        "suffix", "best_of", "ignore_eos", "speculation", "response_format", "tools",
+        "stop_token_ids", "min_p", "repetition_penalty", "guided_json", "modalities")}
+    r = post(ngram_app, {"model": model, "prompt": PROMPT, "temperature": 0, **nulls}, chat=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy(encode_prompt(make_tiny_tokenizer(), PROMPT), 16)
+    assert r.json()["usage"]["completion_tokens"] <= 16
+    r = post(ngram_app, {"model": model, "messages": MESSAGES, "temperature": 0,
+                         "max_completion_tokens": 6, "speculation": {"enabled": None},
+                         "stream": True, "stream_options": {"include_usage": None}, **{
+                             k: v for k, v in nulls.items() if k not in ("stream",
+                                                                          "stream_options")}})
+    assert r.status_code == 200 and "data: [DONE]" in r.text, r.text
+
+
+def test_null_temperature_is_the_default_not_greedy(ngram_app, model):
+    """null is 1.0 (sampled), so two seeds may differ where greedy could not."""
+    texts = set()
+    for seed in range(6):
+        r = post(ngram_app, {"model": model, "prompt": PROMPT, "temperature": None, "seed": seed,
+                             "max_tokens": 12}, chat=False)
+        assert r.status_code == 200, r.text
+        texts.add(r.json()["choices"][0]["text"])
+    assert len(texts) > 1
+
+
+def test_stop_token_ids_are_honoured(ngram_app, model, tiny_models):
+    """vLLM's extension, which the engine implements: generation ends at the first of them."""
+    ids = encode_prompt(make_tiny_tokenizer(), PROMPT)
+    engine = make_engine(tiny_models[2], None, max_len=256)
+    [out] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    first = out.output_token_ids[0]
+    r = post(ngram_app, {"model": model, "prompt": ids, "temperature": 0, "max_tokens": 12,
+                         "stop_token_ids": [first]}, chat=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+# -- features we do not implement: a 400 that names them ----------------------------------------
+UNSUPPORTED = [
+    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
+    ("logit_bias", {"50": 100}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", True),
+    ("top_logprobs", 2), ("n", 2), ("best_of", 3), ("presence_penalty", 0.5),
+    ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 4),
+    ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= 'a'"), ("prediction", {"type": "content", "content": "x"}),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("use_beam_search", True), ("skip_special_tokens", False),
+]
+
+
+@pytest.mark.parametrize("field, value", UNSUPPORTED, ids=[f"{f}={v}"[:40] for f, v in UNSUPPORTED])
+def test_unimplemented_features_are_refused_by_name(ngram_app, model, field, value):
+    r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 2, field: value})
+    error = assert_error(r, 400, param=field)
+    assert field in error["message"] and "not supported by this server" in error["message"]
+    assert error["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "}\n"), ("logprobs", 3),
+                                          ("best_of", 2)])
+def test_unimplemented_completion_features_are_refused_by_name(ngram_app, model, field, value):
+    r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 2, field: value}, chat=False)
+    assert field in assert_error(r, 400, param=field)["message"]
+
+
+def test_openai_client_gets_the_refusal(client, model):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert exc.value.status_code == 400 and exc.value.param == "response_format"
+    assert "response_format is not supported by this server" in exc.value.message
+
+
+def test_fields_without_semantics_are_still_ignored(ngram_app, model):
+    r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 2, "store": True,
+                         "metadata": {"team": "x"}, "service_tier": "auto", "user": "u-1",
+                         "parallel_tool_calls": False, "tools": [], "functions": [],
+                         "modalities": ["text"], "logprobs": False, "n": 1})
+    assert r.status_code == 200, r.text
+
+
+# -- numbers are finite --------------------------------------------------------------------------
+FLOATS = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "min_p"]
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999"])
+@pytest.mark.parametrize("field", FLOATS)
+def test_nan_and_infinity_are_refused_in_every_float(ngram_app, model, field, value):
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2}).encode()
+    raw = body[:-1] + b', "' + field.encode() + b'": ' + value + b"}"
+    error = assert_error(post(ngram_app, raw, chat=False), 400, param=field)
+    assert "finite" in error["message"]
+
+
+@pytest.mark.parametrize("value", [b"1e-46", b"5e-324", b"1e-39", b"0.0"])
+def test_tiny_temperature_is_greedy(ngram_app, model, greedy, value):
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 12}).encode()
+    r = post(ngram_app, body[:-1] + b', "temperature": ' + value + b"}", chat=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy(encode_prompt(make_tiny_tokenizer(), PROMPT), 12)
+
+
+# -- error messages --------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param, needle", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "valid"),
+    ({"messages": MESSAGES, "stop": [1]}, "stop[0]", "string"),
+    ({"messages": MESSAGES, "speculation": {"num_speculative_tokens": "4"}},
+     "speculation.num_speculative_tokens", "integer"),
+    ({"messages": MESSAGES, "temperature": [1]}, "temperature", "number"),
+])
+def test_validation_errors_are_one_clean_line_with_the_param(ngram_app, model, body, param, needle):
+    error = assert_error(post(ngram_app, {"model": model, **body}), 400, param=param)
+    assert error["message"].startswith(param + ": ") and needle in error["message"]
+    assert "{" not in error["message"] and "'loc'" not in error["message"]
+
+
+def _wrapped(cause: Exception) -> Exception:
+    """What Serve re-raises for an exception raised in a unit: Ray's task error, also an
+    instance of the cause's class, its text the remote traceback."""
+    trace = ('Traceback (most recent call last):\n  File "/work/main/services/specserve/serve/'
+             f'unit.py", line 80, in generate\n{type(cause).__name__}: {cause}')
+    return RayTaskError("SpeculationUnit.generate", trace, cause, pid=4242, ip="10.0.0.7",
+                        actor_id="8c5d3a0f1e2b4c6d8e0f1a2b3c4d5e6f7a8b9c0d").as_instanceof_cause()
+
+
+def test_a_units_4xx_keeps_its_own_message():
+    from specserve.serve.ingress import _from_engine
+
+    for cause, status in ((InvalidRequestError("the prompt is empty"), 400),
+                          (CapacityError("all 8 KV cache slots are in use"), 429)):
+        wrapped = _wrapped(cause)
+        assert "pid=4242" in str(wrapped) and isinstance(wrapped, type(cause))
+        error = _from_engine(wrapped, "cmpl-1")
+        assert error.status == status and error.body["error"]["message"] == str(cause)
+
+
+@pytest.mark.parametrize("cause, status, code", [
+    (TargetUnavailable('target rank 0 died: ray::TargetRank.step() (pid=77, ip=10.0.0.7)\n  File '
+                       '"/usr/lib/python3/site-packages/ray/actor.py", line 1'), 503,
+     "target_unavailable"),
+    (RequestFailed("the server could not process this request"), 500, "request_failed"),
+    (KeyError("/work/main/secret.py"), 500, "internal_error"),
+    (ActorDiedError(), 503, "unit_unavailable"),
+    (EngineFailed("the target group failed; the request was cancelled, retry shortly"), 503,
+     "engine_failed"),
+    (UnitError("the server failed while processing this request"), 500, "unit_error"),
+])
+def test_a_units_5xx_says_what_happened_and_leaks_nothing(cause, status, code):
+    from specserve.serve.ingress import _from_engine
+
+    for exc in (cause, _wrapped(cause)):
+        error = _from_engine(exc, "chatcmpl-0123456789abcdef0123456789abcdef")
+        message = error.body["error"]["message"]
+        assert error.status == status and error.body["error"]["code"] == code
+        assert status != 503 or "retry" in message
+        assert message.endswith("(request id chatcmpl-0123456789abcdef0123456789abcdef)")
+        assert not leaks(json.dumps(error.body)) and "\n" not in message, message
+
+
+def test_an_unexpected_exception_is_an_openai_shaped_500():
+    """The catch-all: a bug answers JSON with a request id, never a plain-text traceback."""
+    from fastapi.testclient import TestClient
+    from specserve.serve.ingress import _request_id, app
+
+    @app.get("/test-only/boom")
+    async def boom(request: Request):
+        _request_id(request, "cmpl-")  # as the handlers do: the id the log line will carry
+        raise RuntimeError('File "/work/main/services/specserve/secret.py", line 1')
+
+    try:
+        r = TestClient(app).get("/test-only/boom")
+    finally:
+        app.router.routes[:] = [r for r in app.router.routes
+                                if getattr(r, "path", "") != "/test-only/boom"]
+    error = assert_error(r, 500)
+    assert error["type"] == "internal_error" and "(request id cmpl-" in error["message"]
+
+
+def test_the_leak_watch_sees_error_bodies():
+    """tests/conftest.py's watch is on: a leaking body is recorded (and removed here)."""
+    from tests import conftest
+
+    body = 'Traceback (most recent call last):\n  File "/work/x.py", line 3\nray.exceptions.X'
+    in_band = json.dumps({"error": {"message": "ray::Unit.generate() (pid=42)"}})
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/stream":  # an error after a stream's 200
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=f"data: {in_band}\n\ndata: [DONE]\n\n".encode())
+        return httpx.Response(500, text=body)
+
+    before = len(conftest._LEAKED)
+    with httpx.Client(transport=httpx.MockTransport(reply)) as c:
+        c.get("http://leaky.invalid/")
+        with c.stream("GET", "http://leaky.invalid/stream") as r:
+            assert list(r.iter_lines())[0] == f"data: {in_band}"
+    caught = conftest._LEAKED[before:]
+    del conftest._LEAKED[before:]
+    assert len(caught) == 2 and "traceback" in caught[0] and "host path" in caught[0]
+    assert caught[1].startswith("200 ") and "pid" in caught[1]
+
+
+# -- chat templates and the router's class key --------------------------------------------------
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    tok = copy.deepcopy(make_tiny_tokenizer())  # the shared one is cached: leave it alone
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="messages: .*System role not supported"):
+        encode_chat(tok, [{"role": "system", "content": "be nice"}, *MESSAGES])
+    assert encode_chat(tok, MESSAGES)
+
+
+def test_the_router_class_key_is_per_api_key():
+    """Two tenants sending the same ``user`` must not share acceptance state."""
+    from specserve.serve.ingress import _class_key
+    from specserve.serve.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "user": "bob",
+                                                "speculation": {"traffic_class": "code"}})
+    mine, theirs = _class_key(req, True, "key-aaaa1111"), _class_key(req, True, "key-bbbb2222")
+    assert mine != theirs and "key-aaaa1111" in mine and mine.endswith("|bob|code")
