@@ -158,7 +158,7 @@ def kill(actor) -> None:
 
 
 def hang(actor) -> None:
-    actor.slow_down.remote(4 * DRAFT_TIMEOUT_S, 0.1)  # its next step hangs for 4 timeouts
+    actor.hang.remote(4 * DRAFT_TIMEOUT_S)  # its next step hangs for 4 timeouts
 
 
 def slow(actor) -> None:

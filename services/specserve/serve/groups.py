@@ -224,6 +224,7 @@ class DraftWorker:
             method, ModelConfig.model_validate(draft), target_cfg=ModelConfig.model_validate(target),
             num_slots=num_slots, max_model_len=max_model_len, target_vocab_size=target_vocab_size)
         self._slow: tuple[float, float] = (0.0, 0.0)  # fault injection: (seconds per call, until)
+        self._hang = 0.0                               # fault injection: the next step sleeps this
 
     def step(self, ops: list[tuple], requests: list[DraftRequest]) -> list[Proposal]:
         self._maybe_slow()
@@ -252,13 +253,20 @@ class DraftWorker:
 
     def slow_down(self, seconds: float, for_s: float) -> None:
         """Fault injection: every ``step`` in the next ``for_s`` seconds first sleeps
-        ``seconds`` (a draft slower than its timeout; a long sleep is a hung one)."""
+        ``seconds`` (a draft slower than its timeout)."""
         self._slow = (seconds, time.monotonic() + for_s)
 
+    def hang(self, seconds: float) -> None:
+        """Fault injection: the next ``step`` hangs for ``seconds`` (calls behind it wait)."""
+        self._hang = seconds
+
     def _maybe_slow(self) -> None:
+        hang, self._hang = self._hang, 0.0
         seconds, until = self._slow
         if seconds > 0 and time.monotonic() < until:
-            time.sleep(seconds)
+            hang = max(hang, seconds)
+        if hang > 0:
+            time.sleep(hang)
 
 
 class RemoteProposer(Proposer):
