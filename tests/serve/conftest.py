@@ -99,6 +99,8 @@ def draft_app(ray_cluster, tiny_models) -> str:
         "draft": {"source": tiny_models[1]}})
     args["unit"]["accelerator"] = "gpu"
     args["unit"]["draft_retry_s"] = 0.2
+    # Only a real fault may take the draft away: a busy machine must not time a step out.
+    args["unit"]["draft_timeout_s"] = 120.0
     # The tiny draft costs as much as the tiny target, so the cost model would rightly stop
     # drafting; these tests need drafts to kill the draft actor under.
     args["unit"]["engine"]["speculative"]["adaptive"] = {"enabled": False}

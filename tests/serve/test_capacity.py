@@ -6,15 +6,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from ray import serve
+
+# How long the unit's engine is held while the six requests arrive (a few HTTP round trips).
+HOLD_S = 10.0
 
 
 def test_full_unit_queues_then_429(tight_app, tiny_models):
+    """One slot and one queue place: of six requests sent at once, the first two are served
+    (one running, one queued) and the others refused. The engine is held (fault injection)
+    before they are sent, so the first two are still in the unit when the others arrive,
+    however fast the machine."""
     model = Path(tiny_models[0]).name
     body = {"model": model, "prompt": "a b c", "max_tokens": 150, "temperature": 0.8,
             "ignore_eos": True, "speculation": {"enabled": False}}
+    serve.get_deployment_handle("SpeculationUnit", app_name="tight").stall.remote(HOLD_S).result()
     with ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda _: httpx.post(tight_app + "/v1/completions", json=body,
-                                                       timeout=120), range(6)))
+                                                       timeout=300), range(6)))
     ok = [r for r in responses if r.status_code == 200]
     busy = [r for r in responses if r.status_code == 429]
     assert len(ok) + len(busy) == 6, [(r.status_code, r.text[:200]) for r in responses]
@@ -24,5 +33,5 @@ def test_full_unit_queues_then_429(tight_app, tiny_models):
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "rate_limit_error"
     assert all(r.json()["usage"]["completion_tokens"] == 150 for r in ok)
-    stats = httpx.get(tight_app + "/v1/units/stats").json()
+    stats = httpx.get(tight_app + "/v1/units/stats", timeout=60).json()
     assert stats["free_slots"] == stats["num_slots"] == 1 and stats["waiting"] == 0

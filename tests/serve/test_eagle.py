@@ -32,6 +32,9 @@ def eagle_app(ray_cluster, tiny_models, tmp_path_factory):
         "method": "eagle", "num_speculative_tokens": 3, "ngram_first": True,
         "draft": {"source": str(draft)}, "adaptive": {"enabled": False}})
     args["unit"]["tensor_parallel_size"] = 2
+    # A draft step takes milliseconds; the default 10 s limit could still call a draft that
+    # a busy machine delayed dead, and these tests need it drafting.
+    args["unit"]["draft_timeout_s"] = 120
     yield deploy("eagle", "/eagle", args)
     serve.delete("eagle")
 

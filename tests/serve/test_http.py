@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from ray import serve
 from specserve.config import SamplingParams
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 
@@ -210,7 +211,7 @@ def test_disconnect_mid_stream_frees_the_slot(ngram_app, model_name):
     """The abort reaches the engine (counted), not just a request that ran to its end."""
     import time
 
-    stats = httpx.get(ngram_app + "/v1/units/stats").json()
+    stats = httpx.get(ngram_app + "/v1/units/stats", timeout=60).json()
     with httpx.stream("POST", ngram_app + "/v1/completions", timeout=120, json={
             "model": model_name, "prompt": "a b c", "max_tokens": 200, "temperature": 0.8,
             "speculation": {"enabled": False},  # one token per step: far from done at disconnect
@@ -218,9 +219,12 @@ def test_disconnect_mid_stream_frees_the_slot(ngram_app, model_name):
         lines = r.iter_lines()
         next(lines)
         next(lines)  # the generation is running: a slot is taken
-    deadline = time.monotonic() + 30
+        # Hold the engine so the stream cannot finish before the disconnect, however fast
+        # the machine: the abort below must be what ends it.
+        serve.get_deployment_handle("SpeculationUnit", app_name="ngram").stall.remote(5.0).result()
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        now = httpx.get(ngram_app + "/v1/units/stats").json()
+        now = httpx.get(ngram_app + "/v1/units/stats", timeout=60).json()
         if now["free_slots"] == stats["num_slots"] and now["running"] == 0:
             break
         time.sleep(0.2)

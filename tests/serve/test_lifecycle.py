@@ -6,6 +6,11 @@
 - Serve's own stop (an app deleted or redeployed, a replica scaled away: what KubeRay does on
   an upgrade): the replicas drain for up to ``drain_timeout_s`` and every stream that began
   before the stop completes.
+
+The streams are in flight at every moment the tests need them to be, whatever the machine's
+speed: the unit's engine is held (fault injection) before they are sent, and a stream's 200
+comes from the unit before its first token, so none can finish before the hold ends. Every
+other wait polls for its condition.
 """
 
 from __future__ import annotations
@@ -25,27 +30,29 @@ from tests.serve.conftest import deploy, unit_args
 from tests.serve.test_http import PROMPTS
 
 MAX_TOKENS = 120
+# Generous bound of every wait for a condition (a poll), for a busy 2-core machine.
+WAIT_S = 120
 
 
 def app_args(tiny_target: str) -> dict:
     args = unit_args(tiny_target, speculative={"method": "ngram"}, max_num_seqs=4)
-    args["drain_timeout_s"] = 60
+    args["drain_timeout_s"] = 300  # far beyond what the held streams need, on any machine
     return args
 
 
 def stream_to_end(url: str, body: dict, started: threading.Event) -> dict:
-    """Read one stream to its end; what it ended with."""
+    """Read one stream to its end; what it ended with. ``started`` is set once the server
+    answered (a 200 means the unit has the request)."""
     events = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        started.set()
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
-                started.set()
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     return {"done": events[-1] == "[DONE]", "errors": [c for c in chunks if "error" in c],
-            "ended": time.monotonic(),
             "finish": [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1],
             "tokens": next((c["usage"]["completion_tokens"] for c in chunks if c.get("usage")), 0),
             "text": text}
@@ -53,18 +60,29 @@ def stream_to_end(url: str, body: dict, started: threading.Event) -> dict:
 
 def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor, stall_s: float,
                   n: int = 3):
-    """``n`` streams, each running once this returns: the unit's engine is then held for
-    ``stall_s`` (fault injection), so they are still in flight whatever happens next."""
+    """``n`` streams, each in the unit once this returns; ``(futures, held_until)``. The
+    unit's engine is held for ``stall_s`` (fault injection) before they are sent, so none
+    can finish before ``held_until`` (monotonic), however fast the machine."""
     body = {"model": model, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
-            "speculation": {"enabled": False}}  # one token per step: long enough
+            "speculation": {"enabled": False}}
+    held_until = time.monotonic() + stall_s  # the stall starts after this, so ends after it
+    serve.get_deployment_handle("SpeculationUnit", app_name=app).stall.remote(stall_s).result()
     started = [threading.Event() for _ in range(n)]
     futures = [pool.submit(stream_to_end, url, {**body, "prompt": PROMPTS[i]}, started[i])
                for i in range(n)]
     for event in started:
-        assert event.wait(60), "a stream did not start"
-    serve.get_deployment_handle("SpeculationUnit", app_name=app).stall.remote(stall_s).result()
-    return futures
+        assert event.wait(WAIT_S), "a stream did not start"
+    return futures, held_until
+
+
+def wait_stopping(url: str) -> None:
+    """Until Serve no longer routes to the app at ``url``: it has taken the deleted app's
+    route down and is stopping its replicas."""
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
+        assert time.monotonic() < deadline, "Serve kept routing to the deleted app"
+        time.sleep(0.1)
 
 
 def assert_complete(results: list[dict]) -> None:
@@ -78,22 +96,22 @@ def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(ray_cluste
     url = deploy("drain", "/drain", app_args(tiny_models[0]))
     try:
         with ThreadPoolExecutor(4) as pool:
-            streams = start_streams(url, "drain", model, pool, stall_s=4.0)
-            drained = pool.submit(drain, "drain", 60.0)
-            deadline = time.monotonic() + 10
-            while httpx.get(url + "/health", timeout=10).status_code == 200:
+            streams, _ = start_streams(url, "drain", model, pool, stall_s=8.0)
+            drained = pool.submit(drain, "drain", 300.0)
+            deadline = time.monotonic() + WAIT_S
+            while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
                 assert time.monotonic() < deadline, "health never said draining"
                 time.sleep(0.02)
-            health = httpx.get(url + "/health", timeout=10)
+            health = httpx.get(url + "/health", timeout=WAIT_S)
             assert health.status_code == 503 and health.json() == {"status": "draining"}
-            r = httpx.post(url + "/v1/completions", timeout=30,
+            r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
                            json={"model": model, "prompt": "hi", "max_tokens": 4})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "draining"
-            results = [f.result(timeout=120) for f in streams]
-            assert drained.result(timeout=120) == 0  # nothing was left running
+            results = [f.result(timeout=300) for f in streams]
+            assert drained.result(timeout=300) == 0  # nothing was left running
         assert_complete(results)
-        stats = httpx.get(url + "/v1/units/stats", timeout=30).json()
+        stats = httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
         assert stats["free_slots"] == stats["num_slots"]
     finally:
         serve.delete("drain")
@@ -102,7 +120,8 @@ def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(ray_cluste
 @pytest.mark.parametrize("how", ["delete", "redeploy"])
 def test_serve_stop_lets_streams_that_began_finish(ray_cluster, tiny_models, how):
     """``delete``: the app is removed; ``redeploy``: the same app with a new config, so Serve
-    replaces every replica. Either way the old replicas drain their streams."""
+    replaces every replica. Either way the old replicas drain their streams: the stop comes
+    while they run (they are held), and they end complete."""
     from deploy.app import build_app
 
     model = Path(tiny_models[0]).name
@@ -110,12 +129,12 @@ def test_serve_stop_lets_streams_that_began_finish(ray_cluster, tiny_models, how
     url = deploy(name, f"/{name}", app_args(tiny_models[0]))
     try:
         with ThreadPoolExecutor(4) as pool:
-            streams = start_streams(url, name, model, pool, stall_s=12.0)
+            streams, held_until = start_streams(url, name, model, pool, stall_s=12.0)
             if how == "delete":
                 serve.delete(name, _blocking=False)
-                time.sleep(2.0)  # the controller is stopping the replicas by now
+                wait_stopping(url)
                 assert not any(f.done() for f in streams), "the stop must come while streams run"
-                results = [f.result(timeout=120) for f in streams]
+                results = [f.result(timeout=300) for f in streams]
             else:
                 new = app_args(tiny_models[0])
                 new["max_tokens_cap"] = 199  # any change: new replicas replace the old ones
@@ -125,14 +144,15 @@ def test_serve_stop_lets_streams_that_began_finish(ray_cluster, tiny_models, how
                     return time.monotonic()
 
                 rollout = pool.submit(redeploy)
-                results = [f.result(timeout=120) for f in streams]
-                # The rollout ended only after the old replicas' streams had: it waited for them.
-                assert rollout.result(timeout=180) >= max(r["ended"] for r in results)
+                results = [f.result(timeout=300) for f in streams]
+                # The rollout ended only after the hold, so not before the old replicas'
+                # streams could end: it waited for them (and they ended complete, below).
+                assert rollout.result(timeout=300) >= held_until
         assert_complete(results)
         if how == "redeploy":  # and the new replicas serve
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + WAIT_S
             while True:
-                r = httpx.post(url + "/v1/completions", timeout=30,
+                r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
                                json={"model": model, "prompt": "hi", "max_tokens": 200})
                 if r.status_code == 400 or time.monotonic() > deadline:
                     break

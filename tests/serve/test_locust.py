@@ -2,6 +2,11 @@
 
 Locust runs as a subprocess (it monkey-patches the standard library with gevent, which must
 not happen inside this pytest process that also drives Ray), with a hard timeout.
+
+The runs last a few seconds each, and the checks ask only for at least one request of each
+kind in that time (a request is a few hundred ms even on a busy machine); the per-request
+limit and the hard timeout are far beyond what a slow machine needs, so they only end a run
+that hangs.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 import pytest
 
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "load" / "locustfile.py"
-HARD_TIMEOUT_S = 60
+HARD_TIMEOUT_S = 300
 METRICS = ("TTFT", "ITL", "TPOT", "E2E", "tokens_per_s")
 
 # find_spec, not importorskip: importing locust here would gevent-patch this process.
@@ -37,7 +42,7 @@ def run_locust(host: str, out: Path, duration: str, users: int, classes: list[st
            "--html", str(out / "locust.html"), "--exit-code-on-error", "1", "--only-summary",
            "--stop-timeout", "2", *classes]
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")}
-    full_env = {**inherited, "SPECSERVE_TIMEOUT_S": "20", **env}
+    full_env = {**inherited, "SPECSERVE_TIMEOUT_S": "120", **env}
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=HARD_TIMEOUT_S)
 
 

@@ -1,5 +1,10 @@
 """The router over real HTTP: the speculation decision flips with the unit's load and back,
-short outputs are not speculated, and every decision is counted in ``/metrics``."""
+short outputs are not speculated, and every decision is counted in ``/metrics``.
+
+The load is made certain, not timed: the unit's engine is held (fault injection) before the
+background requests are sent, so none of them can finish while the requests under test are
+decided, however fast the machine; and the unit counts every decision, so the test knows
+when all of them have arrived."""
 
 from __future__ import annotations
 
@@ -9,33 +14,45 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+# How long the engine is held while the background arrives and one request is decided.
+HOLD_S = 10.0
+# Generous bound of every wait for a condition (a poll), for a busy 2-core machine.
+WAIT_S = 120
 
 
 def ask(url: str, model: str, **extra) -> httpx.Response:
     body = {"model": model, "prompt": "a b c a b c", "max_tokens": 20, "temperature": 0, **extra}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)  # may queue behind the load
     assert r.status_code == 200, r.text
     return r
 
 
 def stats(url: str) -> dict:
-    return httpx.get(url + "/v1/units/stats", timeout=10).json()
+    return httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
+
+
+def decided(url: str) -> int:
+    """Requests the unit's router has decided (on the unit's event loop: it counts while the
+    engine is held)."""
+    return sum(stats(url)["router"]["decisions"].values())
 
 
 class Background:
-    """``n`` long streaming requests held open until ``stop()`` (closing a stream aborts it,
+    """``n`` streaming requests held open until ``stop()`` (closing a stream aborts it,
     whether it is running or still queued)."""
 
     def __init__(self, url: str, model: str, n: int) -> None:
         self.stopping = threading.Event()
-        body = {"model": model, "prompt": "x y z", "max_tokens": 200, "temperature": 0,
+        body = {"model": model, "prompt": "x y z", "max_tokens": 64, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         self.threads = [threading.Thread(target=self._run, args=(url, body)) for _ in range(n)]
         for t in self.threads:
             t.start()
 
     def _run(self, url: str, body: dict) -> None:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
             for _ in r.iter_lines():
                 if self.stopping.is_set():
                     return
@@ -46,17 +63,14 @@ class Background:
             t.join(timeout=60)
 
 
-def wait_load(url: str, at_least: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats(url)
-        if s["running"] + s["waiting"] >= at_least:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"the load never reached {at_least}: {s}")
+def wait_decided(url: str, at_least: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while (n := decided(url)) < at_least:
+        assert time.monotonic() < deadline, f"only {n} of {at_least} requests reached the unit"
+        time.sleep(0.05)
 
 
-def wait_idle(url: str, timeout: float = 30) -> None:
+def wait_idle(url: str, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = stats(url)
@@ -73,9 +87,11 @@ def test_decision_flips_with_load_and_back(router_app, tiny_models):
     usage = alone.json()["usage"]["speculation"]
     assert usage["enabled"] and usage["k_mode"] == "adaptive" and usage["reason"] == "default"
 
-    load = Background(router_app, model, 8)   # 2 running, 6 queued: >= the threshold of 3
+    before = decided(router_app)
+    serve.get_deployment_handle("SpeculationUnit", app_name="router").stall.remote(HOLD_S).result()
+    load = Background(router_app, model, 8)   # 8 in the unit: >= the threshold of 3
     try:
-        wait_load(router_app, 6)
+        wait_decided(router_app, before + 8)  # all in; held, so none can have finished
         busy = ask(router_app, model)
         assert busy.headers["x-speculation"] == "off; reason=high_concurrency"
         assert busy.json()["usage"]["speculation"]["num_draft_tokens"] == 0
@@ -84,22 +100,29 @@ def test_decision_flips_with_load_and_back(router_app, tiny_models):
     finally:
         load.stop()
     wait_idle(router_app)
-    time.sleep(0.6)  # the dwell time
+    time.sleep(0.6)  # at least the dwell time since the last flip (a slower machine: longer)
     again = ask(router_app, model)
     assert again.headers["x-speculation"].startswith("on; reason=default")
 
     s = stats(router_app)
     assert s["router"]["concurrency_gate_open"] and s["router"]["concurrency_gate_flips"] >= 2
     assert s["free_slots"] == s["num_slots"]
-    time.sleep(1.5)  # the unit reports to the metrics hub every second
-    families = {f.name: f for f in text_string_to_metric_families(
-        httpx.get(router_app + "/metrics").text)}
-    decisions = {(x.labels["decision"], x.labels["reason"]): x.value
-                 for x in families["specserve:router_decisions"].samples
-                 if x.name.endswith("_total")}
+    # The unit reports to the metrics hub every second: wait for a report with these numbers.
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(router_app + "/metrics", timeout=WAIT_S).text)}
+        decisions = {(x.labels["decision"], x.labels["reason"]): x.value
+                     for x in families["specserve:router_decisions"].samples
+                     if x.name.endswith("_total")}
+        k_steps = [x for x in families["specserve:speculation_length"].samples
+                   if x.name.endswith("_count")]
+        reported = decisions.get(("off", "high_concurrency"), 0) >= 1 and \
+            decisions.get(("on", "default"), 0) >= 2 and k_steps and k_steps[0].value > 0
+        if reported or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert decisions[("off", "high_concurrency")] >= 1 and decisions[("on", "default")] >= 2
-    k_steps = [x for x in families["specserve:speculation_length"].samples
-               if x.name.endswith("_count")]
     assert k_steps and k_steps[0].value > 0
 
 

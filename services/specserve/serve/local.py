@@ -18,6 +18,9 @@ LOCAL_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "GLOO_SOCKET_IFNAME": "lo",
     "TOKENIZERS_PARALLELISM": "false",
+    # Serve kills an HTTP proxy not ready within 5 s; on a busy laptop start-up takes longer.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
 
 
