@@ -187,7 +187,8 @@ def test_lost_eagle_leaves_running_sequences_target_only(target_hf):
         step += 1
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
     assert engine.num_draft_fallbacks == 1
-    assert flaky.worker.num_free_slots == 8 - 3  # the lost sequences' slots died with the "actor"
+    # Re-attaching reset the proposer: the lost sequences' slots are free again, none leak.
+    assert flaky.worker.num_free_slots == 8 and not flaky.slots
 
 
 class ZeroThenK(SpecLengthController):
