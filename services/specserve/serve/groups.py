@@ -13,7 +13,8 @@ call outstanding that fails the moment the rank dies); :meth:`TargetGroup.restar
 the rest and starts a fresh group in the same bundles. Ray cannot restart one rank on its
 own: a new process cannot rejoin the old NCCL / gloo group, so the group restarts whole.
 
-Draft group: one :class:`DraftWorker` actor (draft TP = 1) holding the draft-model proposer.
+Draft group: one :class:`~specserve.serve.draft_worker.DraftWorker` actor (draft TP = 1)
+holding the draft-model proposer.
 Sequence bookkeeping (start / commit / finish) is buffered and sent with the next proposal
 request, so a step costs one round trip (and flushed when the unit goes idle, so an idle
 draft holds no slots). Any failure or timeout becomes
@@ -36,19 +37,18 @@ import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from specserve.config import EngineConfig, ModelConfig, UnitConfig
-from specserve.engine.builder import load_draft_proposer
+from specserve.config import EngineConfig, UnitConfig
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.tp import apply_tp
 from specserve.engine.worker import ModelWorker, SlotOwner
 from specserve.errors import ProposerUnavailable, TargetUnavailable
+from specserve.serve.draft_worker import DraftWorker, process_start
 
 log = logging.getLogger(__name__)
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
-DRAFT_NICENESS = 10  # CPU draft actors run at this lower priority (see DraftWorker)
 DRAFT_NAMESPACE = "specserve"
 
 
@@ -207,72 +207,11 @@ class TargetGroup(SlotOwner):
             ray.kill(rank)
 
 
-@ray.remote
-class DraftWorker:
-    """The draft group: a draft model with its own slot cache, behind the proposer API."""
-
-    OPS = frozenset({"start", "commit", "finish", "reset"})
-
-    def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
-                 num_slots: int, target_vocab_size: int | None = None) -> None:
-        _threads(1)
-        if not torch.cuda.is_available():
-            # CPU nodes share cores between the groups. The draft is optional and the target
-            # is not: a draft that (re)loads its model must not slow the target's steps.
-            os.nice(DRAFT_NICENESS)
-        self.proposer = load_draft_proposer(
-            method, ModelConfig.model_validate(draft), target_cfg=ModelConfig.model_validate(target),
-            num_slots=num_slots, max_model_len=max_model_len, target_vocab_size=target_vocab_size)
-        self._slow: tuple[float, float] = (0.0, 0.0)  # fault injection: (seconds per call, until)
-        self._hang = 0.0                               # fault injection: the next step sleeps this
-
-    def step(self, ops: list[tuple], requests: list[DraftRequest]) -> list[Proposal]:
-        self._maybe_slow()
-        self.apply(ops)
-        return self.proposer.propose(requests) if requests else []
-
-    def apply(self, ops: list[tuple]) -> None:
-        """Every op is applied, whatever the one before did: one sequence's failed ``commit``
-        must not keep the ``finish`` of another from freeing its slot."""
-        for name, args in ops:
-            if name not in self.OPS:
-                log.error("draft: unknown bookkeeping op %r", name)
-                continue
-            try:
-                getattr(self.proposer, name)(*args)
-            except Exception:  # noqa: BLE001
-                log.exception("draft: %s%r failed", name, args)
-
-    def ping(self) -> bool:
-        return True
-
-    def slots_in_use(self) -> int:
-        """Sequences the draft holds a cache slot for (tests: zero once the unit is idle)."""
-        model = getattr(self.proposer, "model", self.proposer)  # behind ngram_first
-        return model.num_slots_in_use
-
-    def slow_down(self, seconds: float, for_s: float) -> None:
-        """Fault injection: every ``step`` in the next ``for_s`` seconds first sleeps
-        ``seconds`` (a draft slower than its timeout)."""
-        self._slow = (seconds, time.monotonic() + for_s)
-
-    def hang(self, seconds: float) -> None:
-        """Fault injection: the next ``step`` hangs for ``seconds`` (calls behind it wait)."""
-        self._hang = seconds
-
-    def _maybe_slow(self) -> None:
-        hang, self._hang = self._hang, 0.0
-        seconds, until = self._slow
-        if seconds > 0 and time.monotonic() < until:
-            hang = max(hang, seconds)
-        if hang > 0:
-            time.sleep(hang)
-
-
 class RemoteProposer(Proposer):
     """Coordinator-side client of the draft group."""
 
     MAX_BUFFERED_OPS = 64  # flush bookkeeping without waiting for a proposal beyond this
+    POLL_S = 0.05  # a step waiting on a draft on this node checks its process this often
 
     def __init__(self, actor, *, method: str, timeout_s: float) -> None:
         self.actor = actor
@@ -280,6 +219,7 @@ class RemoteProposer(Proposer):
         self.needs_hidden = method == "eagle"  # the features travel in each DraftRequest
         self.timeout_s = timeout_s
         self._ops: list[tuple] = []
+        self._local: tuple[int, int | None] | None = None  # (pid, start) of a draft on this node
 
     @classmethod
     def start_group(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None,
@@ -299,10 +239,12 @@ class RemoteProposer(Proposer):
         actor = DraftWorker.options(max_restarts=-1, max_task_retries=0, **named,
                                     **placement).remote(
             engine.speculative.method, engine.speculative.draft.model_dump(),
-            engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs, target_vocab_size)
+            engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs, target_vocab_size,
+            niced=cfg.accelerator == "cpu")
         proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
             raise RuntimeError("the draft group did not start")
+        proposer._identify()
         return proposer
 
     def _buffer(self, op: tuple) -> None:
@@ -332,10 +274,39 @@ class RemoteProposer(Proposer):
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         ops, self._ops = self._ops, []
         try:
-            return ray.get(self.actor.step.remote(ops, requests), timeout=self.timeout_s)
+            return self._result(self.actor.step.remote(ops, requests))
         except Exception as exc:  # dead, restarting, timed out or broken: all mean "no draft"
             log.warning("draft group unavailable: %s", exc)
             raise ProposerUnavailable(str(exc)) from exc
+
+    def _result(self, ref):
+        """``ref``'s value within ``timeout_s``. Ray fails a call to an actor whose process died
+        only once it has heard why (about 1.7 s, every step of the unit stalled meanwhile);
+        for a draft on this node, the wait ends as soon as its process is gone."""
+        local = self._local
+        if local is None:
+            return ray.get(ref, timeout=self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(self.POLL_S, left)))
+            if ready:
+                return ray.get(ref)
+            if process_start(local[0]) != local[1]:
+                raise ProposerUnavailable(f"the draft's process {local[0]} has exited")
+            if left <= 0:
+                raise ProposerUnavailable(f"no proposal within {self.timeout_s:g} s")
+
+    def _identify(self) -> None:
+        """Learn whether the draft runs on this node, and as which process (after each start
+        and each probe that found it back: a restarted draft is a new process)."""
+        try:
+            node, pid, start = ray.get(self.actor.identity.remote(), timeout=self.timeout_s)
+        except Exception:  # noqa: BLE001  unknown: wait on Ray alone
+            self._local = None
+            return
+        here = ray.get_runtime_context().get_node_id()
+        self._local = (pid, start) if node == here and start is not None else None
 
     def ping(self, timeout_s: float | None = None) -> bool:
         """True when the draft actor answers at all (start-up: the first load may be long)."""
@@ -351,10 +322,11 @@ class RemoteProposer(Proposer):
         the engine thread (``coordinator.DraftWatch``); it sends no bookkeeping."""
         try:
             ray.get(self.actor.step.remote([], []), timeout=self.timeout_s)
-            return True
         except Exception as exc:  # noqa: BLE001
             log.info("draft probe failed: %s", type(exc).__name__)
             return False
+        self._identify()
+        return True
 
     def shutdown(self) -> None:
         ray.kill(self.actor, no_restart=True)
