@@ -196,3 +196,25 @@ def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_
     assert after["free_slots"] == after["num_slots"] and after["target_restarts"] == 0
     wait_for(lambda: ray.get(draft_actor().slots_in_use.remote(), timeout=60) == 0,
              "the draft to hold no slot", timeout_s=60)
+
+
+def test_a_step_waiting_on_a_local_draft_that_dies_fails_at_once(app):
+    """The step stops waiting when the draft's process is gone, not when Ray reports the actor
+    dead (about 1.7 s later): the error names the exited process, which Ray's does not."""
+    import os
+    import signal
+
+    from specserve.errors import ProposerUnavailable
+    from specserve.serve.groups import RemoteProposer
+
+    wait_for(lambda: stats(app)["draft_available"], "the draft to be attached")
+    actor = draft_actor()
+    proposer = RemoteProposer(actor, method="draft_model", timeout_s=DEADLINE_S)
+    proposer._identify()
+    assert proposer._local is not None, "the test's draft runs on this node"
+    pid = proposer._local[0]
+    ray.get(actor.hang.remote(DEADLINE_S))  # the next step hangs: it can only end by the kill
+    threading.Timer(1.0, os.kill, args=(pid, signal.SIGKILL)).start()
+    with pytest.raises(ProposerUnavailable, match=f"process {pid} has exited"):
+        proposer.propose([])
+    assert ray.get(actor.ping.remote(), timeout=DEADLINE_S)  # Ray restarts it
