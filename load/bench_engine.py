@@ -49,16 +49,19 @@ from specserve.engine.builder import build_engine
 from specserve.engine.loader import load_hf_model, load_tokenizer, resolve
 from specserve.engine.stats import SpecStats
 from specserve.engine.tokenizer import encode_chat
-from specserve.machine import cpu_name
+from specserve.machine import cpu_flags, cpu_name
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
 from common import cpu_seconds, rotated  # noqa: E402
 from prompts import load_prompts  # noqa: E402
+from roofline import decode_bytes, forward_costs, read_bandwidth  # noqa: E402
 
 WORKLOADS = ("rewrite", "chat")
-GENERATE, TARGET = "generate()", "target-only"
+GENERATE, TARGET, TARGET_LIBRARY = "generate()", "target-only", "target-only (library)"
+OURS, LIBRARY = "invariant", "library"  # ModelConfig.kernels
 WARMUP_TOKENS = 16
+ROOFLINE_CONTEXT = 100  # tokens of context before the measured forwards
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "bench_engine.json"
 NOISY = 0.05  # a run during which other processes took more of the CPU is measured again
 MAX_TRIES = 4  # measurements of one run at most; the last one counts
@@ -119,15 +122,25 @@ def engine_runner(engine, spec_len: int) -> Runner:
     return run
 
 
-def build_runners(dtype: str, ks: list[int]) -> dict[str, Runner]:
-    """generate(), target-only and one ngram mode per K, all in ``dtype``."""
-    config = EngineConfig(target=ModelConfig(dtype=dtype, device="cpu"),
-                          speculative=SpeculativeConfig(method="ngram",
-                                                        num_speculative_tokens=max(ks)),
-                          max_model_len=1024, max_num_seqs=1)
-    engine, target = build_engine(config)
+def build_engines(dtype: str, ks: list[int]) -> dict[str, tuple]:
+    """``kernels -> (engine, target)``: ours (``invariant``) and torch's (``library``)."""
+    engines = {}
+    for kernels in (LIBRARY, OURS):
+        config = EngineConfig(target=ModelConfig(dtype=dtype, device="cpu", kernels=kernels),
+                              speculative=SpeculativeConfig(method="ngram",
+                                                            num_speculative_tokens=max(ks)),
+                              max_model_len=1024, max_num_seqs=1)
+        engines[kernels] = build_engine(config)
+    return engines
+
+
+def build_runners(dtype: str, ks: list[int], engines: dict[str, tuple]) -> dict[str, Runner]:
+    """generate(), target-only on torch's kernels and on ours, and one ngram mode per K (ours),
+    all in ``dtype``."""
+    engine, target = engines[OURS]
     hf = load_hf_model(resolve("embedded")).to(getattr(torch, dtype))
     runners = {GENERATE: hf_runner(hf, sorted(target.eos_token_ids)),
+               TARGET_LIBRARY: engine_runner(engines[LIBRARY][0], 0),
                TARGET: engine_runner(engine, 0)}
     runners.update({f"ngram K={k}": engine_runner(engine, k) for k in ks})
     return runners
@@ -175,10 +188,16 @@ def run_workload(runners: dict[str, Runner], prompts: list[list[int]], max_token
     return tallies
 
 
-def bench_dtype(dtype: str, args, workloads: dict[str, list[list[int]]],
-                bar: tqdm) -> dict[str, dict[str, Tally]]:
+def bench_dtype(dtype: str, args, workloads: dict[str, list[list[int]]], bar: tqdm,
+                roofline: dict) -> dict[str, dict[str, Tally]]:
     bar.set_description(f"{dtype}: loading")
-    runners = build_runners(dtype, args.k)
+    engines = build_engines(dtype, args.k)
+    bar.set_description(f"{dtype}: roofline")
+    context = next(iter(workloads.values()))[0][:ROOFLINE_CONTEXT]
+    roofline[dtype] = {kernels: forward_costs(target.runtime, context)
+                       for kernels, (_, target) in engines.items()}
+    roofline[dtype]["decode_bytes"] = decode_bytes(engines[OURS][1].runtime)
+    runners = build_runners(dtype, args.k, engines)
     bar.set_description(f"{dtype}: warm-up")
     first = next(iter(workloads.values()))[0]
     for run in runners.values():
@@ -187,7 +206,7 @@ def bench_dtype(dtype: str, args, workloads: dict[str, list[list[int]]],
     for name, prompts in workloads.items():
         bar.set_description(f"{dtype}: {name}")
         results[name] = run_workload(runners, prompts, args.max_tokens, bar)
-    del runners
+    del runners, engines
     gc.collect()
     return results
 
@@ -207,7 +226,7 @@ def first_divergence(a: Tally, b: Tally) -> list[int | None]:
 def mode_row(dtype: str, workload: str, mode: str, tallies: dict[str, Tally]) -> dict:
     """One table row; ``baseline`` is what the speedup and same-ids columns compare with."""
     tally = tallies[mode]
-    baseline = None if mode == GENERATE else GENERATE if mode == TARGET else TARGET
+    baseline = {GENERATE: None, TARGET: TARGET_LIBRARY, TARGET_LIBRARY: GENERATE}.get(mode, TARGET)
     row = {"dtype": dtype, "workload": workload, "mode": mode, "tokens": tally.tokens,
            "seconds": round(tally.seconds, 3), "tokens_per_second": round(tally.tokens_per_second, 2),
            "baseline": baseline, "other_load": round(tally.other_load, 3), "retries": tally.retries}
@@ -229,7 +248,7 @@ def to_rows(results: dict[str, dict[str, dict[str, Tally]]]) -> list[dict]:
             for mode in tallies]
 
 
-COLUMNS = (("dtype", 9), ("workload", 9), ("mode", 12), ("tokens", 7), ("seconds", 8),
+COLUMNS = (("dtype", 9), ("workload", 9), ("mode", 21), ("tokens", 7), ("seconds", 8),
            ("tok/s", 7), ("speedup", 21), ("accept", 7), ("mean len", 9), ("same ids", 9), ("others", 6))
 
 
@@ -250,8 +269,9 @@ def print_table(rows: list[dict]) -> None:
             print()
         previous = (row["dtype"], row["workload"])
         print("  ".join(cell.ljust(width) for cell, (_, width) in zip(format_row(row), COLUMNS)))
-    print("\nspeedup / same ids: target-only vs generate(); ngram vs target-only "
-          "(same ids = prompts whose greedy output token ids are identical)")
+    print("\nspeedup / same ids: target-only (library) vs generate(); target-only (ours) vs "
+          "target-only (library); ngram vs target-only (same ids = prompts whose greedy output "
+          "token ids are identical)")
     print(f"others: share of the CPU other processes used during the runs that count; a run "
           f"during which they used more than {NOISY:.0%} was measured again "
           f"({sum(row['retries'] for row in rows)} times in all, at most {MAX_TRIES} tries a run)")
@@ -261,9 +281,39 @@ def print_table(rows: list[dict]) -> None:
               "these numbers are noisy. Rerun on a quiet machine.")
 
 
+def roofline_rows(roofline: dict, bandwidth: float) -> list[dict]:
+    """Per dtype and kernels: the forward cost at T = 1..8 and how near T = 1 is the roofline."""
+    rows = []
+    for dtype, by_kernels in roofline.items():
+        nbytes = by_kernels["decode_bytes"]
+        for kernels in (LIBRARY, OURS):
+            costs = by_kernels[kernels]
+            rows.append({"dtype": dtype, "kernels": kernels, "decode_mb": round(nbytes / 1e6, 1),
+                         "forward_ms": {t: round(c * 1e3, 2) for t, c in costs.items()},
+                         "verify_over_decode": {t: round(c / costs[1], 3) for t, c in costs.items()},
+                         "achieved_gbs": round(nbytes / costs[1] / 1e9, 2),
+                         "roofline_share": round(nbytes / costs[1] / bandwidth, 3)})
+    return rows
+
+
+def print_roofline(rows: list[dict], bandwidth: float) -> None:
+    ts = list(rows[0]["forward_ms"])
+    print(f"forward of T new tokens after a {ROOFLINE_CONTEXT}-token context (median ms); "
+          f"machine read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 1 GiB)")
+    print("  ".join(["dtype".ljust(9), "kernels".ljust(9)] + [f"T={t}".rjust(7) for t in ts]
+                    + ["T8/T1".rjust(6), "decode MB".rjust(9), "GB/s".rjust(6), "roofline".rjust(8)]))
+    for row in rows:
+        cells = [row["dtype"].ljust(9), row["kernels"].ljust(9)]
+        cells += [f"{row['forward_ms'][t]:.1f}".rjust(7) for t in ts]
+        cells += [f"{row['verify_over_decode'][ts[-1]]:.2f}".rjust(6), f"{row['decode_mb']:.0f}".rjust(9),
+                  f"{row['achieved_gbs']:.1f}".rjust(6), f"{row['roofline_share']:.0%}".rjust(8)]
+        print("  ".join(cells))
+    print()
+
+
 def machine_info() -> dict:
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
@@ -273,6 +323,7 @@ def print_header(machine: dict, config: dict) -> None:
     print(f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['torch_threads']} "
           f"torch threads, {machine['cpu_capability']}), torch {machine['torch']}, "
           f"transformers {machine['transformers']}, {machine['date']}")
+    print(f"cpu flags: {' '.join(machine['cpu_flags'])}")
     print(f"model: SmolLM2-135M-Instruct (embedded), batch 1, greedy, EOS on, "
           f"max_tokens={config['max_tokens']}, {config['prompts']} prompts per workload\n")
 
@@ -305,18 +356,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     transformers.utils.logging.disable_progress_bar()  # one bar on stderr: ours
     workloads = encode_workloads(args.prompts)
-    runs = sum(map(len, workloads.values())) * (2 + len(args.k)) * len(args.dtypes)
+    runs = sum(map(len, workloads.values())) * (3 + len(args.k)) * len(args.dtypes)
+    roofline: dict = {}
     with tqdm(total=runs, unit="run", file=sys.stderr) as bar:
-        results = {dtype: bench_dtype(dtype, args, workloads, bar) for dtype in args.dtypes}
+        results = {dtype: bench_dtype(dtype, args, workloads, bar, roofline)
+                   for dtype in args.dtypes}
+    bandwidth = read_bandwidth()
     config = {"model": "SmolLM2-135M-Instruct", "batch_size": 1, "greedy": True,
               "max_tokens": args.max_tokens, "prompts": args.prompts, "k": args.k,
               "workloads": list(WORKLOADS), "dtypes": args.dtypes}
     machine, rows = machine_info(), to_rows(results)
+    machine["read_bandwidth_gbs"] = round(bandwidth / 1e9, 2)
+    costs = roofline_rows(roofline, bandwidth)
     print_header(machine, config)
+    print_roofline(costs, bandwidth)
     print_table(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "config": config, "results": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"machine": machine, "config": config, "roofline": costs,
+                               "results": rows}, indent=2) + "\n")
     print(f"\nwrote {out}")
     return 0
 

@@ -88,6 +88,11 @@ class ModelConfig(_Strict):
         "auto", description="Weights and activations. auto: bfloat16 on CUDA, float32 on CPU "
                             "(exact logits; bfloat16 is faster on CPUs with AVX512-BF16).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    kernels: Literal["auto", "invariant", "library"] = Field(
+        "auto", description="invariant: a token's logits do not depend on what else is in the "
+                            "forward (greedy speculation is bit-identical to target-only); "
+                            "library: torch's F.linear and SDPA. auto: invariant on CPU, "
+                            "library on CUDA.")
     cache_dir: str | None = Field(
         None, description="Where dequantized GGUF models are cached; default $SPECSERVE_CACHE_DIR "
                           "or ~/.cache/specserve.")

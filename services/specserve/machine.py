@@ -17,6 +17,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_flags(prefixes: tuple[str, ...] = ("avx", "amx", "fma")) -> list[str]:
+    """The CPU's vector-extension flags (``/proc/cpuinfo``): what decides which kernels the
+    libraries pick, and so speed and rounding. Empty where unknown."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return []
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        if line.startswith("flags"):
+            return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(prefixes))
+    return []
+
+
 def machine_label() -> str:
     """CPU model and core count, e.g. ``AMD EPYC, 2 cores``."""
     return f"{cpu_name()}, {os.cpu_count()} cores"

@@ -394,3 +394,19 @@ def test_sweep_level_summary_ratios_and_round_spread():
     assert sweep.level_summary(off_better, rounds)[0]["router_over_best"] == pytest.approx(38 / 50)
     assert sweep.level_summary(rows[:2], rounds) == []  # a mode missing: no criterion to show
     assert "nan" not in sweep.format_table([level], sweep.LEVEL_TABLE).lower()
+
+
+# -- roofline ------------------------------------------------------------------------------------
+def test_decode_bytes_counts_every_weight_once_and_a_tied_head_again():
+    from load.roofline import decode_bytes, forward_costs
+    from tests.models import runtime_of, tiny_hf_model
+
+    untied = runtime_of(tiny_hf_model("llama-gqa"))
+    tied = runtime_of(tiny_hf_model("llama-mha"))  # tie_word_embeddings
+    for rt in (untied, tied):
+        every = sum(p.numel() * 4 for p in rt.parameters())  # shared tensors once
+        embed = rt.embed.weight.numel() * 4
+        head_again = embed if rt.lm_head.weight is rt.embed.weight else 0
+        assert decode_bytes(rt) == every - embed + rt.embed.weight.shape[1] * 4 + head_again
+    costs = forward_costs(untied, list(range(3, 40)), ts=(1, 4), reps=1)
+    assert set(costs) == {1, 4} and all(c > 0 for c in costs.values())

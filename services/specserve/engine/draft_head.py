@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from specserve.config import DRAFT_KINDS
+from specserve.engine.kernels import Linear
 from specserve.engine.model import LlamaRuntime, ModelArch, rms_norm
 from specserve.errors import ConfigError
 
@@ -85,8 +86,8 @@ class DraftHead(LlamaRuntime):
         super().__init__(arch, rope_cos, rope_sin)
         self.kind = kind
         hidden = arch.hidden_size
-        self.lm_head = nn.Linear(hidden, len(draft_vocab), bias=False)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False) if kind == "eagle" else None
+        self.lm_head = Linear(hidden, len(draft_vocab), bias=False)
+        self.fc = Linear(2 * hidden, hidden, bias=False) if kind == "eagle" else None
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
 
     @property

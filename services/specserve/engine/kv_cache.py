@@ -77,10 +77,13 @@ class SlotKVCache(SlotTable):
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        block: int = 1,
     ) -> None:
         super().__init__(num_slots)
         assert max_seq_len >= 1
-        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+        # Storage in whole blocks of ``block`` positions: a reader may take a slot's keys up
+        # to the end of the block its length falls in (never-written positions are zeros).
+        shape = (num_slots, num_kv_heads, -(-max_seq_len // block) * block, head_dim)
         # torch.zeros on CPU maps untouched pages lazily, so a large cache costs only what is used.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -190,6 +190,9 @@ def load_model(cfg, *, max_model_len: int) -> LoadedModel:
     runtime = build_runtime(hf_model.config, hf_model.state_dict(), max_len=max_model_len,
                             dtype=resolve_dtype(cfg.dtype, device), device=device)
     runtime.requires_grad_(False)
+    kernels = cfg.kernels if cfg.kernels != "auto" else ("library" if device.type == "cuda"
+                                                         else "invariant")
+    runtime.use_kernels(kernels)
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(hf_model, tokenizer))
 
 

@@ -7,6 +7,13 @@ for (the last ``num_logits`` new tokens of each row: 1 for plain decoding and pr
 for a verify). Weights come from a ``transformers`` model of the same architecture, and the
 logits match its forward (fp32, max abs diff ≤ 1e-4; ``tests/engine/test_model.py``).
 
+Row invariance: the logits after a token are bit-identical whether it was decoded alone,
+verified among other drafted tokens, or decoded in a batch beside other sequences, so greedy
+speculative decoding gives exactly the target's own output. The linears and attention come
+from :mod:`specserve.engine.kernels`, which is built for that (``tests/engine/test_kernels.py``
+checks it kernel by kernel and for the whole forward). Training (``forward_full``) does not
+need it and uses torch's own attention.
+
 Layout choices, for speed on the hot path:
 - q/k/v are one fused linear (``qkv``) and gate/up another (``gate_up``): two matmuls fewer
   per layer. Tensor parallelism (``specserve.engine.tp``) shards them by head / by column.
@@ -17,12 +24,13 @@ Layout choices, for speed on the hot path:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
 from specserve.engine.kv_cache import SlotKVCache
 from specserve.errors import ConfigError, InvalidRequestError
 
@@ -119,10 +127,11 @@ class Attention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        self.qkv = nn.Linear(arch.hidden_size, qkv_out, bias=arch.qkv_bias)
-        self.o = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.qkv = Linear(arch.hidden_size, qkv_out, bias=arch.qkv_bias)
+        self.o = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
+        self.invariant = True   # row-invariant attention (kernels.attention); False: SDPA
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,17 +145,21 @@ class Attention(nn.Module):
                 v.view(bsz, t, hk, d))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
-        bsz, t, _ = x.shape  # [B, T, hidden]
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self._qkv(x, ctx.cos, ctx.sin)
         # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
         cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
-        q = q.transpose(1, 2)  # [B, H, T, D]
         keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
-        mask = ctx.window_mask if self.sliding_window is not None else ctx.mask
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=hk != h)  # [B, H, T, D]
-        out = self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
+        window = self.sliding_window is not None
+        if self.invariant:
+            hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
+            out = attention(q, keys, values, hidden, self.head_dim ** -0.5)
+        else:
+            visible = ctx.window_visible if window else ctx.visible
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
+                enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
+            out = out.transpose(1, 2).reshape(*q.shape[:2], -1)
+        out = self.o(out)
         return self.all_reduce(out) if self.all_reduce is not None else out
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,8 +176,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size  # local (per TP rank)
-        self.gate_up = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.gate_up = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
         self.all_reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,14 +210,22 @@ class ForwardContext:
     """Everything one ragged forward shares across layers (computed once per call)."""
 
     slots: list[int]
-    kv_len: int                    # S: longest (start + num_new) in the batch
+    kv_len: int                    # S: longest (start + num_new) in the batch, in whole KV blocks
     cos: torch.Tensor              # [B, T, 1, D]
     sin: torch.Tensor              # [B, T, 1, D]
     valid: torch.Tensor            # [B, T] bool: real tokens, not padding
     write_slots: torch.Tensor      # [N] slot of each real token
     write_positions: torch.Tensor  # [N] position of each real token
-    mask: torch.Tensor | None      # [B, 1, T, S] bool (True = attend); None when not needed
-    window_mask: torch.Tensor | None  # the same with the sliding window applied
+    visible: torch.Tensor          # [B, T, S] bool: the keys each query attends to
+    window_visible: torch.Tensor | None  # the same with the sliding window applied
+    _hidden: dict = field(default_factory=dict)
+
+    def hidden_keys(self, group: int, window: bool) -> torch.Tensor:
+        """The attention mask for ``group`` query heads per key/value head (made once)."""
+        key = (group, window)
+        if key not in self._hidden:
+            self._hidden[key] = hidden_keys(self.window_visible if window else self.visible, group)
+        return self._hidden[key]
 
 
 class LlamaRuntime(nn.Module):
@@ -216,12 +237,30 @@ class LlamaRuntime(nn.Module):
         self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         # [max_len, D] tables; buffers so .to(device/dtype) carries them.
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
+        self.kernels = "invariant"
+
+    KERNELS = ("invariant", "library")
+
+    def use_kernels(self, kernels: str) -> LlamaRuntime:
+        """``invariant``: :mod:`specserve.engine.kernels` (a token's logits do not depend on
+        the rest of the forward; oneDNN-packed linears on CPU). ``library``: ``F.linear`` and
+        torch's ``scaled_dot_product_attention``, the runtime before those kernels (faster
+        than ours on a GPU today; kept for GPUs and for side-by-side benchmarks)."""
+        if kernels not in self.KERNELS:
+            raise ConfigError(f"kernels {kernels!r}: expected one of {', '.join(self.KERNELS)}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packing = kernels == "invariant"
+            elif isinstance(module, Attention):
+                module.invariant = kernels == "invariant"
+        self.kernels = kernels
+        return self
 
     @property
     def max_positions(self) -> int:
@@ -236,7 +275,7 @@ class LlamaRuntime(nn.Module):
         return SlotKVCache(num_layers=len(self.layers), num_slots=num_slots,
                            num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
                            head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
-                           device=self.embed.weight.device)
+                           device=self.embed.weight.device, block=KV_BLOCK)
 
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
@@ -296,6 +335,7 @@ class LlamaRuntime(nn.Module):
         if kv_len > cache.max_seq_len:
             raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
                                       f"of {cache.max_seq_len}")
+        kv_len = -(-kv_len // KV_BLOCK) * KV_BLOCK  # attention reads whole blocks (see kernels)
         t = max(lens)
         tokens = torch.zeros(len(slots), t, dtype=torch.long)
         for i, ids in enumerate(token_ids):
@@ -308,31 +348,30 @@ class LlamaRuntime(nn.Module):
         cos = self.rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
         sin = self.rope_sin[table_pos].unsqueeze(2)
         slot_t = torch.tensor(slots)[:, None].expand(-1, t)
-        mask, window_mask = self._masks(positions, kv_len, device)
+        visible, window_visible = self._visible(positions, kv_len, device)
         ctx = ForwardContext(
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
-            mask=mask, window_mask=window_mask)
+            visible=visible, window_visible=window_visible)
         return ctx, tokens.to(device)
 
-    def _masks(self, positions: torch.Tensor, kv_len: int,
-               device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Causal masks ``[B, 1, T, S]`` for the ragged batch (True = may attend).
+    def _visible(self, positions: torch.Tensor, kv_len: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Causal masks ``[B, T, S]`` for the ragged batch (True = may attend).
 
         A query at position ``p`` sees keys ``0..p`` of its own slot. Padding queries keep the
         same rule; they always see key 0, so no softmax row is empty, and their outputs are
-        never read. A single decode row (T = 1) needs no mask at all.
+        never read.
         """
         windows = {w for w in self.arch.sliding_windows if w is not None}
         assert len(windows) <= 1, "one sliding window size per model"
         keys = torch.arange(kv_len)[None, None, :]                        # [1, 1, S]
         causal = keys <= positions[:, :, None]                            # [B, T, S]
-        mask = None if causal.all() else causal[:, None].to(device)
-        window_mask = None
+        window = None
         if windows:
             (w,) = windows
-            window_mask = (causal & (keys > positions[:, :, None] - w))[:, None].to(device)
-        return mask, window_mask
+            window = (causal & (keys > positions[:, :, None] - w)).to(device)
+        return causal.to(device), window
 
 
 def _logit_positions(token_ids: list[list[int]], num_logits: list[int],

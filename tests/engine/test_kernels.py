@@ -1,0 +1,158 @@
+"""Row invariance, checked kernel by kernel and then for the whole forward, on whatever CPU
+runs the suite: a token's result must not depend on how many other tokens (a verify's
+drafts, other sequences of a batch) share the call. Equality is exact (``torch.equal``): a
+last-bit difference is what flips a greedy near-tie.
+
+The old runtime failed these on both CPUs this project has met (AVX2 and AVX512): ``F.linear``
+(MKL) at 1 vs 2-3 vs >= 4 rows, and ``scaled_dot_product_attention`` for a query inside a
+masked call (docs/BENCHMARKS.md, "Row invariance").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
+from specserve.engine.model import rms_norm
+
+from tests.models import runtime_of, tiny_hf_model
+
+# The linear shapes of SmolLM2-135M (qkv, o, gate_up, down) and an LM head of a small vocab.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (8192, 576)]
+ROW_COUNTS = [1, 2, 3, 4, 5, 8, 9, 16, 33, 64]
+
+
+def seeded(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_rows_do_not_depend_on_the_row_count(shape):
+    out_features, in_features = shape
+    linear = Linear(in_features, out_features, bias=True).requires_grad_(False)
+    with torch.no_grad():
+        linear.weight.copy_(seeded(out_features, in_features, scale=0.05))
+        linear.bias.copy_(seeded(out_features, seed=1))
+    x = seeded(max(ROW_COUNTS), in_features, seed=2)
+    with torch.inference_mode():
+        alone = [linear(x[i:i + 1])[0] for i in range(max(ROW_COUNTS))]
+        for n in ROW_COUNTS:
+            together = linear(x[:n])
+            bad = [i for i in range(n) if not torch.equal(together[i], alone[i])]
+            assert not bad, f"{n} rows: rows {bad} differ from the same rows alone"
+        # Leading dimensions are flattened: [B, T, in] is the same as [B*T, in].
+        assert torch.equal(linear(x[:6].view(2, 3, -1)).view(6, -1), linear(x[:6]))
+        assert torch.allclose(linear(x[:5]), F.linear(x[:5], linear.weight, linear.bias),
+                              atol=1e-4, rtol=1e-4)
+
+
+def test_linear_repacks_when_its_weight_changes_and_trains_through_the_plain_weight():
+    linear = Linear(64, 32)
+    x = seeded(3, 64)
+    with torch.inference_mode():
+        before = linear(x)
+    with torch.no_grad():
+        linear.weight.mul_(2)  # in place, as an optimizer step would
+    with torch.inference_mode():
+        after = linear(x)
+    assert torch.allclose(after - linear.bias, 2 * (before - linear.bias), atol=1e-5)
+    # A frozen weight with an input that wants a gradient: autograd must see the op.
+    linear.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    linear(xg).sum().backward()
+    assert torch.allclose(xg.grad, linear.weight.sum(0).expand(3, -1), atol=1e-5)
+
+
+def test_rms_norm_rows_do_not_depend_on_the_row_count():
+    x, w = seeded(64, 576, scale=3), seeded(576, seed=1)
+    alone = [rms_norm(x[i:i + 1], w, 1e-5)[0] for i in range(64)]
+    for n in ROW_COUNTS:
+        together = rms_norm(x[:n], w, 1e-5)
+        assert all(torch.equal(together[i], alone[i]) for i in range(n)), n
+
+
+def causal(starts: list[int], t: int, s: int) -> torch.Tensor:
+    """``[B, T, S]``: query ``j`` of row ``b`` is at position ``starts[b] + j``."""
+    positions = torch.tensor(starts)[:, None] + torch.arange(t)[None]
+    return torch.arange(s)[None, None] <= positions[:, :, None]
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("start", [5, KV_BLOCK - 3, 3 * KV_BLOCK + 10])
+def test_attention_for_a_query_does_not_depend_on_other_queries_or_rows(heads, start):
+    """A query at position p: alone (a decode), as query j of a verify of T tokens, and in a
+    batch beside a longer row (more key blocks, all masked for it)."""
+    h, hk = heads
+    d, s = 64, 6 * KV_BLOCK
+    keys, values = seeded(3, hk, s, d, seed=1), seeded(3, hk, s, d, seed=2)
+    q = seeded(3, 9, h, d, seed=3)
+    scale = d ** -0.5
+
+    def run(rows: list[int], starts: list[int], t: int, q_rows: torch.Tensor) -> torch.Tensor:
+        need = max(st + t for st in starts)
+        span = -(-need // KV_BLOCK) * KV_BLOCK
+        return attention(q_rows, keys[rows, :, :span], values[rows, :, :span],
+                         hidden_keys(causal(starts, t, span), h // hk), scale)
+
+    for j in range(9):
+        alone = run([0], [start + j], 1, q[:1, j:j + 1])[0, 0]
+        for t in range(j + 1, 10):
+            verify = run([0], [start], t, q[:1, :t])[0, j]
+            assert torch.equal(verify, alone), (j, t)
+        batch = run([0, 1, 2], [start + j, start + 2 * KV_BLOCK, 0], 1, q[:, j:j + 1])
+        assert torch.equal(batch[0, 0], alone), j
+    # And it is attention: the same as torch's, up to rounding.
+    ref = F.scaled_dot_product_attention(
+        q[:1, :4].transpose(1, 2), keys[:1, :, :start + 4], values[:1, :, :start + 4],
+        attn_mask=causal([start], 4, start + 4)[:, None], enable_gqa=hk != h)
+    got = run([0], [start], 4, q[:1, :4])
+    assert torch.allclose(got, ref.transpose(1, 2).reshape(1, 4, h * d), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2-bias", "mistral-window"])
+def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind):
+    """The whole runtime: the logits after token p are bit-identical whether p was decoded
+    alone, verified among up to 8 more tokens, or decoded in a batch of rows of other lengths.
+    (Greedy speculative decoding is then identical to target-only decoding by construction.)"""
+    rt = runtime_of(tiny_hf_model(kind, seed=0, logit_scale=3.0), max_len=256)
+    prompt = seeded(70, seed=5).abs().mul(100).long().remainder(500).tolist()
+    others = [seeded(n, seed=6 + n).abs().mul(100).long().remainder(500).tolist() for n in (3, 90, 130)]
+    cache = rt.make_cache(num_slots=8, max_seq_len=256)
+    slot = cache.allocate()
+    rt(cache, [slot], [prompt[:60]])
+    # One token at a time (a target-only decode).
+    alone = []
+    for tok in prompt[60:70]:
+        alone.append(rt(cache, [slot], [[tok]]))
+    alone = torch.cat(alone)
+    for t in range(1, 10):  # a verify of t tokens from position 60
+        cache.rollback(slot, 60)
+        assert torch.equal(rt(cache, [slot], [prompt[60:60 + t]], [t]), alone[:t]), t
+    # Inside a ragged batch, decode and verify rows mixed.
+    cache.rollback(slot, 60)
+    extra = [cache.allocate() for _ in others]
+    for s_, ids in zip(extra, others):
+        rt(cache, [s_], [ids])
+    got = rt(cache, [extra[0], slot, extra[1], extra[2]],
+             [[7], prompt[60:65], [8, 9], [10]], [1, 5, 2, 1])
+    assert torch.equal(got[1:6], alone[:5])
+
+
+def test_library_kernels_compute_the_same_logits_up_to_rounding():
+    """``kernels: library`` (F.linear + SDPA, the runtime before these kernels; kept for GPUs
+    and side-by-side benchmarks) is the same model."""
+    from specserve.errors import ConfigError
+
+    hf = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+    ours, library = runtime_of(hf), runtime_of(hf).use_kernels("library")
+    prompt = list(range(3, 80))
+    got = {}
+    for name, rt in (("invariant", ours), ("library", library)):
+        cache = rt.make_cache(num_slots=1, max_seq_len=256)
+        slot = cache.allocate()
+        got[name] = torch.cat([rt(cache, [slot], [prompt[:70]], [5]),
+                               rt(cache, [slot], [prompt[70:]], [7])])
+    assert torch.allclose(got["invariant"], got["library"], atol=1e-4)
+    with pytest.raises(ConfigError, match="kernels"):
+        ours.use_kernels("fast")
