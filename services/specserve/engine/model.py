@@ -243,7 +243,6 @@ class LlamaRuntime(nn.Module):
         # [max_len, D] tables; buffers so .to(device/dtype) carries them.
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
-        self.kernels = "invariant"
 
     KERNELS = ("invariant", "library")
 
@@ -259,7 +258,6 @@ class LlamaRuntime(nn.Module):
                 module.packing = kernels == "invariant"
             elif isinstance(module, Attention):
                 module.invariant = kernels == "invariant"
-        self.kernels = kernels
         return self
 
     @property
