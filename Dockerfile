@@ -9,8 +9,10 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 USER root
+# gcc: the CPU kernels (engine/kernels.c) are built at first use for the node's CPU; without
+# a compiler a CPU model falls back to slower oneDNN kernels.
 RUN apt-get update -qq \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tini \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tini gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 # The base image's user is `ray` (uid 1000); everything below installs and runs as it.

@@ -6,13 +6,19 @@ last-bit difference is what flips a greedy near-tie.
 The old runtime failed these on both CPUs this project has met (AVX2 and AVX512): ``F.linear``
 (MKL) at 1 vs 2-3 vs >= 4 rows, and ``scaled_dot_product_attention`` for a query inside a
 masked call (docs/BENCHMARKS.md, "Row invariance").
+
+Both kernel sets are checked: the C kernels (``engine/kernels.c``, built here at first use)
+and the fallback where no C compiler is found (oneDNN-packed linears, blocked attention).
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
+from specserve.engine import native
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
 from specserve.engine.model import rms_norm
 
@@ -27,8 +33,32 @@ def seeded(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
+@pytest.fixture(params=["native", "fallback"])
+def kernels(request, monkeypatch):
+    """Run the test on the C kernels, then on the fallback (as on a machine with no C compiler)."""
+    if request.param == "native":
+        assert native.library() is not None, native.unavailable_reason()
+    else:
+        monkeypatch.setattr(native, "library", lambda: None)
+    return request.param
+
+
+def test_the_c_kernels_are_built_where_a_compiler_is_found(monkeypatch, tmp_path):
+    """The suite runs with a C compiler (gcc in the image): the C kernels must load, not fall
+    back in silence. With none, or a compiler that fails, the runtime falls back with a reason."""
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert native.library() is not None, native.unavailable_reason()
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(native._Unavailable, match="failed"):
+        native._load()
+    monkeypatch.setenv("SPECSERVE_NATIVE", "0")
+    with pytest.raises(native._Unavailable, match="SPECSERVE_NATIVE=0"):
+        native._load()
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear_rows_do_not_depend_on_the_row_count(shape):
+def test_linear_rows_do_not_depend_on_the_row_count(shape, kernels):
     out_features, in_features = shape
     linear = Linear(in_features, out_features, bias=True).requires_grad_(False)
     with torch.no_grad():
@@ -110,8 +140,48 @@ def test_attention_for_a_query_does_not_depend_on_other_queries_or_rows(heads, s
     assert torch.allclose(got, ref.transpose(1, 2).reshape(1, 4, h * d), atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("start", [5, KV_BLOCK - 3, 3 * KV_BLOCK + 10])
+def test_native_attention_for_a_query_does_not_depend_on_other_queries_or_rows(heads, start):
+    """The C attention reads the cache storage of each row's slot directly: a query alone, as
+    query j of a verify, in a batch beside longer rows, and in a sliding window."""
+    assert native.library() is not None, native.unavailable_reason()
+    h, hk = heads
+    d, s = 64, 6 * KV_BLOCK
+    keys, values = seeded(4, hk, s, d, seed=1), seeded(4, hk, s, d, seed=2)
+    q = seeded(3, 9, h, d, seed=3)
+    scale = d ** -0.5
+
+    def run(slots: list[int], starts: list[int], t: int, q_rows: torch.Tensor, window=None):
+        positions = torch.tensor(starts)[:, None] + torch.arange(t)[None]
+        lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+        return native.attention(q_rows, keys, values, torch.tensor(slots), lo.to(torch.int32),
+                                (positions + 1).to(torch.int32), scale)
+
+    for j in range(9):
+        alone = run([2], [start + j], 1, q[:1, j:j + 1])[0, 0]
+        for t in range(j + 1, 10):
+            assert torch.equal(run([2], [start], t, q[:1, :t])[0, j], alone), (j, t)
+        batch = run([3, 2, 0], [start + 2 * KV_BLOCK, start + j, 0], 1, q[[1, 0, 2], j:j + 1])
+        assert torch.equal(batch[1, 0], alone), j
+    ref = F.scaled_dot_product_attention(
+        q[:1, :4].transpose(1, 2), keys[2:3, :, :start + 4], values[2:3, :, :start + 4],
+        attn_mask=causal([start], 4, start + 4)[:, None], enable_gqa=hk != h)
+    assert torch.allclose(run([2], [start], 4, q[:1, :4]), ref.transpose(1, 2).reshape(1, 4, h * d),
+                          atol=1e-5)
+    # A window of 4 keys: the query at p reads p-3..p only.
+    window = torch.zeros(1, 4, start + 4, dtype=torch.bool)
+    for i in range(4):
+        window[0, i, max(0, start + i - 3):start + i + 1] = True
+    ref = F.scaled_dot_product_attention(
+        q[:1, :4].transpose(1, 2), keys[2:3, :, :start + 4], values[2:3, :, :start + 4],
+        attn_mask=window[:, None], enable_gqa=hk != h)
+    assert torch.allclose(run([2], [start], 4, q[:1, :4], window=4),
+                          ref.transpose(1, 2).reshape(1, 4, h * d), atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2-bias", "mistral-window"])
-def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind):
+def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind, kernels):
     """The whole runtime: the logits after token p are bit-identical whether p was decoded
     alone, verified among up to 8 more tokens, or decoded in a batch of rows of other lengths.
     (Greedy speculative decoding is then identical to target-only decoding by construction.)"""
@@ -139,7 +209,7 @@ def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind):
     assert torch.equal(got[1:6], alone[:5])
 
 
-def test_library_kernels_compute_the_same_logits_up_to_rounding():
+def test_library_kernels_compute_the_same_logits_up_to_rounding(kernels):
     """``kernels: library`` (F.linear + SDPA, the runtime before these kernels; kept for GPUs
     and side-by-side benchmarks) is the same model."""
     from specserve.errors import ConfigError

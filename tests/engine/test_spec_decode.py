@@ -120,7 +120,7 @@ def test_greedy_is_bit_identical_when_every_token_has_a_near_tie(twin_target_hf,
     reference = [c.output_token_ids for c in make_engine(twin_target_hf, None).generate(batch, GREEDY)]
     for k in range(1, 9):
         spec = make_engine(twin_target_hf, method, k, draft_hf=draft)
-        for size in (1, 2, 5, 8):
+        for size in range(1, 9):
             got = [c.output_token_ids for c in spec.generate(batch[:size], GREEDY)]
             assert got == reference[:size], (k, size)
         assert spec.stats.num_accepted_tokens > 0

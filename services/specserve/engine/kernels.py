@@ -9,17 +9,21 @@ near-tie into a different answer. Measured on this project's CPUs (float32, torc
 ``scaled_dot_product_attention`` gives other bits for a query inside a masked call than for
 the same query alone. So the runtime uses these instead:
 
-- :class:`Linear`: oneDNN with the weight reordered once into its blocked layout (what
-  inductor's CPU freezing emits: ``_reorder_linear_weight``, ``_linear_pointwise``). Every
-  row is computed by the same microkernel whatever the row count, and a decode reads the
-  weight at close to memory bandwidth where MKL's GEMV did not (the LM head: 20 ms -> 5 ms
-  at one row on the AVX2 machine).
-- :func:`attention`: every query's arithmetic has the same shapes however many queries and
-  rows share the call. Keys are read in blocks of ``KV_BLOCK`` positions; the score product
-  reduces over the head dimension only; softmax's maximum is exact in any order; each block's
-  sums have a fixed length (masked positions are exact zeros), and blocks are added in
-  position order by a prefix sum, so the blocks past a query's own (padding, or keys of later
-  queries) add exact zeros at the end.
+- :class:`Linear` and :func:`native_attention`: the C kernels of ``kernels.c``
+  (:mod:`specserve.engine.native`), built for the machine at first use. Each output is one
+  fixed sequence of operations over its own inputs, so invariance holds by construction; a
+  decode streams the weights at close to memory bandwidth (MKL's speed at one row, faster at
+  4-8) and attention reads a query's visible keys straight from the cache.
+- Where no C compiler is found, the fallbacks, row-invariant too and slower: linears through
+  oneDNN with the weight reordered once into its blocked layout (what inductor's CPU
+  freezing emits: ``_reorder_linear_weight``, ``_linear_pointwise``; every row goes through
+  the same microkernel whatever the row count), and :func:`attention`: every query's
+  arithmetic has the same shapes however many queries and rows share the call. Keys are
+  read in blocks of ``KV_BLOCK`` positions; the score product reduces over the head
+  dimension only; softmax's maximum is exact in any order; each block's sums have a fixed
+  length (masked positions are exact zeros), and blocks are added in position order by a
+  prefix sum, so the blocks past a query's own (padding, or keys of later queries) add exact
+  zeros at the end.
 
 Elementwise ops are exact per element, with one caveat: torch computes the tail of a
 contiguous run that does not fill two vector registers with the scalar function, and for
@@ -34,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.engine import native
+
 KV_BLOCK = 64  # positions per key/value block; the cache is allocated in whole blocks
 # Row counts below which a library switches kernels (measured, torch 2.13): oneDNN's packed
 # linear gives other bits at 1 row for long inputs (K >= 1536 on AVX512); MKL's matmul at
@@ -42,25 +48,34 @@ LINEAR_MIN_ROWS = 2
 MATMUL_MIN_ROWS = 4
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN packing applies to float32 weights on a CPU with oneDNN (bfloat16 is left to
-    ``F.linear``: oneDNN's bf16 path needs AVX512, and is not measured here)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+def cpu_float32(weight: torch.Tensor) -> bool:
+    """Where the row-invariant linears apply: float32 on a CPU (bfloat16 and GPUs are left
+    to ``F.linear``; see README, "Precision")."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def native_ready(t: torch.Tensor) -> bool:
+    """The C kernels take ``t``: float32 on a CPU, and they were built here."""
+    return cpu_float32(t) and native.library() is not None
 
 
 class Linear(nn.Linear):
-    """An ``nn.Linear`` that, in inference, multiplies by a copy of its weight in oneDNN's
-    blocked layout (made on first use, made again if the weight changes). What autograd must
-    see through (a weight or an input that wants a gradient) uses the plain weight, and so do
-    ``state_dict`` and tensor-parallel sharding: the plain weight stays, so a packed model
-    holds its linear weights twice."""
+    """An ``nn.Linear`` whose inference forward is row-invariant on a CPU in float32: the C
+    kernel where it is built, else oneDNN with a copy of the weight in its blocked layout
+    (made on first use, made again if the weight changes; the model then holds those
+    weights twice). What autograd must see through (a weight or an input that wants a
+    gradient) uses ``F.linear``, and so do other devices and dtypes."""
 
-    packing = True  # False: plain ``F.linear`` (the "library" kernels, see LlamaRuntime)
+    invariant = True  # False: plain ``F.linear`` (the "library" kernels, see LlamaRuntime)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wants_grad = torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)
-        if wants_grad or not self.packing or not can_pack(self.weight):  # oneDNN: no backward
+        if (wants_grad or not self.invariant or not cpu_float32(self.weight)
+                or x.dtype != torch.float32):
+            return super().forward(x)
+        if native.library() is not None and self.weight.is_contiguous():
+            return native.linear(x, self.weight, self.bias)
+        if not torch.backends.mkldnn.is_available():
             return super().forward(x)
         flat = _at_least(x.reshape(-1, self.in_features), LINEAR_MIN_ROWS)
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed(), self.bias, "none", [], "")

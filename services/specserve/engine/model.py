@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
+from specserve.engine import native
+from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys, native_ready
 from specserve.engine.kv_cache import SlotKVCache
 from specserve.errors import ConfigError, InvalidRequestError
 
@@ -145,11 +146,14 @@ class Attention(nn.Module):
                 v.view(bsz, t, hk, d))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
+        window = self.sliding_window is not None
+        if self.invariant and native_ready(x):
+            out = self._native(x, ctx, cache, window)
+            return self.all_reduce(out) if self.all_reduce is not None else out
         q, k, v = self._qkv(x, ctx.cos, ctx.sin)
         # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
         cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
         keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
-        window = self.sliding_window is not None
         if self.invariant:
             hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
             out = attention(q, keys, values, hidden, self.head_dim ** -0.5)
@@ -161,6 +165,21 @@ class Attention(nn.Module):
             out = out.transpose(1, 2).reshape(*q.shape[:2], -1)
         out = self.o(out)
         return self.all_reduce(out) if self.all_reduce is not None else out
+
+    def _native(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                window: bool) -> torch.Tensor:
+        """The same layer on the C kernels: RoPE and the cache write in one call on the fused
+        projection, attention reading the q heads in place and the cache storage directly."""
+        bsz, t, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.slot_index,
+                              ctx.row_starts, ctx.row_lens)
+        q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
+        out = native.attention(q, keys, values, ctx.slot_index, ctx.key_start(window), ctx.key_end,
+                               d ** -0.5)
+        return self.o(out)
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
@@ -179,10 +198,15 @@ class MLP(nn.Module):
         self.gate_up = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
         self.all_reduce = None
+        self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        out = self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        if self.invariant and native_ready(gate_up):
+            out = self.down(native.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down(F.silu(gate) * up)
         return self.all_reduce(out) if self.all_reduce is not None else out
 
 
@@ -194,10 +218,12 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(arch, layer_idx)
         self.post_attn_norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.mlp = MLP(arch)
+        self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), ctx, cache)
-        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
+        norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
+        x = x + self.attn(norm(x, self.input_norm, self.eps), ctx, cache)
+        return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: see :meth:`Attention.forward_full`."""
@@ -218,7 +244,48 @@ class ForwardContext:
     write_positions: torch.Tensor  # [N] position of each real token
     visible: torch.Tensor          # [B, T, S] bool: the keys each query attends to
     window_visible: torch.Tensor | None  # the same with the sliding window applied
+    positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
+    window: int | None             # the sliding window of the layers that have one
     _hidden: dict = field(default_factory=dict)
+    _ranges: dict = field(default_factory=dict)
+
+    @property
+    def slot_index(self) -> torch.Tensor:
+        """``[B]`` int64 slots, for the native attention."""
+        if "slots" not in self._ranges:
+            self._ranges["slots"] = torch.tensor(self.slots, dtype=torch.int64)
+        return self._ranges["slots"]
+
+    @property
+    def key_end(self) -> torch.Tensor:
+        """``[B, T]`` int32: each query reads keys before ``position + 1``."""
+        if "end" not in self._ranges:
+            self._ranges["end"] = (self.positions + 1).to(torch.int32)
+        return self._ranges["end"]
+
+    @property
+    def row_starts(self) -> torch.Tensor:
+        """``[B]`` int32: each row's first new position."""
+        if "starts" not in self._ranges:
+            self._ranges["starts"] = self.positions[:, 0].to(torch.int32)
+        return self._ranges["starts"]
+
+    @property
+    def row_lens(self) -> torch.Tensor:
+        """``[B]`` int32: each row's number of new (real) tokens."""
+        if "lens" not in self._ranges:
+            self._ranges["lens"] = self.valid.sum(1, dtype=torch.int32)
+        return self._ranges["lens"]
+
+    def key_start(self, window: bool) -> torch.Tensor:
+        """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
+        key = ("start", window)
+        if key not in self._ranges:
+            start = torch.zeros_like(self.positions)
+            if window:
+                start = (self.positions - self.window + 1).clamp(min=0)
+            self._ranges[key] = start.to(torch.int32)
+        return self._ranges[key]
 
     def hidden_keys(self, group: int, window: bool) -> torch.Tensor:
         """The attention mask for ``group`` query heads per key/value head (made once)."""
@@ -255,8 +322,8 @@ class LlamaRuntime(nn.Module):
             raise ConfigError(f"kernels {kernels!r}: expected one of {', '.join(self.KERNELS)}")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.packing = kernels == "invariant"
-            elif isinstance(module, Attention):
+                module.invariant = kernels == "invariant"
+            elif isinstance(module, (Attention, MLP, DecoderLayer)):
                 module.invariant = kernels == "invariant"
         return self
 
@@ -350,7 +417,8 @@ class LlamaRuntime(nn.Module):
         ctx = ForwardContext(
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
-            visible=visible, window_visible=window_visible)
+            visible=visible, window_visible=window_visible, positions=positions,
+            window=next((w for w in self.arch.sliding_windows if w is not None), None))
         return ctx, tokens.to(device)
 
     def _visible(self, positions: torch.Tensor, kv_len: int,

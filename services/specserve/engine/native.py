@@ -1,0 +1,193 @@
+"""The C kernels of ``kernels.c``, built for this machine at first use and called via ctypes.
+
+Why C: the runtime needs linears and attention whose result for one token does not depend
+on the other tokens in the call (see :mod:`specserve.engine.kernels`). oneDNN's packed linear
+has that property but reads a decode's weights well below memory bandwidth at one or two
+rows; MKL is fast at one row but rounds differently at 1, 2-3 and >= 4 rows. A small
+hand-written kernel has the property by construction and streams a decode's weights at
+close to bandwidth (docs/BENCHMARKS.md, "Runtime").
+
+The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
+``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``), in a second or so. It links the
+OpenMP runtime torch already loaded, so both share one thread pool. Where no C compiler is
+found, or ``SPECSERVE_NATIVE=0``, :func:`library` returns None and the runtime falls back to
+oneDNN's packed linears and the blocked attention in ``kernels.py`` (row-invariant too,
+slower); :func:`unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot be built here (see :func:`unavailable_reason`)."""
+    global _lib, _reason, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            _lib = _load()
+        except _Unavailable as exc:
+            _reason = str(exc)
+            log.warning("native kernels unavailable (%s); using oneDNN and blocked attention", exc)
+    return _lib
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _reason
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("SPECSERVE_NATIVE", "1") == "0":
+        raise _Unavailable("SPECSERVE_NATIVE=0")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise _Unavailable("no C compiler on PATH")
+    path = _cache_dir() / f"kernels-{_build_key(compiler)}.so"
+    if not path.exists():
+        _compile(compiler, path)
+    lib = ctypes.CDLL(str(path))
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.linear_rows.argtypes = [ptr] * 4 + [i32] * 4
+    lib.linear_rows.restype = None
+    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 6 + [i32] * 6 + [f32, i32]
+    lib.rms_norm_rows.argtypes = [ptr] * 3 + [i32] * 2 + [f32, i32]
+    lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
+    lib.rope_and_store.argtypes = [ptr] * 8 + [i32] * 7
+    for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
+               lib.rope_and_store):
+        fn.restype = None
+    return lib
+
+
+def _cache_dir() -> Path:
+    from specserve.engine.loader import default_cache_dir
+
+    path = default_cache_dir() / "native"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _build_key(compiler: str) -> str:
+    """Source, flags, compiler version and CPU: a shared cache never serves another CPU's build."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def _cpu() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compile(compiler: str, path: Path) -> None:
+    # Build beside the target and rename: processes that build at once each get a whole file.
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(out, path)
+
+
+def _built() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for float32 CPU tensors (``x``: ``[..., K]``; ``weight``:
+    ``[N, K]`` contiguous), each output row computed the same way whatever the row count."""
+    k = weight.shape[1]
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)
+    _built().linear_rows(flat.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(),
+                     flat.shape[0], weight.shape[0], k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+              lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``q`` ``[B, T, H, D]`` (each token's heads contiguous; tokens may be
+    further apart, as the q part of a fused projection is) over the cache storage ``keys`` /
+    ``values`` ``[num_slots, Hk, S, D]`` of ``slots`` ``[B]`` (int64); query ``(b, t)``
+    reads keys ``lo[b, t] <= j < hi[b, t]`` (int32, at least one). Returns ``[B, T, H * D]``."""
+    b, t, h, d = q.shape
+    if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != t * q.stride(1):
+        q = q.contiguous()
+    out = torch.empty(b, t, h * d, dtype=torch.float32)
+    _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
+                        slots.data_ptr(), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), b, t, h,
+                        keys.shape[1], keys.shape[2], d, scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a float32 ``x``, row by row."""
+    n = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _built().rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                       torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a ``[..., 2 * n]`` float32 tensor laid out ``[gate | up]``."""
+    n = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
+    _built().silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n,
+                       torch.get_num_threads())
+    return out
+
+
+def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                   kv_heads: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                   starts: torch.Tensor, lens: torch.Tensor) -> None:
+    """In place on the fused projection ``qkv`` ``[B, T, (heads + 2 kv_heads) * D]``
+    (contiguous): rotate-half RoPE on its q and k heads (``cos`` / ``sin``: ``[B, T, 1, D]``),
+    then store the k and v heads of row ``b``'s first ``lens[b]`` tokens at positions
+    ``starts[b]..`` of slot ``slots[b]`` in the cache storage ``keys`` / ``values``."""
+    b, t, _ = qkv.shape
+    d = keys.shape[3]
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                        values.data_ptr(), slots.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+                        b, t, heads, kv_heads, keys.shape[2], d, torch.get_num_threads())
