@@ -27,7 +27,9 @@ time of the level), p50 / p99 time to first token, p50 / p99 inter-token latency
 between SSE chunks that carry text: with speculation on, one chunk can hold several tokens),
 p50 time per output token ((end - first token) / (tokens - 1)), the acceptance rate (sum of
 accepted / sum of draft tokens from each request's final ``usage.speculation``) and the
-share of requests that ran with speculation on (``x-speculation`` header).
+share of requests that ran with speculation on (``x-speculation`` header). Per level, ``same
+text``: the prompts whose completions were one text across every mode and repeat (greedy
+and lossless, so all of them).
 
     python load/sweep.py --host http://127.0.0.1:8000        # against a running `make serve`
     python load/sweep.py --start-local                       # starts Ray + Serve itself
@@ -70,7 +72,7 @@ CSV_COLUMNS = (
     "mode", "concurrency", "requests", "finished", "failed", "wall_s", "completion_tokens",
     "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
     "tpot_p50_ms", "acceptance_rate", "mean_acceptance_length", "spec_on_share", "mean_k",
-    "error",
+    "same_text", "error",
 )
 ROUND_COLUMNS = ("concurrency", "round", "mode", "requests", "finished", "completion_tokens",
                  "wall_s", "output_tokens_per_s")
@@ -92,6 +94,9 @@ class RequestResult:
     speculation_on: bool | None = None      # from the x-speculation header
     header: str | None = None
     error: str | None = None
+    prompt: str = ""                         # the request's messages, as JSON
+    text: str = ""                           # the streamed completion
+
 
     @property
     def ok(self) -> bool:
@@ -143,8 +148,10 @@ def apply_event(result: RequestResult, data: str, now: float) -> bool:
         result.error = str(obj["error"].get("message", obj["error"]))
         return True
     for choice in obj.get("choices") or []:
-        if (choice.get("delta") or {}).get("content"):
+        content = (choice.get("delta") or {}).get("content")
+        if content:
             result.chunk_times.append(now)
+            result.text += content
     usage = obj.get("usage")
     if usage:
         result.end = now
@@ -160,7 +167,7 @@ def apply_event(result: RequestResult, data: str, now: float) -> bool:
 
 async def stream_request(client, url: str, body: dict) -> RequestResult:
     """POST one streaming chat request and time its SSE chunks; errors land in ``error``."""
-    result = RequestResult(start=time.perf_counter())
+    result = RequestResult(start=time.perf_counter(), prompt=json.dumps(body.get("messages")))
     try:
         async with client.stream("POST", url, json=body) as response:
             result.header = response.headers.get("x-speculation")
@@ -224,6 +231,20 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
 
+def same_text(results: list[RequestResult]) -> tuple[int, int]:
+    """(prompts whose finished completions are all the same text, prompts finished at least
+    twice) over a level's requests of every mode: greedy and lossless, a prompt gets one text
+    whatever the mode, the batch it shared and the K it was verified with."""
+    texts: dict[str, set[str]] = {}
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.ok:
+            texts.setdefault(r.prompt, set()).add(r.text)
+            counts[r.prompt] = counts.get(r.prompt, 0) + 1
+    compared = [p for p, n in counts.items() if n >= 2]
+    return sum(len(texts[p]) == 1 for p in compared), len(compared)
+
+
 def summarize(mode: str, concurrency: int, requested: int, results: list[RequestResult],
               wall_s: float) -> dict:
     """One row of the sweep table from a level's request results (times in ms)."""
@@ -247,6 +268,7 @@ def summarize(mode: str, concurrency: int, requested: int, results: list[Request
                                              sum(r.num_drafts for r in ok)),
         "spec_on_share": _ratio(sum(headers), len(headers)),
         "mean_k": _mean([r.mean_k for r in ok if r.mean_k is not None]),
+        "same_text": "",  # per level, across modes: see same_text() and run_sweep()
         "error": errors[0] if errors else "",
     }
 
@@ -388,7 +410,9 @@ async def run_sweep(args, base: str, prompts: list[dict]) -> tuple[str, str, lis
                         results[mode] += got
                         walls[mode] += wall
                         round_rows.append(round_row(c, r, mode, bodies, got, wall))
-                rows += [summarize(mode, c, n, results[mode], walls[mode]) for mode in args.modes]
+                same, compared = same_text([r for got in results.values() for r in got])
+                rows += [{**summarize(mode, c, n, results[mode], walls[mode]),
+                          "same_text": f"{same}/{compared}"} for mode in args.modes]
     return model, spec, rows, round_rows
 
 
@@ -493,7 +517,8 @@ def report(args, base: str, model: str, spec: str, rows: list[dict], round_rows:
         print("\n" + format_table(levels, LEVEL_TABLE))
         print("\nrouter / best: router tok/s over the better of on and off (issue 5 wants >= 0.95); "
               "router / on per round: min, median, max over the level's rounds (the noise of one "
-              "round where the router chose what on does)")
+              "round where the router chose what on does); same text: prompts whose completions "
+              "were one text in every mode and repeat / prompts compared")
     write_csv(rows, args.csv, CSV_COLUMNS)
     write_csv(round_rows, args.rounds_csv, ROUND_COLUMNS)
     save_plot(rows, title, args.png)
@@ -504,7 +529,8 @@ LEVEL_TABLE = (("c", "concurrency", 4, 0), ("on tok/s", "on", 9, 1), ("off tok/s
                ("router tok/s", "router", 12, 1), ("router/best", "router_over_best", 11, 3),
                ("on/off", "on_over_off", 7, 2), ("router/off", "router_over_off", 10, 2),
                ("rounds", "rounds", 6, 0), ("r/on min", "round_min", 8, 2),
-               ("r/on med", "round_median", 8, 2), ("r/on max", "round_max", 8, 2))
+               ("r/on med", "round_median", 8, 2), ("r/on max", "round_max", 8, 2),
+               ("same text", "same_text", 9, 0))
 
 
 def level_summary(rows: list[dict], round_rows: list[dict]) -> list[dict]:
@@ -522,7 +548,8 @@ def level_summary(rows: list[dict], round_rows: list[dict]) -> list[dict]:
                 per_round.setdefault(r["round"], {})[r["mode"]] = r["output_tokens_per_s"]
         ratios = [_ratio(v["router"], v["on"]) for v in per_round.values() if "router" in v and "on" in v]
         ratios = [x for x in ratios if not math.isnan(x)]
-        out.append({"concurrency": c, **{m: tps[m] for m in MODES},
+        same = next((r.get("same_text", "") for r in rows if r["concurrency"] == c), "")
+        out.append({"concurrency": c, **{m: tps[m] for m in MODES}, "same_text": same,
                     "router_over_best": _ratio(tps["router"], max(tps["on"], tps["off"])),
                     "on_over_off": _ratio(tps["on"], tps["off"]),
                     "router_over_off": _ratio(tps["router"], tps["off"]),

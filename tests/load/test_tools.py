@@ -230,6 +230,20 @@ def test_sweep_csv(tmp_path):
     assert float(read[0]["output_tokens_per_s"]) == 2.0 and read[1]["ttft_p50_ms"] == ""
 
 
+def test_sweep_same_text_compares_each_prompt_across_modes_and_repeats():
+    def done(prompt, text):
+        r = _result(0.0, [0.1], 0.1, tokens=1)
+        r.prompt, r.text = prompt, text
+        return r
+
+    failed = done("c", "other")
+    failed.error = "HTTP 500"
+    results = [done("a", "x"), done("a", "x"), done("a", "x"), done("b", "y"), done("b", "z"),
+               done("c", "w"), failed, done("d", "alone")]
+    # a: one text; b: two; c: its failed request is left out, one finished: not compared.
+    assert sweep.same_text(results) == (1, 2)
+
+
 def _tally(tokens, seconds, steps, propose, verify, drafts=0, draft_tokens=0, accepted=0):
     """A run whose prefill step took 10% of its time and emitted one token."""
     return bs.Tally(runs=1, tokens=tokens, seconds=seconds, decode_tokens=tokens - 1,
