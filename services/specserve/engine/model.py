@@ -147,28 +147,29 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
         window = self.sliding_window is not None
-        if self.invariant and native_ready(x):
-            out = self._native(x, ctx, cache, window)
-            return self.all_reduce(out) if self.all_reduce is not None else out
+        attend = self._attend_native if self.invariant and native_ready(x) else self._attend
+        out = self.o(attend(x, ctx, cache, window))
+        return self.all_reduce(out) if self.all_reduce is not None else out
+
+    def _attend(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                window: bool) -> torch.Tensor:
+        """``[B, T, H * D]`` attention outputs, in torch ops (the fallback and ``library``)."""
         q, k, v = self._qkv(x, ctx.cos, ctx.sin)
         # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
         cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
         keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
         if self.invariant:
             hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
-            out = attention(q, keys, values, hidden, self.head_dim ** -0.5)
-        else:
-            visible = ctx.window_visible if window else ctx.visible
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
-                enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
-            out = out.transpose(1, 2).reshape(*q.shape[:2], -1)
-        out = self.o(out)
-        return self.all_reduce(out) if self.all_reduce is not None else out
+            return attention(q, keys, values, hidden, self.head_dim ** -0.5)
+        visible = ctx.window_visible if window else ctx.visible
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
+            enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
 
-    def _native(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
-                window: bool) -> torch.Tensor:
-        """The same layer on the C kernels: RoPE and the cache write in one call on the fused
+    def _attend_native(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                       window: bool) -> torch.Tensor:
+        """The same on the C kernels: RoPE and the cache write in one call on the fused
         projection, attention reading the q heads in place and the cache storage directly."""
         bsz, t, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -177,9 +178,8 @@ class Attention(nn.Module):
         native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.slot_index,
                               ctx.row_starts, ctx.row_lens)
         q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
-        out = native.attention(q, keys, values, ctx.slot_index, ctx.key_start(window), ctx.key_end,
-                               d ** -0.5)
-        return self.o(out)
+        return native.attention(q, keys, values, ctx.slot_index, ctx.key_start(window),
+                                ctx.key_end, d ** -0.5)
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
