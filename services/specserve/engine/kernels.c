@@ -11,9 +11,10 @@
      by a fixed pairwise sum. Tiles of 4 weight rows x 4 input rows share loads; the tile a
      pair falls in changes nothing in its arithmetic. A decode (one row) streams the weight
      once at close to memory bandwidth.
-   - attention_rows: one query at a time against its visible keys [lo, hi) straight from the
-     KV cache storage: scores, a max, exp and its sum (VL keys at a time from the query's
-     first key), and the weighted values in key order.
+   - attention_rows: each query against its visible keys [lo, hi) straight from the KV cache
+     storage: scores (4 queries x 4 keys at a time, each pair a dot as above), a max, exp
+     and its sum (VL keys at a time from the query's first key), and the weighted values in
+     key order.
    - rms_norm_rows, silu_mul_rows, rope_and_store: a token's elementwise work in one call
      each (a layer's small torch ops cost more in dispatch than in arithmetic at batch 1).
 
@@ -44,18 +45,58 @@ typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int vi __attribute__((vector_size(VL * sizeof(int))));
 
-/* The lanes of v summed by one fixed pairwise tree: halves, quarters, ... */
+/* The lanes of v summed by one fixed pairwise tree: halves (16 lanes), quarters, then
+   (h[0] + h[2]) + (h[1] + h[3]). */
 static inline float hsum(vf v) {
 #if VL == 16
   vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-  vf v8 = v;
-#define h8 v8
+  vf h8 = v;
 #endif
   vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
   float a = h4[0] + h4[2], b = h4[1] + h4[3];
   return a + b;
+}
+
+/* out[i] = hsum(v[i]) for 16 vectors at once: the same additions of the same pairs, level by
+   level, with each level's adds done for several vectors in one vector add (so the bits are
+   hsum's). About a third of the work of 16 hsum calls. */
+static inline void hsum16(const vf *v, float *out) {
+#if VL == 16
+  vf u[8], w[4], x[2];
+  for (int k = 0; k < 8; k++)  /* u[k]: halves of v[2k] in lanes 0-7, of v[2k+1] in 8-15 */
+    u[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; k++)  /* w[k]: quarters of v[4k + q] in lanes 4q..4q+3 */
+    w[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(u[2 * k], u[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; k++)  /* x[k]: (h[0] + h[2], h[1] + h[3]) of v[8k + q] in 2q, 2q+1 */
+    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  store(out, __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                     26, 28, 30) +
+             __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                     27, 29, 31));
+#else
+  vf w[8], x[4];
+  for (int k = 0; k < 8; k++)  /* w[k]: halves of v[2k] in lanes 0-3, of v[2k+1] in 4-7 */
+    w[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 4; k++)  /* x[k]: (h[0] + h[2], h[1] + h[3]) of v[4k + q] in 2q, 2q+1 */
+    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int k = 0; k < 2; k++)
+    store(out + 8 * k,
+          __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 2, 4, 6, 8, 10, 12, 14) +
+          __builtin_shufflevector(x[2 * k], x[2 * k + 1], 1, 3, 5, 7, 9, 11, 13, 15));
+#endif
 }
 
 /* exp(x) for x <= 0, VL lanes at once: 2^n * p(f) with x = n ln2 + f, |f| <= ln2 / 2, and p
@@ -118,10 +159,15 @@ static inline float dot(const float *a, const float *b, int n) {
         for (int j = 0; j < MR; j++) acc[i][j] += wv * xs[j];                                 \
       }                                                                                       \
     }                                                                                         \
+    float sums[NR * MR];                                                                      \
+    if (NR * MR == 16)                                                                        \
+      hsum16(&acc[0][0], sums);                                                               \
+    else                                                                                      \
+      for (int p = 0; p < NR * MR; p++) sums[p] = hsum(acc[p / MR][p % MR]);                  \
     for (int i = 0; i < NR; i++)                                                              \
       for (int j = 0; j < MR; j++) {                                                          \
         const float *wr = w + (size_t)(n + i) * K, *xr = x + (size_t)(m + j) * K;            \
-        float s = hsum(acc[i][j]);                                                            \
+        float s = sums[i * MR + j];                                                           \
         for (int k = kv; k < K; k++) s += wr[k] * xr[k];                                      \
         if (bias) s += bias[n + i];                                                           \
         y[(size_t)(m + j) * N + n + i] = s;                                                   \
@@ -143,6 +189,11 @@ TILE(1, 4) TILE(1, 3) TILE(1, 2) TILE(1, 1)
 
 enum { WEIGHT_ROWS_PER_TASK = 64, INPUT_ROWS_PER_PASS = 32 };
 
+/* Work (multiply-adds or elements) below which a kernel runs on the calling thread: waking
+   the other threads costs microseconds, and far more when a neighbour holds a core (every
+   parallel region waits for its slowest thread). */
+#define PARALLEL_MIN_WORK 32768
+
 /* y[M, N] = x[M, K] W[N, K]^T (+ bias[N]). Threads split the weight rows into a multiple of
    `threads` tasks of at most about 64 rows (a multiple of 4), so no thread idles at the end;
    a task's weight rows stay in cache while the input rows pass in groups of 32. */
@@ -152,7 +203,8 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
   int rows = (N + threads * per_thread - 1) / (threads * per_thread);
   rows = (rows + 3) / 4 * 4;
   int tasks = (N + rows - 1) / rows;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if ((long)M * N * K >= PARALLEL_MIN_WORK)
   for (int t = 0; t < tasks; t++) {
     int n0 = t * rows;
     int n1 = n0 + rows < N ? n0 + rows : N;
@@ -165,52 +217,99 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
   }
 }
 
+/* p[r][j] = scale * q[r] . k[j] for the nq (<= 4) queries q[r] and keys j0 <= j < j1, each
+   pair with dot()'s arithmetic: 4 queries x 4 keys at a time share loads and one hsum16. */
+static void scores(const float *const *q, int nq, const float *k, int D, int j0, int j1,
+                   float scale, float *const *p) {
+  int j = j0;
+  if (nq == 4 && D % VL == 0) {
+    for (; j + 4 <= j1; j += 4) {
+      vf acc[4][4];
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = (vf){0};
+      for (int d = 0; d < D; d += VL) {
+        vf ks[4];
+        for (int c = 0; c < 4; c++) ks[c] = load(k + (size_t)(j + c) * D + d);
+        for (int r = 0; r < 4; r++) {
+          vf qv = load(q[r] + d);
+          for (int c = 0; c < 4; c++) acc[r][c] += qv * ks[c];
+        }
+      }
+      float sums[16];
+      hsum16(&acc[0][0], sums);
+      for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) p[r][j + c] = sums[r * 4 + c] * scale;
+    }
+  }
+  for (; j < j1; j++)
+    for (int r = 0; r < nq; r++) p[r][j] = dot(q[r], k + (size_t)j * D, D) * scale;
+}
+
+/* out = softmax(p[j0..j1)) @ v[j0..j1): the maximum, exp and its sum VL keys at a time from
+   j0 (lanes past j1 computed and left out), then the weighted values in key order. p holds
+   j1 - j0 + VL floats from j0. */
+static void softmax_values(float *p, int j0, int j1, const float *v, int D, float *out,
+                           vf *acc) {
+  vi lane;
+  for (int i = 0; i < VL; i++) lane[i] = i;
+  float top = -INFINITY;
+  for (int j = j0; j < j1; j++) top = p[j] > top ? p[j] : top;
+  vf sums = (vf){0};
+  for (int j = j0; j < j1; j += VL) {
+    vf e = blend(lane < j1 - j, vexp(load(p + j) - top), (vf){0});
+    store(p + j, e);
+    sums += e;
+  }
+  float total = hsum(sums);
+  int dv = D / VL;
+  for (int c = 0; c < dv; c++) acc[c] = (vf){0};
+  for (int d = dv * VL; d < D; d++) out[d] = 0.0f;
+  for (int j = j0; j < j1; j++) {
+    const float *vj = v + (size_t)j * D;
+    for (int c = 0; c < dv; c++) acc[c] += p[j] * load(vj + c * VL);
+    for (int d = dv * VL; d < D; d++) out[d] += p[j] * vj[d];
+  }
+  for (int c = 0; c < dv; c++) store(out + c * VL, acc[c] / total);
+  for (int d = dv * VL; d < D; d++) out[d] /= total;
+}
+
 /* out[b, t, h, :] = softmax(scale * q[b, t, h] . keys) @ values over the keys [lo, hi) of
    the query (b, t), read from the cache storage of slot[b] and key/value head h / (H / Hk).
    q: B * T tokens of H heads of D floats, q_stride floats apart (the q heads of the fused
-   projection's rows); k, v: [slots, Hk, S, D]; lo, hi: [B * T]; out: [B, T, H, D]. */
+   projection's rows); k, v: [slots, Hk, S, D]; lo, hi: [B * T]; out: [B, T, H, D].
+   The T * (H / Hk) query rows of one (b, key/value head) go 4 at a time (sharing key loads);
+   a query's arithmetic is the same in any group (see scores and softmax_values). */
 void attention_rows(const float *q, int q_stride, const float *k, const float *v,
                     const int64_t *slot, const int32_t *lo, const int32_t *hi, float *out,
                     int B, int T, int H, int Hk, int S, int D, float scale, int threads) {
-  int group = H / Hk, n = B * T * H;
-  vi lane;
-  for (int i = 0; i < VL; i++) lane[i] = i;
-#pragma omp parallel num_threads(threads)
+  int group = H / Hk, rows = T * group, blocks = (rows + 3) / 4, n = B * Hk * blocks;
+  size_t stride = (size_t)S + VL;
+  long work = 0;
+  for (int bt = 0; bt < B * T; bt++) work += (long)(hi[bt] - lo[bt]) * H * D;
+#pragma omp parallel num_threads(threads) if (work >= PARALLEL_MIN_WORK)
   {
-    float *p = malloc(sizeof(float) * ((size_t)S + VL));
+    float *p = malloc(sizeof(float) * 4 * stride);
     vf *acc = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(D / VL + 1));
 #pragma omp for schedule(static)
-    for (int i = 0; i < n; i++) {
-      int h = i % H, bt = i / H, b = bt / T;
-      size_t head = ((size_t)slot[b] * Hk + h / group) * S;
-      const float *qi = q + (size_t)bt * q_stride + (size_t)h * D, *ks = k + head * D,
-                  *vs = v + head * D;
-      int j0 = lo[bt], j1 = hi[bt];
-      float top = -INFINITY;
-      for (int j = j0; j < j1; j++) {
-        p[j] = dot(qi, ks + (size_t)j * D, D) * scale;
-        top = p[j] > top ? p[j] : top;
+    for (int item = 0; item < n; item++) {
+      int block = item % blocks, kh = item / blocks % Hk, b = item / blocks / Hk;
+      int first = block * 4, nq = rows - first < 4 ? rows - first : 4;
+      size_t head = ((size_t)slot[b] * Hk + kh) * S;
+      const float *qs[4];
+      float *ps[4], *os[4];
+      int j0[4], j1[4], lowest = S, highest = 0;
+      for (int r = 0; r < nq; r++) {
+        int row = first + r, h = kh * group + row % group, bt = b * T + row / group;
+        qs[r] = q + (size_t)bt * q_stride + (size_t)h * D;
+        os[r] = out + ((size_t)bt * H + h) * D;
+        ps[r] = p + r * stride;
+        j0[r] = lo[bt];
+        j1[r] = hi[bt];
+        lowest = j0[r] < lowest ? j0[r] : lowest;
+        highest = j1[r] > highest ? j1[r] : highest;
       }
-      /* exp in blocks of VL keys from j0; lanes past j1 are computed and left out */
-      vf sums = (vf){0};
-      for (int j = j0; j < j1; j += VL) {
-        vf e = vexp(load(p + j) - top);
-        e = blend(lane < j1 - j, e, (vf){0});
-        store(p + j, e);
-        sums += e;
-      }
-      float total = hsum(sums);
-      int dv = D / VL;
-      for (int c = 0; c < dv; c++) acc[c] = (vf){0};
-      float *o = out + (size_t)i * D;
-      for (int d = dv * VL; d < D; d++) o[d] = 0.0f;
-      for (int j = j0; j < j1; j++) {
-        const float *vj = vs + (size_t)j * D;
-        for (int c = 0; c < dv; c++) acc[c] += p[j] * load(vj + c * VL);
-        for (int d = dv * VL; d < D; d++) o[d] += p[j] * vj[d];
-      }
-      for (int c = 0; c < dv; c++) store(o + c * VL, acc[c] / total);
-      for (int d = dv * VL; d < D; d++) o[d] /= total;
+      scores(qs, nq, k + head * D, D, lowest, highest, scale, ps);
+      for (int r = 0; r < nq; r++) softmax_values(ps[r], j0[r], j1[r], v + head * D, D, os[r], acc);
     }
     free(acc);
     free(p);
@@ -220,7 +319,8 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
 /* out[m] = weight * x[m] / sqrt(mean(x[m]^2) + eps) for M rows of n floats. */
 void rms_norm_rows(const float *x, const float *weight, float *out, int M, int n, float eps,
                    int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (M > 1 && (long)M * n >= PARALLEL_MIN_WORK)
   for (int m = 0; m < M; m++) {
     const float *xm = x + (size_t)m * n;
     float *om = out + (size_t)m * n;
@@ -231,7 +331,8 @@ void rms_norm_rows(const float *x, const float *weight, float *out, int M, int n
 
 /* out[m] = silu(gate_up[m, :n]) * gate_up[m, n:] for M rows of 2n floats. */
 void silu_mul_rows(const float *gate_up, float *out, int M, int n, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (M > 1 && (long)M * n >= PARALLEL_MIN_WORK)
   for (int m = 0; m < M; m++) {
     const float *g = gate_up + (size_t)m * 2 * n, *u = g + n;
     float *o = out + (size_t)m * n;
@@ -248,7 +349,8 @@ void rope_and_store(float *qkv, const float *cos, const float *sin, float *k_cac
                     const int32_t *lens, int B, int T, int H, int Hk, int S, int D,
                     int threads) {
   int heads = H + 2 * Hk, half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (B * T > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (B * T > 1 && (long)B * T * (H + 2 * Hk) * D >= PARALLEL_MIN_WORK)
   for (int bt = 0; bt < B * T; bt++) {
     int b = bt / T, t = bt % T;
     float *row = qkv + (size_t)bt * heads * D;

@@ -48,7 +48,8 @@ class ResolvedSource:
     gguf_file: str | None = None
 
 
-def _embedded_gguf() -> Path:
+def embedded_gguf() -> Path:
+    """The embedded default's GGUF file (4-bit, as shipped; the runtime reads it dequantized)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
@@ -73,7 +74,7 @@ def resolve(source: str | None, cache_dir: Path | None = None) -> ResolvedSource
     source = source or EMBEDDED
     cache_dir = Path(cache_dir or default_cache_dir())
     if source == EMBEDDED:
-        return ResolvedSource(EMBEDDED_NAME, str(_dequantized(_embedded_gguf(), cache_dir)))
+        return ResolvedSource(EMBEDDED_NAME, str(_dequantized(embedded_gguf(), cache_dir)))
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedSource(path.stem, str(_dequantized(path, cache_dir)))
