@@ -157,13 +157,15 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, ctx.cos, ctx.sin)
         # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
         cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
-        keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
         if self.invariant:
+            keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
             hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
             return attention(q, keys, values, hidden, self.head_dim ** -0.5)
-        visible = ctx.window_visible if window else ctx.visible
+        # library: the runtime before issue 17, exactly (keys up to the longest row, no mask
+        # where every key is visible, as for a lone decode row)
+        keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_used)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
+            q.transpose(1, 2), keys, values, attn_mask=ctx.library_mask(window),
             enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
         return out.transpose(1, 2).reshape(*q.shape[:2], -1)
 
@@ -244,6 +246,7 @@ class ForwardContext:
     write_positions: torch.Tensor  # [N] position of each real token
     visible: torch.Tensor          # [B, T, S] bool: the keys each query attends to
     window_visible: torch.Tensor | None  # the same with the sliding window applied
+    kv_used: int                   # the longest (start + num_new) in the batch
     positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
     window: int | None             # the sliding window of the layers that have one
     _hidden: dict = field(default_factory=dict)
@@ -276,6 +279,14 @@ class ForwardContext:
         if "lens" not in self._ranges:
             self._ranges["lens"] = self.valid.sum(1, dtype=torch.int32)
         return self._ranges["lens"]
+
+    def library_mask(self, window: bool) -> torch.Tensor | None:
+        """``[B, 1, T, kv_used]`` for torch's attention, None where every key is visible."""
+        key = ("library", window)
+        if key not in self._ranges:
+            visible = (self.window_visible if window else self.visible)[..., :self.kv_used]
+            self._ranges[key] = None if visible.all() else visible[:, None]
+        return self._ranges[key]
 
     def key_start(self, window: bool) -> torch.Tensor:
         """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
@@ -400,7 +411,7 @@ class LlamaRuntime(nn.Module):
         if kv_len > cache.max_seq_len:
             raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
                                       f"of {cache.max_seq_len}")
-        kv_len = -(-kv_len // KV_BLOCK) * KV_BLOCK  # attention reads whole blocks (see kernels)
+        kv_used, kv_len = kv_len, -(-kv_len // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
         t = max(lens)
         tokens = torch.zeros(len(slots), t, dtype=torch.long)
         for i, ids in enumerate(token_ids):
@@ -417,7 +428,7 @@ class LlamaRuntime(nn.Module):
         ctx = ForwardContext(
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
-            visible=visible, window_visible=window_visible, positions=positions,
+            visible=visible, window_visible=window_visible, kv_used=kv_used, positions=positions,
             window=next((w for w in self.arch.sliding_windows if w is not None), None))
         return ctx, tokens.to(device)
 
