@@ -9,11 +9,12 @@ near-tie into a different answer. Measured on this project's CPUs (float32, torc
 ``scaled_dot_product_attention`` gives other bits for a query inside a masked call than for
 the same query alone. So the runtime uses these instead:
 
-- :class:`Linear` and :func:`native_attention`: the C kernels of ``kernels.c``
-  (:mod:`specserve.engine.native`), built for the machine at first use. Each output is one
-  fixed sequence of operations over its own inputs, so invariance holds by construction; a
-  decode streams the weights at close to memory bandwidth (MKL's speed at one row, faster at
-  4-8) and attention reads a query's visible keys straight from the cache.
+- :class:`Linear`, and the layer's attention, norms, RoPE and SiLU in ``model.py``: the C
+  kernels of ``kernels.c`` (:mod:`specserve.engine.native`), built for the machine at first
+  use. Each output is one fixed sequence of operations over its own inputs, so invariance
+  holds by construction; a decode streams the weights at close to memory bandwidth (about
+  MKL's speed at one row, much faster at 4-8) and attention reads a query's visible keys
+  straight from the cache.
 - Where no C compiler is found, the fallbacks, row-invariant too and slower: linears through
   oneDNN with the weight reordered once into its blocked layout (what inductor's CPU
   freezing emits: ``_reorder_linear_weight``, ``_linear_pointwise``; every row goes through
@@ -25,11 +26,12 @@ the same query alone. So the runtime uses these instead:
   prefix sum, so the blocks past a query's own (padding, or keys of later queries) add exact
   zeros at the end.
 
-Elementwise ops are exact per element, with one caveat: torch computes the tail of a
-contiguous run that does not fill two vector registers with the scalar function, and for
-some ops (``silu``) scalar and vector results differ in the last bit (measured). The runs here
-are whole tokens' rows (hidden, intermediate, heads x head size, key blocks), multiples of 32
-floats in every supported model, so no token's elements fall in a tail.
+In the fallback's torch ops, elementwise ops are exact per element, with one caveat: torch
+computes the tail of a contiguous run that does not fill two vector registers with the scalar
+function, and for some ops (``silu``) scalar and vector results differ in the last bit
+(measured). The runs here are whole tokens' rows (hidden, intermediate, heads x head size,
+key blocks), multiples of 32 floats in every supported model, so no token's elements fall in
+a tail.
 ``tests/engine/test_kernels.py`` checks each kernel directly, on whatever CPU runs the suite.
 """
 
