@@ -55,6 +55,15 @@ def test_the_c_kernels_are_built_where_a_compiler_is_found(monkeypatch, tmp_path
     monkeypatch.setenv("SPECSERVE_NATIVE", "0")
     with pytest.raises(native._Unavailable, match="SPECSERVE_NATIVE=0"):
         native._load()
+    # A cache directory that cannot be made (a file in the way): a reason, not a crash.
+    monkeypatch.delenv("SPECSERVE_NATIVE")
+    monkeypatch.delenv("CC")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "file"))
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_reason", None)
+    assert native.library() is None and "Error" in native.unavailable_reason()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")

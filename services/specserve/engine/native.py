@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -36,18 +37,27 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
+_lock = threading.Lock()
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None where they cannot be built here (see :func:`unavailable_reason`)."""
+    """The loaded kernels, or None where they cannot be built here (see :func:`unavailable_reason`).
+    Decided once per process, under a lock: two threads must never run different kernels."""
     global _lib, _reason, _loaded
     if not _loaded:
-        _loaded = True
-        try:
-            _lib = _load()
-        except _Unavailable as exc:
-            _reason = str(exc)
-            log.warning("native kernels unavailable (%s); using oneDNN and blocked attention", exc)
+        with _lock:
+            if not _loaded:
+                try:
+                    _lib = _load()
+                except _Unavailable as exc:
+                    _reason = str(exc)
+                    log.warning("native kernels unavailable (%s); using oneDNN and blocked "
+                                "attention", exc)
+                except (OSError, subprocess.SubprocessError) as exc:  # cache dir, compiler, dlopen
+                    _reason = f"{type(exc).__name__}: {exc}"
+                    log.warning("native kernels unavailable (%s); using oneDNN and blocked "
+                                "attention", _reason)
+                _loaded = True
     return _lib
 
 
@@ -114,7 +124,7 @@ def _compile(compiler: str, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
         os.replace(out, path)
