@@ -99,8 +99,6 @@ static inline void hsum16(const vf *v, float *out) {
 #endif
 }
 
-/* exp(x) for x <= 0, VL lanes at once: 2^n * p(f) with x = n ln2 + f, |f| <= ln2 / 2, and p
-   a degree-6 Taylor polynomial (relative error ~2e-7); below -87 it is 0. */
 static inline vf blend(vi mask, vf a, vf b) { /* a where mask, else b */
   vi ai, bi;
   __builtin_memcpy(&ai, &a, sizeof a);
@@ -111,6 +109,8 @@ static inline vf blend(vi mask, vf a, vf b) { /* a where mask, else b */
   return out;
 }
 
+/* exp(x) for x <= 0, VL lanes at once: 2^n * p(f) with x = n ln2 + f, |f| <= ln2 / 2, and p
+   a degree-6 Taylor polynomial (relative error ~2e-7); below -87 it is 0. */
 static inline vf vexp(vf x) {
   const vf lo = (vf){0} - 87.0f;
   vi under = x <= lo;

@@ -332,9 +332,7 @@ class LlamaRuntime(nn.Module):
         if kernels not in self.KERNELS:
             raise ConfigError(f"kernels {kernels!r}: expected one of {', '.join(self.KERNELS)}")
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.invariant = kernels == "invariant"
-            elif isinstance(module, (Attention, MLP, DecoderLayer)):
+            if isinstance(module, (Linear, Attention, MLP, DecoderLayer)):
                 module.invariant = kernels == "invariant"
         return self
 
@@ -424,31 +422,35 @@ class LlamaRuntime(nn.Module):
         cos = self.rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
         sin = self.rope_sin[table_pos].unsqueeze(2)
         slot_t = torch.tensor(slots)[:, None].expand(-1, t)
-        visible, window_visible = self._visible(positions, kv_len, device)
+        window = self._window()
+        visible, window_visible = self._visible(positions, kv_len, window, device)
         ctx = ForwardContext(
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
             visible=visible, window_visible=window_visible, kv_used=kv_used, positions=positions,
-            window=next((w for w in self.arch.sliding_windows if w is not None), None))
+            window=window)
         return ctx, tokens.to(device)
 
-    def _visible(self, positions: torch.Tensor, kv_len: int,
+    def _window(self) -> int | None:
+        """The sliding window of the layers that have one (one size per model), or None."""
+        windows = {w for w in self.arch.sliding_windows if w is not None}
+        assert len(windows) <= 1, "one sliding window size per model"
+        return next(iter(windows), None)
+
+    def _visible(self, positions: torch.Tensor, kv_len: int, window: int | None,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Causal masks ``[B, T, S]`` for the ragged batch (True = may attend).
+        """Causal masks ``[B, T, S]`` for the ragged batch (True = may attend), and the same
+        with the sliding ``window`` applied where there is one.
 
         A query at position ``p`` sees keys ``0..p`` of its own slot. Padding queries keep the
         same rule; they always see key 0, so no softmax row is empty, and their outputs are
         never read.
         """
-        windows = {w for w in self.arch.sliding_windows if w is not None}
-        assert len(windows) <= 1, "one sliding window size per model"
         keys = torch.arange(kv_len)[None, None, :]                        # [1, 1, S]
         causal = keys <= positions[:, :, None]                            # [B, T, S]
-        window = None
-        if windows:
-            (w,) = windows
-            window = (causal & (keys > positions[:, :, None] - w)).to(device)
-        return causal.to(device), window
+        if window is None:
+            return causal.to(device), None
+        return causal.to(device), (causal & (keys > positions[:, :, None] - window)).to(device)
 
 
 def _logit_positions(token_ids: list[list[int]], num_logits: list[int],

@@ -49,12 +49,9 @@ def library() -> ctypes.CDLL | None:
             if not _loaded:
                 try:
                     _lib = _load()
-                except _Unavailable as exc:
-                    _reason = str(exc)
-                    log.warning("native kernels unavailable (%s); using oneDNN and blocked "
-                                "attention", exc)
-                except (OSError, subprocess.SubprocessError) as exc:  # cache dir, compiler, dlopen
-                    _reason = f"{type(exc).__name__}: {exc}"
+                except (_Unavailable, OSError, subprocess.SubprocessError) as exc:
+                    # OSError / SubprocessError: the cache dir, the compiler, dlopen
+                    _reason = str(exc) if isinstance(exc, _Unavailable) else f"{type(exc).__name__}: {exc}"
                     log.warning("native kernels unavailable (%s); using oneDNN and blocked "
                                 "attention", _reason)
                 _loaded = True
@@ -148,7 +145,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)
     _built().linear_rows(flat.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(),
-                     flat.shape[0], weight.shape[0], k, torch.get_num_threads())
+                         flat.shape[0], weight.shape[0], k, torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -163,8 +160,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
         q = q.contiguous()
     out = torch.empty(b, t, h * d, dtype=torch.float32)
     _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
-                        slots.data_ptr(), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), b, t, h,
-                        keys.shape[1], keys.shape[2], d, scale, torch.get_num_threads())
+                            slots.data_ptr(), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), b, t, h,
+                            keys.shape[1], keys.shape[2], d, scale, torch.get_num_threads())
     return out
 
 
@@ -174,7 +171,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     _built().rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
-                       torch.get_num_threads())
+                           torch.get_num_threads())
     return out
 
 
@@ -184,7 +181,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
     _built().silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n,
-                       torch.get_num_threads())
+                           torch.get_num_threads())
     return out
 
 
@@ -199,5 +196,5 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     d = keys.shape[3]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                        values.data_ptr(), slots.data_ptr(), starts.data_ptr(), lens.data_ptr(),
-                        b, t, heads, kv_heads, keys.shape[2], d, torch.get_num_threads())
+                            values.data_ptr(), slots.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+                            b, t, heads, kv_heads, keys.shape[2], d, torch.get_num_threads())
