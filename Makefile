@@ -97,6 +97,9 @@ llama-cpp: ## Optional: llama-cpp-python in its own venv (.llama) for bench-engi
 	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/python -m pip install -q llama-cpp-python
 
+bench-gpu: install ## On a GPU machine: kernels library vs compiled (CUDA graphs), Llama-3-8B-shaped random weights, bf16
+	$(PY) load/bench_gpu.py $(BENCH_GPU_ARGS)
+
 bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, embedded default)
 	$(PY) load/bench_http.py
 

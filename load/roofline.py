@@ -16,16 +16,23 @@ import time
 import torch
 
 
-def read_bandwidth(gib: float = 1.0, reps: int = 7) -> float:
+def read_bandwidth(gib: float = 1.0, reps: int = 7, device: str | torch.device = "cpu") -> float:
     """Bytes per second torch reads with a sum over ``gib`` GiB (best of ``reps``)."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
     x.sum()  # fault the pages in
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         x.sum()
+        _sync(x.device)
         best = min(best, time.perf_counter() - start)
     return x.numel() * 4 / best
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for a GPU's queued kernels (a CPU runs them before returning)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def decode_bytes(runtime) -> int:
@@ -44,19 +51,26 @@ def decode_bytes(runtime) -> int:
 
 
 def forward_costs(runtime, context: list[int], ts=(1, 2, 3, 4, 5, 6, 7, 8),
-                  reps: int = 9) -> dict[int, float]:
-    """Median seconds of one forward of T new tokens after ``context`` (batch 1)."""
-    cache = runtime.make_cache(num_slots=1, max_seq_len=len(context) + max(ts) + 1)
-    slot = cache.allocate()
+                  reps: int = 9, rows: int = 1) -> dict[int, float]:
+    """Median seconds of one forward of T new tokens after ``context``, in each of ``rows``
+    sequences (batch 1 by default). The first three calls of each T are warm-up: a
+    compiled runtime compiles, then records its CUDA graph."""
+    cache = runtime.make_cache(num_slots=rows, max_seq_len=len(context) + max(ts) + 1)
+    slots = [cache.allocate() for _ in range(rows)]
+    device = runtime.embed.weight.device
     out = {}
     with torch.inference_mode():
-        runtime(cache, [slot], [context])
+        for slot in slots:
+            runtime(cache, [slot], [context])
         for t in ts:
             times = []
-            for _ in range(reps + 2):
-                cache.rollback(slot, len(context))
+            for _ in range(reps + 3):
+                for slot in slots:
+                    cache.rollback(slot, len(context))
+                _sync(device)
                 start = time.perf_counter()
-                runtime(cache, [slot], [context[:t]], [t])
+                runtime(cache, slots, [context[:t]] * rows, [t] * rows)
+                _sync(device)
                 times.append(time.perf_counter() - start)
-            out[t] = statistics.median(times[2:])
+            out[t] = statistics.median(times[3:])
     return out

@@ -88,11 +88,12 @@ class ModelConfig(_Strict):
         "auto", description="Weights and activations. auto: bfloat16 on CUDA, float32 on CPU "
                             "(exact logits; bfloat16 is faster on CPUs with AVX512-BF16).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
-    kernels: Literal["auto", "invariant", "library"] = Field(
+    kernels: Literal["auto", "invariant", "library", "compiled"] = Field(
         "auto", description="invariant: a token's logits do not depend on what else is in the "
                             "forward (greedy speculation is bit-identical to target-only); "
-                            "library: torch's F.linear and SDPA. auto: invariant on CPU, "
-                            "library on CUDA.")
+                            "library: torch's F.linear and SDPA; compiled: library ops at "
+                            "bucketed static shapes under torch.compile, CUDA graphs on a GPU "
+                            "(not yet measured on one). auto: invariant on CPU, library on CUDA.")
     cache_dir: str | None = Field(
         None, description="Where dequantized GGUF models are cached; default $SPECSERVE_CACHE_DIR "
                           "or ~/.cache/specserve.")

@@ -424,3 +424,18 @@ def test_decode_bytes_counts_every_weight_once_and_a_tied_head_again():
         assert decode_bytes(rt) == every - embed + rt.embed.weight.shape[1] * 4 + head_again
     costs = forward_costs(untied, list(range(3, 40)), ts=(1, 4), reps=1)
     assert set(costs) == {1, 4} and all(c > 0 for c in costs.values())
+
+
+def test_bench_gpu_runs_its_tiny_shape_on_a_cpu(tmp_path, capsys):
+    """The GPU benchmark's script, end to end at a tiny shape on the CPU with dynamo's eager
+    backend (no GPU here: the figures themselves come from a lent GPU machine)."""
+    from load import bench_gpu
+
+    out = tmp_path / "gpu.json"
+    bench_gpu.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--backend",
+                    "eager", "--rows", "1,2", "--context", "40", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["kernels"], r["rows"]) for r in result["rows"]] == [
+        ("library", 1), ("library", 2), ("compiled", 1), ("compiled", 2)]
+    assert all(r["tokens_per_s"] > 0 and r["r8"] > 0 for r in result["rows"])
+    assert "compiled" in capsys.readouterr().out

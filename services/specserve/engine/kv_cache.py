@@ -78,16 +78,20 @@ class SlotKVCache(SlotTable):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         block: int = 1,
+        spare: bool = False,
     ) -> None:
         super().__init__(num_slots)
         assert max_seq_len >= 1
         # Storage in whole blocks of ``block`` positions: a reader may take a slot's keys up
         # to the end of the block its length falls in (never-written positions are zeros).
-        shape = (num_slots, num_kv_heads, -(-max_seq_len // block) * block, head_dim)
+        # ``spare``: one more slot that no sequence owns, where a static-shape forward writes
+        # its padding tokens (``spare_slot``; see specserve.engine.compiled).
+        shape = (num_slots + spare, num_kv_heads, -(-max_seq_len // block) * block, head_dim)
         # torch.zeros on CPU maps untouched pages lazily, so a large cache costs only what is used.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_seq_len = max_seq_len
+        self.spare_slot = num_slots if spare else None
 
     # -- tensor access used by the model runtime ------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,

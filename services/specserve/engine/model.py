@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine import native
+from specserve.engine.compiled import StaticForward, StaticInputs
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys, native_ready
 from specserve.engine.kv_cache import SlotKVCache
 from specserve.errors import ConfigError, InvalidRequestError
@@ -145,9 +146,13 @@ class Attention(nn.Module):
         return (apply_rope(q.view(bsz, t, h, d), cos, sin), apply_rope(k.view(bsz, t, hk, d), cos, sin),
                 v.view(bsz, t, hk, d))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
+                cache: SlotKVCache) -> torch.Tensor:
         window = self.sliding_window is not None
-        attend = self._attend_native if self.invariant and native_ready(x) else self._attend
+        if isinstance(ctx, StaticInputs):
+            attend = self._attend_static
+        else:
+            attend = self._attend_native if self.invariant and native_ready(x) else self._attend
         out = self.o(attend(x, ctx, cache, window))
         return self.all_reduce(out) if self.all_reduce is not None else out
 
@@ -182,6 +187,21 @@ class Attention(nn.Module):
         q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
         return native.attention(q, keys, values, ctx.slot_index, ctx.key_start(window),
                                 ctx.key_end, d ** -0.5)
+
+    def _attend_static(self, x: torch.Tensor, ctx: StaticInputs, cache: SlotKVCache,
+                       window: bool) -> torch.Tensor:
+        """The same at static shapes (:mod:`specserve.engine.compiled`): every token's key
+        and value written in place (padding to the spare slot), attention over each row's
+        whole slot with a mask."""
+        q, k, v = self._qkv(x, ctx.cos, ctx.sin)  # [B, T, H, D], [B, T, Hk, D] twice
+        keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, Hk, S, D]
+        keys[ctx.write_slots, :, ctx.write_positions] = k
+        values[ctx.write_slots, :, ctx.write_positions] = v
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[ctx.slots], values[ctx.slots],
+            attn_mask=ctx.window_visible if window else ctx.visible,
+            enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
@@ -222,7 +242,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
         self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
+                cache: SlotKVCache) -> torch.Tensor:
         norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
         x = x + self.attn(norm(x, self.input_norm, self.eps), ctx, cache)
         return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
@@ -322,18 +343,23 @@ class LlamaRuntime(nn.Module):
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
 
-    KERNELS = ("invariant", "library")
+    KERNELS = ("invariant", "library", "compiled")
+    static: StaticForward | None = None  # set by use_kernels("compiled")
 
-    def use_kernels(self, kernels: str) -> LlamaRuntime:
+    def use_kernels(self, kernels: str, *, backend: str | None = "inductor") -> LlamaRuntime:
         """``invariant``: :mod:`specserve.engine.kernels` (a token's logits do not depend on
-        the rest of the forward; oneDNN-packed linears on CPU). ``library``: ``F.linear`` and
-        torch's ``scaled_dot_product_attention``, the runtime before those kernels (faster
-        than ours on a GPU today; kept for GPUs and for side-by-side benchmarks)."""
+        the rest of the forward; the C kernels on CPU). ``library``: ``F.linear`` and torch's
+        ``scaled_dot_product_attention``, the runtime before those kernels (kept for GPUs and
+        for side-by-side benchmarks). ``compiled``: the library's ops at bucketed static
+        shapes under ``torch.compile`` (``backend``), with CUDA graphs on a GPU
+        (:mod:`specserve.engine.compiled`); prefill stays on ``library``. Call it after the
+        model is on its device; caches made afterwards have the spare slot it needs."""
         if kernels not in self.KERNELS:
             raise ConfigError(f"kernels {kernels!r}: expected one of {', '.join(self.KERNELS)}")
         for module in self.modules():
             if isinstance(module, (Linear, Attention, MLP, DecoderLayer)):
                 module.invariant = kernels == "invariant"
+        self.static = StaticForward(self, backend=backend) if kernels == "compiled" else None
         return self
 
     @property
@@ -346,10 +372,15 @@ class LlamaRuntime(nn.Module):
             raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
                               "positions this runtime was built for")
         attn = self.layers[0].attn
-        return SlotKVCache(num_layers=len(self.layers), num_slots=num_slots,
-                           num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
-                           head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
-                           device=self.embed.weight.device, block=KV_BLOCK)
+        cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots,
+                            num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
+                            head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
+                            device=self.embed.weight.device, block=KV_BLOCK,
+                            spare=self.static is not None)
+        if self.static is not None and cache.k[0].is_cuda:
+            for tensor in cache.k + cache.v:  # a CUDA graph keeps the addresses it captured
+                torch._dynamo.mark_static_address(tensor)
+        return cache
 
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
@@ -376,8 +407,11 @@ class LlamaRuntime(nn.Module):
                 cache.rollback(slot, start)
         ctx, tokens = self._prepare(cache, slots, token_ids)
         x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
-        for layer in self.layers:
-            x = layer(x, ctx, cache)
+        if self.static is not None and self.static.takes(x.shape[1]):
+            x = self.static(x, ctx, cache)
+        else:
+            for layer in self.layers:
+                x = layer(x, ctx, cache)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = _logit_positions(token_ids, num_logits, x.device)

@@ -1,0 +1,120 @@
+"""``kernels: compiled`` (the GPU path: bucketed static shapes under ``torch.compile``).
+
+No GPU here: CUDA graphs (``mode="reduce-overhead"``) and bfloat16 speed are measured on a
+lent GPU machine, never in CI. What runs on a CPU is the rest: dynamo must trace the layer
+stack as one graph per bucket (``backend="eager"``: dynamo's tracing without inductor's
+code generation, so these tests stay quick), inductor's CPU code must compute the same
+model, and padding must never touch a sequence's cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specserve.config import SamplingParams
+from specserve.engine.compiled import BUCKET_TOKENS, bucket
+from specserve.engine.proposers.ngram import NgramProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.worker import ModelWorker
+from torch._dynamo.testing import CompileCounter
+
+from tests.engine.test_model import ATOL, reference_logits
+from tests.engine.test_spec_decode import EOS, prompts
+from tests.models import TINY_CONFIGS, VOCAB, runtime_of, tiny_hf_model
+from tests.tiny import make_tiny_tokenizer
+
+
+def compiled(hf, backend="eager", max_len: int = 256):
+    return runtime_of(hf, max_len).use_kernels("compiled", backend=backend)
+
+
+def test_bucket_is_the_next_power_of_two_up_to_the_slots():
+    assert [bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert bucket(5, limit=6) == 6 and bucket(1, limit=6) == 1
+    assert bucket(BUCKET_TOKENS[-1]) == BUCKET_TOKENS[-1]
+
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+def test_static_forward_matches_transformers_through_rollbacks(kind):
+    """Ragged prefills and continuations padded to buckets, a rejected draft rolled back:
+    the logits are transformers' (the sliding window of mistral-window included)."""
+    hf = tiny_hf_model(kind)
+    rt = compiled(hf)
+    cache = rt.make_cache(num_slots=3, max_seq_len=64)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 30, 14)]
+    slots = [cache.allocate() for _ in seqs]
+    got = [rt(cache, slots, [s[:3] for s in seqs], [3, 3, 3]).split(3)]
+    for start in range(3, 9, 3):  # verify-sized chunks, with garbage written and rolled back
+        rt(cache, slots, [[(t + 5) % VOCAB for t in s[start:start + 3]] for s in seqs])
+        for slot in slots:
+            cache.rollback(slot, start)
+        got.append(rt(cache, slots, [s[start:start + 3] for s in seqs], [3, 3, 3]).split(3))
+    for row, seq in enumerate(seqs):
+        ours = torch.cat([step[row] for step in got])
+        assert (ours - reference_logits(hf, seq[:9])).abs().max() <= ATOL, row
+    assert rt.static.buckets == {(3, 4)}  # rows: a power of two, but never more than the slots
+
+
+def test_one_graph_per_bucket_and_long_prefills_stay_eager():
+    """Dynamo traces the whole layer stack as one graph (fullgraph) per (rows, tokens)
+    bucket; calls inside a bucket reuse it; a row of more than 16 new tokens runs eagerly."""
+    counter = CompileCounter()
+    rt = compiled(tiny_hf_model("llama-gqa"), backend=counter)
+    cache = rt.make_cache(num_slots=4, max_seq_len=128)
+    slots = [cache.allocate() for _ in range(3)]
+    rt(cache, slots[:1], [list(range(3, 40))])           # 37 tokens: eager, no graph
+    assert counter.frame_count == 0
+    for n in (1, 2, 3, 4):                               # tokens 1, 2, 4, 4
+        rt(cache, slots[:1], [[5] * n], [n])
+    assert counter.frame_count == 3
+    rt(cache, slots, [[5], [6, 7, 8], [9]], [1, 3, 1])   # 3 rows x 3 tokens -> (4, 4)
+    rt(cache, slots[:2], [[5], [6]])                     # (2, 1)
+    rt(cache, slots[:2], [[5], [6]])
+    assert counter.frame_count == 5
+    assert rt.static.buckets == {(1, 1), (1, 2), (1, 4), (4, 4), (2, 1)}
+
+
+def test_padding_writes_only_the_spare_slot():
+    """Padding rows and tokens land in the spare slot: no sequence's keys change, in a slot
+    outside the forward or past a row's own length."""
+    rt = compiled(tiny_hf_model("llama-gqa"))
+    cache = rt.make_cache(num_slots=4, max_seq_len=64)
+    a, b, idle = (cache.allocate() for _ in range(3))
+    for slot, n in ((a, 20), (b, 7), (idle, 11)):
+        rt(cache, [slot], [list(range(3, 3 + n))])
+    before = [t.clone() for t in cache.k + cache.v]
+    rt(cache, [a, b], [[4], [5, 6, 7]], [1, 3])  # bucket (2, 4): a's row has 3 padding tokens
+    for old, new in zip(before, cache.k + cache.v):
+        changed = (old != new).any(-1).any(1)  # [slots + 1, S]: positions that changed
+        assert changed[a].nonzero().flatten().tolist() == [20]
+        assert changed[b].nonzero().flatten().tolist() == [7, 8, 9]
+        assert not changed[idle].any() and cache.spare_slot == 4
+
+
+def test_inductor_computes_the_same_model_and_speculation_keeps_greedy_output():
+    """Inductor's generated CPU code (the GPU path's compiler, minus CUDA graphs): logits
+    equal the library runtime's up to rounding, and greedy n-gram speculation gives the
+    target-only output. Not bit-identical by construction on this path (module docstring);
+    the tiny model's sharpened logits keep its argmax margins far above rounding."""
+    hf = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+    library = runtime_of(hf).use_kernels("library")
+    rt = compiled(hf, backend="inductor")
+    logits = {}
+    for name, model in (("library", library), ("compiled", rt)):
+        cache = model.make_cache(num_slots=2, max_seq_len=256)
+        slots = [cache.allocate() for _ in range(2)]
+        model(cache, slots, [list(range(3, 50)), list(range(7, 30))])
+        logits[name] = model(cache, slots, [[4, 5, 6, 7, 8], [9]], [5, 1])
+    assert torch.allclose(logits["compiled"], logits["library"], atol=ATOL)
+
+    outputs = {}
+    for method in (None, "ngram"):
+        engine = SpecDecodeEngine(ModelWorker(rt, num_slots=4, max_seq_len=256),
+                                  make_tiny_tokenizer(), eos_token_ids=EOS,
+                                  proposer=NgramProposer(min_n=1, max_n=3) if method else None,
+                                  num_speculative_tokens=4)
+        done = engine.generate(prompts(3, seed=2), SamplingParams(temperature=0, max_tokens=24))
+        outputs[method] = [c.output_token_ids for c in done]
+    assert outputs["ngram"] == outputs[None]
+    assert all(len(o) > 0 for o in outputs[None])
