@@ -329,14 +329,32 @@ void rms_norm_rows(const float *x, const float *weight, float *out, int M, int n
   }
 }
 
-/* out[m] = silu(gate_up[m, :n]) * gate_up[m, n:] for M rows of 2n floats. */
+/* silu(g) * u, VL lanes at once: g * sigmoid(g) with sigmoid from e = exp(-|g|) (vexp's
+   domain), 1 / (1 + e) for g >= 0 and e / (1 + e) below. */
+static inline vf silu_mul(vf g, vf u) {
+  vi negative = g < 0;
+  vf e = vexp(blend(negative, g, -g));
+  vf sigmoid = blend(negative, e, (vf){0} + 1.0f) / (1.0f + e);
+  return g * sigmoid * u;
+}
+
+/* out[m] = silu(gate_up[m, :n]) * gate_up[m, n:] for M rows of 2n floats. A row's last
+   n % VL elements go through the same vector arithmetic from a zero-padded copy. */
 void silu_mul_rows(const float *gate_up, float *out, int M, int n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (M > 1 && (long)M * n >= PARALLEL_MIN_WORK)
   for (int m = 0; m < M; m++) {
     const float *g = gate_up + (size_t)m * 2 * n, *u = g + n;
     float *o = out + (size_t)m * n;
-    for (int i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    int nv = n - n % VL;
+    for (int i = 0; i < nv; i += VL) store(o + i, silu_mul(load(g + i), load(u + i)));
+    if (nv < n) {
+      float gt[VL] = {0}, ut[VL] = {0}, ot[VL];
+      __builtin_memcpy(gt, g + nv, sizeof(float) * (n - nv));
+      __builtin_memcpy(ut, u + nv, sizeof(float) * (n - nv));
+      store(ot, silu_mul(load(gt), load(ut)));
+      __builtin_memcpy(o + nv, ot, sizeof(float) * (n - nv));
+    }
   }
 }
 
