@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from specserve.config import AppConfig
+from specserve.engine.builder import check_draft_files
 from specserve.serve.groups import unit_bundles
 from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.request_router import LeastLoadedUnitRouter
@@ -21,8 +22,11 @@ ROUTING_STATS_PERIOD_S = 0.5
 
 
 def build_app(args: dict) -> Application:
-    """``args``: an :class:`AppConfig` as a dict (the ``args`` of a Serve config file)."""
+    """``args``: an :class:`AppConfig` as a dict (the ``args`` of a Serve config file). The
+    draft's files are checked here, once, before any unit starts (no Ray needed: ``specserve
+    serve`` builds the app before it starts Ray)."""
     cfg = AppConfig.model_validate(args)
+    check_draft_files(cfg.unit.engine)
     capacity = cfg.unit.engine.max_num_seqs + cfg.unit.max_queue_len
     unit = serve.deployment(SpeculationUnit, name="SpeculationUnit").options(
         num_replicas=cfg.num_units,

@@ -51,9 +51,10 @@ def truncated_draft(target_source: str = "embedded", num_layers: int = 6, *,
     """The directory of a truncated self-draft of ``target_source``, building it once.
 
     ``target_source``: anything :func:`specserve.engine.loader.resolve` accepts. ``cache_dir``:
-    default :func:`specserve.engine.loader.default_cache_dir`.
+    default :func:`specserve.machine.default_cache_dir`.
     """
-    from specserve.engine.loader import default_cache_dir, load_hf_model, load_tokenizer, resolve
+    from specserve.engine.loader import load_hf_model, load_tokenizer, resolve
+    from specserve.machine import default_cache_dir
 
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ValueError(f"num_layers must be in [1, {MAX_LAYERS}]")

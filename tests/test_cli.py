@@ -45,7 +45,7 @@ def test_serve_uses_the_shipped_draft_or_says_it_falls_back(monkeypatch, capsys,
     args = yaml.safe_load(open("deploy/serve_config.yaml"))["applications"][0]["args"]
     assert args["unit"]["engine"]["speculative"]["draft"]["source"] == draft_head.EMBEDDED_DRAFT
     assert cli._default_draft_or_ngram(args) is args  # shipped: used as configured
-    line = cli._speculation_line(AppConfig.model_validate(args, context={"check_files": False}))
+    line = cli._speculation_line(AppConfig.model_validate(args))
     assert line.startswith("speculation: eagle") and "embedded-eagle" in line
     assert "acceptance" in line and "at batch 1" in line  # from its eval.json
     assert capsys.readouterr().out == ""
@@ -55,6 +55,6 @@ def test_serve_uses_the_shipped_draft_or_says_it_falls_back(monkeypatch, capsys,
     assert "not installed" in capsys.readouterr().out
     spec = fallback["unit"]["engine"]["speculative"]
     assert spec["method"] == "ngram" and "draft" not in spec and not spec.get("ngram_first")
-    cfg = AppConfig.model_validate(fallback, context={"check_files": False})
+    cfg = AppConfig.model_validate(fallback)
     assert cli._speculation_line(cfg).startswith("speculation: ngram")
     assert args["unit"]["engine"]["speculative"]["method"] == "eagle"  # the input is untouched

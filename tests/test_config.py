@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_shipped_serve_config_validates_and_spells_out_the_defaults():
     doc = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     [app] = doc["applications"]
-    cfg = AppConfig.model_validate(app["args"], context={"check_files": False})
+    cfg = AppConfig.model_validate(app["args"])
     # Every router / adaptive value written in the file is the model's default, so the file
     # documents the behaviour a config without them gets.
     assert cfg.unit.router == type(cfg.unit.router)()
@@ -33,7 +33,7 @@ def test_shipped_serve_config_validates_and_spells_out_the_defaults():
 ])
 def test_bad_router_config_is_refused(router, message):
     with pytest.raises(ValidationError, match=message):
-        AppConfig.model_validate({"unit": {"router": router}}, context={"check_files": False})
+        AppConfig.model_validate({"unit": {"router": router}})
 
 
 @pytest.mark.parametrize("limits, ok", [
@@ -44,7 +44,7 @@ def test_bad_router_config_is_refused(router, message):
 ])
 def test_burst_needs_a_rate(limits, ok):
     if ok:
-        AppConfig.model_validate({"limits": limits}, context={"check_files": False})
+        AppConfig.model_validate({"limits": limits})
         return
     with pytest.raises(ValidationError, match="burst needs limits.requests_per_minute"):
-        AppConfig.model_validate({"limits": limits}, context={"check_files": False})
+        AppConfig.model_validate({"limits": limits})

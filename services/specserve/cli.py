@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+import typing
 
 from pydantic import ValidationError
 
@@ -22,28 +23,43 @@ log = logging.getLogger("specserve")
 
 
 def _generate_parser(sub) -> None:
+    from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+    from specserve.methods import METHODS
+
     p = sub.add_parser("generate", help="generate text in-process and print the speculation stats")
     p.add_argument("--prompt", required=True, help="the prompt (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--model", default="embedded",
+    p.add_argument("--model", default=_default(ModelConfig, "source"),
                    help="target: 'embedded', a .gguf file, a HF directory or a hub id")
-    p.add_argument("--method", default="ngram", choices=["off", "ngram", "draft_model", "eagle"],
-                   help="proposer (off: target-only)")
+    p.add_argument("--method", default=_default(SpeculativeConfig, "method"),
+                   choices=["off", *METHODS], help="proposer (off: target-only)")
     p.add_argument("--draft", help="draft for --method draft_model (a model of the same tokenizer or "
                                     "a decoder draft) or eagle (an eagle draft), from train-draft")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, dest="k",
+    p.add_argument("-k", "--num-speculative-tokens", type=int, dest="k",
+                   default=_default(SpeculativeConfig, "num_speculative_tokens"),
                    help="K: tokens drafted per step")
+    # The CLI's own defaults: a short greedy answer (the API's are OpenAI's: temperature 1).
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=_default(SamplingParams, "top_p"))
+    p.add_argument("--top-k", type=int, default=_default(SamplingParams, "top_k"))
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=_choices(ModelConfig, "dtype"))
+    p.add_argument("--max-model-len", type=int, default=_default(EngineConfig, "max_model_len"))
     p.add_argument("--cache-dir", help="where dequantized GGUF models are cached")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_generate)
+
+
+def _default(model, field: str):
+    """A flag's default: the pydantic field's (the config is the one source of them)."""
+    return model.model_fields[field].default
+
+
+def _choices(model, field: str) -> list[str]:
+    """A flag's choices: the values of the pydantic field's ``Literal``."""
+    return list(typing.get_args(model.model_fields[field].annotation))
 
 
 def _engine_config(args):
@@ -124,15 +140,15 @@ def cmd_serve(args) -> int:
 
     raw = _app_args(args.config) if args.config else LOCAL_DEFAULT
     cfg = AppConfig.model_validate(_default_draft_or_ngram(raw))
-    app_args = cfg.model_dump()  # fail before Ray
     from ray import serve
 
     from deploy.app import build_app
     from specserve.serve.local import start_local_ray, start_serve
 
+    app = build_app(cfg.model_dump())  # validates and checks the draft's files: fail before Ray
     start_local_ray(metrics_export_port=args.metrics_port)
     start_serve(args.host, args.port)
-    serve.run(build_app(app_args), name="specserve", route_prefix="/")
+    serve.run(app, name="specserve", route_prefix="/")
     if not cfg.auth.enabled:
         print("specserve: authentication is OFF (auth.enabled: false): anyone who reaches "
               f"{args.host}:{args.port} can use the API without a key", flush=True)

@@ -2,9 +2,12 @@
 
 The same models parse the CLI flags, the Serve config (``deploy/``) and the ``serveConfigV2``
 the Helm chart renders. Cross-field rules are ``model_validator(mode="after")`` methods.
-Checks that read files (the draft's tokenizer must equal the target's) run when the config is
-built; pass ``context={"check_files": False}`` to validate only the shape (e.g. rendering a
-Helm chart on a machine without the models).
+Validation checks shapes, bounds and cross-field rules only, so a config validates anywhere
+(rendering a Helm chart on a machine without the models, in a Ray actor): checks that read
+files (the draft's tokenizer must equal the target's, the draft's kind must fit the method)
+run where an engine is built, in :func:`specserve.engine.builder.check_draft_files`. This
+module imports nothing of the engine: the proposers' names and needs come from the registry
+in :mod:`specserve.methods`, which imports nothing at all.
 """
 
 from __future__ import annotations
@@ -16,16 +19,13 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from specserve.errors import ConfigError
+from specserve.methods import METHODS, MODEL_METHODS, PROPOSERS
 
-SpecMethod = Literal["ngram", "draft_model", "eagle"]
-MODEL_METHODS = ("draft_model", "eagle")  # methods with a draft model (and a draft group)
-DRAFT_KINDS = ("decoder", "eagle")  # what `specserve train-draft --kind` makes
+SpecMethod = Literal[METHODS]  # the proposer registry's methods (specserve.methods)
 # A custom Ray resource that marks nodes (the Helm chart's head / target / draft groups).
 NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -126,7 +126,8 @@ class SpeculativeConfig(_Strict):
     """Which proposer drafts and how far (vLLM's ``speculative_config`` with our names)."""
 
     method: SpecMethod | None = Field(
-        "ngram", description="Proposer; None serves target-only.")
+        "ngram", description="Proposer; None serves target-only. "
+                            + "; ".join(f"{m}: {p.summary}" for m, p in PROPOSERS.items()) + ".")
     num_speculative_tokens: int = Field(
         4, ge=1, le=16, description="K: tokens drafted per step (the most; the coordinator may use fewer).")
     draft: ModelConfig | None = Field(
@@ -148,7 +149,7 @@ class SpeculativeConfig(_Strict):
         if self.method not in MODEL_METHODS and self.draft is not None:
             raise ValueError(f"a draft model is set but method is {self.method!r}")
         if self.ngram_first and self.method not in MODEL_METHODS:
-            raise ValueError("ngram_first needs a draft model method (draft_model or eagle)")
+            raise ValueError(f"ngram_first needs a draft model method ({' or '.join(MODEL_METHODS)})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         return self
@@ -164,42 +165,6 @@ class EngineConfig(_Strict):
                                description="Context length: prompt plus output, in tokens.")
     max_num_seqs: int = Field(8, ge=1, le=4096,
                               description="KV slots: sequences decoded together in one batch.")
-
-    @model_validator(mode="after")
-    def _check_draft_tokenizer(self, info: ValidationInfo) -> EngineConfig:
-        draft = self.speculative.draft
-        if draft is None or not (info.context or {}).get("check_files", True):
-            return self
-        check_same_tokenizer(self.target, draft)
-        check_draft_kind(self.speculative.method, draft)
-        return self
-
-
-def check_draft_kind(method: str, draft: ModelConfig) -> None:
-    """eagle needs an eagle draft directory; draft_model takes a model or a decoder draft."""
-    from specserve.engine.draft_head import is_draft_dir, read_draft_meta
-
-    kind = read_draft_meta(draft.source)["kind"] if is_draft_dir(draft.source) else None
-    wanted = {"eagle": "eagle", "draft_model": "decoder"}[method]
-    if kind not in (wanted, None) or (method == "eagle" and kind is None):
-        raise ConfigError(f"method {method} needs a {wanted!r} draft from `specserve train-draft`; "
-                          f"{draft.source!r} is {'a ' + repr(kind) + ' draft' if kind else 'a plain model'}")
-
-
-def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
-    """Refuse a draft whose vocabulary differs from the target's: its token ids would mean
-    other strings, and verification would compare unrelated tokens."""
-    from specserve.engine.draft_head import draft_path, is_draft_dir
-    from specserve.engine.loader import ResolvedSource, load_tokenizer, resolve
-
-    target_vocab = load_tokenizer(resolve(target.source, target.cache_dir)).get_vocab()
-    draft_src = (ResolvedSource(draft.source, str(draft_path(draft.source))) if is_draft_dir(draft.source)
-                 else resolve(draft.source, draft.cache_dir))
-    draft_vocab = load_tokenizer(draft_src).get_vocab()
-    if target_vocab != draft_vocab:
-        raise ConfigError(
-            f"draft {draft.source!r} does not share the target's tokenizer "
-            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, or different ids)")
 
 
 class RouterConfig(_Strict):

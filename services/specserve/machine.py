@@ -1,4 +1,5 @@
-"""This machine in a few words, for benchmark reports and ``eval.json`` (no torch here)."""
+"""This machine in a few words, for benchmark reports and ``eval.json``, and where specserve
+keeps its caches on it (no torch here)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,9 @@ def cpu_flags(prefixes: tuple[str, ...] = ("avx", "amx", "fma")) -> list[str]:
 def machine_label() -> str:
     """CPU model and core count, e.g. ``AMD EPYC, 2 cores``."""
     return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def default_cache_dir() -> Path:
+    """Where dequantized GGUF models, built kernels and derived drafts are cached:
+    ``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``."""
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")

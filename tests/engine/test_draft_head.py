@@ -10,7 +10,7 @@ import pytest
 import torch
 from specserve.config import AdaptiveConfig, EngineConfig
 from specserve.engine.adaptive import Row, SpecLengthController
-from specserve.engine.builder import build_engine
+from specserve.engine.builder import build_engine, check_draft_files
 from specserve.engine.draft_head import (
     is_draft_dir,
     load_draft_head,
@@ -23,7 +23,7 @@ from specserve.engine.proposers.base import DraftRequest
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.worker import ModelWorker
-from specserve.errors import ProposerUnavailable
+from specserve.errors import ConfigError, ProposerUnavailable
 
 from tests.engine.test_spec_decode import GREEDY, make_engine, prompts
 from tests.models import eagle_head_of, runtime_of, tiny_hf_model, worker_of
@@ -144,14 +144,14 @@ def test_method_and_draft_kind_must_agree(target_hf, target_dir, tmp_path):
                extra={})
     spec = lambda method, source: {"target": {"source": target_dir},  # noqa: E731
                                    "speculative": {"method": method, "draft": {"source": source}}}
-    # (pydantic wraps the ConfigError of a validator in a ValidationError; both are ValueErrors)
-    with pytest.raises(ValueError, match="needs a 'decoder' draft"):
-        EngineConfig.model_validate(spec("draft_model", str(out)))
-    with pytest.raises(ValueError, match="needs a 'eagle' draft"):
-        EngineConfig.model_validate(spec("eagle", target_dir))
+    # The config's shape is valid either way; the builder reads the draft and refuses it.
+    with pytest.raises(ConfigError, match="needs a 'decoder' draft"):
+        check_draft_files(EngineConfig.model_validate(spec("draft_model", str(out))))
+    with pytest.raises(ConfigError, match="needs a 'eagle' draft"):
+        check_draft_files(EngineConfig.model_validate(spec("eagle", target_dir)))
     (out / "draft.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not a readable specserve draft"):
-        EngineConfig.model_validate(spec("eagle", str(out)))
+    with pytest.raises(ConfigError, match="not a readable specserve draft"):
+        check_draft_files(EngineConfig.model_validate(spec("eagle", str(out))))
 
 
 class FlakyEagle(EagleProposer):

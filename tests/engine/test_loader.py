@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 from specserve.config import EngineConfig, SamplingParams
-from specserve.engine.builder import build_engine
+from specserve.engine.builder import build_engine, check_draft_files
 from specserve.engine.loader import EMBEDDED_NAME, resolve
-from specserve.errors import ModelNotFoundError
+from specserve.errors import ConfigError, ModelNotFoundError
 
 from tests.engine.test_spec_decode import make_engine, prompts
 from tests.models import tiny_hf_model
@@ -43,9 +43,10 @@ def test_local_directory_loads_and_generates_like_the_model(tiny_dir):
 def test_missing_model_path_is_a_clear_error(source):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         resolve(source)
-    with pytest.raises(ValidationError, match="does not exist"):
-        EngineConfig.model_validate({"target": {"source": "embedded"}, "speculative": {
-            "method": "draft_model", "draft": {"source": source}}})
+    cfg = EngineConfig.model_validate({"target": {"source": "embedded"}, "speculative": {
+        "method": "draft_model", "draft": {"source": source}}})  # the shape is fine
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        check_draft_files(cfg)
 
 
 def test_directory_without_config_is_refused(tmp_path):
@@ -59,20 +60,23 @@ def test_hub_ids_are_passed_through_unresolved():
     assert (src.name, src.location) == ("HuggingFaceTB/SmolLM2-360M-Instruct",) * 2
 
 
-def test_draft_with_another_tokenizer_is_refused_when_the_config_is_built(tiny_dir, tmp_path):
+def test_draft_with_another_tokenizer_is_refused_before_an_engine_loads(tiny_dir, tmp_path):
+    """The config validates its shape anywhere (a Helm render, a Ray actor); the builder reads
+    the tokenizers and refuses the draft before any model loads."""
     path, model = tiny_dir
     other = make_tiny_tokenizer().__class__.from_pretrained(path)
     other.add_tokens(["<|not-in-the-target|>"])
     model.save_pretrained(tmp_path)
     other.save_pretrained(tmp_path)
     spec = {"method": "draft_model", "draft": {"source": str(tmp_path)}}
-    with pytest.raises(ValidationError, match="does not share the target's tokenizer"):
-        EngineConfig.model_validate({"target": {"source": str(path)}, "speculative": spec})
+    cfg = EngineConfig.model_validate({"target": {"source": str(path)}, "speculative": spec})
+    with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
+        check_draft_files(cfg)
+    with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
+        build_engine(cfg)
     same = {"method": "draft_model", "draft": {"source": str(path)}}
-    assert EngineConfig.model_validate({"target": {"source": str(path)}, "speculative": same})
-    # Shape-only validation (e.g. a Helm render) skips the file check.
-    assert EngineConfig.model_validate({"target": {"source": str(path)}, "speculative": spec},
-                                       context={"check_files": False})
+    check_draft_files(EngineConfig.model_validate({"target": {"source": str(path)},
+                                                   "speculative": same}))
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -86,7 +90,7 @@ def test_draft_with_another_tokenizer_is_refused_when_the_config_is_built(tiny_d
 ])
 def test_bad_engine_config_is_refused(bad, match):
     with pytest.raises(ValidationError, match=match):
-        EngineConfig.model_validate(bad, context={"check_files": False})
+        EngineConfig.model_validate(bad)
 
 
 @pytest.mark.parametrize("bad, match", [

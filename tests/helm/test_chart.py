@@ -83,7 +83,7 @@ def test_ci_values_render_and_validate(values, tmp_path):
         if doc["kind"] in CRD_SCHEMAS:
             jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
     # The same pydantic model as deploy/ accepts what the chart renders.
-    AppConfig.model_validate(app_args(docs), context={"check_files": False})
+    AppConfig.model_validate(app_args(docs))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -166,7 +166,7 @@ def test_api_keys_are_on_by_default_with_a_generated_key():
     docs = render()
     args = app_args(docs)
     assert args["auth"]["enabled"] is True
-    assert AppConfig.model_validate(args, context={"check_files": False}).auth.enabled
+    assert AppConfig.model_validate(args).auth.enabled
     [secret] = [s for s in by_kind(docs, "Secret") if s["metadata"]["name"] == "rel-specserve-api-keys"]
     key = secret["stringData"]["api-keys"]
     assert key.startswith("sk-") and len(key) == 43 and key[3:].isalnum()
@@ -193,7 +193,7 @@ def test_auth_off_is_explicit_and_mounts_no_keys():
 def test_limits_and_drain_reach_the_app():
     docs = render(sets=("specserve.limits.requests_per_minute=600",
                         "specserve.limits.max_concurrent_requests=8", "specserve.drain_timeout_s=120"))
-    cfg = AppConfig.model_validate(app_args(docs), context={"check_files": False})
+    cfg = AppConfig.model_validate(app_args(docs))
     assert cfg.limits.requests_per_minute == 600 and cfg.limits.max_concurrent_requests == 8
     assert cfg.drain_timeout_s == 120
 

@@ -104,8 +104,7 @@ def test_header_and_request_bodies():
 def test_local_app_args_validate():
     from specserve.config import AppConfig
 
-    cfg = AppConfig.model_validate(sweep.local_app_args(32, 64, 2048, 4),
-                                   context={"check_files": False})
+    cfg = AppConfig.model_validate(sweep.local_app_args(32, 64, 2048, 4))
     assert cfg.unit.engine.max_num_seqs == 32 and cfg.unit.max_queue_len >= 32
     assert cfg.unit.engine.speculative.method == "ngram"
 
@@ -333,7 +332,8 @@ def tiny_target(tmp_path):
 
 
 def test_truncated_draft_keeps_first_layers_and_tokenizer(tiny_target, tmp_path):
-    from specserve.config import ModelConfig, check_same_tokenizer
+    from specserve.config import ModelConfig
+    from specserve.engine.builder import check_same_tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, target = tiny_target

@@ -29,7 +29,7 @@ def groups(ray_cluster, tiny_models):
     for tp in (1, 2):
         cfg = UnitConfig.model_validate({
             "engine": {"target": {"source": tiny_models[0]}, "max_model_len": 256, "max_num_seqs": 4},
-            "tensor_parallel_size": tp, "accelerator": "gpu"}, context={"check_files": False})
+            "tensor_parallel_size": tp, "accelerator": "gpu"})
         pg = placement_group(unit_bundles(cfg), strategy="STRICT_PACK")
         ray.get(pg.ready(), timeout=60)
         started[tp] = (TargetGroup.start(cfg, pg, first_bundle=1), pg)

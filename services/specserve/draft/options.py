@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specserve.config import DRAFT_KINDS
 from specserve.errors import ConfigError
+from specserve.methods import DRAFT_KINDS
 
 MAX_K = 8  # the evaluation measures acceptance for K = 1..MAX_K
 

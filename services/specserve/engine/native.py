@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.machine import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -91,8 +93,6 @@ def _load() -> ctypes.CDLL:
 
 
 def _cache_dir() -> Path:
-    from specserve.engine.loader import default_cache_dir
-
     path = default_cache_dir() / "native"
     path.mkdir(parents=True, exist_ok=True)
     return path

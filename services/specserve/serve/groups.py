@@ -44,6 +44,7 @@ from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.tp import apply_tp
 from specserve.engine.worker import ModelWorker, SlotOwner
 from specserve.errors import ProposerUnavailable, TargetUnavailable
+from specserve.methods import PROPOSERS
 from specserve.serve.draft_worker import DraftWorker, process_start
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class TargetRank:
 
     def setup(self, engine: dict, host: str, port: int) -> dict:
         """Join the process group, load this rank's shard, and (ranks > 0) start following."""
-        cfg = EngineConfig.model_validate(engine, context={"check_files": False})
+        cfg = EngineConfig.model_validate(engine)
         if self.world_size > 1:
             if host.startswith("127."):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -216,7 +217,7 @@ class RemoteProposer(Proposer):
     def __init__(self, actor, *, method: str, timeout_s: float) -> None:
         self.actor = actor
         self.method = method
-        self.needs_hidden = method == "eagle"  # the features travel in each DraftRequest
+        self.needs_hidden = PROPOSERS[method].reads_features  # sent in each DraftRequest
         self.timeout_s = timeout_s
         self._ops: list[tuple] = []
         self._local: tuple[int, int | None] | None = None  # (pid, start) of a draft on this node

@@ -351,7 +351,7 @@ def _openapi(model_name: str) -> dict:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, unit, config: dict) -> None:
-        self.cfg = AppConfig.model_validate(config, context={"check_files": False})
+        self.cfg = AppConfig.model_validate(config)
         self.unit = unit.options(stream=True)
         self.unit_calls = unit
         target = self.cfg.unit.engine.target

@@ -36,7 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.config import SamplingParams
+from specserve.config import SamplingParams, SpecMethod
 
 UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
 
@@ -119,7 +119,7 @@ class SpeculationOptions(_Lenient):
 
     enabled: bool | None = Field(None, description="Force speculation on or off for this request.")
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="K for this request.")
-    method: Literal["ngram", "draft_model", "eagle"] | None = Field(
+    method: SpecMethod | None = Field(
         None, description="Proposer; must be the one the deployment runs.")
     traffic_class: str | None = Field(
         None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$",

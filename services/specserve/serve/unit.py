@@ -17,10 +17,9 @@ import ray
 from ray import serve
 
 from specserve.config import SamplingParams, UnitConfig
-from specserve.engine.builder import build_controller, with_ngram_first
+from specserve.engine.builder import assemble_engine
 from specserve.engine.loader import load_tokenizer, resolve
-from specserve.engine.proposers.ngram import NgramProposer
-from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
+from specserve.engine.spec_decode import StepOutput
 from specserve.serve.coordinator import AsyncEngine
 from specserve.serve.groups import RemoteProposer, TargetGroup
 from specserve.serve.metrics import UnitReporter
@@ -34,7 +33,7 @@ class SpeculationUnit:
     itself stays free of wiring)."""
 
     def __init__(self, config: dict) -> None:
-        cfg = UnitConfig.model_validate(config, context={"check_files": False})
+        cfg = UnitConfig.model_validate(config)
         self.cfg = cfg
         pg = ray.util.get_current_placement_group()
         spec = cfg.engine.speculative
@@ -49,17 +48,10 @@ class SpeculationUnit:
         self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name,
                                                  target_vocab_size=self.target.vocab_size)
                       if cfg.has_draft_group else None)
-        proposer = None
-        if self.draft is not None:
-            proposer = with_ngram_first(spec, self.draft)
-        elif spec.method == "ngram":
-            proposer = NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
         tokenizer = load_tokenizer(resolve(cfg.engine.target.source, cfg.engine.target.cache_dir))
-        self.engine = SpecDecodeEngine(self.target, tokenizer,
-                                       eos_token_ids=frozenset(self.target.info["eos_token_ids"]),
-                                       proposer=proposer,
-                                       num_speculative_tokens=spec.num_speculative_tokens,
-                                       controller=build_controller(spec))
+        self.engine = assemble_engine(self.target, tokenizer,
+                                      frozenset(self.target.info["eos_token_ids"]), spec,
+                                      draft=self.draft)
         self.router = SpeculationRouter(cfg.router, method=spec.method,
                                         default_k=spec.num_speculative_tokens,
                                         adaptive=self.engine.controller is not None,

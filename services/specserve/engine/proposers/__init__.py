@@ -1,8 +1,5 @@
 """Proposers: what drafts the K tokens the target verifies.
 
-Each proposer is its own module; they share the small interface in :mod:`.base`.
+Each proposer is its own module; they share the small interface in :mod:`.base`, and
+:mod:`specserve.methods` is their registry (one line per proposer).
 """
-
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
-
-__all__ = ["DraftRequest", "Proposal", "Proposer"]

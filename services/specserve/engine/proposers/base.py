@@ -46,8 +46,19 @@ class Proposer(ABC):
     method when it cannot answer; the engine then decodes target-only until it is back.
     """
 
-    method: str
+    method: str  # its row in the registry (specserve.methods.PROPOSERS)
     needs_hidden = False  # True: reads the target's hidden states (EAGLE); the engine sends them
+
+    @classmethod
+    def from_config(cls, spec) -> Proposer:
+        """A proposer without a draft model, from its ``SpeculativeConfig`` (builder.py)."""
+        raise NotImplementedError(f"{cls.__name__} drafts with a model: use from_draft")
+
+    @classmethod
+    def from_draft(cls, draft, *, target_vocab_size: int | None = None) -> Proposer:
+        """A proposer around a loaded draft (a ``ModelWorker``), drafting over the target's
+        ``target_vocab_size`` ids (builder.py)."""
+        raise NotImplementedError(f"{cls.__name__} has no draft model: use from_config")
 
     def start(self, seq_id: int, seed: int) -> None:
         """A new sequence begins (reserve state; a second start of one id starts it afresh).
@@ -68,6 +79,3 @@ class Proposer(ABC):
 
     def flush(self) -> None:
         """Deliver buffered bookkeeping now (a remote proposer; called when the unit is idle)."""
-
-    def health_check(self) -> None:
-        """Raise if the proposer cannot serve (used by the Serve fallback)."""

@@ -36,6 +36,10 @@ class DraftModelProposer(Proposer):
         self.slots: dict[int, int] = {}  # seq_id -> slot in the draft cache
         self.seeds: dict[int, int] = {}  # seq_id -> the request's seed
 
+    @classmethod
+    def from_draft(cls, draft: ModelWorker, *, target_vocab_size: int | None = None) -> DraftModelProposer:
+        return cls(draft, target_vocab_size=target_vocab_size)
+
     def start(self, seq_id: int, seed: int) -> None:
         self.finish(seq_id)  # a sequence started again (a re-attached draft) keeps one slot
         self.slots[seq_id] = self.worker.allocate()

@@ -34,6 +34,11 @@ class EagleProposer(DraftModelProposer):
         self.pending: dict[int, list[torch.Tensor]] = {}  # seq_id -> features not yet fed
         self.real: dict[int, int] = {}                     # seq_id -> pairs from real features
 
+    @classmethod
+    def from_draft(cls, draft, *, target_vocab_size: int | None = None) -> EagleProposer:
+        """The head drafts over the target's own embedding and LM head ids: no mapping."""
+        return cls(draft)
+
     def start(self, seq_id: int, seed: int) -> None:
         super().start(seq_id, seed)
         self.pending[seq_id], self.real[seq_id] = [], 0

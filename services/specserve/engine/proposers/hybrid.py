@@ -42,9 +42,6 @@ class NgramFirstProposer(Proposer):
     def flush(self) -> None:
         self.model.flush()
 
-    def health_check(self) -> None:
-        self.model.health_check()
-
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         looked = [propose_ngram(r.token_ids, min_n=self.min_n, max_n=self.max_n, k=r.k) if r.k else []
                   for r in requests]

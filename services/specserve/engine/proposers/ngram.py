@@ -46,6 +46,10 @@ class NgramProposer(Proposer):
         assert 1 <= min_n <= max_n
         self.min_n, self.max_n = min_n, max_n
 
+    @classmethod
+    def from_config(cls, spec) -> NgramProposer:
+        return cls(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         return [Proposal(propose_ngram(r.token_ids, min_n=self.min_n, max_n=self.max_n, k=r.k))
                 for r in requests]

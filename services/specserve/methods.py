@@ -1,0 +1,55 @@
+"""The speculation methods: every proposer the engine knows, in one table (the registry).
+
+The configuration's ``speculative.method`` values, the API's ``speculation.method``, the
+CLI's ``--method`` choices, the kinds ``specserve train-draft`` makes, and how a unit wires
+a proposer (a draft group or not, the target's features sent or not) all read this table.
+Adding a proposer is its module in ``specserve/engine/proposers/`` and one line in
+:data:`PROPOSERS`.
+
+The table sits at the bottom of the package, beside ``errors.py``, and not among the
+proposers: the configuration reads it, and the configuration is what the engine stands on.
+Each row names its class by module and class name, imported only when an engine is built
+(:func:`proposer_class`), the way vLLM's model registry names its model classes: reading
+the table imports neither torch nor a proposer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    """One proposer: its method name and what serving it takes."""
+
+    method: str                # speculative.method in the config, speculation.method in the API
+    module: str                # specserve.engine.proposers.<module>
+    cls: str                   # the class in that module
+    draft_model: bool          # needs a draft model (speculative.draft) and, in a unit, a draft group
+    reads_features: bool       # reads the target's final hidden states, sent with each request
+    draft_kind: str | None     # the `specserve train-draft --kind` that makes its draft
+    plain_draft: bool = False  # a plain model of the target's tokenizer serves too
+    summary: str = ""
+
+
+PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
+    ProposerSpec("ngram", "ngram", "NgramProposer", draft_model=False, reads_features=False,
+                 draft_kind=None, summary="prompt lookup: the continuation of the sequence's "
+                                          "last n-gram where it occurred before"),
+    ProposerSpec("draft_model", "draft_model", "DraftModelProposer", draft_model=True,
+                 reads_features=False, draft_kind="decoder", plain_draft=True,
+                 summary="a smaller model of the target's tokenizer, or a decoder draft"),
+    ProposerSpec("eagle", "eagle", "EagleProposer", draft_model=True, reads_features=True,
+                 draft_kind="eagle", summary="an EAGLE head reading the target's features"),
+)}
+
+METHODS = tuple(PROPOSERS)  # ("ngram", "draft_model", "eagle")
+MODEL_METHODS = tuple(m for m, spec in PROPOSERS.items() if spec.draft_model)
+DRAFT_KINDS = tuple(spec.draft_kind for spec in PROPOSERS.values() if spec.draft_kind)
+
+
+def proposer_class(method: str) -> type:
+    """The :class:`~specserve.engine.proposers.base.Proposer` subclass of ``method``."""
+    spec = PROPOSERS[method]
+    return getattr(importlib.import_module(f"specserve.engine.proposers.{spec.module}"), spec.cls)
