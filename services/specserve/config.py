@@ -167,8 +167,9 @@ class EngineConfig(_Strict):
                               description="KV slots: sequences decoded together in one batch.")
 
 
-class RouterConfig(_Strict):
-    """The per-request speculation policy (every decision carries one of these reasons)."""
+class SpeculationPolicyConfig(_Strict):
+    """The per-request speculation policy (``serve/policy.py``; every decision carries one of
+    these reasons). The config key is ``router`` (kept for existing configs)."""
 
     short_output_tokens: int = Field(
         64, ge=0, le=1_048_576,
@@ -251,7 +252,7 @@ class UnitConfig(_Strict):
         3, ge=1, le=100,
         description="Restarts of a failed target group in a row before the unit reports itself "
                     "unhealthy and Serve replaces the whole unit.")
-    router: RouterConfig = Field(default_factory=RouterConfig,
+    router: SpeculationPolicyConfig = Field(default_factory=SpeculationPolicyConfig,
                                  description="When to speculate, per request.")
     target_node_resource: NodeResource | None = Field(
         None,

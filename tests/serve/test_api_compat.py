@@ -20,7 +20,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from specserve.config import SamplingParams
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import CapacityError, InvalidRequestError, RequestFailed, TargetUnavailable
-from specserve.serve.coordinator import EngineFailed, UnitError
+from specserve.serve.engine_loop import EngineFailed, UnitError
 
 from tests.engine.test_spec_decode import make_engine
 from tests.leaks import leaks

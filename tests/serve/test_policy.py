@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import pytest
-from specserve.config import RouterConfig, UnitConfig
-from specserve.serve.policy import UNCALIBRATED_BREAK_EVEN, Decision, SpeculationRouter
+from specserve.config import SpeculationPolicyConfig, UnitConfig
+from specserve.serve.policy import UNCALIBRATED_BREAK_EVEN, SpeculationPolicy
+from specserve.serve.protocol import Decision, SpeculationOptions
 
 
 class Clock:
@@ -16,14 +17,15 @@ class Clock:
         return self.now
 
 
-def router(method="ngram", max_num_seqs=8, **cfg) -> tuple[SpeculationRouter, Clock]:
+def router(method="ngram", max_num_seqs=8, **cfg) -> tuple[SpeculationPolicy, Clock]:
     clock = Clock()
-    return SpeculationRouter(RouterConfig(**cfg), method=method, default_k=4, adaptive=True,
+    return SpeculationPolicy(SpeculationPolicyConfig(**cfg), method=method, default_k=4, adaptive=True,
                              max_num_seqs=max_num_seqs, clock=clock), clock
 
 
-def decide(r: SpeculationRouter, options=None, *, max_tokens=256, load=0, key="chat||",
+def decide(r: SpeculationPolicy, options=None, *, max_tokens=256, load=0, key="chat||",
            draft_available=True) -> Decision:
+    options = SpeculationOptions(**options) if options is not None else None
     return r.decide(options, max_tokens=max_tokens, load=load, key=key,
                     draft_available=draft_available)
 
@@ -100,7 +102,7 @@ def test_without_dwell_the_same_swing_flips_every_request():
     assert r.gate.flips >= 99
 
 
-def feed(r: SpeculationRouter, key: str, rate: float, n: int, break_even=0.2) -> None:
+def feed(r: SpeculationPolicy, key: str, rate: float, n: int, break_even=0.2) -> None:
     for _ in range(n):
         d = decide(r, key=key)
         r.observe(key, d, 100, int(100 * rate), break_even)
@@ -166,7 +168,7 @@ def test_default_thresholds_follow_the_slots():
     """Off once as many requests wait as run (2 x max_num_seqs), on again at half that."""
     r, _ = router(max_num_seqs=8)
     assert (r.gate.off_at, r.gate.on_at) == (16, 8)
-    assert RouterConfig(high_concurrency_threshold=10).concurrency_thresholds(8) == (10, 5)
+    assert SpeculationPolicyConfig(high_concurrency_threshold=10).concurrency_thresholds(8) == (10, 5)
 
 
 def test_thresholds_are_validated():
@@ -175,4 +177,4 @@ def test_thresholds_are_validated():
     with pytest.raises(ValueError, match="hysteresis"):  # resume 40 vs the default 2 x 8
         UnitConfig(router={"high_concurrency_resume": 40})
     with pytest.raises(ValueError):
-        RouterConfig(probe_share=1.5)
+        SpeculationPolicyConfig(probe_share=1.5)

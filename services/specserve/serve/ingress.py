@@ -64,6 +64,9 @@ from specserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    StreamDelta,
+    StreamStart,
+    UnitRequest,
     error_body,
 )
 
@@ -292,7 +295,7 @@ class RequestTimeout(Exception):
     """The request ran past ``limits.request_timeout_s``."""
 
 
-async def _until(stream, deadline: float) -> AsyncIterator[dict]:
+async def _until(stream, deadline: float) -> AsyncIterator[StreamStart | StreamDelta]:
     """``stream``'s chunks, raising :class:`RequestTimeout` once ``deadline`` (monotonic) passes."""
     while True:
         left = deadline - time.monotonic()
@@ -519,11 +522,9 @@ class OpenAIIngress:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         requested = req.requested_max_tokens if chat else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids))
-        payload = {"prompt_token_ids": prompt_ids,
-                   "params": req.sampling_params(max_tokens).model_dump(),
-                   "speculation": req.speculation.model_dump() if req.speculation else None,
-                   "stream": req.stream,
-                   "class_key": _class_key(req, chat, lease.key_id)}
+        payload = UnitRequest(prompt_token_ids=prompt_ids, params=req.sampling_params(max_tokens),
+                              speculation=req.speculation, stream=req.stream,
+                              class_key=_class_key(req, chat, lease.key_id))
         route = "/v1/chat/completions" if chat else "/v1/completions"
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
@@ -538,7 +539,7 @@ class OpenAIIngress:
         except Exception as exc:
             _cancel(stream)
             raise _from_engine(exc, rid) from exc
-        headers = {"x-speculation": start["speculation"]["header"]}
+        headers = {"x-speculation": start.decision.header()}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             lease = lease.hand_over()
@@ -555,11 +556,11 @@ class OpenAIIngress:
         parts: list[str] = []
         try:
             async for chunk in chunks:
-                parts.append(chunk["text"])
-                if chunk["finish_reason"] is not None:
+                parts.append(chunk.text)
+                if chunk.finish_reason is not None:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))
-                    return "".join(parts), chunk["finish_reason"], chunk["usage"]
+                    return "".join(parts), chunk.finish_reason, chunk.usage
         except RequestTimeout:
             raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
@@ -577,18 +578,18 @@ class OpenAIIngress:
                 yield _sse_line(_chunk(rid, self.model_name, created, chat, {"role": "assistant",
                                                                          "content": ""}, None))
             async for chunk in chunks:
-                if chunk["text"] or chunk["finish_reason"]:
-                    delta = {"content": chunk["text"]} if chat else chunk["text"]
+                if chunk.text or chunk.finish_reason:
+                    delta = {"content": chunk.text} if chat else chunk.text
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
-                                      chunk["finish_reason"]))
+                                      chunk.finish_reason))
                     if self.limits.log_request_content:
-                        parts.append(chunk["text"])
-                if chunk["finish_reason"] is not None:
+                        parts.append(chunk.text)
+                if chunk.finish_reason is not None:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))
-                if chunk["finish_reason"] is not None and include_usage:
+                if chunk.finish_reason is not None and include_usage:
                     body = _chunk(rid, self.model_name, created, chat, None, None)
-                    body["choices"], body["usage"] = [], chunk["usage"]
+                    body["choices"], body["usage"] = [], chunk.usage
                     yield _sse_line(body)
         except RequestTimeout:
             yield _sse_line(_timeout_error(self.limits.request_timeout_s).body)

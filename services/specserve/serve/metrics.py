@@ -34,6 +34,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from specserve.serve.protocol import StreamDelta, Timing, UnitSnapshot
+
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 1.0
@@ -74,21 +76,21 @@ def record_request(route: str, status: int) -> None:
     REQUESTS.labels(route, str(status)).inc()
 
 
-def record_finish(route: str, chunk: dict) -> None:
+def record_finish(route: str, chunk: StreamDelta) -> None:
     """A request's last chunk from its unit: tokens and the unit-measured latencies."""
-    usage = chunk.get("usage") or {}
+    usage = chunk.usage or {}
     PROMPT_TOKENS.labels(route).inc(usage.get("prompt_tokens", 0))
     GENERATION_TOKENS.labels(route).inc(usage.get("completion_tokens", 0))
-    timing = chunk.get("timing") or {}
-    if timing.get("ttft_s") is not None:
-        TTFT.labels(route).observe(timing["ttft_s"])
-    for gap in timing.get("itl_s") or ():
+    timing = chunk.timing or Timing()
+    if timing.ttft_s is not None:
+        TTFT.labels(route).observe(timing.ttft_s)
+    for gap in timing.itl_s:
         ITL.labels(route).observe(gap)
-    if timing.get("tpot_s") is not None:
+    if timing.tpot_s is not None:
         speculated = (usage.get("speculation") or {}).get("enabled", False)
-        TPOT.labels(route, "on" if speculated else "off").observe(timing["tpot_s"])
-    if timing.get("e2e_s") is not None:
-        E2E.labels(route).observe(timing["e2e_s"])
+        TPOT.labels(route, "on" if speculated else "off").observe(timing.tpot_s)
+    if timing.e2e_s is not None:
+        E2E.labels(route).observe(timing.e2e_s)
 
 
 # -- unit metrics: the hub ----------------------------------------------------------------------
@@ -97,12 +99,12 @@ class MetricsHub:
     """Latest snapshot per unit, for the ingress's scrapes."""
 
     def __init__(self) -> None:
-        self.units: dict[str, tuple[float, dict]] = {}
+        self.units: dict[str, tuple[float, UnitSnapshot]] = {}
 
-    def report(self, unit: str, snapshot: dict) -> None:
+    def report(self, unit: str, snapshot: UnitSnapshot) -> None:
         self.units[unit] = (time.monotonic(), snapshot)
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, UnitSnapshot]:
         now = time.monotonic()
         self.units = {u: v for u, v in self.units.items() if now - v[0] < STALE_AFTER_S}
         return {u: s for u, (_, s) in self.units.items()}
@@ -122,7 +124,7 @@ class UnitReporter:
     """A thread in the unit that sends ``snapshot()`` to the hub every ``interval_s`` and
     mirrors the numbers into Ray's metrics. Failures are logged once and retried."""
 
-    def __init__(self, app: str, unit: str, snapshot: Callable[[], dict],
+    def __init__(self, app: str, unit: str, snapshot: Callable[[], UnitSnapshot],
                  interval_s: float = REPORT_INTERVAL_S) -> None:
         self.app, self.unit, self.snapshot, self.interval_s = app, unit, snapshot, interval_s
         self._stop = threading.Event()
@@ -163,12 +165,12 @@ class RayMirror:
                          for name, doc in _COUNTERS.items()}
         self._last: dict[str, float] = {}
 
-    def update(self, snap: dict) -> None:
-        tags = {"unit": self.unit, "method": snap["method"]}
+    def update(self, snap: UnitSnapshot) -> None:
+        tags = {"unit": self.unit, "method": snap.method}
         for name in _GAUGES:
-            self.gauges[name].set(float(snap[name]), tags)
+            self.gauges[name].set(float(getattr(snap, name)), tags)
         for name in _COUNTERS:
-            value = float(snap[name])
+            value = float(getattr(snap, name))
             delta = value - self._last.get(name, 0.0)
             if delta > 0:
                 self.counters[name].inc(delta, tags)
@@ -200,7 +202,7 @@ _COUNTERS = {
 }
 
 
-def unit_families(units: dict[str, dict]) -> Iterator:
+def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
     """Metric families of every unit's snapshot (see :meth:`SpeculationUnit.metrics_snapshot`)."""
     labels = ["unit", "method"]
     gauges = {n: GaugeMetricFamily(f"specserve:{n}", doc, labels=labels) for n, doc in _GAUGES.items()}
@@ -217,17 +219,16 @@ def unit_families(units: dict[str, dict]) -> Iterator:
         "specserve:speculation_length",
         "K drafted per decoding sequence per step (0: that step ran target-only).", labels=labels)
     for unit, snap in sorted(units.items()):
-        values = [unit, snap["method"]]
+        values = [unit, snap.method]
         for name, family in gauges.items():
-            family.add_metric(values, float(snap[name]))
+            family.add_metric(values, float(getattr(snap, name)))
         for name, family in counters.items():
-            family.add_metric(values, float(snap[name]))
-        for pos, n in enumerate(snap["accepted_per_position"]):
+            family.add_metric(values, float(getattr(snap, name)))
+        for pos, n in enumerate(snap.accepted_per_position):
             per_pos.add_metric([*values, str(pos)], float(n))
-        for key, n in sorted(snap["router_decisions"].items()):
-            decision, reason = key.split(":", 1)
+        for (decision, reason), n in sorted(snap.router_decisions.items()):
             decisions.add_metric([*values, decision, reason], float(n))
-        k_counts = {int(k): n for k, n in snap["k_counts"].items()}
+        k_counts = snap.k_counts
         cumulative, buckets = 0, []
         for bound in K_BUCKETS:
             cumulative += k_counts.get(bound, 0)
@@ -248,7 +249,7 @@ class _Families:
         return self.families
 
 
-def exposition(units: dict[str, dict]) -> bytes:
+def exposition(units: dict[str, UnitSnapshot]) -> bytes:
     """The whole ``/metrics`` body: this process's request metrics, then the units'."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(unit_families(units))))

@@ -1,4 +1,6 @@
-"""Per-request speculation decision: on or off, how far, and why.
+"""The speculation policy: per request, speculation on or off, how far, and why.
+
+(Not to be confused with ``request_router.py``, which picks the unit a request goes to.)
 
 Every decision carries a reason, returned to the client (``x-speculation`` header, the
 ``usage.speculation`` block) and counted in metrics. The rules, first match wins:
@@ -29,28 +31,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.config import RouterConfig
+from specserve.config import SpeculationPolicyConfig
+from specserve.serve.protocol import Decision, SpeculationOptions
 
 UNCALIBRATED_BREAK_EVEN = 0.1  # acceptance rate assumed to break even until costs are measured
-
-
-@dataclass(frozen=True)
-class Decision:
-    enabled: bool
-    reason: str
-    method: str | None
-    num_speculative_tokens: int  # K for this request (the most, when adaptive); 0 when off
-    adaptive: bool = False       # the coordinator picks K per step, up to num_speculative_tokens
-
-    def header(self) -> str:
-        """The ``x-speculation`` header value, e.g. ``on; reason=default; method=ngram; k=4;
-        k_mode=adaptive``."""
-        state = "on" if self.enabled else "off"
-        parts = [state, f"reason={self.reason}"]
-        if self.enabled:
-            parts += [f"method={self.method}", f"k={self.num_speculative_tokens}",
-                      f"k_mode={'adaptive' if self.adaptive else 'fixed'}"]
-        return "; ".join(parts)
 
 
 class ConcurrencyGate:
@@ -93,7 +77,7 @@ class AcceptanceTracker:
     """Acceptance rate per class as an EWMA over finished requests (each weighted by its draft
     tokens), with a low / recovered state that uses a hysteresis margin."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: SpeculationPolicyConfig) -> None:
         self.cfg = cfg
         self.classes: OrderedDict[str, _ClassStats] = OrderedDict()
 
@@ -130,8 +114,11 @@ class AcceptanceTracker:
         return s.turns % max(1, round(1.0 / self.cfg.probe_share)) == 0
 
 
-class SpeculationRouter:
-    def __init__(self, cfg: RouterConfig, *, method: str | None, default_k: int,
+class SpeculationPolicy:
+    """The rules of the table above, in its order, over the unit's load and the acceptance
+    measured per class."""
+
+    def __init__(self, cfg: SpeculationPolicyConfig, *, method: str | None, default_k: int,
                  adaptive: bool, max_num_seqs: int, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.cfg = cfg
@@ -148,25 +135,24 @@ class SpeculationRouter:
             return self.cfg.low_acceptance_threshold
         return UNCALIBRATED_BREAK_EVEN if measured is None else measured
 
-    def decide(self, options: dict | None, *, max_tokens: int | None, load: int, key: str,
-               draft_available: bool) -> Decision:
+    def decide(self, options: SpeculationOptions | None, *, max_tokens: int | None, load: int,
+               key: str, draft_available: bool) -> Decision:
         """The decision for one request.
 
-        ``options``: the request's ``speculation`` extension (enabled / num_speculative_tokens),
-        or None. ``load``: the unit's requests in flight, this one not counted. ``key``: the
-        request's acceptance class.
+        ``options``: the request's ``speculation`` extension, or None. ``load``: the unit's
+        requests in flight, this one not counted. ``key``: the request's acceptance class.
         """
-        options = options or {}
-        k = options.get("num_speculative_tokens") or self.default_k
+        options = options or SpeculationOptions()
+        k = options.num_speculative_tokens or self.default_k
         off = lambda reason: Decision(False, reason, self.method, 0)  # noqa: E731
         allowed = self.gate.update(load)  # every request moves the gate, whatever its fate
-        if options.get("enabled") is False:
+        if options.enabled is False:
             return off("client_override")
         if self.method is None:
             return Decision(False, "not_configured", None, 0)
         if not draft_available:
             return off("draft_unavailable")
-        if options.get("enabled"):
+        if options.enabled:
             return Decision(True, "client_override", self.method, k)
         if max_tokens is not None and max_tokens < self.cfg.short_output_tokens:
             return off("short_output")

@@ -1,4 +1,7 @@
-"""OpenAI-compatible request models (and our ``speculation`` extension).
+"""What crosses the API's hops: the OpenAI-compatible request models (and our
+``speculation`` extension) the ingress parses, and the typed messages between the ingress and
+a unit (:class:`UnitRequest` in, :class:`StreamStart` then :class:`StreamDelta` chunks back,
+:class:`UnitSnapshot` to the metrics hub), each defined once and never re-validated on the way.
 
 Three rules decide what a request may carry:
 
@@ -22,6 +25,7 @@ it), so a client generator or a fuzzer sees the refused values as invalid.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -272,3 +276,96 @@ class ErrorResponse(BaseModel):
     """Every 4xx and 5xx body (and an in-band stream error): OpenAI's error object."""
 
     error: ErrorObject
+
+
+# -- between the ingress and a unit (a Ray call and the stream it returns) ------------------------
+@dataclass(frozen=True)
+class UnitRequest:
+    """A request as the ingress hands it to a unit: validated, tokenized, within the limits."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    speculation: SpeculationOptions | None  # the client's control; None: the policy decides
+    stream: bool                            # False: the unit sends one chunk at the end
+    class_key: str                          # the acceptance class: route|key id|user|traffic class
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The speculation policy's answer for one request (``serve/policy.py``), which the
+    client sees in the ``x-speculation`` header and ``usage.speculation``."""
+
+    enabled: bool
+    reason: str
+    method: str | None
+    num_speculative_tokens: int  # K for this request (the most, when adaptive); 0 when off
+    adaptive: bool = False       # the coordinator picks K per step, up to num_speculative_tokens
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``("on" | "off", reason)``: how decisions are counted (the metric's labels)."""
+        return ("on" if self.enabled else "off", self.reason)
+
+    def header(self) -> str:
+        """The ``x-speculation`` header value, e.g. ``on; reason=default; method=ngram; k=4;
+        k_mode=adaptive``."""
+        parts = [self.key[0], f"reason={self.reason}"]
+        if self.enabled:
+            parts += [f"method={self.method}", f"k={self.num_speculative_tokens}",
+                      f"k_mode={'adaptive' if self.adaptive else 'fixed'}"]
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """A unit's first chunk for a request: the decision, before any text."""
+
+    decision: Decision
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A request's latencies as its unit measured them (arrival to outputs), in seconds."""
+
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """Text a unit produced; the last chunk has a ``finish_reason``, the ``usage`` object of
+    the response (OpenAI's, with our ``speculation`` block) and the ``timing`` for metrics."""
+
+    text: str
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    timing: Timing | None = None
+
+
+@dataclass(frozen=True)
+class UnitSnapshot:
+    """A unit's live numbers, sent to the metrics hub every few seconds. Each field is a
+    metric of ``serve/metrics.py`` of the same name (``docs/METRICS.md``)."""
+
+    method: str
+    num_requests_running: int
+    num_requests_waiting: int
+    free_slots: int
+    num_slots: int
+    draft_available: int
+    target_available: int
+    target_restarts: int
+    estimated_speedup: float
+    speculation_length_current: int
+    concurrency_gate_open: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    accepted_per_position: list[int]
+    draft_fallbacks: int
+    requests_admitted: int
+    requests_aborted: int
+    router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
+    k_counts: dict[int, int]                      # K -> decoding rows that drafted it

@@ -2,8 +2,10 @@
 
 The replica runs in bundle 0 of its placement group (``[coordinator, (draft), target ranks]``,
 STRICT_PACK) and starts the draft and target groups as child actors in the other bundles.
-Requests arrive as token ids (the ingress tokenizes and validates them) and leave as a stream
-of small dicts: first the speculation decision, then text deltas, the last one with usage.
+Requests arrive as a :class:`~specserve.serve.protocol.UnitRequest` (token ids: the ingress
+tokenizes and validates) and leave as a stream: a :class:`~specserve.serve.protocol.StreamStart`
+with the speculation decision, then :class:`~specserve.serve.protocol.StreamDelta` chunks, the
+last one with usage.
 Scaling replicas scales whole units; KV caches never cross units.
 """
 
@@ -16,14 +18,22 @@ from collections.abc import AsyncIterator
 import ray
 from ray import serve
 
-from specserve.config import SamplingParams, UnitConfig
+from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.spec_decode import StepOutput
-from specserve.serve.coordinator import AsyncEngine
+from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.groups import RemoteProposer, TargetGroup
 from specserve.serve.metrics import UnitReporter
-from specserve.serve.policy import Decision, SpeculationRouter
+from specserve.serve.policy import SpeculationPolicy
+from specserve.serve.protocol import (
+    Decision,
+    StreamDelta,
+    StreamStart,
+    Timing,
+    UnitRequest,
+    UnitSnapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,85 +62,79 @@ class SpeculationUnit:
         self.engine = assemble_engine(self.target, tokenizer,
                                       frozenset(self.target.info["eos_token_ids"]), spec,
                                       draft=self.draft)
-        self.router = SpeculationRouter(cfg.router, method=spec.method,
+        self.policy = SpeculationPolicy(cfg.router, method=spec.method,
                                         default_k=spec.num_speculative_tokens,
                                         adaptive=self.engine.controller is not None,
                                         max_num_seqs=cfg.engine.max_num_seqs)
-        self.decisions: dict[str, int] = {}  # "on:default" -> count, since start
+        self.decisions: dict[tuple[str, str], int] = {}  # Decision.key -> requests, since start
         self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot)
-        self.core = AsyncEngine(self.engine, max_queue_len=cfg.max_queue_len,
+        self.core = EngineLoop(self.engine, max_queue_len=cfg.max_queue_len,
                                 draft_probe=self.draft.probe if self.draft else None,
                                 draft_retry_s=cfg.draft_retry_s,
                                 draft_max_retry_s=cfg.draft_retry_max_s,
                                 restart_target=self.target.restart,
                                 max_restarts=cfg.target_restart_attempts)
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """``request``: ``{"prompt_token_ids", "params", "speculation", "stream", "class_key"}``.
-        Yields ``{"event": "start", "speculation": ...}``, then ``{"event": "delta", ...}``
-        chunks; the last carries ``usage`` and, for the ingress's metrics, ``timing``."""
-        params = SamplingParams.model_validate(request["params"])
+    async def generate(self, request: UnitRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+        """One :class:`StreamStart`, then :class:`StreamDelta` chunks; the last carries the
+        ``usage`` and, for the ingress's metrics, the ``timing``."""
+        params = request.params
         self.core.check_admission()
-        key = request.get("class_key", "")
-        decision = self.router.decide(request.get("speculation"), max_tokens=params.max_tokens,
-                                      load=self.core.num_streams, key=key,
+        decision = self.policy.decide(request.speculation, max_tokens=params.max_tokens,
+                                      load=self.core.num_streams, key=request.class_key,
                                       draft_available=self.engine.draft_available)
-        label = f"{'on' if decision.enabled else 'off'}:{decision.reason}"
-        self.decisions[label] = self.decisions.get(label, 0) + 1
-        yield {"event": "start", "speculation": {
-            "enabled": decision.enabled, "reason": decision.reason, "method": decision.method,
-            "num_speculative_tokens": decision.num_speculative_tokens,
-            "adaptive": decision.adaptive, "header": decision.header()}}
+        self.decisions[decision.key] = self.decisions.get(decision.key, 0) + 1
+        yield StreamStart(decision)
         # A client that does not stream gets one chunk: every yielded chunk is a Ray message,
         # and per token they cost the forward pass CPU time on a small machine.
-        per_step = request.get("stream", True)
         completion_tokens, pending = 0, []
-        clock = _Timing(time.perf_counter())
-        async for out in self.core.generate(request["prompt_token_ids"], params,
+        clock = _Clock(time.perf_counter())
+        async for out in self.core.generate(request.prompt_token_ids, params,
                                             spec_len=decision.num_speculative_tokens,
                                             adaptive=decision.adaptive):
             completion_tokens += len(out.new_token_ids)
             clock.output(time.perf_counter(), len(out.new_token_ids))
             pending.append(out.text_delta)
-            if not per_step and out.finish_reason is None:
+            if not request.stream and out.finish_reason is None:
                 continue
-            chunk = {"event": "delta", "text": "".join(pending), "finish_reason": out.finish_reason}
-            pending = []
-            if out.finish_reason is not None:
-                self.router.observe(key, decision, out.stats.num_draft_tokens,
-                                    out.stats.num_accepted_tokens, self._break_even())
-                chunk["usage"] = _usage(len(request["prompt_token_ids"]), completion_tokens,
-                                        out, decision, self._estimated_speedup())
-                chunk["timing"] = clock.as_dict(completion_tokens)
-            yield chunk
+            text, pending = "".join(pending), []
+            if out.finish_reason is None:
+                yield StreamDelta(text)
+                continue
+            self.policy.observe(request.class_key, decision, out.stats.num_draft_tokens,
+                                out.stats.num_accepted_tokens, self._break_even())
+            yield StreamDelta(text, out.finish_reason,
+                              usage=_usage(len(request.prompt_token_ids), completion_tokens, out,
+                                           decision, self._estimated_speedup()),
+                              timing=clock.timing(completion_tokens))
 
-    def metrics_snapshot(self) -> dict:
+    def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
         engine, ctl = self.engine, self.engine.controller
         spec = engine.stats
-        return {
-            "method": self.method or "none",
-            "num_requests_running": self.core.num_running,
-            "num_requests_waiting": self.core.num_waiting,
-            "free_slots": engine.target.num_free_slots,
-            "num_slots": self.cfg.engine.max_num_seqs,
-            "draft_available": int(engine.draft_available),
-            "target_available": int(self.core.target_available),
-            "target_restarts": self.core.num_target_restarts,
-            "estimated_speedup": ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0,
-            "speculation_length_current": ctl.k if ctl is not None else
+        return UnitSnapshot(
+            method=self.method or "none",
+            num_requests_running=self.core.num_running,
+            num_requests_waiting=self.core.num_waiting,
+            free_slots=engine.target.num_free_slots,
+            num_slots=self.cfg.engine.max_num_seqs,
+            draft_available=int(engine.draft_available),
+            target_available=int(self.core.target_available),
+            target_restarts=self.core.num_target_restarts,
+            estimated_speedup=ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0,
+            speculation_length_current=ctl.k if ctl is not None else
             (engine.num_speculative_tokens if self.method else 0),
-            "concurrency_gate_open": int(self.router.gate.open),
-            "spec_decode_num_drafts": spec.num_drafts,
-            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-            "accepted_per_position": list(spec.accepted_per_position),
-            "draft_fallbacks": engine.num_draft_fallbacks,
-            "requests_admitted": self.core.num_admitted,
-            "requests_aborted": self.core.num_aborted,
-            "router_decisions": dict(self.decisions),
-            "k_counts": dict(engine.k_counts),
-        }
+            concurrency_gate_open=int(self.policy.gate.open),
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            accepted_per_position=list(spec.accepted_per_position),
+            draft_fallbacks=engine.num_draft_fallbacks,
+            requests_admitted=self.core.num_admitted,
+            requests_aborted=self.core.num_aborted,
+            router_decisions=dict(self.decisions),
+            k_counts=dict(engine.k_counts),
+        )
 
     def _break_even(self) -> float | None:
         ctl = self.engine.controller
@@ -144,7 +148,8 @@ class SpeculationUnit:
         return {"load": self.core.load, "free_slots": self.engine.target.num_free_slots}
 
     def stats(self) -> dict:
-        """Live numbers of this unit (tests and the metrics exporter read them)."""
+        """Live numbers of this unit: the JSON body of ``/v1/units/stats`` (the ingress passes
+        it through; tests and operators read it)."""
         return {"running": self.core.num_running, "waiting": self.core.num_waiting,
                 "requests_admitted": self.core.num_admitted,
                 "requests_aborted": self.core.num_aborted,
@@ -156,11 +161,12 @@ class SpeculationUnit:
                 "target_available": self.core.target_available,
                 "target_restarts": self.core.num_target_restarts,
                 "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict(),
-                "router": {"decisions": dict(self.decisions),
-                           "concurrency_gate_open": self.router.gate.open,
-                           "concurrency_gate_flips": self.router.gate.flips,
+                "router": {"decisions": {f"{on}:{reason}": n
+                                         for (on, reason), n in self.decisions.items()},
+                           "concurrency_gate_open": self.policy.gate.open,
+                           "concurrency_gate_flips": self.policy.gate.flips,
                            "low_acceptance_classes": sorted(
-                               k for k, s in self.router.acceptance.classes.items() if s.low),
+                               k for k, s in self.policy.acceptance.classes.items() if s.low),
                            "break_even_acceptance": self._break_even()},
                 "controller": self._controller_stats()}
 
@@ -208,7 +214,7 @@ class SpeculationUnit:
             core.shutdown()
 
 
-class _Timing:
+class _Clock:
     """A request's latencies as the unit sees them (arrival to outputs), for the metrics."""
 
     def __init__(self, arrival: float) -> None:
@@ -226,12 +232,12 @@ class _Timing:
             self.gaps.append(now - self.last)
         self.last = now
 
-    def as_dict(self, num_tokens: int) -> dict:
+    def timing(self, num_tokens: int) -> Timing:
         if self.first is None:
-            return {"ttft_s": None, "itl_s": [], "tpot_s": None, "e2e_s": None}
+            return Timing()
         tpot = (self.last - self.first) / (num_tokens - 1) if num_tokens > 1 else None
-        return {"ttft_s": self.first - self.arrival, "itl_s": self.gaps, "tpot_s": tpot,
-                "e2e_s": self.last - self.arrival}
+        return Timing(ttft_s=self.first - self.arrival, itl_s=self.gaps, tpot_s=tpot,
+                      e2e_s=self.last - self.arrival)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, out: StepOutput, decision: Decision,

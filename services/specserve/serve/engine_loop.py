@@ -1,4 +1,5 @@
-"""The speculation coordinator's loop: one thread owns the engine; requests are asyncio streams.
+"""The engine loop of a unit (its speculation coordinator): one thread owns the engine;
+requests are asyncio streams.
 
 The engine is not thread-safe, so a single background thread does everything to it: it takes
 new requests and aborts from an inbox at the top of each iteration (continuous batching at
@@ -22,7 +23,7 @@ ends with :class:`EngineFailed` (503, retry), which frees every slot; the thread
 restarts the target group (``restart_target``) while new requests are refused
 with :class:`~specserve.errors.TargetUnavailable` (503, retry) instead of waiting. After
 ``max_restarts`` restarts without a successful step in between, the unit gives up
-(:attr:`AsyncEngine.broken`): its health check fails and Serve replaces the whole unit.
+(:attr:`EngineLoop.broken`): its health check fails and Serve replaces the whole unit.
 """
 
 from __future__ import annotations
@@ -46,6 +47,27 @@ log = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+
+
+# The engine thread's inbox: what the asyncio side asks of it.
+@dataclass(frozen=True)
+class _Add:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    spec_len: int | None
+    adaptive: bool
+    stream: _Stream
+    accepted: asyncio.Future  # resolves, on the caller's loop, to the sequence id or the error
+
+
+@dataclass(frozen=True)
+class _Abort:
+    seq_id: int
+
+
+@dataclass(frozen=True)
+class _Stall:
+    seconds: float  # fault injection
 
 
 class EngineFailed(SpecServeError):
@@ -126,7 +148,9 @@ class DraftWatch:
         self._lost.set()
 
 
-class AsyncEngine:
+class EngineLoop:
+    """The engine thread and the asyncio side that feeds it (module docstring)."""
+
     def __init__(self, engine: SpecDecodeEngine, *, max_queue_len: int,
                  draft_probe: Callable[[], bool] | None = None, draft_retry_s: float = 1.0,
                  draft_max_retry_s: float = 30.0,
@@ -193,14 +217,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._submit(("add", prompt_token_ids, params, spec_len, adaptive, stream, accepted))
+        self._submit(_Add(prompt_token_ids, params, spec_len, adaptive, stream, accepted))
         try:
             seq_id = await accepted  # raises the engine's validation error, if any
         except asyncio.CancelledError:
             # Cancelled after the engine thread accepted it but before this task resumed:
             # the future holds a sequence nobody will read. Abort it.
             if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
-                self._submit(("abort", accepted.result()))
+                self._submit(_Abort(accepted.result()))
             raise
         finished = False
         try:
@@ -212,16 +236,16 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                self._submit(("abort", seq_id))
+                self._submit(_Abort(seq_id))
 
-    def _submit(self, item: tuple) -> None:
+    def _submit(self, item: _Add | _Abort | _Stall) -> None:
         self._inbox.put(item)
         self._wake.set()
 
     def stall(self, seconds: float) -> None:
         """Fault injection: the engine thread sleeps ``seconds`` at its next turn, as a hung
         target step would (tests of timeouts and of what waits behind a stuck unit)."""
-        self._submit(("stall", seconds))
+        self._submit(_Stall(seconds))
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -264,31 +288,33 @@ class AsyncEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] == "add":
-                self._add(*item[1:])
-            elif item[0] == "stall":
-                time.sleep(item[1])
-            else:
-                self.num_aborted += self.engine.abort(item[1])
-                self._streams.pop(item[1], None)
+            match item:
+                case _Add():
+                    self._add(item)
+                case _Stall(seconds):
+                    time.sleep(seconds)
+                case _Abort(seq_id):
+                    self.num_aborted += self.engine.abort(seq_id)
+                    self._streams.pop(seq_id, None)
             self._count()
 
-    def _add(self, prompt, params, spec_len, adaptive, stream: _Stream,
-             accepted: asyncio.Future) -> None:
+    def _add(self, add: _Add) -> None:
+        loop = add.stream.loop
         try:
-            seq_id = self.engine.add_request(prompt, params, spec_len=spec_len, adaptive=adaptive)
+            seq_id = self.engine.add_request(add.prompt_token_ids, add.params,
+                                             spec_len=add.spec_len, adaptive=add.adaptive)
         except Exception as exc:
-            stream.loop.call_soon_threadsafe(_resolve, accepted, None, exc)
+            loop.call_soon_threadsafe(_resolve, add.accepted, None, exc)
             return
-        self._streams[seq_id] = stream
+        self._streams[seq_id] = add.stream
         self.num_admitted += 1
-        stream.loop.call_soon_threadsafe(self._accepted, accepted, seq_id)
+        loop.call_soon_threadsafe(self._accepted, add.accepted, seq_id)
 
     def _accepted(self, future: asyncio.Future, seq_id: int) -> None:
         """On the caller's loop: hand over the sequence id, or abort the sequence if the caller
         was cancelled (client gone, request timed out) while it waited in the inbox."""
         if future.cancelled():
-            self._submit(("abort", seq_id))
+            self._submit(_Abort(seq_id))
         elif not future.done():
             future.set_result(seq_id)
 
