@@ -52,7 +52,7 @@ serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local 
 test: install ## Run the test suite (the command CI runs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-dashboards: install ## Regenerate the Grafana dashboard JSON from deploy/grafana/dashboards.py
+dashboards: install ## Regenerate services/specserve/grafana/*.json from deploy/grafana/dashboards.py
 	$(PY) deploy/grafana/dashboards.py
 
 prometheus: install ## Prometheus on 127.0.0.1:9090 scraping `make serve` (data in results/prometheus)

@@ -19,12 +19,13 @@ from specserve.cli import main
 from specserve.dashboards import DashboardPushError, push
 
 ROOT = Path(__file__).resolve().parents[1]
-GRAFANA_DIR = ROOT / "deploy" / "grafana"
+GENERATOR = ROOT / "deploy" / "grafana" / "dashboards.py"
+GRAFANA_DIR = ROOT / "services" / "specserve" / "grafana"  # the generated JSON (package data)
 TOKEN = "glsa_test_token"
 
 
 def test_committed_json_is_fresh():
-    proc = subprocess.run([sys.executable, str(GRAFANA_DIR / "dashboards.py"), "--check"],
+    proc = subprocess.run([sys.executable, str(GENERATOR), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
@@ -36,7 +37,7 @@ def test_stale_json_is_detected(tmp_path, monkeypatch):
 
     for name in dashboards.DASHBOARDS:
         (tmp_path / name).write_text((GRAFANA_DIR / name).read_text())
-    monkeypatch.setattr(dashboards, "HERE", tmp_path)
+    monkeypatch.setattr(dashboards, "OUT", tmp_path)
     assert dashboards.main(["--check"]) == 0
     (tmp_path / "serving.json").write_text("{}")
     assert dashboards.main(["--check"]) == 1

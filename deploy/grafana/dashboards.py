@@ -1,12 +1,16 @@
 """The Grafana dashboards as code (grafanalib): Speculation and Serving.
 
-    python deploy/grafana/dashboards.py            # (make dashboards) rewrites the JSON beside it
+    python deploy/grafana/dashboards.py            # (make dashboards) rewrites the JSON
     python deploy/grafana/dashboards.py --check    # exit 1 when the committed JSON is stale
 
-The generated ``*.json`` is committed: ``specserve dashboards push`` loads it into a Grafana and
-the Helm chart ships it as ConfigMaps. Every query uses the ``specserve:`` metrics of
-``docs/METRICS.md``; variables: data source, namespace, unit, method (``All`` = ``.*``, which
-also matches series without the label, as in the local setup where there is no namespace).
+The generated ``*.json`` is committed in ``services/specserve/grafana/`` (``OUT``), not beside
+this file: the ``specserve`` package ships it as package data, so ``specserve dashboards push``
+finds it beside its own module and loads it into a Grafana; the Helm chart ships the same files
+as ConfigMaps (read through ``helm/specserve/files/grafana``, a link to that folder).
+
+Every query uses the ``specserve:`` metrics of ``docs/METRICS.md``; variables: data source,
+namespace, unit, method (``All`` = ``.*``, which also matches series without the label, as in
+the local setup where there is no namespace).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from grafanalib.core import (
     TimeSeries,
 )
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "services" / "specserve" / "grafana"  # package data of specserve (see the docstring)
 DS = "${datasource}"
 NS = 'namespace=~"$namespace"'
 UNIT = f'{NS}, unit=~"$unit", method=~"$method"'
@@ -185,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     stale = []
     for name, build in DASHBOARDS.items():
-        path, text = HERE / name, render(build)
+        path, text = OUT / name, render(build)
         if args.check:
             if not path.is_file() or path.read_text() != text:
                 stale.append(name)
         else:
             path.write_text(text)
-            print(f"wrote {path.relative_to(HERE.parents[1])}")
+            print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
     if stale:
         print(f"stale dashboard JSON: {', '.join(stale)}; run `make dashboards`", file=sys.stderr)
         return 1

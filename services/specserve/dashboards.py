@@ -3,8 +3,9 @@
 ``specserve dashboards push --url URL --token TOKEN [--folder NAME]`` uses the card's
 ``grafana-api`` client. It is idempotent: the folder is looked up by title and created when
 missing; each dashboard is written by its uid with ``overwrite``, so pushing twice leaves
-one copy. The JSON is the committed output of ``deploy/grafana/dashboards.py`` (the same the
-Helm chart ships as ConfigMaps).
+one copy. The JSON lies beside this module in ``specserve/grafana/`` (package data, so an
+installed ``specserve`` has it): the committed output of ``deploy/grafana/dashboards.py``, the
+same files the Helm chart ships as ConfigMaps.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from specserve.errors import SpecServeError
 
 
 def default_dir() -> Path:
-    """``deploy/grafana`` (installed beside ``specserve``, JSON included as package data)."""
-    import deploy
-
-    return Path(deploy.__file__).resolve().parent / "grafana"
+    """``specserve/grafana``, beside this module (the JSON ships as package data of specserve)."""
+    return Path(__file__).with_name("grafana")
 
 
 class DashboardPushError(SpecServeError):

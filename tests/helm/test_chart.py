@@ -198,13 +198,14 @@ def test_limits_and_drain_reach_the_app():
     assert cfg.drain_timeout_s == 120
 
 
-def test_dashboards_are_byte_identical_to_deploy_grafana():
+def test_dashboards_are_byte_identical_to_the_packaged_json():
     docs = render()
     maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
     for name in ("serving", "speculation"):
         cm = maps[f"rel-specserve-dashboard-{name}"]
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-        assert cm["data"][f"{name}.json"] == (ROOT / "deploy" / "grafana" / f"{name}.json").read_text()
+        packaged = ROOT / "services" / "specserve" / "grafana" / f"{name}.json"
+        assert cm["data"][f"{name}.json"] == packaged.read_text()
 
 
 def test_prometheus_rule_is_deploy_prometheus_rules():

@@ -145,7 +145,7 @@ def wait_for(prom: str, expr: str, timeout: float = WAIT_S) -> list:
 def dashboard_queries() -> list[tuple[str, str, str]]:
     """(dashboard, panel, expr) of every target, with the variables set to "All"."""
     out = []
-    for path in sorted((ROOT / "deploy/grafana").glob("*.json")):
+    for path in sorted((ROOT / "services/specserve/grafana").glob("*.json")):
         dash = json.loads(path.read_text())
         for panel in dash["panels"]:
             for target in panel.get("targets", []):
