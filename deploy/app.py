@@ -13,8 +13,8 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from specserve.config import AppConfig
 from specserve.engine.builder import check_draft_files
-from specserve.serve.groups import unit_bundles
 from specserve.serve.ingress import OpenAIIngress
+from specserve.serve.placement import unit_bundles
 from specserve.serve.request_router import LeastLoadedUnitRouter
 from specserve.serve.unit import SpeculationUnit
 

@@ -23,7 +23,7 @@ import pytest
 import ray
 from ray import serve
 from specserve.engine.tokenizer import encode_prompt
-from specserve.serve.groups import DRAFT_NAMESPACE
+from specserve.serve.placement import ACTOR_NAMESPACE
 
 from tests.serve.conftest import deploy, unit_args
 from tests.serve.test_http import PROMPTS, read_sse, target_only_text
@@ -61,7 +61,7 @@ def stats(url: str) -> dict:
 
 def draft_actor():
     unit = serve.get_deployment_handle("SpeculationUnit", app_name=APP)
-    return ray.get_actor(unit.draft_actor_name.remote().result(), namespace=DRAFT_NAMESPACE)
+    return ray.get_actor(unit.draft_actor_name.remote().result(), namespace=ACTOR_NAMESPACE)
 
 
 class Load:
@@ -205,11 +205,11 @@ def test_a_step_waiting_on_a_local_draft_that_dies_fails_at_once(app):
     import signal
 
     from specserve.errors import ProposerUnavailable
-    from specserve.serve.groups import RemoteProposer
+    from specserve.serve.draft_group import DraftGroup
 
     wait_for(lambda: stats(app)["draft_available"], "the draft to be attached")
     actor = draft_actor()
-    proposer = RemoteProposer(actor, method="draft_model", timeout_s=DEADLINE_S)
+    proposer = DraftGroup(actor, method="draft_model", timeout_s=DEADLINE_S)
     proposer._identify()
     assert proposer._local is not None, "the test's draft runs on this node"
     pid = proposer._local[0]

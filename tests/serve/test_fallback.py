@@ -12,7 +12,7 @@ import httpx
 import ray
 from ray import serve
 from specserve.engine.tokenizer import encode_prompt
-from specserve.serve.groups import DRAFT_NAMESPACE
+from specserve.serve.placement import ACTOR_NAMESPACE
 
 from tests.serve.test_http import PROMPTS, read_sse, target_only_text
 from tests.tiny import make_tiny_tokenizer
@@ -45,7 +45,7 @@ def test_killing_the_draft_mid_stream_loses_nothing(draft_app, tiny_models):
     def kill_once():
         if not killed:
             killed.append(True)
-            ray.kill(ray.get_actor(name, namespace=DRAFT_NAMESPACE), no_restart=False)
+            ray.kill(ray.get_actor(name, namespace=ACTOR_NAMESPACE), no_restart=False)
 
     prompts = PROMPTS[:4]
     with ThreadPoolExecutor(4) as pool:

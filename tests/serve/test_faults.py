@@ -21,7 +21,7 @@ import pytest
 import ray
 from ray import serve
 from specserve.engine.tokenizer import encode_prompt
-from specserve.serve.groups import DRAFT_NAMESPACE
+from specserve.serve.placement import ACTOR_NAMESPACE
 
 from tests.serve.conftest import deploy, unit_args
 from tests.serve.test_fallback import unit_stats
@@ -85,7 +85,7 @@ def test_killing_a_target_rank_ends_requests_with_503_then_recovers(faults_app, 
             time.sleep(0.02)  # all four are decoding
         assert unit_stats(faults_app)["running"] == 4
         killed_at = time.monotonic()
-        ray.kill(ray.get_actor(names[rank], namespace=DRAFT_NAMESPACE), no_restart=True)
+        ray.kill(ray.get_actor(names[rank], namespace=ACTOR_NAMESPACE), no_restart=True)
         stream_results = [f.result(timeout=END_WITHIN_S + 30) for f in streams]
         plain_results = [f.result(timeout=END_WITHIN_S + 30) for f in plains]
 
@@ -144,7 +144,7 @@ def test_killing_the_draft_under_load_fails_no_request(draft_app, tiny_models):
             status, text = r.status_code, r.json().get("choices", [{}])[0].get("text")
         done.append(1)
         if len(done) == 3:
-            ray.kill(ray.get_actor(name, namespace=DRAFT_NAMESPACE), no_restart=False)
+            ray.kill(ray.get_actor(name, namespace=ACTOR_NAMESPACE), no_restart=False)
         return status, prompt, text
 
     before = unit_stats(draft_app)

@@ -16,7 +16,8 @@ from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
-from specserve.serve.groups import TargetGroup, unit_bundles
+from specserve.serve.placement import unit_bundles
+from specserve.serve.target_group import TargetGroup
 
 from tests.engine.test_spec_decode import prompts
 from tests.models import eagle_head_of
@@ -32,7 +33,7 @@ def groups(ray_cluster, tiny_models):
             "tensor_parallel_size": tp, "accelerator": "gpu"})
         pg = placement_group(unit_bundles(cfg), strategy="STRICT_PACK")
         ray.get(pg.ready(), timeout=60)
-        started[tp] = (TargetGroup.start(cfg, pg, first_bundle=1), pg)
+        started[tp] = (TargetGroup(cfg, pg, first_bundle=1), pg)
     yield {tp: group for tp, (group, _) in started.items()}
     for group, pg in started.values():
         group.shutdown()

@@ -1,5 +1,5 @@
 """The draft group's actor: a draft model with its own slot cache, behind the proposer API
-(its coordinator-side client is :class:`specserve.serve.groups.RemoteProposer`).
+(its coordinator-side client is :class:`specserve.serve.draft_group.DraftGroup`).
 
 On a CPU node the draft shares cores with the target, and the draft is optional while the
 target is not. A draft that Ray restarts spends seconds of CPU importing torch and

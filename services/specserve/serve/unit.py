@@ -22,8 +22,8 @@ from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.spec_decode import StepOutput
+from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
-from specserve.serve.groups import RemoteProposer, TargetGroup
 from specserve.serve.metrics import UnitReporter
 from specserve.serve.policy import SpeculationPolicy
 from specserve.serve.protocol import (
@@ -34,6 +34,7 @@ from specserve.serve.protocol import (
     UnitRequest,
     UnitSnapshot,
 )
+from specserve.serve.target_group import TargetGroup
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ class SpeculationUnit:
         self.draft_name = f"draft-{self.unit_id}"
         # The target first: the draft drafts over the target's vocabulary (its own may be
         # padded differently, draft_model.py).
-        self.target = TargetGroup.start(cfg, pg, 2 if cfg.draft_in_bundle else 1,
+        self.target = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
                                         name=f"target-{self.unit_id}")
-        self.draft = (RemoteProposer.start_group(cfg, pg, 1, name=self.draft_name,
+        self.draft = (DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
                                                  target_vocab_size=self.target.vocab_size)
                       if cfg.has_draft_group else None)
         tokenizer = load_tokenizer(resolve(cfg.engine.target.source, cfg.engine.target.cache_dir))

@@ -1,0 +1,32 @@
+"""Where a unit's actors run: the resource bundles of its placement group, and actor
+options that put an actor in one of them (``deploy/app.py`` reserves the group; the target
+and draft groups start their actors in it)."""
+
+from __future__ import annotations
+
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from specserve.config import UnitConfig
+
+ACTOR_NAMESPACE = "specserve"  # named target ranks and draft actors (fault-injection tests find them)
+NODE_SLIVER = 0.001  # of a node-marking custom resource: many actors fit, only there
+
+
+def in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
+    """Actor options placing it in bundle ``index`` of the unit's placement group."""
+    options = {"num_cpus": cfg.cpus_per_actor, "num_gpus": 1 if cfg.accelerator == "gpu" else 0}
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index)
+    return options
+
+
+def unit_bundles(cfg: UnitConfig) -> list[dict]:
+    """``[coordinator, (draft), target rank 0..N-1]`` resource bundles for one unit (the
+    draft's only when it shares the unit's node; see ``UnitConfig.draft_node_resource``)."""
+    gpu = {"GPU": 1} if cfg.accelerator == "gpu" else {}
+    node = {cfg.target_node_resource: NODE_SLIVER} if cfg.target_node_resource else {}
+    group = {"CPU": cfg.cpus_per_actor, **gpu}
+    draft = [dict(group)] if cfg.draft_in_bundle else []
+    return [{"CPU": cfg.coordinator_cpus, **node}, *draft,
+            *[{**group, **node} for _ in range(cfg.tensor_parallel_size)]]

@@ -1,0 +1,190 @@
+"""The tensor-parallel target group: Ray actors in the unit's placement group, and the
+coordinator-side client that makes them look like an in-process
+:class:`~specserve.engine.worker.ModelWorker`.
+
+N :class:`TargetRank` actors form one ``torch.distributed`` process group
+(NCCL on GPUs, gloo on CPU, rendezvous on rank 0's node address: 127.0.0.1 locally). Only
+rank 0 is called; it broadcasts each batch to the others over the process group (one Ray call
+per step, however large N is), every rank runs its shard, and rank 0 returns the logits. The
+coordinator owns the slot table and sends each row's start length, so rollback costs nothing.
+A rank that dies or a step slower than ``target_step_timeout_s`` raises
+:class:`~specserve.errors.TargetUnavailable` within that bound (every rank has a ``watch``
+call outstanding that fails the moment the rank dies); :meth:`TargetGroup.restart` then kills
+the rest and starts a fresh group in the same bundles. Ray cannot restart one rank on its
+own: a new process cannot rejoin the old NCCL / gloo group, so the group restarts whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+
+import ray
+import torch
+import torch.distributed as dist
+
+from specserve.config import EngineConfig, UnitConfig
+from specserve.engine.kv_cache import SlotTable
+from specserve.engine.loader import load_model
+from specserve.engine.tp import apply_tp
+from specserve.engine.worker import ModelWorker, SlotOwner
+from specserve.errors import TargetUnavailable
+from specserve.serve.placement import ACTOR_NAMESPACE, in_bundle
+
+PG_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _threads(share: int) -> None:
+    """Give this actor its share of the node's cores (the loop runs groups one at a time)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@ray.remote(concurrency_groups={"watch": 1})
+class TargetRank:
+    """One tensor-parallel rank of the target."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.worker: ModelWorker | None = None
+        _threads(world_size)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the address every rank joins (this node's; loopback on a laptop)."""
+        host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def setup(self, engine: dict, host: str, port: int) -> dict:
+        """Join the process group, load this rank's shard, and (ranks > 0) start following."""
+        cfg = EngineConfig.model_validate(engine)
+        if self.world_size > 1:
+            if host.startswith("127."):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=PG_TIMEOUT)
+        loaded = load_model(cfg.target, max_model_len=cfg.max_model_len)
+        runtime = apply_tp(loaded.runtime)
+        self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
+        if self.rank > 0:
+            threading.Thread(target=self._follow, name="tp-follower", daemon=True).start()
+        return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
+                "eos_token_ids": sorted(loaded.eos_token_ids)}
+
+    def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
+                num_logits: list[int], argmax_only: bool = False,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
+        (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
+        states, which every rank has in full after the last all-reduce)."""
+        batch = (slots, starts, token_ids, num_logits)
+        if self.world_size > 1:
+            dist.broadcast_object_list([batch], src=0)
+        out = self._run(batch, argmax_only, return_hidden)
+        return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
+
+    def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
+        slots, starts, token_ids, num_logits = batch
+        for slot, start in zip(slots, starts):  # the coordinator's lengths: rollback for free
+            self.worker.rollback(slot, start)
+        return self.worker.forward(slots, token_ids, num_logits, argmax_only,
+                                   return_hidden=return_hidden)
+
+    def _follow(self) -> None:
+        """Ranks > 0: run whatever rank 0 broadcasts, for as long as the actor lives."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            self._run(box[0])
+
+    def ping(self) -> bool:
+        return self.worker is not None
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Never returns: the caller's reference resolves, with an error, when this rank dies."""
+        threading.Event().wait()
+
+    def describe(self) -> dict:
+        """Where this rank runs (tests check the placement)."""
+        return {"rank": self.rank, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "backend": dist.get_backend() if dist.is_initialized() else None,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "device": str(self.worker.runtime.embed.weight.device)}
+
+
+class TargetGroup(SlotOwner):
+    """Coordinator-side client of the target ranks; the engine sees a ``ModelWorker``.
+
+    Constructing one starts the ranks in bundles ``first_bundle..`` of ``pg`` and waits until
+    they are loaded. ``name``: rank actors are named ``{name}-g{generation}-r{rank}`` in the
+    ``specserve`` namespace (fault-injection tests kill them by name)."""
+
+    def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
+        self.cfg, self.pg, self.first_bundle, self.name = cfg, pg, first_bundle, name
+        self.table = SlotTable(cfg.engine.max_num_seqs)
+        self.max_seq_len = cfg.engine.max_model_len
+        self.step_timeout_s = cfg.target_step_timeout_s
+        self.generation = 0   # restarts so far
+        self.ranks: list = []
+        self._launch()
+
+    def _launch(self) -> None:
+        cfg, world = self.cfg, self.cfg.tensor_parallel_size
+        self.ranks = [TargetRank.options(**in_bundle(cfg, self.pg, self.first_bundle + r),
+                                         **self._named(r)).remote(r, world) for r in range(world)]
+        host, port = ray.get(self.ranks[0].rendezvous.remote())
+        engine = cfg.engine.model_dump()
+        self.info = ray.get([r.setup.remote(engine, host, port) for r in self.ranks])[0]
+        self._watch = {r.watch.remote(): i for i, r in enumerate(self.ranks)}
+
+    def _named(self, rank: int) -> dict:
+        if not self.name:
+            return {}
+        return {"name": f"{self.name}-g{self.generation}-r{rank}", "namespace": ACTOR_NAMESPACE}
+
+    def rank_names(self) -> list[str]:
+        return [self._named(r)["name"] for r in range(len(self.ranks))] if self.name else []
+
+    def restart(self) -> None:
+        """Kill every rank and start a fresh group in the same bundles. The caller has ended
+        every sequence first; their slots are free, and the new ranks' caches start empty."""
+        for rank in self.ranks:
+            ray.kill(rank, no_restart=True)
+        self.generation += 1
+        self._launch()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info["vocab_size"]
+
+    def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
+                argmax_only: bool = False,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        starts = [self.table.lengths[s] for s in slots]
+        ref = self.ranks[0].forward.remote(slots, starts, token_ids, num_logits, argmax_only,
+                                           return_hidden)
+        ready, _ = ray.wait([ref, *self._watch], num_returns=1, timeout=self.step_timeout_s)
+        if not ready:
+            raise TargetUnavailable(f"a target step took longer than {self.step_timeout_s:g} s "
+                                    "(target_step_timeout_s)")
+        if ref not in ready:
+            raise TargetUnavailable(f"target rank {self._watch[ready[0]]} died")
+        try:
+            logits = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise TargetUnavailable(f"target rank 0 died: {exc}") from exc
+        for slot, ids in zip(slots, token_ids):
+            self.table.lengths[slot] += len(ids)
+        return logits
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
