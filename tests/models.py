@@ -48,6 +48,12 @@ def tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, logit_scale: float = 1
     return model.eval()
 
 
+def random_sequences(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    """Seeded random token ids, one sequence per length."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
 def runtime_of(hf_model, max_len: int = 256) -> LlamaRuntime:
     return build_runtime(hf_model.config, hf_model.state_dict(), max_len=max_len).requires_grad_(False)
 

@@ -20,7 +20,7 @@ from torch._dynamo.testing import CompileCounter
 
 from tests.engine.test_model import ATOL, reference_logits
 from tests.engine.test_spec_decode import EOS, prompts
-from tests.models import TINY_CONFIGS, VOCAB, runtime_of, tiny_hf_model
+from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
 
 
@@ -41,8 +41,7 @@ def test_static_forward_matches_transformers_through_rollbacks(kind):
     hf = tiny_hf_model(kind)
     rt = compiled(hf)
     cache = rt.make_cache(num_slots=3, max_seq_len=64)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (9, 30, 14)]
+    seqs = random_sequences((9, 30, 14))
     slots = [cache.allocate() for _ in seqs]
     got = [rt(cache, slots, [s[:3] for s in seqs], [3, 3, 3]).split(3)]
     for start in range(3, 9, 3):  # verify-sized chunks, with garbage written and rolled back

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import TINY_CONFIGS, VOCAB, runtime_of, tiny_hf_model
+from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
 
 ATOL = 1e-4
 # SmolLM2: 30 layers and logits of about 20; the runtime's kernels sum in another order than
@@ -24,8 +24,7 @@ def test_ragged_batch_matches_transformers(kind):
     hf = tiny_hf_model(kind)
     rt = runtime_of(hf)
     cache = rt.make_cache(num_slots=4, max_seq_len=64)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 9)]
+    seqs = random_sequences((5, 17, 9))
     slots = [cache.allocate() for _ in seqs]
     # Prefill ragged prompts of different lengths (partial), then ragged continuations.
     cut = [3, 11, 9]
