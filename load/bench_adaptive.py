@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in (("fixed", "adaptive") if r % 2 == 0 else ("adaptive", "fixed")):
             engine.k_counts.clear()
             t0 = time.perf_counter()
-            outs = engine.generate(ids, params, spec_len=args.k, adaptive=mode == "adaptive")
+            outs = engine.generate(ids, params, num_speculative_tokens=args.k, adaptive=mode == "adaptive")
             rate = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
             print(f"round {r}{' (warm-up)' if r == 0 else ''}  {mode:>8}  {rate:7.1f} tok/s  "
                   f"K counts {dict(sorted(engine.k_counts.items()))}", flush=True)

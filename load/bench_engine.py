@@ -4,7 +4,7 @@ For each dtype (``--dtypes``, default float32 and bfloat16) on the embedded defa
 (SmolLM2-135M-Instruct), greedy, EOS on, at most ``--max-tokens`` new tokens:
 
 1. ``generate()``: the ``transformers`` model, cast to the dtype, ``do_sample=False``;
-2. ``target-only``: our engine with speculation off (``spec_len=0``);
+2. ``target-only``: our engine with speculation off (``num_speculative_tokens=0``);
 3. ``ngram K=k``: our engine with prompt-lookup drafts of up to k tokens (``--k``),
 
 on an input-repeating workload (``load/prompts/rewrite.jsonl``) and on open chat
@@ -120,11 +120,11 @@ def hf_runner(model, eos_ids: list[int]) -> Runner:
     return run
 
 
-def engine_runner(engine, spec_len: int) -> Runner:
+def engine_runner(engine, num_speculative_tokens: int) -> Runner:
     def run(prompt: list[int], max_tokens: int):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         start = time.perf_counter()
-        [done] = engine.generate([prompt], params, spec_len=spec_len)
+        [done] = engine.generate([prompt], params, num_speculative_tokens=num_speculative_tokens)
         return done.output_token_ids, time.perf_counter() - start, done.stats
     return run
 

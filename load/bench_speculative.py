@@ -9,7 +9,7 @@ On the embedded default (SmolLM2-135M-Instruct), batch 1, greedy, EOS on, at mos
 - ``draft_model``: ``--draft PATH``, or, when none is given, a truncated self-draft (the
   target's first ``--draft-layers`` layers, see ``load/truncated_draft.py``; a weak baseline);
 
-plus a target-only baseline (spec_len 0). For each prompt and K the baseline and the methods
+plus a target-only baseline (num_speculative_tokens 0). For each prompt and K the baseline and the methods
 run back to back, their order rotated, so machine drift hits them alike; the baseline is
 pooled over all its runs (the plot's horizontal line), and each setting's measured speedup is
 against the baseline runs of the same K (paired).
@@ -258,7 +258,7 @@ def _run_steps(engine, seq_id: int, max_steps: int):
     raise RuntimeError(f"the request did not finish within {max_steps} steps")
 
 
-def measure(engine, prompt: list[int], max_tokens: int, spec_len: int) -> Tally:
+def measure(engine, prompt: list[int], max_tokens: int, num_speculative_tokens: int) -> Tally:
     """One greedy request on an otherwise idle engine: wall time, the decode part (every step
     after the prefill step) with its ``engine.times`` deltas, and the request's stats."""
     from specserve.config import SamplingParams
@@ -266,7 +266,7 @@ def measure(engine, prompt: list[int], max_tokens: int, spec_len: int) -> Tally:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     busy, mine = cpu_seconds()
     start = time.perf_counter()
-    seq_id = engine.add_request(prompt, params, spec_len=spec_len)
+    seq_id = engine.add_request(prompt, params, num_speculative_tokens=num_speculative_tokens)
     tokens, first, last = 0, None, None
     for outs, now in _run_steps(engine, seq_id, max_tokens + 2):  # a step emits >= 1 token
         tokens += sum(len(o.new_token_ids) for o in outs)
@@ -307,9 +307,9 @@ def run_schedule(engines: dict, prompts: list[list[int]], args, bar) -> dict[tup
             break
         bar.set_description(f"prompt {p} K={k} {method}")
         engine = engines[args.methods[0] if method == BASELINE else method]
-        spec_len = 0 if method == BASELINE else k
+        num_speculative_tokens = 0 if method == BASELINE else k
         tallies.setdefault((method, k), Tally()).add(measure(engine, prompts[p], args.max_tokens,
-                                                             spec_len))
+                                                             num_speculative_tokens))
         bar.update()
     return tallies
 
@@ -356,8 +356,8 @@ def encode(tokenizer, name: str, n: int) -> list[list[int]]:
 
 def warm_up(engines: dict, prompt: list[int], ks: list[int]) -> None:
     for engine in engines.values():
-        for spec_len in (0, max(ks)):
-            measure(engine, prompt, WARMUP_TOKENS, spec_len)
+        for num_speculative_tokens in (0, max(ks)):
+            measure(engine, prompt, WARMUP_TOKENS, num_speculative_tokens)
 
 
 # -- main -----------------------------------------------------------------------------------------

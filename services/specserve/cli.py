@@ -292,8 +292,10 @@ def _one_line(exc: ValidationError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # force: each call (tests call main in one process) writes to the sys.stderr of now, not
+    # to the stream of the first call, which may be closed by then.
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(levelname)s %(name)s: %(message)s", force=True)
     try:
         return args.func(args)
     except ValidationError as exc:

@@ -16,7 +16,8 @@ from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
-from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
+from specserve.engine.sequence import StepOutput
+from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed
 

@@ -138,7 +138,8 @@ def end_to_end(engines: dict[str, tuple], prompts: list[list[int]], *,
         for name in names[i % len(names):] + names[:i % len(names)]:
             engine, k, *adaptive = engines[name]
             t0 = time.perf_counter()
-            (done,) = engine.generate([prompt], params, spec_len=k, adaptive=bool(adaptive and adaptive[0]))
+            (done,) = engine.generate([prompt], params, num_speculative_tokens=k,
+                                      adaptive=bool(adaptive and adaptive[0]))
             times[name] += time.perf_counter() - t0
             outputs[name] = done.output_token_ids
         for name in names:

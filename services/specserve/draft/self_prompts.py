@@ -68,7 +68,7 @@ def self_prompts(engine: SpecDecodeEngine, tokenizer, count: int, path: Path, *,
             n = min(batch_size, 4 * count - drawn)
             params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                      seed=seed + drawn + i) for i in range(n)]
-            for out in engine.generate([prefix] * n, params, spec_len=0):
+            for out in engine.generate([prefix] * n, params, num_speculative_tokens=0):
                 text = out.text.strip()
                 if out.finish_reason == "stop" and len(text) >= min_chars and text not in seen:
                     seen.add(text)

@@ -384,7 +384,7 @@ class LlamaRuntime(nn.Module):
 
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
-                num_logits: list[int] | None = None, starts: list[int] | None = None, *,
+                num_logits: list[int] | None = None, *,
                 features: torch.Tensor | None = None,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
@@ -392,8 +392,6 @@ class LlamaRuntime(nn.Module):
         Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
         its last ``num_logits[i]`` new tokens (default 1). Each slot's length advances by its
         number of new tokens; callers roll back what the rejection sampler did not keep.
-        ``starts``, when given, first sets each slot's length (a remote caller that keeps the
-        lengths itself rolls back this way, with no extra round trip).
 
         ``return_hidden``: also return the final hidden state (after the last norm, what the
         LM head reads) of *every* new token, ``[sum(len(ids)), hidden]`` in row order: the
@@ -402,9 +400,6 @@ class LlamaRuntime(nn.Module):
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
-        if starts is not None:
-            for slot, start in zip(slots, starts):
-                cache.rollback(slot, start)
         ctx, tokens = self._prepare(cache, slots, token_ids)
         x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
         if self.static is not None and self.static.takes(x.shape[1]):

@@ -1,16 +1,20 @@
 """The speculative generation loop over a batch of sequences (continuous batching per step).
 
-One :meth:`SpecDecodeEngine.step`:
+One :meth:`SpecDecodeEngine.step` (this module schedules it; where a piece lives elsewhere,
+the step names the module):
 
 1. admit waiting requests while KV slots are free;
-2. **draft**: ask the proposer for up to K tokens per running sequence (K is capped so the
-   step can neither overrun ``max_tokens`` nor the context);
+2. **draft**: ask the proposer (``proposers/``) for up to K tokens per running sequence (K is
+   capped so the step can neither overrun ``max_tokens`` nor the context; for adaptive
+   requests the controller of ``adaptive.py`` picks K under that cap);
 3. **verify**: one target forward over each row's pending tokens plus its drafts, asking for
-   logits at the last ``num_drafts + 1`` positions (ragged: every row its own length);
-4. **accept**: the rejection sampler keeps a prefix of the drafts and adds one recovered or
-   bonus token; tokens are appended one at a time through the stop checks (EOS, stop token
-   ids, stop strings, max_tokens, context), so a stop inside a draft window truncates exactly
-   where target-only decoding would have stopped;
+   logits at the last ``num_draft_tokens + 1`` positions (ragged: every row its own length);
+4. **accept**: ``verification.py`` turns those logits and the proposals into the tokens each
+   row emits (the rejection sampler of ``rejection_sampler.py`` keeps a prefix of the drafts
+   and adds one recovered or bonus token); ``Sequence.append_tokens`` (``sequence.py``)
+   appends them one at a time through the stop checks (EOS, stop token ids, stop strings,
+   max_tokens, context), so a stop inside a draft window truncates exactly where
+   target-only decoding would have stopped;
 5. **roll back** both caches to the tokens that are now final, and free finished slots.
 
 **One request's fault stays its own.** If a step raises anything but
@@ -31,87 +35,22 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
-from specserve.engine.rejection_sampler import (
-    RejectionOutput,
-    drafter_invariant_sample,
-    greedy_rejection_sample,
-    rejection_sample,
-    stochastic_num_accepted,
-)
-from specserve.engine.sampling import (
-    compute_probs,
-    position_noise,
-    position_uniform,
-    random_seed,
-    sample_from,
-)
+from specserve.engine.rejection_sampler import RejectionOutput
+from specserve.engine.sampling import random_seed
+from specserve.engine.sequence import Completion, Sequence, StepOutput
 from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
+from specserve.engine.verification import SamplingRow, verify_batch
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed, TargetUnavailable
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Sequence:
-    seq_id: int
-    prompt_len: int
-    token_ids: list[int]
-    params: SamplingParams
-    spec_len: int                     # K for this sequence (the most, when adaptive); 0 = off
-    adaptive: bool                    # the controller picks K per step (up to spec_len)
-    detokenizer: IncrementalDetokenizer
-    seed: int                         # the request's, or a random one: every draw derives from it
-    slot: int = -1
-    draft_attached: bool = False       # the proposer holds state for this sequence
-    stats: SpecStats = field(default_factory=SpecStats)
-    finish_reason: str | None = None
-    num_emitted_tokens: int = 0        # output tokens already reported by step()
-    k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
-    hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
-
-    @property
-    def mean_speculation_length(self) -> float:
-        steps = sum(self.k_counts.values())
-        return sum(k * n for k, n in self.k_counts.items()) / steps if steps else 0.0
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one sequence (streaming reads these)."""
-
-    seq_id: int
-    new_token_ids: list[int]
-    text_delta: str
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
-    stats: SpecStats
-    k_counts: dict[int, int] | None = None  # on the last output: decode steps per K drafted
-    mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
-    error: Exception | None = None          # finish_reason "error": why this request failed
-
-
-@dataclass
-class Completion:
-    """A finished sequence, for callers that do not stream."""
-
-    seq_id: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: SpecStats
 
 
 class SpecDecodeEngine:
@@ -146,26 +85,26 @@ class SpecDecodeEngine:
         return self.target.max_seq_len
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                    spec_len: int | None = None, adaptive: bool = False) -> int:
+                    num_speculative_tokens: int | None = None, adaptive: bool = False) -> int:
         """Queue a request; returns its sequence id. Refuses bad input before any state exists.
 
-        ``spec_len``: K for this request (0 turns speculation off); default the engine's K.
-        ``adaptive``: let the controller (if any) pick K per step, at most ``spec_len``.
+        ``num_speculative_tokens``: K for this request (0 turns speculation off); default the engine's K.
+        ``adaptive``: let the controller (if any) pick K per step, at most ``num_speculative_tokens``.
         """
-        self._validate(prompt_token_ids, spec_len)
-        k = self.num_speculative_tokens if spec_len is None else spec_len
+        self._validate(prompt_token_ids, num_speculative_tokens)
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         seed = random_seed() if params.seed is None else params.seed
         seq = Sequence(
             seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
             token_ids=list(prompt_token_ids), params=params,
-            spec_len=k if self.proposer is not None else 0,
+            num_speculative_tokens=k if self.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
             seed=seed)
         self.waiting.append(seq)
         return seq.seq_id
 
-    def _validate(self, prompt_token_ids: list[int], spec_len: int | None) -> None:
+    def _validate(self, prompt_token_ids: list[int], num_speculative_tokens: int | None) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -175,7 +114,7 @@ class SpecDecodeEngine:
         vocab = self.target.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if spec_len is not None and not 0 <= spec_len <= 64:
+        if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= 64:
             raise InvalidRequestError("num_speculative_tokens must be in [0, 64]")
 
     def abort(self, seq_id: int) -> bool:
@@ -283,7 +222,7 @@ class SpecDecodeEngine:
             seq = self.waiting.popleft()
             seq.slot = self.target.allocate()
             self.running[seq.seq_id] = seq
-            if seq.spec_len > 0 and self.draft_available:
+            if seq.num_speculative_tokens > 0 and self.draft_available:
                 self._attach(seq)
 
     def _draft_len(self, seq: Sequence) -> int:
@@ -294,7 +233,7 @@ class SpecDecodeEngine:
         remaining = self.max_model_len - len(seq.token_ids)
         if seq.params.max_tokens is not None:
             remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
-        return max(0, min(seq.spec_len, remaining - 1))
+        return max(0, min(seq.num_speculative_tokens, remaining - 1))
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:
         """K per sequence for this step: its cap, or the controller's K for adaptive decoding
@@ -306,7 +245,8 @@ class SpecDecodeEngine:
             ks = [min(c, self.controller.k) if s.adaptive else c for s, c in zip(seqs, caps)]
             planned = self.controller.plan([
                 Row(self.target.length(seqs[i].slot), caps[i], seqs[i].adaptive,
-                    not seqs[i].params.greedy, seqs[i].spec_len if seqs[i].draft_attached else 0)
+                    not seqs[i].params.greedy,
+                    seqs[i].num_speculative_tokens if seqs[i].draft_attached else 0)
                 for i in decoding])
             for i, k in zip(decoding, planned):
                 ks[i] = k
@@ -388,15 +328,17 @@ class SpecDecodeEngine:
             self._proposer_call(self.proposer.reset)
         for seq in list(self.running.values()):
             lost = self.needs_hidden and self.target.length(seq.slot) > 0
-            if seq.spec_len > 0 and not seq.draft_attached and self.draft_available and not lost:
+            wants = seq.num_speculative_tokens > 0 and not seq.draft_attached
+            if wants and self.draft_available and not lost:
                 self._attach(seq)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal]
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None]:
-        """Target logits ``[num_drafts + 1, V]`` per row (``[num_drafts + 1]`` argmax ids when
-        every row is greedy), and for a proposer that reads them the target's hidden states of
-        every input token per row (None otherwise). Decode rows share one forward; prefill rows
-        share one per input length, so no row is padded to a prompt's length."""
+        """Target logits ``[num_draft_tokens + 1, V]`` per row (``[num_draft_tokens + 1]``
+        argmax ids when every row is greedy), and for a proposer that reads them the target's
+        hidden states of every input token per row (None otherwise). Decode rows share one
+        forward; prefill rows share one per input length, so no row is padded to a prompt's
+        length."""
         argmax_only = all(s.params.greedy for s in seqs)
         want_hidden = self.needs_hidden and any(s.draft_attached for s in seqs)
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
@@ -431,80 +373,29 @@ class SpecDecodeEngine:
 
     def _sample(self, seqs: list[Sequence], proposals: list[Proposal],
                 logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:
-        """Run the rejection sampler on the greedy rows and on the sampled rows (one call
-        each); returns, per sequence, its sampler output and its row in that output."""
-        results: list[tuple[RejectionOutput, int] | None] = [None] * len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        seeded = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is not None]
-        unseeded = [i for i, s in enumerate(seqs) if not s.params.greedy and s.params.seed is None]
-        for rows, fn in ((greedy, self._greedy_rows), (seeded, self._seeded_rows),
-                         (unseeded, self._sampled_rows)):
-            if rows:
-                res = fn([seqs[i] for i in rows], [proposals[i] for i in rows],
-                         [logits[i] for i in rows])
-                for j, i in enumerate(rows):
-                    results[i] = (res, j)
-        return results
-
-    @staticmethod
-    def _greedy_rows(seqs, proposals, logits) -> RejectionOutput:
-        drafts, num_drafts = _pad_drafts(proposals)
-        k = drafts.shape[1]
-        argmax = torch.stack([_pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), k + 1, 0)
-                              for x in logits])  # [B, K+1]
-        return greedy_rejection_sample(drafts, num_drafts, argmax)
-
-    @staticmethod
-    def _seeded_rows(seqs, proposals, logits) -> RejectionOutput:
-        """Drafter-invariant verification: the text is the target-only text of the seed."""
-        drafts, num_drafts = _pad_drafts(proposals)
-        target_probs = _target_probs(seqs, logits, drafts.shape[1])  # [B, K + 1, V]
-        noise = torch.ones_like(target_probs)
-        for i, s in enumerate(seqs):
-            first = len(s.token_ids)  # the position of this step's first token
-            for j in range(int(num_drafts[i]) + 1):  # noise up to the first disagreement only
-                noise[i, j] = position_noise(s.seed, first + j, noise.shape[-1])
-                if j == num_drafts[i] or int(sample_from(target_probs[i, j], noise[i, j])) != drafts[i, j]:
-                    break
-        return drafter_invariant_sample(drafts, num_drafts, target_probs, noise)
-
-    @staticmethod
-    def _sampled_rows(seqs, proposals, logits) -> RejectionOutput:
-        """The rejection test (Leviathan), its draws fixed by (seed, position)."""
-        drafts, num_drafts = _pad_drafts(proposals)
-        bsz, k = drafts.shape
-        target_probs = _target_probs(seqs, logits, k)  # [B, K + 1, V]
-        draft_probs = _draft_probs(proposals, drafts, k, target_probs.shape[-1])
-        uniform = torch.ones(bsz, k)
-        for i, s in enumerate(seqs):
-            for j in range(int(num_drafts[i])):
-                uniform[i, j] = position_uniform(s.seed, len(s.token_ids) + j)
-        accepted = stochastic_num_accepted(drafts, num_drafts, target_probs, draft_probs, uniform)
-        noise = torch.stack([position_noise(s.seed, len(s.token_ids) + int(n), target_probs.shape[-1])
-                             for s, n in zip(seqs, accepted)])  # [B, V]: where each row's last token lands
-        return rejection_sample(drafts, num_drafts, target_probs, draft_probs, uniform, noise)
+        """Run the rejection sampler on the step's rows (one call per kind of row, see
+        :func:`~specserve.engine.verification.verify_batch`); returns, per sequence, its
+        sampler output and its row in that output."""
+        rows = [SamplingRow(s.params, s.seed, len(s.token_ids)) for s in seqs]
+        return verify_batch(rows, proposals, logits)
 
     def _advance(self, seq: Sequence, proposal: Proposal, res: RejectionOutput,
                  row: int) -> StepOutput:
         """Append the emitted tokens through the stop checks, then roll caches back."""
         num_before = len(seq.token_ids)
-        num_drafts = len(proposal.token_ids)
-        num_accepted = int(res.num_accepted[row])
-        seq.stats.observe(num_drafts, num_accepted)
-        self.stats.observe(num_drafts, num_accepted)
-        for token in res.emitted(row):
-            seq.token_ids.append(token)
-            seq.detokenizer.add(token)
-            seq.finish_reason = self._stop_reason(seq, token)
-            if seq.finish_reason:
-                break
+        num_draft_tokens = len(proposal.token_ids)
+        num_accepted_tokens = int(res.num_accepted[row])
+        seq.stats.observe(num_draft_tokens, num_accepted_tokens)
+        self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        seq.append_tokens(res.emitted(row), eos_token_ids=self.eos_token_ids,
+                          max_model_len=self.max_model_len)
         if seq.finish_reason:
             self._release(seq)
         else:
             # Everything before the last emitted token is final; that token is fed next step.
-            self.target.rollback(seq.slot, num_before + num_accepted)
+            self.target.rollback(seq.slot, num_before + num_accepted_tokens)
             if seq.draft_attached:
-                self._proposer_call(self.proposer.commit, seq.seq_id, num_before + num_accepted)
+                self._proposer_call(self.proposer.commit, seq.seq_id, num_before + num_accepted_tokens)
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
         seq.num_emitted_tokens += len(new_tokens)
         delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
@@ -512,17 +403,6 @@ class SpecDecodeEngine:
         if seq.finish_reason is not None:
             out.k_counts, out.mean_speculation_length = dict(seq.k_counts), seq.mean_speculation_length
         return out
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) \
-                or token in params.stop_token_ids or seq.detokenizer.stop_reason is not None:
-            return "stop"
-        if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
-            return "length"
-        if len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        return None
 
     def _release(self, seq: Sequence) -> None:
         self.running.pop(seq.seq_id, None)
@@ -539,10 +419,10 @@ class SpecDecodeEngine:
 
     # -- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 *, spec_len: int | None = None, adaptive: bool = False) -> list[Completion]:
+                 *, num_speculative_tokens: int | None = None, adaptive: bool = False) -> list[Completion]:
         """Run prompts to completion (tests, CLI, benchmarks); results in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, spec_len=spec_len, adaptive=adaptive)
+        ids = [self.add_request(p, sp, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive)
                for p, sp in zip(prompts, params_list)]
         wanted = set(ids)
         seqs = {s.seq_id: s for s in self.waiting if s.seq_id in wanted}
@@ -556,46 +436,3 @@ class SpecDecodeEngine:
                         s.detokenizer.text, out.finish_reason, s.stats)
         return [done[i] for i in ids]
 
-
-def _pad_drafts(proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, K]`` draft ids (padded with 0) and ``[B]`` counts."""
-    k = max(len(p.token_ids) for p in proposals)
-    drafts = torch.zeros(len(proposals), k, dtype=torch.long)
-    for i, p in enumerate(proposals):
-        drafts[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
-    return drafts, torch.tensor([len(p.token_ids) for p in proposals])
-
-
-def _target_probs(seqs: list[Sequence], logits: list[torch.Tensor], k: int) -> torch.Tensor:
-    """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0)."""
-    counts = [x.shape[0] for x in logits]
-    per_row = lambda values: torch.tensor(  # noqa: E731  one value per logits row
-        [v for v, n in zip(values, counts) for _ in range(n)])
-    probs = compute_probs(torch.cat(logits), per_row([s.params.temperature for s in seqs]),
-                          per_row([s.params.top_k for s in seqs]),
-                          per_row([s.params.top_p for s in seqs]))  # [sum(K_i + 1), V]
-    return torch.stack([_pad_rows(p, k + 1, 0.0) for p in probs.split(counts)])
-
-
-def _pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
-    """Pad dim 0 of ``x`` to ``n`` rows with ``value``."""
-    if x.shape[0] == n:
-        return x
-    pad = x.new_full((n - x.shape[0], *x.shape[1:]), value)
-    return torch.cat([x, pad])
-
-
-def _draft_probs(proposals: list[Proposal], drafts: torch.Tensor, k: int,
-                 vocab: int) -> torch.Tensor | None:
-    """``[B, K, V]`` q for model proposers; None when every proposal is deterministic.
-    A deterministic row inside a model batch (no probs) gets its one-hot q."""
-    if all(p.probs is None for p in proposals):
-        return None
-    q = torch.zeros(len(proposals), k, vocab)
-    for i, p in enumerate(proposals):
-        n = len(p.token_ids)
-        if p.probs is not None:
-            q[i, :n] = p.probs
-        elif n:
-            q[i, torch.arange(n), drafts[i, :n]] = 1.0
-    return q

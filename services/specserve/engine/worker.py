@@ -53,15 +53,14 @@ class ModelWorker(SlotOwner):
         return self.cache.max_seq_len
 
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
-                argmax_only: bool = False, starts: list[int] | None = None,
+                argmax_only: bool = False,
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits, or with
         ``argmax_only`` just ``[sum(num_logits)]`` token ids (all a greedy batch needs, and
-        much less to move when the model is in another process). ``starts``: set each slot's
-        length first (a caller that keeps the slot table itself, see ``TargetGroup``).
-        ``return_hidden``: ``(logits, hidden)``, with the final hidden state of every new
-        token (what an EAGLE proposer reads; see ``LlamaRuntime.forward``)."""
-        out = self.runtime(self.cache, slots, token_ids, num_logits, starts, return_hidden=return_hidden)
+        much less to move when the model is in another process). ``return_hidden``:
+        ``(logits, hidden)``, with the final hidden state of every new token (what an EAGLE
+        proposer reads; see ``LlamaRuntime.forward``)."""
+        out = self.runtime(self.cache, slots, token_ids, num_logits, return_hidden=return_hidden)
         logits, hidden = out if return_hidden else (out, None)
         if argmax_only:
             logits = logits.argmax(dim=-1)

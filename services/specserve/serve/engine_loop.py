@@ -37,7 +37,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specserve.config import SamplingParams
-from specserve.engine.spec_decode import SpecDecodeEngine, StepOutput
+from specserve.engine.sequence import StepOutput
+from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.errors import CapacityError, SpecServeError, TargetUnavailable
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class _Stream:
 class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
-    spec_len: int | None
+    num_speculative_tokens: int | None
     adaptive: bool
     stream: _Stream
     accepted: asyncio.Future  # resolves, on the caller's loop, to the sequence id or the error
@@ -188,12 +189,13 @@ class EngineLoop:
         return self.num_running + self.num_waiting
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       spec_len: int | None, adaptive: bool = False) -> AsyncIterator[StepOutput]:
+                       num_speculative_tokens: int | None,
+                       adaptive: bool = False) -> AsyncIterator[StepOutput]:
         """Stream the outputs of one request; cancelling the iteration aborts it."""
         self.check_admission()
         self.num_streams += 1
         try:
-            async for out in self._stream(prompt_token_ids, params, spec_len, adaptive):
+            async for out in self._stream(prompt_token_ids, params, num_speculative_tokens, adaptive):
                 yield out
         finally:
             self.num_streams -= 1
@@ -213,11 +215,12 @@ class EngineLoop:
             raise CapacityError(f"the unit is full ({self.capacity} requests running or queued); "
                                 "retry shortly")
 
-    async def _stream(self, prompt_token_ids, params, spec_len, adaptive) -> AsyncIterator[StepOutput]:
+    async def _stream(self, prompt_token_ids, params, num_speculative_tokens,
+                      adaptive) -> AsyncIterator[StepOutput]:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._submit(_Add(prompt_token_ids, params, spec_len, adaptive, stream, accepted))
+        self._submit(_Add(prompt_token_ids, params, num_speculative_tokens, adaptive, stream, accepted))
         try:
             seq_id = await accepted  # raises the engine's validation error, if any
         except asyncio.CancelledError:
@@ -302,7 +305,8 @@ class EngineLoop:
         loop = add.stream.loop
         try:
             seq_id = self.engine.add_request(add.prompt_token_ids, add.params,
-                                             spec_len=add.spec_len, adaptive=add.adaptive)
+                                             num_speculative_tokens=add.num_speculative_tokens,
+                                             adaptive=add.adaptive)
         except Exception as exc:
             loop.call_soon_threadsafe(_resolve, add.accepted, None, exc)
             return

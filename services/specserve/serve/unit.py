@@ -21,7 +21,7 @@ from ray import serve
 from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.loader import load_tokenizer, resolve
-from specserve.engine.spec_decode import StepOutput
+from specserve.engine.sequence import StepOutput
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
@@ -91,7 +91,7 @@ class SpeculationUnit:
         completion_tokens, pending = 0, []
         clock = _Clock(time.perf_counter())
         async for out in self.core.generate(request.prompt_token_ids, params,
-                                            spec_len=decision.num_speculative_tokens,
+                                            num_speculative_tokens=decision.num_speculative_tokens,
                                             adaptive=decision.adaptive):
             completion_tokens += len(out.new_token_ids)
             clock.output(time.perf_counter(), len(out.new_token_ids))

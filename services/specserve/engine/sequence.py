@@ -1,0 +1,103 @@
+"""A request's state inside the engine, what each step reports of it, and when it stops.
+
+:class:`Sequence` is the engine's bookkeeping of one request (its tokens, slot, K, seed,
+stats); :class:`StepOutput` is what one step produced for it (streaming reads these);
+:class:`Completion` is a finished one, for callers that do not stream.
+
+**Stopping.** A step emits up to K + 1 tokens at once, but a sequence must end exactly where
+target-only decoding would have ended. :meth:`Sequence.append_tokens` therefore appends them
+one at a time through :meth:`Sequence.stop_reason` (EOS, stop token ids, stop strings,
+``max_tokens``, the context length), and drops whatever follows the first token that stops it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import SamplingParams
+from specserve.engine.stats import SpecStats
+from specserve.engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine, from :meth:`SpecDecodeEngine.add_request` to its end."""
+
+    seq_id: int
+    prompt_len: int
+    token_ids: list[int]
+    params: SamplingParams
+    num_speculative_tokens: int                     # K for this sequence (the most, when adaptive); 0 = off
+    adaptive: bool                    # the controller picks K per step (up to num_speculative_tokens)
+    detokenizer: IncrementalDetokenizer
+    seed: int                         # the request's, or a random one: every draw derives from it
+    slot: int = -1
+    draft_attached: bool = False       # the proposer holds state for this sequence
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+    num_emitted_tokens: int = 0        # output tokens already reported by step()
+    k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
+    hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
+
+    @property
+    def mean_speculation_length(self) -> float:
+        steps = sum(self.k_counts.values())
+        return sum(k * n for k, n in self.k_counts.items()) / steps if steps else 0.0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    def append_tokens(self, token_ids: list[int], *, eos_token_ids: frozenset[int],
+                      max_model_len: int) -> None:
+        """Append a step's emitted tokens up to the first that stops the sequence (module
+        docstring); ``finish_reason`` says why it stopped, None if it did not."""
+        for token in token_ids:
+            self.token_ids.append(token)
+            self.detokenizer.add(token)
+            self.finish_reason = self.stop_reason(token, eos_token_ids=eos_token_ids,
+                                                  max_model_len=max_model_len)
+            if self.finish_reason:
+                break
+
+    def stop_reason(self, token: int, *, eos_token_ids: frozenset[int],
+                    max_model_len: int) -> str | None:
+        """Why the sequence stops after ``token``, its newest token: ``"stop"`` (EOS, a stop
+        token id or a stop string), ``"length"`` (``max_tokens`` or the context), else None."""
+        params = self.params
+        if (token in eos_token_ids and not params.ignore_eos) \
+                or token in params.stop_token_ids or self.detokenizer.stop_reason is not None:
+            return "stop"
+        if params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens:
+            return "length"
+        if len(self.token_ids) >= max_model_len:
+            return "length"
+        return None
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence (streaming reads these)."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    stats: SpecStats
+    k_counts: dict[int, int] | None = None  # on the last output: decode steps per K drafted
+    mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
+    error: Exception | None = None          # finish_reason "error": why this request failed
+
+
+@dataclass
+class Completion:
+    """A finished sequence, for callers that do not stream."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: SpecStats

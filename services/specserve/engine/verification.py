@@ -1,0 +1,182 @@
+"""From the verify forward's logits and a step's proposals to the tokens each row emits
+(pure functions; the engine's steps 3 and 4 meet here).
+
+The target forward (:meth:`SpecDecodeEngine._verify
+<specserve.engine.spec_decode.SpecDecodeEngine._verify>`) returns, per row, logits at its
+``num_draft_tokens + 1`` positions. This module pads the ragged rows to one ``[B, K + 1]``
+batch (K = ``max_spec_len``, the most drafts of any row), turns logits into ``p`` and
+proposals into ``q`` with the request's sampling transform, draws the randomness of each
+position from the row's seed, and runs the matching sampler of
+:mod:`~specserve.engine.rejection_sampler`. Rows are verified in three calls, one per kind:
+
+- **greedy** rows: drafts kept while they equal the target argmax (:func:`verify_greedy`);
+- **seeded** sampled rows: drafter-invariant verification, so the text is the target-only
+  text of the seed at any K, in any batch (:func:`verify_seeded`);
+- **unseeded** sampled rows: the rejection test, which accepts more (:func:`verify_sampled`).
+
+Every draw is a function of (seed, position) alone (:mod:`~specserve.engine.sampling`), never
+of the batch or of K, which is why rows can be regrouped and padded freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import SamplingParams
+from specserve.engine.proposers.base import Proposal
+from specserve.engine.rejection_sampler import (
+    RejectionOutput,
+    drafter_invariant_sample,
+    greedy_rejection_sample,
+    rejection_sample,
+    stochastic_num_accepted,
+)
+from specserve.engine.sampling import compute_probs, position_noise, position_uniform, sample_from
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What verification needs of one sequence besides its proposal and logits."""
+
+    params: SamplingParams
+    seed: int       # every draw of the sequence derives from it
+    position: int   # of the step's first new token: the sequence's length before the step
+
+
+def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
+                 logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:
+    """Verify a step's rows, each kind (module docstring) in one sampler call; returns, per
+    row, the output of its kind's call and its row in that output.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``, or ``[num_draft_tokens_i + 1]`` argmax ids
+    when every row of the forward was greedy.
+    """
+    assert len(rows) == len(proposals) == len(logits)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is not None]
+    unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None]
+    results: list[tuple[RejectionOutput, int] | None] = [None] * len(rows)
+    kinds = ((greedy, lambda _rows, props, x: verify_greedy(props, x)),  # greedy draws nothing
+             (seeded, verify_seeded), (unseeded, verify_sampled))
+    for picked, verify in kinds:
+        if picked:
+            out = verify([rows[i] for i in picked], [proposals[i] for i in picked],
+                         [logits[i] for i in picked])
+            for j, i in enumerate(picked):
+                results[i] = (out, j)
+    return results
+
+
+def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor]) -> RejectionOutput:
+    """Greedy verification against the target argmax.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]`` logits or ``[num_draft_tokens_i + 1]`` argmax ids.
+    """
+    assert len(proposals) == len(logits) and all(x.ndim in (1, 2) for x in logits)
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals)  # [B, K], [B]
+    max_spec_len = draft_token_ids.shape[1]
+    argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
+                          for x in logits])  # [B, K + 1]
+    return greedy_rejection_sample(draft_token_ids, num_draft_tokens, argmax)
+
+
+def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
+                  logits: list[torch.Tensor]) -> RejectionOutput:
+    """Drafter-invariant verification: the text is the target-only text of the seed.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``.
+    """
+    assert len(rows) == len(proposals) == len(logits)
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals)  # [B, K], [B]
+    p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1])  # [B, K + 1, V]
+    noise = torch.ones_like(p)  # [B, K + 1, V]; positions never drawn are never emitted
+    for i, r in enumerate(rows):
+        # Draw up to the first disagreement only: the noise of later positions would be wasted.
+        for j in range(int(num_draft_tokens[i]) + 1):
+            noise[i, j] = position_noise(r.seed, r.position + j, noise.shape[-1])
+            if j == num_draft_tokens[i] or int(sample_from(p[i, j], noise[i, j])) != draft_token_ids[i, j]:
+                break
+    return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
+
+
+def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
+                   logits: list[torch.Tensor]) -> RejectionOutput:
+    """The rejection test (Leviathan), its draws fixed by (seed, position).
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``.
+    """
+    assert len(rows) == len(proposals) == len(logits)
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals)  # [B, K], [B]
+    bsz, max_spec_len = draft_token_ids.shape
+    p = target_probs([r.params for r in rows], logits, max_spec_len)  # [B, K + 1, V]
+    q = draft_probs(proposals, draft_token_ids, p.shape[-1])           # [B, K, V] or None
+    uniform = torch.ones(bsz, max_spec_len)  # [B, K]
+    for i, r in enumerate(rows):
+        for j in range(int(num_draft_tokens[i])):
+            uniform[i, j] = position_uniform(r.seed, r.position + j)
+    num_accepted = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
+    # The noise of the position each row's recovered or bonus token lands on: [B, V].
+    noise = torch.stack([position_noise(r.seed, r.position + int(n), p.shape[-1])
+                         for r, n in zip(rows, num_accepted)])
+    return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
+
+
+def pad_drafts(proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, K]`` draft token ids (padded with 0) and ``[B]`` num_draft_tokens."""
+    assert proposals
+    max_spec_len = max(len(p.token_ids) for p in proposals)
+    draft_token_ids = torch.zeros(len(proposals), max_spec_len, dtype=torch.long)
+    for i, p in enumerate(proposals):
+        draft_token_ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
+    return draft_token_ids, torch.tensor([len(p.token_ids) for p in proposals])
+
+
+def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
+                 max_spec_len: int) -> torch.Tensor:
+    """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0).
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``, at most K + 1 rows; params[i] is not greedy.
+    """
+    assert len(params) == len(logits)
+    assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
+    counts = [x.shape[0] for x in logits]
+    probs = compute_probs(torch.cat(logits), _per_logit_row([s.temperature for s in params], counts),
+                          _per_logit_row([s.top_k for s in params], counts),
+                          _per_logit_row([s.top_p for s in params], counts))  # [sum(K_i + 1), V]
+    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0) for x in probs.split(counts)])
+
+
+def _per_logit_row(values: list, counts: list[int]) -> torch.Tensor:
+    """``[sum(counts)]``: each row's value repeated once per logits row of that row."""
+    return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)])
+
+
+def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    """Pad dim 0 of ``x`` (``[m, ...]``, m ≤ n) to ``n`` rows with ``value``."""
+    assert x.shape[0] <= n
+    if x.shape[0] == n:
+        return x
+    pad = x.new_full((n - x.shape[0], *x.shape[1:]), value)
+    return torch.cat([x, pad])
+
+
+def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
+                vocab: int) -> torch.Tensor | None:
+    """``[B, K, V]`` q for model proposers; None when every proposal is deterministic.
+    A deterministic row inside a model batch (no probs) gets its one-hot q.
+
+    draft_token_ids: ``[B, K]`` as :func:`pad_drafts` returns them.
+    """
+    assert draft_token_ids.ndim == 2 and draft_token_ids.shape[0] == len(proposals)
+    if all(p.probs is None for p in proposals):
+        return None
+    q = torch.zeros(len(proposals), draft_token_ids.shape[1], vocab)
+    for i, p in enumerate(proposals):
+        n = len(p.token_ids)
+        if p.probs is not None:
+            q[i, :n] = p.probs  # [n, V]
+        elif n:
+            q[i, torch.arange(n), draft_token_ids[i, :n]] = 1.0
+    return q

@@ -1,0 +1,102 @@
+"""The engine's verification helpers as pure functions: padding ragged rows, p and q, and
+which (seed, position) draws each kind of row uses. Losslessness end to end is in
+``test_spec_decode.py``."""
+
+from __future__ import annotations
+
+import torch
+from specserve.config import SamplingParams
+from specserve.engine.proposers.base import Proposal
+from specserve.engine.rejection_sampler import PLACEHOLDER
+from specserve.engine.sampling import compute_probs, position_noise, sample_from
+from specserve.engine.verification import (
+    SamplingRow,
+    draft_probs,
+    pad_drafts,
+    target_probs,
+    verify_batch,
+    verify_greedy,
+    verify_sampled,
+    verify_seeded,
+)
+
+V = 16
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+def one_hot_logits(token_ids: list[int]) -> torch.Tensor:
+    """``[len, V]`` logits whose argmax is ``token_ids``."""
+    return torch.nn.functional.one_hot(torch.tensor(token_ids), V).float()
+
+
+def random_logits(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 2  # [n, V]
+
+
+def test_pad_drafts_pads_ragged_rows_with_zeros():
+    drafts, num_draft_tokens = pad_drafts([Proposal([5, 9, 2]), Proposal([]), Proposal([3])])
+    assert drafts.tolist() == [[5, 9, 2], [0, 0, 0], [3, 0, 0]]
+    assert num_draft_tokens.tolist() == [3, 0, 1]
+
+
+def test_greedy_rows_of_any_length_argmax_ids_or_logits():
+    # Row 0 is the rejection sampler's worked example (K = 3), given as argmax ids.
+    proposals = [Proposal([5, 9, 2]), Proposal([]), Proposal([3])]
+    logits = [torch.tensor([5, 9, 7, 4]), one_hot_logits([6]), one_hot_logits([3, 8])]
+    out = verify_greedy(proposals, logits)
+    assert [out.emitted(i) for i in range(3)] == [[5, 9, 7], [6], [3, 8]]
+    assert out.output_token_ids[1].tolist() == [6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]
+
+
+def test_target_probs_are_padded_with_zero_rows():
+    logits = [random_logits(3, 0), random_logits(1, 1)]
+    p = target_probs([SAMPLED, SamplingParams(temperature=0.5, top_k=4)], logits, 2)
+    assert p.shape == (2, 3, V)
+    assert torch.allclose(p[0].sum(-1), torch.ones(3)) and (p[1, 0] > 0).sum() == 4
+    assert (p[1, 1:] == 0).all()
+
+
+def test_draft_probs_none_when_deterministic_else_one_hot_rows():
+    drafts, _ = pad_drafts([Proposal([4, 1]), Proposal([2])])
+    assert draft_probs([Proposal([4, 1]), Proposal([2])], drafts, V) is None
+    q1 = torch.softmax(random_logits(1, 2), -1)
+    q = draft_probs([Proposal([4, 1]), Proposal([2], q1)], drafts, V)
+    assert q.shape == (2, 2, V)
+    assert q[0, 0, 4] == 1 and q[0, 1, 1] == 1 and q[0].sum() == 2
+    assert torch.equal(q[1, 0], q1[0]) and (q[1, 1] == 0).all()
+
+
+def test_seeded_rows_emit_the_seeds_target_only_tokens_whatever_the_draft():
+    seed, position = 7, 11
+    logits = random_logits(4, 3)  # [K + 1, V], K = 3
+    p = compute_probs(logits, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.ones(4))
+    truth = [int(sample_from(p[j], position_noise(seed, position + j, V))) for j in range(4)]
+    row = SamplingRow(SamplingParams(temperature=1.0, seed=seed), seed, position)
+    right = verify_seeded([row], [Proposal(truth[:3])], [logits])
+    assert right.emitted(0) == truth
+    wrong = [(truth[1] + 1) % V]
+    assert verify_seeded([row], [Proposal(truth[:1] + wrong)], [logits[:3]]).emitted(0) == truth[:2]
+    assert verify_seeded([row], [Proposal([])], [logits[:1]]).emitted(0) == truth[:1]
+
+
+def test_sampled_row_without_drafts_samples_its_position():
+    seed, position = 3, 20
+    logits = random_logits(1, 4)
+    p = compute_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))
+    out = verify_sampled([SamplingRow(SAMPLED, seed, position)], [Proposal([])], [logits])
+    assert out.emitted(0) == [int(sample_from(p[0], position_noise(seed, position, V)))]
+
+
+def test_verify_batch_verifies_each_kind_in_one_call():
+    greedy = SamplingRow(SamplingParams(temperature=0.0), 1, 5)
+    seeded = SamplingRow(SamplingParams(temperature=1.0, seed=2), 2, 5)
+    unseeded = SamplingRow(SAMPLED, 3, 5)
+    rows = [seeded, greedy, unseeded, greedy, seeded]
+    proposals = [Proposal([1]), Proposal([2, 3]), Proposal([]), Proposal([4]), Proposal([])]
+    logits = [random_logits(len(p.token_ids) + 1, i) for i, p in enumerate(proposals)]
+    results = verify_batch(rows, proposals, logits)
+    assert [j for _, j in results] == [0, 0, 0, 1, 1]
+    assert results[0][0] is results[4][0] and results[1][0] is results[3][0]
+    assert len({id(out) for out, _ in results}) == 3
+    alone = verify_greedy([proposals[1], proposals[3]], [logits[1], logits[3]])
+    assert torch.equal(results[1][0].output_token_ids, alone.output_token_ids)
