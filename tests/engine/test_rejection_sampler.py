@@ -17,7 +17,7 @@ def test_greedy_docstring_example():
     out = greedy_rejection_sample(torch.tensor([[5, 9, 2]]), torch.tensor([3]),
                                   torch.tensor([[5, 9, 7, 4]]))
     assert out.output_token_ids.tolist() == [[5, 9, 7, PLACEHOLDER]]
-    assert out.num_accepted.tolist() == [2]
+    assert out.num_accepted_tokens.tolist() == [2]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
@@ -27,17 +27,17 @@ def test_greedy_matches_a_reference_loop(k, batch):
     argmax = torch.randint(0, 4, (batch, k + 1), generator=gen)  # small vocab: frequent matches
     drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, argmax[:, :k],
                          torch.randint(0, 4, (batch, k), generator=gen))
-    num_drafts = torch.randint(0, k + 1, (batch,), generator=gen)
-    out = greedy_rejection_sample(drafts, num_drafts, argmax)
+    num_draft_tokens = torch.randint(0, k + 1, (batch,), generator=gen)
+    out = greedy_rejection_sample(drafts, num_draft_tokens, argmax)
     for b in range(batch):
         expected = []
-        for i in range(int(num_drafts[b])):
+        for i in range(int(num_draft_tokens[b])):
             if drafts[b, i] != argmax[b, i]:
                 break
             expected.append(int(drafts[b, i]))
         expected.append(int(argmax[b, len(expected)]))
         assert out.emitted(b) == expected
-        assert out.num_accepted[b] == len(expected) - 1
+        assert out.num_accepted_tokens[b] == len(expected) - 1
         assert (out.output_token_ids[b, len(expected):] == PLACEHOLDER).all()
 
 
@@ -45,7 +45,7 @@ def test_zero_drafts_is_plain_sampling():
     p = torch.tensor([[[0.0, 1.0, 0.0]]])  # [1, 1, 3]
     out = rejection_sample(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), p, None,
                            torch.zeros(1, 0), torch.ones(1, 3))
-    assert out.emitted(0) == [1] and out.num_accepted.tolist() == [0]
+    assert out.emitted(0) == [1] and out.num_accepted_tokens.tolist() == [0]
 
 
 def test_deterministic_for_given_draws():
@@ -64,7 +64,7 @@ def test_identical_draft_and_target_accept_everything():
     drafts = torch.multinomial(p[:, :3].reshape(-1, 6), 1).view(64, 3)
     out = rejection_sample(drafts, torch.full((64,), 3), p, p[:, :3].clone(),
                            torch.rand(64, 3) * 0.999, torch.empty(64, 6).exponential_())
-    assert (out.num_accepted == 3).all()
+    assert (out.num_accepted_tokens == 3).all()
 
 
 def _marginals_match(p, q, *, deterministic: bool, n: int = 400_000, seed: int = 0):
@@ -84,7 +84,7 @@ def _marginals_match(p, q, *, deterministic: bool, n: int = 400_000, seed: int =
                            torch.empty(n, v).exponential_(generator=gen))
     pvalues = []
     for j in range(k + 1):
-        reached = out.num_accepted >= j
+        reached = out.num_accepted_tokens >= j
         counts = torch.bincount(out.output_token_ids[reached, j], minlength=v).double()
         expected = p[j].double() / p[j].double().sum() * counts.sum()
         keep = expected > 0

@@ -11,7 +11,7 @@ its token, so the acceptance test is ``u < p(x)`` and the residual is ``p`` with
 
 Worked example, K = 3, greedy: drafts ``[5, 9, 2]``, target argmax at the four positions
 ``[5, 9, 7, 4]`` → drafts 5 and 9 accepted, 2 rejected, recovered token 7: the step emits
-``[5, 9, 7]`` and ``num_accepted = 2``.
+``[5, 9, 7]`` and ``num_accepted_tokens = 2``.
 
 **Drafter-invariant verification** (seeded requests; Daliri, Musco and Suresh 2024, "Coupling
 without Communication and Drafter-Invariant Speculative Decoding"): the target's token at
@@ -41,11 +41,11 @@ PLACEHOLDER = -1  # output positions after the emitted token
 @dataclass
 class RejectionOutput:
     output_token_ids: torch.Tensor   # [B, K + 1] long, PLACEHOLDER after each row's last token
-    num_accepted: torch.Tensor       # [B] long, 0..num_draft_tokens
+    num_accepted_tokens: torch.Tensor       # [B] long, 0..num_draft_tokens
 
     def emitted(self, row: int) -> list[int]:
-        """The ``num_accepted + 1`` tokens row ``row`` emits this step."""
-        return self.output_token_ids[row, : int(self.num_accepted[row]) + 1].tolist()
+        """The ``num_accepted_tokens + 1`` tokens row ``row`` emits this step."""
+        return self.output_token_ids[row, : int(self.num_accepted_tokens[row]) + 1].tolist()
 
 
 def _num_leading_true(accepted: torch.Tensor, num_draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -58,15 +58,15 @@ def _num_leading_true(accepted: torch.Tensor, num_draft_tokens: torch.Tensor) ->
     return (accepted & real).long().cumprod(dim=1).sum(dim=1)
 
 
-def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor,
+def _assemble(draft_token_ids: torch.Tensor, num_accepted_tokens: torch.Tensor,
               final_token: torch.Tensor) -> RejectionOutput:
-    """Row i: its first ``num_accepted[i]`` drafts, then ``final_token[i]``, then placeholders."""
+    """Row i: its first ``num_accepted_tokens[i]`` drafts, then ``final_token[i]``, then placeholders."""
     bsz, k = draft_token_ids.shape
     cols = torch.arange(k + 1, device=draft_token_ids.device)[None, :]  # [1, K + 1]
     padded = torch.cat([draft_token_ids, draft_token_ids.new_full((bsz, 1), PLACEHOLDER)], dim=1)
-    out = torch.where(cols < num_accepted[:, None], padded, PLACEHOLDER)
-    out = torch.where(cols == num_accepted[:, None], final_token[:, None], out)
-    return RejectionOutput(out, num_accepted)
+    out = torch.where(cols < num_accepted_tokens[:, None], padded, PLACEHOLDER)
+    out = torch.where(cols == num_accepted_tokens[:, None], final_token[:, None], out)
+    return RejectionOutput(out, num_accepted_tokens)
 
 
 def greedy_rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
@@ -77,9 +77,9 @@ def greedy_rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: tor
     (the target's argmax after each prefix, position K being the bonus position).
     """
     assert draft_token_ids.ndim == 2 and target_argmax.shape[1] == draft_token_ids.shape[1] + 1
-    num_accepted = _num_leading_true(draft_token_ids == target_argmax[:, :-1], num_draft_tokens)
-    final = target_argmax.gather(1, num_accepted[:, None])[:, 0]
-    return _assemble(draft_token_ids, num_accepted, final)
+    num_accepted_tokens = _num_leading_true(draft_token_ids == target_argmax[:, :-1], num_draft_tokens)
+    final = target_argmax.gather(1, num_accepted_tokens[:, None])[:, 0]
+    return _assemble(draft_token_ids, num_accepted_tokens, final)
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
@@ -94,17 +94,17 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     """
     bsz, k = draft_token_ids.shape
     assert noise.shape == (bsz, target_probs.shape[-1])
-    num_accepted = stochastic_num_accepted(draft_token_ids, num_draft_tokens, target_probs,
+    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, target_probs,
                                            draft_probs, uniform)
     rows = torch.arange(bsz, device=draft_token_ids.device)
-    p_at = target_probs[rows, num_accepted]                               # [B, V]
-    rejected = num_accepted < num_draft_tokens                            # [B]
-    q_at = _draft_probs_at(draft_token_ids, draft_probs, num_accepted, p_at)
+    p_at = target_probs[rows, num_accepted_tokens]                               # [B, V]
+    rejected = num_accepted_tokens < num_draft_tokens                            # [B]
+    q_at = _draft_probs_at(draft_token_ids, draft_probs, num_accepted_tokens, p_at)
     residual = torch.where(rejected[:, None], (p_at - q_at).clamp(min=0), p_at)
     # p == q exactly means a rejection could not have happened; guard the 0/0 anyway.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_at, residual)
-    return _assemble(draft_token_ids, num_accepted, sample_from(residual, noise))
+    return _assemble(draft_token_ids, num_accepted_tokens, sample_from(residual, noise))
 
 
 def stochastic_num_accepted(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,

@@ -263,7 +263,7 @@ class SpecDecodeEngine:
         if asked and self.draft_available:
             ctl.observe_propose(max(asked), len(asked), propose_s)
         for k, prop, (res, row) in zip(ks, proposals, results):
-            ctl.observe_draft(k, len(prop.token_ids), int(res.num_accepted[row]))
+            ctl.observe_draft(k, len(prop.token_ids), int(res.num_accepted_tokens[row]))
         sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
         ctl.observe_accept(len(seqs), sampled, accept_s)
 
@@ -384,7 +384,7 @@ class SpecDecodeEngine:
         """Append the emitted tokens through the stop checks, then roll caches back."""
         num_before = len(seq.token_ids)
         num_draft_tokens = len(proposal.token_ids)
-        num_accepted_tokens = int(res.num_accepted[row])
+        num_accepted_tokens = int(res.num_accepted_tokens[row])
         seq.stats.observe(num_draft_tokens, num_accepted_tokens)
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
         seq.append_tokens(res.emitted(row), eos_token_ids=self.eos_token_ids,

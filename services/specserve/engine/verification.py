@@ -116,10 +116,10 @@ def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
     for i, r in enumerate(rows):
         for j in range(int(num_draft_tokens[i])):
             uniform[i, j] = position_uniform(r.seed, r.position + j)
-    num_accepted = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
+    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
     # The noise of the position each row's recovered or bonus token lands on: [B, V].
     noise = torch.stack([position_noise(r.seed, r.position + int(n), p.shape[-1])
-                         for r, n in zip(rows, num_accepted)])
+                         for r, n in zip(rows, num_accepted_tokens)])
     return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
 
 
