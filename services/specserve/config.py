@@ -7,7 +7,7 @@ Validation checks shapes, bounds and cross-field rules only, so a config validat
 files (the draft's tokenizer must equal the target's, the draft's kind must fit the method)
 run where an engine is built, in :func:`specserve.engine.builder.check_draft_files`. This
 module imports nothing of the engine: the proposers' names and needs come from the registry
-in :mod:`specserve.methods`, which imports nothing at all.
+in :mod:`specserve.methods`, which imports nothing of specserve.
 """
 
 from __future__ import annotations
