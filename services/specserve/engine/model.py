@@ -265,8 +265,6 @@ class ForwardContext:
     valid: torch.Tensor            # [B, T] bool: real tokens, not padding
     write_slots: torch.Tensor      # [N] slot of each real token
     write_positions: torch.Tensor  # [N] position of each real token
-    visible: torch.Tensor          # [B, T, S] bool: the keys each query attends to
-    window_visible: torch.Tensor | None  # the same with the sliding window applied
     kv_used: int                   # the longest (start + num_new) in the batch
     positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
     window: int | None             # the sliding window of the layers that have one
@@ -305,8 +303,25 @@ class ForwardContext:
         """``[B, 1, T, kv_used]`` for torch's attention, None where every key is visible."""
         key = ("library", window)
         if key not in self._ranges:
-            visible = (self.window_visible if window else self.visible)[..., :self.kv_used]
+            visible = self.visible(window)[..., :self.kv_used]
             self._ranges[key] = None if visible.all() else visible[:, None]
+        return self._ranges[key]
+
+    def visible(self, window: bool) -> torch.Tensor:
+        """``[B, T, S]`` bool, True where a query may attend (made on first use: the C kernels
+        take key ranges instead, so the default CPU path never builds it).
+
+        A query at position ``p`` sees keys ``0..p`` of its own slot, and with ``window`` the
+        last ``self.window`` of them. Padding queries keep the same rule; they always see key
+        0, so no softmax row is empty, and their outputs are never read.
+        """
+        key = ("visible", window)
+        if key not in self._ranges:
+            keys = torch.arange(self.kv_len)[None, None, :]                  # [1, 1, S]
+            visible = keys <= self.positions[:, :, None]                     # [B, T, S]
+            if window:
+                visible &= keys > self.positions[:, :, None] - self.window
+            self._ranges[key] = visible.to(self.valid.device)
         return self._ranges[key]
 
     def key_start(self, window: bool) -> torch.Tensor:
@@ -323,7 +338,7 @@ class ForwardContext:
         """The attention mask for ``group`` query heads per key/value head (made once)."""
         key = (group, window)
         if key not in self._hidden:
-            self._hidden[key] = hidden_keys(self.window_visible if window else self.visible, group)
+            self._hidden[key] = hidden_keys(self.visible(window), group)
         return self._hidden[key]
 
 
@@ -451,13 +466,10 @@ class LlamaRuntime(nn.Module):
         cos = self.rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
         sin = self.rope_sin[table_pos].unsqueeze(2)
         slot_t = torch.tensor(slots)[:, None].expand(-1, t)
-        window = self._window()
-        visible, window_visible = self._visible(positions, kv_len, window, device)
         ctx = ForwardContext(
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
-            visible=visible, window_visible=window_visible, kv_used=kv_used, positions=positions,
-            window=window)
+            kv_used=kv_used, positions=positions, window=self._window())
         return ctx, tokens.to(device)
 
     def _window(self) -> int | None:
@@ -465,21 +477,6 @@ class LlamaRuntime(nn.Module):
         windows = {w for w in self.arch.sliding_windows if w is not None}
         assert len(windows) <= 1, "one sliding window size per model"
         return next(iter(windows), None)
-
-    def _visible(self, positions: torch.Tensor, kv_len: int, window: int | None,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Causal masks ``[B, T, S]`` for the ragged batch (True = may attend), and the same
-        with the sliding ``window`` applied where there is one.
-
-        A query at position ``p`` sees keys ``0..p`` of its own slot. Padding queries keep the
-        same rule; they always see key 0, so no softmax row is empty, and their outputs are
-        never read.
-        """
-        keys = torch.arange(kv_len)[None, None, :]                        # [1, 1, S]
-        causal = keys <= positions[:, :, None]                            # [B, T, S]
-        if window is None:
-            return causal.to(device), None
-        return causal.to(device), (causal & (keys > positions[:, :, None] - window)).to(device)
 
 
 def _logit_positions(token_ids: list[list[int]], num_logits: list[int],
