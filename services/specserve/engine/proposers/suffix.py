@@ -22,6 +22,7 @@ Status (issue 19, first part): the trees and the proposer, tested; not yet in th
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,6 +45,11 @@ class SuffixTree:
     >>> tree.match([9, 1, 2])              # the longest suffix of the context found: [1, 2]
     2
     >>> tree.continuation([9, 1, 2], k=3, min_token_prob=0.0)  # after [1, 2]: 3 or 4, once each
+    ([3, 1, 2], [0.5, 0.5, 0.5])
+    >>> grown = SuffixTree(max_depth=4)  # the same counts, one token at a time
+    >>> for end in range(1, 7):
+    ...     grown.extend([1, 2, 3, 1, 2, 4], end)
+    >>> grown.continuation([9, 1, 2], k=3, min_token_prob=0.0)
     ([3, 1, 2], [0.5, 0.5, 0.5])
     """
 
@@ -75,37 +81,53 @@ class SuffixTree:
                 return
             node = child
 
+    def extend(self, tokens: list[int], end: int) -> None:
+        """Count the substrings of ``tokens`` that end at ``end`` (exclusive), up to
+        ``max_depth`` long: the occurrences that token ``end - 1`` adds to a tree holding
+        ``tokens[:end - 1]`` (a growing sequence, one token at a time)."""
+        for start in range(max(0, end - self.max_depth), end):
+            node = self.root
+            for token in tokens[start:end - 1]:  # counted when that token came
+                node = node.children[token]
+            child = node.children.get(tokens[end - 1])
+            if child is None:
+                child = node.children[tokens[end - 1]] = _Node()
+                self.num_nodes += 1
+            child.count += 1
+        self.root.count += 1
+
     def match(self, context: list[int]) -> int:
         """Length of the longest suffix of ``context`` (at most ``max_depth - 1``) that
         occurs in the tree followed by something; 0 if none."""
+        return self._longest(context)[0]
+
+    def _longest(self, context: list[int]) -> tuple[int, _Node | None]:
         for length in range(min(len(context), self.max_depth - 1), 0, -1):
             node = self._find(context[len(context) - length:])
             if node is not None and node.children:
-                return length
-        return 0
+                return length, node
+        return 0, None
 
     def continuation(self, context: list[int], *, k: int, min_token_prob: float,
-                     max_len: int | None = None) -> tuple[list[int], list[float]]:
+                     match_factor: float = math.inf,
+                     match_offset: int = 0) -> tuple[list[int], list[float]]:
         """The most frequent continuation of ``context``'s longest matched suffix, at most
-        ``k`` (and ``max_len``) tokens, while its estimated probability is at least
-        ``min_token_prob``; with the cumulative probability after each token. The walk goes
-        on past ``max_depth`` by re-matching the suffix it has built."""
+        ``k`` tokens and ``match_factor * match length + match_offset``, while its estimated
+        probability is at least ``min_token_prob``; with the cumulative probability after
+        each token. The walk goes on past ``max_depth`` by re-matching the suffix it built."""
         tokens: list[int] = []
         probs: list[float] = []
         prob = 1.0
-        limit = k if max_len is None else min(k, max_len)
-        while len(tokens) < limit:
-            seq = context + tokens
-            length = self.match(seq)
-            if length == 0:
-                break
-            node = self._find(seq[len(seq) - length:])
+        length, node = self._longest(context)
+        limit = k if math.isinf(match_factor) else min(k, int(match_factor * length + match_offset))
+        while node is not None and len(tokens) < limit:
             best = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
             prob *= best[1].count / max(node.count, 1)
             if prob < min_token_prob:
                 break
             tokens.append(best[0])
             probs.append(prob)
+            _, node = self._longest(context + tokens)
         return tokens, probs
 
     def _find(self, path: list[int]) -> _Node | None:
@@ -145,12 +167,9 @@ def propose_suffix(trees: list[SuffixTree], context: list[int], k: int,
     best: list[int] = []
     best_score = 0.0
     for tree in trees:
-        length = tree.match(context)
-        if length == 0:
-            continue
-        cap = int(options.match_factor * length + options.match_offset)
         tokens, probs = tree.continuation(context, k=k, min_token_prob=options.min_token_prob,
-                                          max_len=cap)
+                                          match_factor=options.match_factor,
+                                          match_offset=options.match_offset)
         if sum(probs) > best_score:
             best, best_score = tokens, sum(probs)
     return best
@@ -194,9 +213,8 @@ class SuffixProposer(Proposer):
         if tree is None:
             return
         self.prompt_lens.setdefault(seq_id, len(token_ids) - 1)  # the prefill emitted one
-        depth = self.options.max_depth
         for end in range(len(seen) + 1, len(token_ids)):
-            _add_ending_at(tree, token_ids, end, depth)
+            tree.extend(token_ids, end)
         seen[:] = token_ids[:-1]
 
     def finish(self, seq_id: int) -> None:
@@ -214,22 +232,7 @@ class SuffixProposer(Proposer):
             self.global_tree.add(self.responses.popleft(), weight=-1)
 
     def reset(self) -> None:
-        for seq_id in list(self.trees):
-            self.trees.pop(seq_id)
-            self.seen.pop(seq_id, None)
-            self.prompt_lens.pop(seq_id, None)
-
-
-def _add_ending_at(tree: SuffixTree, tokens: list[int], end: int, depth: int) -> None:
-    """Count the substrings of ``tokens`` that end at ``end`` (exclusive), up to ``depth`` long:
-    the occurrences one more token adds."""
-    for start in range(max(0, end - depth), end):
-        node = tree.root
-        for token in tokens[start:end - 1]:
-            node = node.children[token]
-        child = node.children.get(tokens[end - 1])
-        if child is None:
-            child = node.children[tokens[end - 1]] = _Node()
-            tree.num_nodes += 1
-        child.count += 1
-    tree.root.count += 1
+        """Forget every sequence (the global tree of finished responses stays)."""
+        self.trees.clear()
+        self.seen.clear()
+        self.prompt_lens.clear()
