@@ -94,11 +94,11 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     """
     bsz, k = draft_token_ids.shape
     assert noise.shape == (bsz, target_probs.shape[-1])
-    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, target_probs,
-                                           draft_probs, uniform)
+    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens,
+                                                  target_probs, draft_probs, uniform)  # [B]
     rows = torch.arange(bsz, device=draft_token_ids.device)
-    p_at = target_probs[rows, num_accepted_tokens]                               # [B, V]
-    rejected = num_accepted_tokens < num_draft_tokens                            # [B]
+    p_at = target_probs[rows, num_accepted_tokens]                        # [B, V]
+    rejected = num_accepted_tokens < num_draft_tokens                     # [B]
     q_at = _draft_probs_at(draft_token_ids, draft_probs, num_accepted_tokens, p_at)
     residual = torch.where(rejected[:, None], (p_at - q_at).clamp(min=0), p_at)
     # p == q exactly means a rejection could not have happened; guard the 0/0 anyway.
