@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
-from specserve.config import AppConfig
+from specserve.config import AppConfig, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,3 +48,33 @@ def test_burst_needs_a_rate(limits, ok):
         return
     with pytest.raises(ValidationError, match="burst needs limits.requests_per_minute"):
         AppConfig.model_validate({"limits": limits})
+
+
+def test_a_model_free_proposer_in_front_of_a_model_is_speculative_first():
+    """``first`` names a model-free proposer of the registry; ``ngram_first`` is first: ngram.
+    Behind it the builder puts the model's proposer; n-gram lookup there matches 2+ tokens."""
+    from specserve.engine.builder import build_proposer
+    from specserve.engine.proposers.base import Proposer
+    from specserve.engine.proposers.hybrid import HybridProposer
+
+    class Model(Proposer):
+        method = "eagle"
+
+        def propose(self, requests):
+            return []
+
+    draft = {"source": "embedded-eagle"}
+    old = SpeculativeConfig.model_validate({"method": "eagle", "ngram_first": True, "draft": draft})
+    new = SpeculativeConfig.model_validate({"method": "eagle", "first": "ngram", "draft": draft})
+    assert old.first_method == new.first_method == "ngram"
+    built = build_proposer(new, Model())
+    assert isinstance(built, HybridProposer) and built.first.min_n == 2 and built.method == "eagle"
+    assert build_proposer(SpeculativeConfig(method="ngram")).min_n == 1  # alone: its own setting
+    for bad, message in (({"method": "ngram", "first": "ngram"}, "first needs a draft model"),
+                         ({"method": "eagle", "first": "eagle", "draft": draft}, "first"),
+                         ({"method": "eagle", "ngram_first": True, "first": "ngram", "draft": draft}, None)):
+        if message is None:
+            SpeculativeConfig.model_validate(bad)  # the same thing said twice is fine
+            continue
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.model_validate(bad)

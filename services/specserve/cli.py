@@ -171,7 +171,7 @@ def _default_draft_or_ngram(app_args: dict) -> dict:
         return app_args
     print(f"specserve: the default draft ({EMBEDDED_DRAFT}) is not installed (`make draft` trains "
           "it); speculating with ngram (prompt lookup) instead", flush=True)
-    spec = {k: v for k, v in spec.items() if k not in ("draft", "ngram_first")} | {"method": "ngram"}
+    spec = {k: v for k, v in spec.items() if k not in ("draft", "ngram_first", "first")} | {"method": "ngram"}
     engine = app_args["unit"]["engine"] | {"speculative": spec}
     return app_args | {"unit": app_args["unit"] | {"engine": engine}}
 
@@ -186,7 +186,7 @@ def _speculation_line(cfg) -> str:
     if spec.method == "ngram":
         return f"speculation: ngram (prompt lookup), K up to {spec.num_speculative_tokens}"
     where = draft_path(spec.draft.source)
-    lookup = ", prompt lookup first" if spec.ngram_first else ""
+    lookup = f", {spec.first_method} first" if spec.first_method else ""
     line = (f"speculation: {spec.method}{lookup}, K up to {spec.num_speculative_tokens}, "
             f"draft {spec.draft.source}")
     if is_draft_dir(spec.draft.source):

@@ -19,13 +19,15 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    create_model,
     field_validator,
     model_validator,
 )
 
-from specserve.methods import METHODS, MODEL_METHODS, PROPOSERS
+from specserve.methods import FREE_METHODS, METHODS, MODEL_METHODS, PROPOSERS, ProposerSpec
 
 SpecMethod = Literal[METHODS]  # the proposer registry's methods (specserve.methods)
+FreeMethod = Literal[FREE_METHODS]  # ... those that draft without a model
 # A custom Ray resource that marks nodes (the Helm chart's head / target / draft groups).
 NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -122,7 +124,23 @@ class AdaptiveConfig(_Strict):
                     "last ~50 steps dominate).")
 
 
-class SpeculativeConfig(_Strict):
+def _options_model(spec: ProposerSpec) -> type[BaseModel]:
+    """``speculative.<method>``: the registry's :class:`~specserve.methods.Option` rows of
+    one proposer as a model (its bounds, defaults and descriptions)."""
+    fields = {o.name: (o.type or type(o.default),
+                       Field(o.default, ge=o.ge, le=o.le, description=o.description))
+              for o in spec.options}
+    return create_model(f"{spec.cls.removesuffix('Proposer')}Options", __base__=_Strict,
+                        __doc__=f"Settings of the {spec.method} proposer: {spec.summary}.",
+                        __module__=__name__, **fields)
+
+
+# Proposers with settings of their own: method -> the model of speculative.<method>.
+PROPOSER_OPTIONS: dict[str, type[BaseModel]] = {
+    method: _options_model(spec) for method, spec in PROPOSERS.items() if spec.options}
+
+
+class _SpeculativeSettings(_Strict):
     """Which proposer drafts and how far (vLLM's ``speculative_config`` with our names)."""
 
     method: SpecMethod | None = Field(
@@ -134,9 +152,11 @@ class SpeculativeConfig(_Strict):
         None, description="The draft, for draft_model (a smaller model of the target's tokenizer, "
                           "or a 'decoder' draft from `specserve train-draft`) and eagle (an 'eagle' "
                           "draft from `specserve train-draft`, which reads the target's features).")
-    ngram_first: bool = Field(
-        False, description="draft_model / eagle: rows whose last 2+ tokens occurred before take the "
-                           "n-gram (prompt lookup) drafts; only the others ask the draft model.")
+    first: FreeMethod | None = Field(
+        None, description="draft_model / eagle: a model-free proposer asked first, per row and "
+                          "step; rows it drafts for (a confident match: 2+ tokens of prompt lookup, "
+                          "a suffix match above its min_token_prob) skip the draft model that step.")
+    ngram_first: bool = Field(False, description="The same as first: ngram (kept for existing configs).")
     prompt_lookup_min: int = Field(1, ge=1, le=16, description="ngram: shortest suffix to match.")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="ngram: longest suffix to match.")
     adaptive: AdaptiveConfig = Field(default_factory=AdaptiveConfig,
@@ -148,11 +168,26 @@ class SpeculativeConfig(_Strict):
             raise ValueError(f"method {self.method} needs a draft model (speculative.draft.source)")
         if self.method not in MODEL_METHODS and self.draft is not None:
             raise ValueError(f"a draft model is set but method is {self.method!r}")
-        if self.ngram_first and self.method not in MODEL_METHODS:
-            raise ValueError(f"ngram_first needs a draft model method ({' or '.join(MODEL_METHODS)})")
+        if self.ngram_first and self.first not in (None, "ngram"):
+            raise ValueError(f"ngram_first contradicts first: {self.first}")
+        if self.first_method is not None and self.method not in MODEL_METHODS:
+            raise ValueError(f"{'ngram_first' if self.ngram_first else 'first'} needs a draft "
+                             f"model method ({' or '.join(MODEL_METHODS)})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         return self
+
+    @property
+    def first_method(self) -> str | None:
+        """The model-free proposer in front of the model one (``first`` or ``ngram_first``)."""
+        return self.first or ("ngram" if self.ngram_first else None)
+
+
+SpeculativeConfig = create_model(
+    "SpeculativeConfig", __base__=_SpeculativeSettings, __doc__=_SpeculativeSettings.__doc__,
+    __module__=__name__,
+    **{method: (model, Field(default_factory=model, description=f"{method}: its settings."))
+       for method, model in PROPOSER_OPTIONS.items()})
 
 
 class EngineConfig(_Strict):

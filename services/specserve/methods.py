@@ -4,7 +4,9 @@ The configuration's ``speculative.method`` values, the API's ``speculation.metho
 CLI's ``--method`` choices, the kinds ``specserve train-draft`` makes, and how a unit wires
 a proposer (a draft group or not, the target's features sent or not) all read this table.
 Adding a proposer is its module in ``specserve/engine/proposers/`` and one line in
-:data:`PROPOSERS`.
+:data:`PROPOSERS`; its settings, if it has any, are :class:`Option` rows on that line, from
+which the configuration builds ``speculative.<method>`` (bounds, defaults and descriptions
+included), so the configuration module is not edited either.
 
 The table sits at the bottom of the package, beside ``errors.py``, and not among the
 proposers: the configuration reads it, and the configuration is what the engine stands on.
@@ -20,6 +22,19 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Option:
+    """One setting of a proposer: ``speculative.<method>.<name>`` in the configuration, a
+    pydantic field of ``default``'s type with these bounds (``specserve.config``)."""
+
+    name: str
+    default: bool | int | float | str | None
+    description: str
+    ge: float | None = None    # lower bound (numbers)
+    le: float | None = None    # upper bound (numbers)
+    type: type | None = None   # default: the type of ``default``
+
+
+@dataclass(frozen=True)
 class ProposerSpec:
     """One proposer: its method name and what serving it takes."""
 
@@ -31,6 +46,7 @@ class ProposerSpec:
     draft_kind: str | None     # the `specserve train-draft --kind` that makes its draft
     plain_draft: bool = False  # a plain model of the target's tokenizer serves too
     summary: str = ""
+    options: tuple[Option, ...] = ()  # its settings, speculative.<method>.<name>
 
 
 PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
@@ -46,6 +62,9 @@ PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
 
 METHODS = tuple(PROPOSERS)  # ("ngram", "draft_model", "eagle")
 MODEL_METHODS = tuple(m for m, spec in PROPOSERS.items() if spec.draft_model)
+# Model-free proposers: they draft in the coordinator, and may go in front of a model
+# proposer (speculative.first).
+FREE_METHODS = tuple(m for m, spec in PROPOSERS.items() if not spec.draft_model)
 DRAFT_KINDS = tuple(spec.draft_kind for spec in PROPOSERS.values() if spec.draft_kind)
 
 

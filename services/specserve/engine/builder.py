@@ -22,7 +22,7 @@ from specserve.engine.loader import (
     resolve_dtype,
 )
 from specserve.engine.proposers.base import Proposer
-from specserve.engine.proposers.hybrid import NgramFirstProposer
+from specserve.engine.proposers.hybrid import HybridProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
@@ -72,10 +72,9 @@ def build_proposer(spec: SpeculativeConfig, draft: Proposer | None = None) -> Pr
     if not PROPOSERS[spec.method].draft_model:
         return proposer_class(spec.method).from_config(spec)
     assert draft is not None, f"method {spec.method} needs its draft model"
-    if not spec.ngram_first:
+    if spec.first_method is None:
         return draft
-    return NgramFirstProposer(draft, min_n=max(2, spec.prompt_lookup_min),
-                              max_n=max(2, spec.prompt_lookup_max))
+    return HybridProposer(proposer_class(spec.first_method).from_config(spec), draft)
 
 
 def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, max_model_len: int,

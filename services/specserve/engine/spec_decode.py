@@ -409,6 +409,8 @@ class SpecDecodeEngine:
         self.target.free(seq.slot)
         if seq.draft_attached:
             seq.draft_attached = False
+            if seq.finish_reason not in ("abort", "error"):
+                self._proposer_call(self.proposer.learn, seq.token_ids, seq.prompt_len)
             self._proposer_call(self.proposer.finish, seq.seq_id)
 
     def _proposer_call(self, method, *args) -> None:

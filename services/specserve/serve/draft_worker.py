@@ -167,7 +167,7 @@ class DraftWorker:
 
     def slots_in_use(self) -> int:
         """Sequences the draft holds a cache slot for (tests: zero once the unit is idle)."""
-        model = getattr(self.proposer, "model", self.proposer)  # behind ngram_first
+        model = getattr(self.proposer, "model", self.proposer)  # behind speculative.first
         return model.num_slots_in_use
 
     def slow_down(self, seconds: float, for_s: float) -> None:

@@ -74,6 +74,11 @@ class Proposer(ABC):
     def finish(self, seq_id: int) -> None:
         """The sequence ended or was aborted (release state)."""
 
+    def learn(self, token_ids: list[int], prompt_len: int) -> None:
+        """A sequence finished normally (stop, EOS or length, not aborted): a proposer that
+        drafts from earlier responses keeps what it wants of ``token_ids[prompt_len:]``.
+        Called in the engine's process, before :meth:`finish`."""
+
     def reset(self) -> None:
         """Forget every sequence (a draft re-attached after a loss: what it held is stale)."""
 

@@ -48,6 +48,10 @@ class NgramProposer(Proposer):
 
     @classmethod
     def from_config(cls, spec) -> NgramProposer:
+        """In front of a model (``speculative.first``) a match of one token is too weak to
+        take a row from the model: at least 2 there."""
+        if spec.first_method == cls.method:
+            return cls(min_n=max(2, spec.prompt_lookup_min), max_n=max(2, spec.prompt_lookup_max))
         return cls(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
