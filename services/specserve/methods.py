@@ -58,9 +58,29 @@ PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
                  summary="a smaller model of the target's tokenizer, or a decoder draft"),
     ProposerSpec("eagle", "eagle", "EagleProposer", draft_model=True, reads_features=True,
                  draft_kind="eagle", summary="an EAGLE head reading the target's features"),
+    ProposerSpec("suffix", "suffix", "SuffixProposer", draft_model=False, reads_features=False,
+                 draft_kind=None, summary="suffix decoding: the most frequent continuation of the "
+                                          "sequence's suffix in itself and in earlier responses",
+                 options=(
+        Option("max_match_tokens", 32, "Longest suffix of the sequence matched.", ge=1, le=1024),
+        Option("match_factor", 1.0, "Speculate at most match_factor x the match length + "
+                                    "match_offset tokens (and K).", ge=0.0, le=64.0),
+        Option("match_offset", 0, "See match_factor.", ge=-64, le=64),
+        Option("min_token_prob", 0.1, "Stop drafting once the continuation's estimated "
+                                      "probability (from counts) falls below this.", ge=0.0, le=1.0),
+        Option("max_cached_responses", 256, "Earlier responses kept in the unit's global cache "
+                                            "(FIFO; 0: none, only the sequence itself).", ge=0,
+               le=10_000_000),
+        Option("max_cached_tokens", 1_000_000, "... and their tokens at most (the cache takes "
+                                               "about 12 bytes per token, at most twice that).",
+               ge=1, le=1_000_000_000),
+        Option("cache_file", None, "Opt-in: start the global cache from this file of earlier "
+                                   "responses (JSON lines {\"token_ids\": [...]}); responses are "
+                                   "user data.", type=str | None),
+    )),
 )}
 
-METHODS = tuple(PROPOSERS)  # ("ngram", "draft_model", "eagle")
+METHODS = tuple(PROPOSERS)  # ("ngram", "draft_model", "eagle", "suffix")
 MODEL_METHODS = tuple(m for m, spec in PROPOSERS.items() if spec.draft_model)
 # Model-free proposers: they draft in the coordinator, and may go in front of a model
 # proposer (speculative.first).

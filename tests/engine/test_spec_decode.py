@@ -15,7 +15,9 @@ from specserve.config import AdaptiveConfig, SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.proposers.hybrid import HybridProposer
 from specserve.engine.proposers.ngram import NgramProposer
+from specserve.engine.proposers.suffix import SuffixProposer
 from specserve.engine.sequence import StepOutput
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
@@ -57,6 +59,11 @@ def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slo
     proposer = None
     if method == "ngram":
         proposer = NgramProposer(min_n=1, max_n=3)
+    elif method == "suffix":  # its global cache fills with the engine's earlier responses
+        proposer = SuffixProposer()
+    elif method == "suffix+eagle":  # suffix decoding first, the EAGLE head for the other rows
+        proposer = HybridProposer(SuffixProposer(), EagleProposer(ModelWorker(
+            eagle_head_of(target_hf, max_len=max_len), num_slots=slots, max_seq_len=max_len)))
     elif method == "draft_model":
         proposer = DraftModelProposer(worker_of(draft_hf, slots, max_len))
     elif method == "eagle":  # a head reading the target's features (train-draft's kind eagle)
@@ -82,9 +89,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 MODEL_METHODS = ["draft_model", "eagle", "decoder_head"]  # every proposer with a model
+METHODS = ["ngram", "suffix", *MODEL_METHODS, "suffix+eagle"]  # ... and without, and a hybrid
 
 
-@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
     batch = prompts(8, seed=k)
@@ -112,7 +120,7 @@ def twin_target_hf():
     return hf
 
 
-@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_is_bit_identical_when_every_token_has_a_near_tie(twin_target_hf, method):
     """Greedy output equals target-only's for every K in 1..8 and batches of 1..8, where the
     argmax at every step is decided by the last bits of the logits."""
@@ -127,7 +135,7 @@ def test_greedy_is_bit_identical_when_every_token_has_a_near_tie(twin_target_hf,
         assert spec.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_equals_target_only_with_k_changing_every_step(target_hf, close_draft_hf, method):
     """Per-step K (random here, 0 included) for adaptive rows, fixed K for the others, in one
     batch: every output is still the target-only output."""
@@ -228,7 +236,7 @@ def test_stop_string_inside_draft_window(target_hf):
     assert steps[-1] < 5
 
 
-@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_stop_conditions_match_target_only(target_hf, close_draft_hf, method):
     """Per-request stop strings, stop ids and max_tokens in one mixed batch."""
     tok = make_tiny_tokenizer()
@@ -360,7 +368,7 @@ def sampling_prompt(target_hf) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
-@pytest.mark.parametrize("method", [*MODEL_METHODS, "ngram"])
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("params", SAMPLED, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
 def test_sampled_output_has_target_distribution(target_hf, method, params, seeded):
     """8000 seeded samples of the first two tokens, chi-square against the exact joint
@@ -419,7 +427,7 @@ def chi_square_pvalue_or_zero(samples, joint) -> float:
     return chi_square_pvalue(samples, joint)
 
 
-@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_same_seed_same_output(target_hf, close_draft_hf, method):
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1234)
     batch = prompts(4, seed=8)
@@ -432,7 +440,7 @@ def test_same_seed_same_output(target_hf, close_draft_hf, method):
     assert [c.output_token_ids for c in other] != [c.output_token_ids for c in first]
 
 
-@pytest.mark.parametrize("method", ["ngram", *MODEL_METHODS])
+@pytest.mark.parametrize("method", METHODS)
 def test_seeded_output_is_the_same_with_speculation_off_on_at_any_k_alone_or_batched(
         target_hf, close_draft_hf, method):
     """Same seed, same text: target-only, K = 1 and K = 4, K chosen at random per row and

@@ -1,73 +1,145 @@
-"""Suffix decoding (issue 19, first part): the trees' counts, the global cache's FIFO bound, and
-greedy output identical to target-only with a cold and a warm global tree."""
+"""Suffix decoding: proposals equal a brute-force count over every occurrence, the global cache
+keeps the last responses within its bounds (and its memory with them), greedy output is
+target-only's with a cold and a warm cache, sampled output keeps the target's distribution.
+The greedy, stop and distribution suites of test_spec_decode run ``suffix`` and the
+``suffix+eagle`` hybrid as well."""
 
 from __future__ import annotations
 
+import json
+import math
+import random
+from collections import Counter
+
+import numpy as np
 import pytest
-from specserve.config import SamplingParams
+from specserve.config import SamplingParams, SpeculativeConfig
 from specserve.engine.proposers.base import DraftRequest
-from specserve.engine.proposers.suffix import SuffixOptions, SuffixProposer, SuffixTree
+from specserve.engine.proposers.suffix import SEP, SuffixOptions, SuffixProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 
 from tests.engine.test_spec_decode import EOS, prompts
-from tests.models import random_sequences, tiny_hf_model, worker_of
+from tests.models import tiny_hf_model, worker_of
 from tests.tiny import make_tiny_tokenizer
 
 
-def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
-    """Every substring the tree holds, with its count."""
-    out, stack = {}, [((), tree.root)]
-    while stack:
-        path, node = stack.pop()
-        out[path] = node.count
-        stack += [((*path, t), c) for t, c in node.children.items()]
-    return out
+def reference_continuation(seqs: list[list[int]], context: list[int], k: int,
+                           options) -> tuple[list[int], float]:
+    """What suffix decoding proposes from ``seqs``, by counting every occurrence in plain
+    Python: the longest suffix of ``context`` that occurs followed by a token, then the most
+    frequent next token (ties: the smaller) while the cumulative probability holds."""
+    length, occurrences = 0, []
+    for n in range(1, min(options.max_match_tokens, len(context)) + 1):
+        found = [(i, e) for i, s in enumerate(seqs) for e in range(n - 1, len(s) - 1)
+                 if s[e - n + 1:e + 1] == context[-n:]]
+        if not found:
+            break
+        length, occurrences = n, found
+    limit = min(k, math.floor(options.match_factor * length + options.match_offset))
+    tokens, score, prob = [], 0.0, 1.0
+    while len(tokens) < limit and occurrences:
+        following = [seqs[i][e + 1] for i, e in occurrences if e + 1 < len(seqs[i])]
+        if not following:
+            break
+        counts = Counter(following)
+        best = min(counts, key=lambda t: (-counts[t], t))
+        prob *= counts[best] / len(occurrences)
+        if prob < options.min_token_prob:
+            break
+        tokens.append(best)
+        score += prob
+        occurrences = [(i, e + 1) for i, e in occurrences
+                       if e + 1 < len(seqs[i]) and seqs[i][e + 1] == best]
+    return tokens, score
 
 
-def test_counts_are_occurrences_and_counting_out_restores_the_tree():
-    tree = SuffixTree(max_depth=3)
-    tree.add([1, 2, 1, 2, 3])
-    held = counts(tree)
-    assert held[(1, 2)] == 2 and held[(2,)] == 2 and held[(1, 2, 3)] == 1 and held[()] == 5
-    assert (1, 2, 1, 2) not in held  # deeper than max_depth
-    tree.add([7, 1, 2])
-    tree.add([7, 1, 2], weight=-1)
-    assert counts(tree) == held and tree.num_nodes == len(held)
+def reference_propose(sequence: list[int], responses: list[list[int]], k: int, options) -> list[int]:
+    own, own_score = reference_continuation([sequence], sequence, k, options)
+    cached, cached_score = reference_continuation(responses, sequence, k, options)
+    return cached if cached_score > own_score else own
 
 
-def test_a_sequence_tree_grown_token_by_token_equals_one_built_at_once():
-    tokens = random_sequences((60,), seed=3)[0]
-    tokens = [t % 7 for t in tokens]  # a small alphabet: many repeats
-    proposer = SuffixProposer(SuffixOptions(max_depth=5))
-    proposer.start(0, seed=0)
-    for end in (10, 11, 30, 60):  # the engine asks with the sequence as it grows
-        proposer.propose([DraftRequest(seq_id=0, token_ids=tokens[:end], k=0)])
-    whole = SuffixTree(max_depth=5)
-    whole.add(tokens[:-1])  # every token but the last (suffix.py, _catch_up)
-    assert counts(proposer.trees[0]) == counts(whole)
-
-
-def test_the_global_tree_holds_the_last_responses_only_and_its_size_is_bounded():
-    options = SuffixOptions(max_depth=6, max_cached_responses=3)
+@pytest.mark.parametrize("options", [
+    SuffixOptions(),
+    SuffixOptions(min_token_prob=0.0, max_match_tokens=3, max_cached_responses=4),
+    SuffixOptions(match_factor=2.0, match_offset=1, min_token_prob=0.3, max_cached_tokens=80),
+], ids=["default", "short-matches", "long-guesses"])
+def test_proposals_equal_a_count_over_every_occurrence(options):
+    """Sequences over a 6-token alphabet (many repeats), growing one step at a time, with
+    responses finishing into the cache (past its bounds) as they go."""
+    rng = random.Random(7)
     proposer = SuffixProposer(options)
-    responses = random_sequences((20,) * 10, seed=5)
-    for i, response in enumerate(responses):
-        prompt = [1, 2, 3]
-        proposer.start(i, seed=i)
-        proposer.propose([DraftRequest(seq_id=i, token_ids=prompt + response[:1], k=2)])
-        proposer.propose([DraftRequest(seq_id=i, token_ids=prompt + response, k=2)])
-        proposer.finish(i)
-    expected = SuffixTree(max_depth=6)
-    for response in responses[-3:]:
-        expected.add(response[:-1])
-    assert counts(proposer.global_tree) == counts(expected)
-    assert proposer.global_tree.num_nodes == len(counts(expected)) <= 1 + 3 * 19 * 6
-    assert not proposer.trees and not proposer.seen  # finished sequences hold nothing
+    finished: list[list[int]] = []
+    checked = drafted = 0
+    for seq_id in range(30):
+        prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        tokens = prompt + [rng.randrange(6)]
+        proposer.start(seq_id, seed=seq_id)
+        for _ in range(rng.randrange(1, 25)):
+            k = rng.randrange(0, 9)
+            [got] = proposer.propose([DraftRequest(seq_id, tokens, k)])
+            kept = [r for r in finished if len(r) + 1 <= options.max_cached_tokens]
+            cache = []  # what the cache should hold: the newest responses within both bounds
+            for r in reversed(kept):
+                if len(cache) == options.max_cached_responses or \
+                        sum(len(c) + 1 for c in cache) + len(r) + 1 > options.max_cached_tokens:
+                    break
+                cache.append(r)
+            assert got.token_ids == (reference_propose(tokens, cache, k, options) if k else []), \
+                (seq_id, tokens, k)
+            checked += 1
+            drafted += bool(got.token_ids)
+            tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        proposer.learn(tokens, len(prompt))
+        proposer.finish(seq_id)
+        finished.append(tokens[len(prompt):])
+    assert checked > 200 and drafted > checked // 4
+    assert not proposer.sequences
+
+
+def test_the_cache_keeps_the_last_responses_within_its_bounds_and_its_memory_with_them():
+    """Fill the cache far past both bounds: it holds exactly the newest responses that fit,
+    and its memory stays within a constant per cached token."""
+    options = SuffixOptions(max_cached_responses=50, max_cached_tokens=5000)
+    proposer = SuffixProposer(options)
+    rng = np.random.default_rng(3)
+    responses = [rng.integers(0, 49152, rng.integers(20, 300)).tolist() for _ in range(2000)]
+    peak = 0
+    for response in responses:
+        proposer.learn([1, 2, 3] + response, prompt_len=3)
+        cache = proposer.cache
+        assert cache.num_responses <= 50 and cache.num_tokens <= 5000
+        peak = max(peak, cache.nbytes)
+    kept, total = [], 0
+    for r in reversed(responses):
+        if len(kept) == 50 or total + len(r) + 1 > 5000:
+            break
+        kept.insert(0, r)
+        total += len(r) + 1
+    live = cache.view()[cache.base:]
+    assert live.tolist() == [t for r in kept for t in (*r, SEP)]
+    # 4 bytes of token and 8 of index per cached token, at most 3x that with the array's
+    # growth and the evicted tokens that wait for the next compaction.
+    assert peak <= 36 * options.max_cached_tokens + 16_384, peak
+    # Every live position is indexed or in the scanned tail: a lookup finds each occurrence.
+    token = kept[-1][0]
+    found = set(cache.ends(token).tolist())
+    expected = {cache.base + i for i, t in enumerate(live[:-1].tolist())
+                if t == token and live[i + 1] != SEP}
+    assert found == expected
+
+
+def test_a_response_longer_than_the_token_bound_is_not_cached_and_zero_responses_is_none():
+    proposer = SuffixProposer(SuffixOptions(max_cached_tokens=10))
+    proposer.learn(list(range(20)), prompt_len=5)
+    assert proposer.cache.num_responses == 0
+    proposer = SuffixProposer(SuffixOptions(max_cached_responses=0))
+    proposer.learn(list(range(20)), prompt_len=5)
+    assert proposer.cache.num_responses == 0
 
 
 def test_a_miss_proposes_nothing_and_a_match_proposes_what_followed():
-    options = SuffixOptions(max_depth=8, min_token_prob=0.5)
-    proposer = SuffixProposer(options)
+    proposer = SuffixProposer(SuffixOptions(min_token_prob=0.5))
     proposer.start(0, seed=0)
     text = [5, 6, 7, 8, 9, 10, 11, 40, 41, 5, 6, 7]
     [hit] = proposer.propose([DraftRequest(seq_id=0, token_ids=text, k=4)])
@@ -77,9 +149,33 @@ def test_a_miss_proposes_nothing_and_a_match_proposes_what_followed():
     assert miss.token_ids == []
 
 
+def test_the_cache_can_start_from_a_file_of_earlier_responses(tmp_path):
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps({"token_ids": r}) + "\n" for r in ([7, 8, 9, 10], [3, 4])))
+    proposer = SuffixProposer(SuffixOptions(cache_file=str(path)))
+    assert proposer.cache.num_responses == 2
+    proposer.start(0, seed=0)
+    [p] = proposer.propose([DraftRequest(seq_id=0, token_ids=[1, 7, 8], k=4)])
+    assert p.token_ids == [9, 10]
+
+
+def test_the_registry_row_is_the_configuration():
+    """speculative.suffix comes from the registry's options: defaults, bounds, no other keys."""
+    spec = SpeculativeConfig.model_validate({"method": "suffix", "suffix": {"max_cached_responses": 9}})
+    assert spec.suffix.max_cached_responses == 9 and spec.suffix.min_token_prob == 0.1
+    for bad in ({"min_token_prob": 1.5}, {"max_cached_responses": -1}, {"depth": 3}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpeculativeConfig.model_validate({"method": "suffix", "suffix": bad})
+    hybrid = SpeculativeConfig.model_validate(
+        {"method": "eagle", "first": "suffix", "draft": {"source": "embedded-eagle"}})
+    assert hybrid.first_method == "suffix"
+    with pytest.raises(ValueError, match="first needs a draft model method"):
+        SpeculativeConfig.model_validate({"method": "ngram", "first": "suffix"})
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_output_is_target_only_output_cold_and_warm(k):
-    """The same prompts twice through one proposer: the second pass has a warm global tree
+    """The same prompts twice through one proposer: the second pass has a warm global cache
     (the first pass's responses) and drafts more; both give target-only's tokens."""
     target = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
     batch = prompts(6, seed=11)
@@ -94,7 +190,7 @@ def test_greedy_output_is_target_only_output_cold_and_warm(k):
     warm = [c.output_token_ids for c in engine.generate(batch, greedy)]
     assert cold == expected and warm == expected
     assert engine.stats.num_accepted_tokens - accepted_cold > accepted_cold  # the cache paid
-    assert len(proposer.responses) == len(batch) * 2 and not proposer.trees
+    assert proposer.cache.num_responses == len(batch) * 2 and not proposer.sequences
 
 
 def test_the_doctests_hold():
@@ -107,7 +203,7 @@ def test_the_doctests_hold():
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 def test_sampled_output_has_the_target_distribution(seeded):
-    """8000 samples of the first two tokens through a suffix proposer whose global tree fills
+    """8000 samples of the first two tokens through a suffix proposer whose global cache fills
     with the earlier samples' responses as it goes (point-mass drafts, accepted and rejected):
     chi-square against target-only's exact joint distribution, as in test_spec_decode."""
     import torch

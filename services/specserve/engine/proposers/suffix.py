@@ -2,237 +2,269 @@
 in the sequence so far and in earlier responses (SuffixDecoding, Oliaro et al., NeurIPS 2025;
 Snowflake ArcticInference's ``suffix`` method, which vLLM serves since PR #25784).
 
-Two kinds of tree hold every substring of up to ``max_depth`` tokens with how often it
-occurred: one per sequence (its prompt and the tokens generated so far, extended as it grows)
-and one global tree over the responses of the last ``max_cached_responses`` finished requests
-(FIFO: the oldest response's substrings are counted out again when it leaves). To propose, the
-longest suffix of the sequence found in a tree is matched, and from there the most frequent
-child is taken while the estimated probability of the whole continuation (the product of
-``count(child) / count(node)``) stays at or above ``min_token_prob``, for at most
-``match_factor * match_length + match_offset`` tokens (a long match earns a long guess; one
-token of match, little). No match proposes nothing: K = 0, a miss costs nothing.
+Two kinds of token store are searched: the sequence itself (its prompt and the tokens
+generated so far) and a global store of the responses of the last ``max_cached_responses``
+finished requests (FIFO, at most ``max_cached_tokens`` tokens). To propose, the longest
+suffix of the sequence (at most ``max_match_tokens``) that occurs in a store is matched; from
+there the most frequent next token among its occurrences is taken, the occurrences that
+continue with it are kept, and so on, while the estimated probability of the whole
+continuation (the product of ``count(next) / count(occurrences)``) stays at or above
+``min_token_prob``, for at most ``match_factor * match length + match_offset`` tokens (a long
+match earns a long guess; one token of match, little). Of the two stores' continuations the
+one with the higher expected accepted length (the sum of its cumulative probabilities) wins.
+No match, or none likely enough, proposes nothing: K = 0, a miss costs nothing.
+
+How it is stored. SuffixDecoding keeps a suffix tree whose nodes carry these counts; walking
+the tree from the matched node along the most frequent child is the same walk as above, with
+a node's count being the number of occurrences of its path. Here the counts are computed when
+asked, from the occurrences themselves: a store is one ``int32`` array of tokens (responses
+separated by -1) plus, for the global store, its positions sorted by token (a rebuilt index,
+with the newest responses scanned directly until the next rebuild), so a cached token costs
+about 12 bytes (at most twice that between compactions) instead of the tens of tree nodes a
+Python suffix tree of depth 32 spends per token (6.9 KB, measured). The matching narrows the
+occurrences of the last token, one earlier token at a time, with vectorised numpy filters; the
+work per step grows with how often the matched suffix occurs, not with the store's size.
 
 Proposals are point masses (no ``q``), so sampled requests keep the target's distribution
-through the rejection sampler, as for n-gram lookup.
-
-Status (issue 19, first part): the trees and the proposer, tested; not yet in the registry
-(``specserve.methods``): its options need a place in the config that does not mean editing
-``config.py`` for every proposer (see the issue).
+through the rejection sampler, as for n-gram lookup. Responses are user data: the global store
+lives in the coordinator's memory only, and seeding it from a file (``cache_file``, JSON lines
+``{"token_ids": [...]}`` of earlier responses) is opt-in.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
-from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
+
+from specserve.config import PROPOSER_OPTIONS
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 
+SEP = -1  # between responses: never equal to a token, so no match or continuation crosses it
 
-class _Node:
-    __slots__ = ("children", "count")
+
+# speculative.suffix: its fields, bounds and defaults are the registry's (specserve.methods).
+SuffixOptions = PROPOSER_OPTIONS["suffix"]
+
+
+def match(store: np.ndarray, ends: np.ndarray, context: np.ndarray,
+          max_len: int) -> tuple[int, np.ndarray]:
+    """The longest suffix of ``context`` (at most ``max_len``) that ends at one of ``ends``
+    in ``store``: ``(its length, where it ends)``. ``ends`` are the positions holding
+    ``context[-1]`` that are followed by a token.
+
+    >>> store = np.array([1, 2, 3, 9, 2, 3, 7, SEP], dtype=np.int32)
+    >>> match(store, np.array([2, 5]), np.array([5, 1, 2, 3]), max_len=8)
+    (3, array([2]))
+    """
+    length, ends = 1, ends
+    while length < min(max_len, len(context)):
+        before = ends - length
+        inside = before >= 0
+        kept = ends[inside][store[before[inside]] == context[-1 - length]]
+        if kept.size == 0:
+            break
+        ends, length = kept, length + 1
+    return length, ends
+
+
+def continuation(store: np.ndarray, ends: np.ndarray, limit: int,
+                 min_token_prob: float) -> tuple[list[int], list[float]]:
+    """Up to ``limit`` tokens: at each step the most frequent next token after ``ends``
+    (ties: the smaller id), while the cumulative probability stays >= ``min_token_prob``;
+    with the cumulative probability after each token. ``store`` ends with ``SEP``.
+
+    >>> store = np.array([4, 5, 6, SEP, 4, 5, 8, SEP, 4, 5, 6, SEP], dtype=np.int32)
+    >>> continuation(store, np.array([0, 4, 8]), limit=3, min_token_prob=0.0)
+    ([5, 6], [1.0, 0.6666666666666666])
+    """
+    tokens: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
+    while len(tokens) < limit and ends.size:
+        following = store[ends + 1]
+        values, counts = np.unique(following[following != SEP], return_counts=True)
+        if values.size == 0:
+            break
+        best = int(np.argmax(counts))  # np.unique sorts: the first maximum is the smallest id
+        prob *= int(counts[best]) / ends.size  # occurrences that end there count as "not this"
+        if prob < min_token_prob:
+            break
+        tokens.append(int(values[best]))
+        probs.append(prob)
+        ends = ends[following == values[best]] + 1
+    return tokens, probs
+
+
+class _Sequence:
+    """One sequence's tokens as an array ending in ``SEP`` (appended as it grows: committed
+    tokens never change)."""
+
+    __slots__ = ("tokens", "size")
 
     def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.count = 0
+        self.tokens = np.full(256, SEP, dtype=np.int32)
+        self.size = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        """The array of ``token_ids`` (the sequence so far), followed by ``SEP``."""
+        n = len(token_ids)
+        if n < self.size:  # not this sequence's continuation (a restarted id): start over
+            self.size = 0
+        if n + 1 > len(self.tokens):
+            grown = np.full(max(2 * len(self.tokens), n + 1), SEP, dtype=np.int32)
+            grown[:self.size] = self.tokens[:self.size]
+            self.tokens = grown
+        self.tokens[self.size:n] = token_ids[self.size:n]
+        self.tokens[n] = SEP
+        self.size = n
+        return self.tokens[:n + 1]
 
 
-class SuffixTree:
-    """Counts of every substring of at most ``max_depth`` tokens of what was added.
+class ResponseCache:
+    """The global store: the last responses, oldest first, each followed by ``SEP``.
 
-    >>> tree = SuffixTree(max_depth=4)
-    >>> tree.add([1, 2, 3, 1, 2, 4])
-    >>> tree.match([9, 1, 2])              # the longest suffix of the context found: [1, 2]
-    2
-    >>> tree.continuation([9, 1, 2], k=3, min_token_prob=0.0)  # after [1, 2]: 3 or 4, once each
-    ([3, 1, 2], [0.5, 0.5, 0.5])
-    >>> grown = SuffixTree(max_depth=4)  # the same counts, one token at a time
-    >>> for end in range(1, 7):
-    ...     grown.extend([1, 2, 3, 1, 2, 4], end)
-    >>> grown.continuation([9, 1, 2], k=3, min_token_prob=0.0)
-    ([3, 1, 2], [0.5, 0.5, 0.5])
+    Positions below ``base`` belong to evicted responses; they are dropped when they are half
+    the array (compaction). ``order`` holds the positions below ``indexed`` sorted by token
+    (stable: ascending positions per token); later positions are scanned directly until the
+    unindexed tail is 4096 tokens plus a sixteenth of the store, when the index is rebuilt.
     """
 
-    def __init__(self, max_depth: int) -> None:
-        assert max_depth >= 1
-        self.max_depth = max_depth
-        self.root = _Node()
-        self.num_nodes = 1
+    def __init__(self, max_responses: int, max_tokens: int) -> None:
+        self.max_responses, self.max_tokens = max_responses, max_tokens
+        self.tokens = np.full(1024, SEP, dtype=np.int32)
+        self.size = self.base = self.indexed = 0
+        self.order = np.zeros(0, dtype=np.int32)
+        self.keys = np.zeros(0, dtype=np.int32)
+        self.spans: deque[tuple[int, int]] = deque()  # (start, end) of each response, with its SEP
 
-    def add(self, tokens: list[int], weight: int = 1) -> None:
-        """Count every substring of ``tokens`` (up to ``max_depth`` long) ``weight`` more times
-        (``weight=-1`` counts a sequence out again; nodes that reach 0 are dropped)."""
-        for start in range(len(tokens)):
-            self._walk_add(tokens[start:start + self.max_depth], weight)
+    @property
+    def num_responses(self) -> int:
+        return len(self.spans)
 
-    def _walk_add(self, path: list[int], weight: int) -> None:
-        node = self.root
-        node.count += weight
-        for token in path:
-            child = node.children.get(token)
-            if child is None:
-                assert weight > 0, "counting out a substring that was never added"
-                child = node.children[token] = _Node()
-                self.num_nodes += 1
-            child.count += weight
-            if child.count == 0:
-                del node.children[token]
-                self.num_nodes -= _size(child)
-                return
-            node = child
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the cached responses, separators included."""
+        return self.size - self.base
 
-    def extend(self, tokens: list[int], end: int) -> None:
-        """Count the substrings of ``tokens`` that end at ``end`` (exclusive), up to
-        ``max_depth`` long: the occurrences that token ``end - 1`` adds to a tree holding
-        ``tokens[:end - 1]`` (a growing sequence, one token at a time)."""
-        for start in range(max(0, end - self.max_depth), end):
-            node = self.root
-            for token in tokens[start:end - 1]:  # counted when that token came
-                node = node.children[token]
-            child = node.children.get(tokens[end - 1])
-            if child is None:
-                child = node.children[tokens[end - 1]] = _Node()
-                self.num_nodes += 1
-            child.count += 1
-        self.root.count += 1
+    @property
+    def nbytes(self) -> int:
+        """Memory the cache holds: the token array and the index."""
+        return self.tokens.nbytes + self.order.nbytes + self.keys.nbytes
 
-    def match(self, context: list[int]) -> int:
-        """Length of the longest suffix of ``context`` (at most ``max_depth - 1``) that
-        occurs in the tree followed by something; 0 if none."""
-        return self._longest(context)[0]
+    def add(self, response: list[int] | np.ndarray) -> None:
+        n = len(response) + 1
+        if self.max_responses == 0 or n > self.max_tokens:
+            return
+        while self.spans and (len(self.spans) >= self.max_responses
+                              or self.num_tokens + n > self.max_tokens):
+            self.base = self.spans.popleft()[1]
+        if self.base * 2 >= self.size and self.base:
+            self._compact()
+        if self.size + n > len(self.tokens):
+            grown = np.full(max(2 * len(self.tokens), self.size + n), SEP, dtype=np.int32)
+            grown[:self.size] = self.tokens[:self.size]
+            self.tokens = grown
+        self.tokens[self.size:self.size + n - 1] = response
+        self.tokens[self.size + n - 1] = SEP
+        self.spans.append((self.size, self.size + n))
+        self.size += n
+        if self.size - self.indexed > 4096 + self.num_tokens // 16:
+            self._reindex()
 
-    def _longest(self, context: list[int]) -> tuple[int, _Node | None]:
-        for length in range(min(len(context), self.max_depth - 1), 0, -1):
-            node = self._find(context[len(context) - length:])
-            if node is not None and node.children:
-                return length, node
-        return 0, None
+    def ends(self, token: int) -> np.ndarray:
+        """Live positions holding ``token`` that are followed by a token."""
+        lo, hi = np.searchsorted(self.keys, [token, token + 1])
+        found = self.order[lo:hi]
+        tail = np.flatnonzero(self.tokens[self.indexed:self.size] == token) + self.indexed
+        ends = np.concatenate([found, tail]) if tail.size else found
+        ends = ends[ends >= self.base]
+        return ends[self.tokens[ends + 1] != SEP]
 
-    def continuation(self, context: list[int], *, k: int, min_token_prob: float,
-                     match_factor: float = math.inf,
-                     match_offset: int = 0) -> tuple[list[int], list[float]]:
-        """The most frequent continuation of ``context``'s longest matched suffix, at most
-        ``k`` tokens and ``match_factor * match length + match_offset``, while its estimated
-        probability is at least ``min_token_prob``; with the cumulative probability after
-        each token. The walk goes on past ``max_depth`` by re-matching the suffix it built."""
-        tokens: list[int] = []
-        probs: list[float] = []
-        prob = 1.0
-        length, node = self._longest(context)
-        limit = k if math.isinf(match_factor) else min(k, int(match_factor * length + match_offset))
-        while node is not None and len(tokens) < limit:
-            best = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))
-            prob *= best[1].count / max(node.count, 1)
-            if prob < min_token_prob:
-                break
-            tokens.append(best[0])
-            probs.append(prob)
-            _, node = self._longest(context + tokens)
-        return tokens, probs
+    def view(self) -> np.ndarray:
+        """The whole array, up to and including the newest response's ``SEP``."""
+        return self.tokens[:self.size]
 
-    def _find(self, path: list[int]) -> _Node | None:
-        node = self.root
-        for token in path:
-            node = node.children.get(token)
-            if node is None:
-                return None
-        return node
+    def _compact(self) -> None:
+        live = self.tokens[self.base:self.size].copy()
+        self.tokens[:len(live)] = live
+        self.tokens[len(live):self.size] = SEP
+        self.spans = deque((s - self.base, e - self.base) for s, e in self.spans)
+        self.size, self.base = len(live), 0
+        capacity = max(1024, 2 * self.size)
+        if len(self.tokens) > 2 * capacity:  # shrink what an earlier, larger cache left
+            self.tokens = self.tokens[:capacity].copy()
+        self._reindex()
 
-
-def _size(node: _Node) -> int:
-    return 1 + sum(_size(c) for c in node.children.values())
-
-
-@dataclass(frozen=True)
-class SuffixOptions:
-    """How far a suffix match may speculate (names follow ArcticInference's)."""
-
-    max_depth: int = 32              # longest substring the trees count
-    match_factor: float = 1.0        # speculate at most match_factor * match length + offset
-    match_offset: int = 0
-    min_token_prob: float = 0.1      # stop once the continuation's estimated probability is lower
-    max_cached_responses: int = 256  # the global tree's responses (FIFO); 0: no global tree
-
-
-def propose_suffix(trees: list[SuffixTree], context: list[int], k: int,
-                   options: SuffixOptions) -> list[int]:
-    """The continuation with the highest expected accepted length (the sum of its cumulative
-    probabilities) over ``trees``; [] when no tree matches ``context``'s suffix.
-
-    >>> tree = SuffixTree(max_depth=8)
-    >>> tree.add([5, 6, 7, 8, 9])
-    >>> propose_suffix([tree], [1, 5, 6, 7], k=4, options=SuffixOptions(min_token_prob=0.5))
-    [8, 9]
-    """
-    best: list[int] = []
-    best_score = 0.0
-    for tree in trees:
-        tokens, probs = tree.continuation(context, k=k, min_token_prob=options.min_token_prob,
-                                          match_factor=options.match_factor,
-                                          match_offset=options.match_offset)
-        if sum(probs) > best_score:
-            best, best_score = tokens, sum(probs)
-    return best
+    def _reindex(self) -> None:
+        self.order = (np.argsort(self.tokens[:self.size], kind="stable").astype(np.int32))
+        self.keys = self.tokens[self.order]
+        self.indexed = self.size
 
 
 class SuffixProposer(Proposer):
-    """Per-sequence trees over prompt and output, and a global tree over the outputs of the
-    last ``max_cached_responses`` finished sequences (what a unit has answered: user data,
-    kept in memory only)."""
+    """Matches each sequence against itself and against the unit's earlier responses."""
 
     method = "suffix"
 
-    def __init__(self, options: SuffixOptions = SuffixOptions()) -> None:
-        self.options = options
-        self.trees: dict[int, SuffixTree] = {}       # seq_id -> its own tree
-        self.seen: dict[int, list[int]] = {}         # seq_id -> the tokens its tree holds
-        self.prompt_lens: dict[int, int] = {}        # seq_id -> tokens before its output
-        self.global_tree = SuffixTree(options.max_depth)
-        self.responses: deque[list[int]] = deque()   # in the global tree, oldest first
+    def __init__(self, options: SuffixOptions | None = None) -> None:
+        self.options = options = options or SuffixOptions()
+        self.sequences: dict[int, _Sequence] = {}
+        self.cache = ResponseCache(options.max_cached_responses, options.max_cached_tokens)
+        if options.cache_file:
+            self.seed_cache(options.cache_file)
+
+    @classmethod
+    def from_config(cls, spec) -> SuffixProposer:
+        return cls(spec.suffix)
+
+    def seed_cache(self, path: str | Path) -> int:
+        """Add the responses of a JSON-lines file (``{"token_ids": [...]}`` per line), oldest
+        first; returns how many were read."""
+        count = 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    self.cache.add([int(t) for t in json.loads(line)["token_ids"]])
+                    count += 1
+        return count
 
     def start(self, seq_id: int, seed: int) -> None:
-        self.trees[seq_id] = SuffixTree(self.options.max_depth)
-        self.seen[seq_id] = []
-
-    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        out = []
-        for r in requests:
-            self._catch_up(r.seq_id, r.token_ids)
-            trees = [self.trees[r.seq_id], self.global_tree] if r.seq_id in self.trees \
-                else [self.global_tree]
-            tokens = propose_suffix(trees, r.token_ids, r.k, self.options) if r.k > 0 else []
-            out.append(Proposal(tokens))
-        return out
-
-    def _catch_up(self, seq_id: int, token_ids: list[int]) -> None:
-        """Add to the sequence's tree what it does not hold yet. It holds every committed
-        token but the last (committed tokens are never rolled back): the suffix being
-        matched must not find itself at the end, with nothing after it and its count
-        diluting what followed its earlier occurrences."""
-        tree, seen = self.trees.get(seq_id), self.seen.get(seq_id)
-        if tree is None:
-            return
-        self.prompt_lens.setdefault(seq_id, len(token_ids) - 1)  # the prefill emitted one
-        for end in range(len(seen) + 1, len(token_ids)):
-            tree.extend(token_ids, end)
-        seen[:] = token_ids[:-1]
+        self.sequences[seq_id] = _Sequence()
 
     def finish(self, seq_id: int) -> None:
-        tree = self.trees.pop(seq_id, None)
-        seen = self.seen.pop(seq_id, None)
-        prompt_len = self.prompt_lens.pop(seq_id, None)
-        if tree is None or not seen or prompt_len is None or self.options.max_cached_responses == 0:
-            return
-        response = seen[prompt_len:]  # (its last token is not in: a cache, not a record)
-        if not response:
-            return
-        self.global_tree.add(response)
-        self.responses.append(response)
-        while len(self.responses) > self.options.max_cached_responses:
-            self.global_tree.add(self.responses.popleft(), weight=-1)
+        self.sequences.pop(seq_id, None)
 
     def reset(self) -> None:
-        """Forget every sequence (the global tree of finished responses stays)."""
-        self.trees.clear()
-        self.seen.clear()
-        self.prompt_lens.clear()
+        """Forget every sequence (the cache of finished responses stays)."""
+        self.sequences.clear()
+
+    def learn(self, token_ids: list[int], prompt_len: int) -> None:
+        if len(token_ids) > prompt_len:
+            self.cache.add(token_ids[prompt_len:])
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        return [Proposal(self._propose(r) if r.k > 0 and len(r.token_ids) >= 2 else []) for r in requests]
+
+    def _propose(self, r: DraftRequest) -> list[int]:
+        seq = self.sequences.get(r.seq_id) or _Sequence()
+        own = seq.sync(r.token_ids)  # the sequence, then SEP
+        context = own[:-1]
+        last = int(context[-1])
+        best: list[int] = []
+        best_score = 0.0
+        stores = [(own, np.flatnonzero(own[:-2] == last))]  # not the suffix itself, at the end
+        if self.cache.num_responses:
+            stores.append((self.cache.view(), self.cache.ends(last)))
+        for store, ends in stores:
+            if ends.size == 0:
+                continue
+            length, ends = match(store, ends, context, self.options.max_match_tokens)
+            limit = min(r.k, math.floor(self.options.match_factor * length + self.options.match_offset))
+            tokens, probs = continuation(store, ends, limit, self.options.min_token_prob)
+            if sum(probs) > best_score:
+                best, best_score = tokens, sum(probs)
+        return best
