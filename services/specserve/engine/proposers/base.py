@@ -37,6 +37,9 @@ class Proposal:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    # The proposer's own estimate of how many of token_ids the target keeps (suffix decoding:
+    # from its counts); None: no estimate. A hybrid compares it with the model's (hybrid.py).
+    expected_accepted: float | None = None
 
 
 class Proposer(ABC):

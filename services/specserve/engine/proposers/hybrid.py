@@ -2,10 +2,19 @@
 
 Where a model-free proposer is confident (prompt lookup: the sequence's last 2+ tokens
 occurred before; suffix decoding: a match whose continuation is likely enough), its draft is
-cheap and often long (summaries, code, revisions, the loops small models fall into); only the
+free and often long (summaries, code, revisions, the loops small models fall into); only the
 other rows ask the draft model. Every draft is a draft like any other to the rejection
 sampler (a model-free draft is deterministic: its q is one-hot), so mixing them per row keeps
 the output exactly the target's.
+
+Which one, per row and step. A first proposer that estimates its own acceptance (suffix
+decoding: the expected accepted length from its counts) gets the row when that estimate,
+scaled by how its estimates have come true here (accepted / predicted, measured), is at least
+the tokens the model's drafts have had accepted per step here (measured); the model's time is
+not counted, so ties go to the free proposer. One without an estimate (n-gram lookup) gets
+every row it matches. Both measurements are exponentially decayed means over the steps each
+proposer drafted, read back from :meth:`commit` (the committed length less the length the
+proposal was made at is the accepted count).
 
 Rows the first proposer serves still reach the model proposer with ``k = 0`` when it reads
 the target's features: EAGLE must receive every feature once, in order, even on steps where
@@ -19,18 +28,50 @@ import dataclasses
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 
 
+class DecayedMean:
+    """An exponentially decayed mean; ``None`` until observed."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.total = self.weight = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total = self.decay * self.total + value
+        self.weight = self.decay * self.weight + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight else None
+
+
 class HybridProposer(Proposer):
     def __init__(self, first: Proposer, model: Proposer) -> None:
         self.first = first
         self.model = model
         self.method = model.method
         self.needs_hidden = model.needs_hidden
+        self.model_accepted = DecayedMean()   # tokens accepted per step the model drafted
+        self.first_calibration = DecayedMean()  # accepted / estimated, steps the first drafted
+        self.first_accepted = DecayedMean()   # tokens accepted per step the first drafted
+        # seq_id -> (drafted by the first?, the sequence's length then, the first's estimate)
+        self._pending: dict[int, tuple[bool, int, float | None]] = {}
+        self.rows_first = self.rows_model = 0  # rows each proposer drafted for
 
     def start(self, seq_id: int, seed: int) -> None:
         self.first.start(seq_id, seed)
         self.model.start(seq_id, seed)
 
     def commit(self, seq_id: int, num_valid_tokens: int) -> None:
+        pending = self._pending.pop(seq_id, None)
+        if pending is not None:
+            by_first, length, estimate = pending
+            accepted = num_valid_tokens - length
+            if by_first:
+                self.first_accepted.observe(accepted)
+                if estimate:
+                    self.first_calibration.observe(accepted / estimate)
+            else:
+                self.model_accepted.observe(accepted)
         self.first.commit(seq_id, num_valid_tokens)
         self.model.commit(seq_id, num_valid_tokens)
 
@@ -39,19 +80,40 @@ class HybridProposer(Proposer):
         self.model.learn(token_ids, prompt_len)
 
     def finish(self, seq_id: int) -> None:
+        self._pending.pop(seq_id, None)
         self.first.finish(seq_id)
         self.model.finish(seq_id)
 
     def reset(self) -> None:
+        self._pending.clear()
         self.first.reset()
         self.model.reset()
 
     def flush(self) -> None:
         self.model.flush()
 
+    def _takes(self, proposal: Proposal) -> bool:
+        """The first proposer's draft gets the row (the module docstring)."""
+        if not proposal.token_ids:
+            return False
+        model = self.model_accepted.value
+        if proposal.expected_accepted is None or model is None:
+            return True
+        calibration = self.first_calibration.value
+        return proposal.expected_accepted * (1.0 if calibration is None else calibration) >= model
+
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        looked = [p.token_ids for p in self.first.propose(requests)]
-        asks = [dataclasses.replace(r, k=0) if hit else r for r, hit in zip(requests, looked)]
+        looked = self.first.propose(requests)
+        takes = [self._takes(p) for p in looked]
+        asks = [dataclasses.replace(r, k=0) if take else r for r, take in zip(requests, takes)]
         rows = [i for i, r in enumerate(asks) if r.k > 0 or (self.needs_hidden and r.hidden is not None)]
         drafted = dict(zip(rows, self.model.propose([asks[i] for i in rows]))) if rows else {}
-        return [Proposal(hit) if hit else drafted.get(i, Proposal([])) for i, hit in enumerate(looked)]
+        out = []
+        for i, (r, take) in enumerate(zip(requests, takes)):
+            proposal = looked[i] if take else drafted.get(i, Proposal([]))
+            if proposal.token_ids:
+                self._pending[r.seq_id] = (take, len(r.token_ids), looked[i].expected_accepted)
+                self.rows_first += take
+                self.rows_model += not take
+            out.append(proposal)
+        return out

@@ -247,9 +247,12 @@ class SuffixProposer(Proposer):
             self.cache.add(token_ids[prompt_len:])
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        return [Proposal(self._propose(r) if r.k > 0 and len(r.token_ids) >= 2 else []) for r in requests]
+        return [self._propose(r) if r.k > 0 and len(r.token_ids) >= 2 else Proposal([])
+                for r in requests]
 
-    def _propose(self, r: DraftRequest) -> list[int]:
+    def _propose(self, r: DraftRequest) -> Proposal:
+        """The better continuation of the two stores'; its score (the sum of its cumulative
+        probabilities) is the expected accepted length, if the counts were the truth."""
         seq = self.sequences.get(r.seq_id) or _Sequence()
         own = seq.sync(r.token_ids)  # the sequence, then SEP
         context = own[:-1]
@@ -267,4 +270,4 @@ class SuffixProposer(Proposer):
             tokens, probs = continuation(store, ends, limit, self.options.min_token_prob)
             if sum(probs) > best_score:
                 best, best_score = tokens, sum(probs)
-        return best
+        return Proposal(best, expected_accepted=best_score if best else None)
