@@ -343,5 +343,21 @@ def test_the_router_class_key_is_per_api_key():
 
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "user": "bob",
                                                 "speculation": {"traffic_class": "code"}})
-    mine, theirs = _class_key(req, True, "key-aaaa1111"), _class_key(req, True, "key-bbbb2222")
-    assert mine != theirs and "key-aaaa1111" in mine and mine.endswith("|bob|code")
+    mine, theirs = _class_key(req, True, "key-aaaa1111", 40), _class_key(req, True, "key-bbbb2222", 40)
+    assert mine != theirs and "key-aaaa1111" in mine and mine.endswith("|bob|code|p<128,single")
+
+
+def test_the_router_class_key_separates_request_shapes():
+    """A long prompt, or a conversation that carries an earlier answer, is another class than
+    a one-line question on the same route and key."""
+    from specserve.serve.ingress import _class_key
+    from specserve.serve.protocol import ChatCompletionRequest
+
+    def key(messages, prompt_len):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+        return _class_key(req, True, "key-aaaa1111", prompt_len)
+
+    revise = [*MESSAGES, {"role": "assistant", "content": "an answer"},
+              {"role": "user", "content": "shorter, please"}]
+    assert len({key(MESSAGES, 40), key(MESSAGES, 600), key(revise, 40), key(MESSAGES, 5000)}) == 4
+    assert key(revise, 40).endswith("|p<128,multi") and key(MESSAGES, 5000).endswith("|p>=2048,single")

@@ -17,9 +17,9 @@ class Clock:
         return self.now
 
 
-def router(method="ngram", max_num_seqs=8, **cfg) -> tuple[SpeculationPolicy, Clock]:
+def router(method="draft_model", max_num_seqs=8, adaptive=True, **cfg) -> tuple[SpeculationPolicy, Clock]:
     clock = Clock()
-    return SpeculationPolicy(SpeculationPolicyConfig(**cfg), method=method, default_k=4, adaptive=True,
+    return SpeculationPolicy(SpeculationPolicyConfig(**cfg), method=method, default_k=4, adaptive=adaptive,
                              max_num_seqs=max_num_seqs, clock=clock), clock
 
 
@@ -31,7 +31,7 @@ def decide(r: SpeculationPolicy, options=None, *, max_tokens=256, load=0, key="c
 
 
 def test_default_is_on_with_adaptive_k():
-    d = decide(router()[0])
+    d = decide(router("ngram")[0])
     assert (d.enabled, d.reason, d.num_speculative_tokens, d.adaptive) == (True, "default", 4, True)
     assert d.header() == "on; reason=default; method=ngram; k=4; k_mode=adaptive"
 
@@ -116,6 +116,19 @@ def test_low_acceptance_turns_a_class_off_but_keeps_probing():
     probes = [d for d in decisions if d.reason == "probe"]
     assert len(probes) == 5 and all(d.enabled and not d.adaptive for d in probes)
     assert decide(r, key="chat|tenant-b|code").reason == "default"  # other classes unaffected
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_model_free_proposer_is_not_switched_off_where_per_step_k_saves_the_cost(method):
+    """Adaptive K drafts nothing where a model-free proposer finds nothing or is rejected:
+    its classes stay on (and measured); with a fixed K the class switch acts again."""
+    r, _ = router(method=method, acceptance_min_requests=3)
+    feed(r, "chat|tenant-a|", rate=0.02, n=5)
+    assert r.acceptance.classes["chat|tenant-a|"].low
+    assert {decide(r, key="chat|tenant-a|").reason for _ in range(20)} == {"default"}
+    fixed, _ = router(method=method, adaptive=False, acceptance_min_requests=3)
+    feed(fixed, "chat|tenant-a|", rate=0.02, n=5)
+    assert decide(fixed, key="chat|tenant-a|").reason in ("low_acceptance", "probe")
 
 
 def test_low_acceptance_recovers_through_probes():

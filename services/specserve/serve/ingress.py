@@ -232,13 +232,18 @@ def _server_error(exc: BaseException, rid: str) -> APIError:
     return APIError(status, f"{what} (request id {rid})", type_, code)
 
 
-def _class_key(req, chat: bool, key_id: str) -> str:
+def _class_key(req, chat: bool, key_id: str, prompt_len: int) -> str:
     """The request's acceptance class for the router: route / API key / OpenAI's ``user`` /
-    ``speculation.traffic_class``. ``user`` is whatever a client sends: without the key, one
-    tenant could drag another's class below break-even and so switch its speculation off.
-    (Only ``user`` may contain ``|``, so the key stays unambiguous.)"""
+    ``speculation.traffic_class`` / shape. ``user`` is whatever a client sends: without the
+    key, one tenant could drag another's class below break-even and so switch its speculation
+    off. The shape separates traffic of one route whose acceptance differs: the prompt's
+    length (under 128, 512, 2048 tokens, or more) and, for chat, whether the conversation
+    carries earlier answers (a later turn often revises or quotes them). (Only ``user`` may
+    contain ``|``, so the key stays unambiguous.)"""
     cls = req.speculation.traffic_class if req.speculation else None
-    return f"{'chat' if chat else 'completions'}|{key_id}|{req.user or ''}|{cls or ''}"
+    size = next((f"p<{n}" for n in (128, 512, 2048) if prompt_len < n), "p>=2048")
+    turns = "multi" if chat and any(m.role == "assistant" for m in req.messages) else "single"
+    return f"{'chat' if chat else 'completions'}|{key_id}|{req.user or ''}|{cls or ''}|{size},{turns}"
 
 
 def _request_id(request: Request, prefix: str) -> str:
@@ -524,7 +529,7 @@ class OpenAIIngress:
         max_tokens = self._max_tokens(requested, len(prompt_ids))
         payload = UnitRequest(prompt_token_ids=prompt_ids, params=req.sampling_params(max_tokens),
                               speculation=req.speculation, stream=req.stream,
-                              class_key=_class_key(req, chat, lease.key_id))
+                              class_key=_class_key(req, chat, lease.key_id, len(prompt_ids)))
         route = "/v1/chat/completions" if chat else "/v1/completions"
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(

@@ -13,10 +13,20 @@ not_configured      off    the deployment runs no proposer
 draft_unavailable   off    the draft group is lost (the unit re-attaches it when it is back)
 short_output        off    ``max_tokens`` below ``short_output_tokens``
 high_concurrency    off    the unit's load reached the threshold (hysteresis + dwell)
-low_acceptance      off    the request's class measured an acceptance rate below break-even
+low_acceptance      off    the request's class measured an acceptance rate below break-even,
+                           where per-step K cannot save the cost (below)
 probe               on     a share of a low-acceptance class, fixed K, to notice recovery
 default             on     everything else; K chosen per step by the coordinator
 ==================  =====  ===============================================================
+
+``low_acceptance`` acts only where per-step K cannot save the cost. A model-free proposer
+(n-gram, suffix) drafts nothing when it finds nothing, and with per-step K (``adaptive``) the
+coordinator stops drafting where drafts are rejected, so switching such a class off saves
+nothing and loses the requests of it that would pay. A draft model costs per request whatever
+the step's K (its prefill; EAGLE reads the target's features every step), so there the class
+switch stays. Classes are per unit, so per proposer (a unit serves one), and separate traffic
+by shape as well as by route and tenant (``ingress._class_key``): a 600-token code edit and a
+one-line question on the same route do not share an acceptance rate.
 
 The router runs inside the unit the request was sent to (the Serve request router picks the
 least-loaded unit), so the load it reasons about is that unit's own, exact and current, not a
@@ -32,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import SpeculationPolicyConfig
+from specserve.methods import PROPOSERS
 from specserve.serve.protocol import Decision, SpeculationOptions
 
 UNCALIBRATED_BREAK_EVEN = 0.1  # acceptance rate assumed to break even until costs are measured
@@ -128,6 +139,9 @@ class SpeculationPolicy:
         off_at, on_at = cfg.concurrency_thresholds(max_num_seqs)
         self.gate = ConcurrencyGate(off_at, on_at, cfg.min_dwell_s, clock)
         self.acceptance = AcceptanceTracker(cfg)
+        # low_acceptance cannot save anything per-step K does not (the module docstring).
+        self.per_step_k_suffices = (adaptive and method is not None
+                                    and not PROPOSERS[method].draft_model)
 
     def break_even(self, measured: float | None) -> float:
         """The acceptance rate a class needs: the configured one, else the cost model's."""
@@ -159,7 +173,7 @@ class SpeculationPolicy:
         if not allowed:
             return off("high_concurrency")
         stats = self.acceptance.classes.get(key)
-        if stats is not None and stats.low:
+        if stats is not None and stats.low and not self.per_step_k_suffices:
             if self.acceptance.is_probe(stats):
                 return Decision(True, "probe", self.method, k)
             return off("low_acceptance")

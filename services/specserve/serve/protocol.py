@@ -287,7 +287,7 @@ class UnitRequest:
     params: SamplingParams
     speculation: SpeculationOptions | None  # the client's control; None: the policy decides
     stream: bool                            # False: the unit sends one chunk at the end
-    class_key: str                          # the acceptance class: route|key id|user|traffic class
+    class_key: str                          # the acceptance class: route|key id|user|traffic class|shape
 
 
 @dataclass(frozen=True)
