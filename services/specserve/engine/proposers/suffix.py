@@ -18,12 +18,15 @@ How it is stored. SuffixDecoding keeps a suffix tree whose nodes carry these cou
 the tree from the matched node along the most frequent child is the same walk as above, with
 a node's count being the number of occurrences of its path. Here the counts are computed when
 asked, from the occurrences themselves: a store is one ``int32`` array of tokens (responses
-separated by -1) plus, for the global store, its positions sorted by token (a rebuilt index,
-with the newest responses scanned directly until the next rebuild), so a cached token costs
-about 12 bytes (at most twice that between compactions) instead of the tens of tree nodes a
-Python suffix tree of depth 32 spends per token (6.9 KB, measured). The matching narrows the
-occurrences of the last token, one earlier token at a time, with vectorised numpy filters; the
-work per step grows with how often the matched suffix occurs, not with the store's size.
+separated by -1) plus, for the global store, its token pairs' end positions sorted by a hash
+of the pair (an index rebuilt as it grows, the newest responses scanned directly until the
+next rebuild), so a cached token costs about 12 bytes (up to 3x that with the array's growth
+and evicted tokens awaiting compaction) where a Python suffix tree of depth 32 took 6.9 KB
+(measured). The matching starts from the occurrences of the last token (in the sequence) or
+of the last two (in the cache: one token recurs everywhere in a large cache, and a match of
+one token earns a one-token guess at most) and narrows them one earlier token at a time with
+vectorised numpy filters, so the work per step grows with how often the matched suffix
+occurs, not with the store's size (``make bench-suffix`` measures it).
 
 Proposals are point masses (no ``q``), so sampled requests keep the target's distribution
 through the rejection sampler, as for n-gram lookup. Responses are user data: the global store
@@ -50,17 +53,16 @@ SEP = -1  # between responses: never equal to a token, so no match or continuati
 SuffixOptions = PROPOSER_OPTIONS["suffix"]
 
 
-def match(store: np.ndarray, ends: np.ndarray, context: np.ndarray,
-          max_len: int) -> tuple[int, np.ndarray]:
+def match(store: np.ndarray, ends: np.ndarray, context: np.ndarray, max_len: int,
+          length: int = 1) -> tuple[int, np.ndarray]:
     """The longest suffix of ``context`` (at most ``max_len``) that ends at one of ``ends``
-    in ``store``: ``(its length, where it ends)``. ``ends`` are the positions holding
-    ``context[-1]`` that are followed by a token.
+    in ``store``: ``(its length, where it ends)``. ``ends`` are the positions where the last
+    ``length`` tokens of ``context`` end, followed by a token.
 
     >>> store = np.array([1, 2, 3, 9, 2, 3, 7, SEP], dtype=np.int32)
     >>> match(store, np.array([2, 5]), np.array([5, 1, 2, 3]), max_len=8)
     (3, array([2]))
     """
-    length, ends = 1, ends
     while length < min(max_len, len(context)):
         before = ends - length
         inside = before >= 0
@@ -99,6 +101,11 @@ def continuation(store: np.ndarray, ends: np.ndarray, limit: int,
     return tokens, probs
 
 
+def bigram_keys(prev: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """A 31-bit hash of each token pair (collisions are told apart by reading the tokens)."""
+    return ((prev.astype(np.int64) * 1_000_003 + last) & 0x7FFFFFFF).astype(np.int32)
+
+
 class _Sequence:
     """One sequence's tokens as an array ending in ``SEP`` (appended as it grows: committed
     tokens never change)."""
@@ -128,9 +135,10 @@ class ResponseCache:
     """The global store: the last responses, oldest first, each followed by ``SEP``.
 
     Positions below ``base`` belong to evicted responses; they are dropped when they are half
-    the array (compaction). ``order`` holds the positions below ``indexed`` sorted by token
-    (stable: ascending positions per token); later positions are scanned directly until the
-    unindexed tail is 4096 tokens plus a sixteenth of the store, when the index is rebuilt.
+    the array (compaction). ``order`` holds the positions p in [1, ``indexed``) sorted by
+    the hash of the pair ending there (``keys``; stable: ascending positions per key); later
+    positions are scanned directly until the unindexed tail is 4096 tokens plus 1/64 of the
+    store, when the index is rebuilt.
     """
 
     def __init__(self, max_responses: int, max_tokens: int) -> None:
@@ -172,16 +180,20 @@ class ResponseCache:
         self.tokens[self.size + n - 1] = SEP
         self.spans.append((self.size, self.size + n))
         self.size += n
-        if self.size - self.indexed > 4096 + self.num_tokens // 16:
+        if self.size - self.indexed > 4096 + self.num_tokens // 64:
             self._reindex()
 
-    def ends(self, token: int) -> np.ndarray:
-        """Live positions holding ``token`` that are followed by a token."""
-        lo, hi = np.searchsorted(self.keys, [token, token + 1])
-        found = self.order[lo:hi]
-        tail = np.flatnonzero(self.tokens[self.indexed:self.size] == token) + self.indexed
-        ends = np.concatenate([found, tail]) if tail.size else found
-        ends = ends[ends >= self.base]
+    def ends(self, prev: int, last: int) -> np.ndarray:
+        """Live positions holding ``last`` right after ``prev`` that are followed by a token."""
+        key = bigram_keys(np.array([prev]), np.array([last]))  # int32, as the keys: no cast
+        found = self.order[np.searchsorted(self.keys, key, "left")[0]:
+                           np.searchsorted(self.keys, key, "right")[0]]
+        start = max(self.indexed, 1)
+        tail = self.tokens[start - 1:self.size]
+        hits = np.flatnonzero((tail[:-1] == prev) & (tail[1:] == last)) + start
+        ends = np.concatenate([found, hits]) if hits.size else found
+        ends = ends[ends > self.base]  # the pair lies in live responses
+        ends = ends[(self.tokens[ends] == last) & (self.tokens[ends - 1] == prev)]  # not a collision
         return ends[self.tokens[ends + 1] != SEP]
 
     def view(self) -> np.ndarray:
@@ -200,8 +212,10 @@ class ResponseCache:
         self._reindex()
 
     def _reindex(self) -> None:
-        self.order = (np.argsort(self.tokens[:self.size], kind="stable").astype(np.int32))
-        self.keys = self.tokens[self.order]
+        pairs = bigram_keys(self.tokens[:self.size - 1], self.tokens[1:self.size])  # ending at 1..
+        self.order = np.argsort(pairs, kind="stable").astype(np.int32)
+        self.keys = pairs[self.order]
+        self.order += 1
         self.indexed = self.size
 
 
@@ -259,13 +273,14 @@ class SuffixProposer(Proposer):
         last = int(context[-1])
         best: list[int] = []
         best_score = 0.0
-        stores = [(own, np.flatnonzero(own[:-2] == last))]  # not the suffix itself, at the end
+        # (store, where the context's last `length` tokens end in it, length)
+        stores = [(own, np.flatnonzero(own[:-2] == last), 1)]  # not the suffix itself, at the end
         if self.cache.num_responses:
-            stores.append((self.cache.view(), self.cache.ends(last)))
-        for store, ends in stores:
+            stores.append((self.cache.view(), self.cache.ends(int(context[-2]), last), 2))
+        for store, ends, length in stores:
             if ends.size == 0:
                 continue
-            length, ends = match(store, ends, context, self.options.max_match_tokens)
+            length, ends = match(store, ends, context, self.options.max_match_tokens, length)
             limit = min(r.k, math.floor(self.options.match_factor * length + self.options.match_offset))
             tokens, probs = continuation(store, ends, limit, self.options.min_token_prob)
             if sum(probs) > best_score:
