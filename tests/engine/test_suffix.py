@@ -232,3 +232,36 @@ def test_sampled_output_has_the_target_distribution(seeded):
                                exact_joint(target, prompt, params))
     assert engine.stats.num_draft_tokens > 0 and 0.0 < engine.stats.acceptance_rate < 0.95
     assert pvalue > 1e-3
+
+
+def test_the_cache_is_reported_as_proposer_state_on_metrics():
+    """Proposer.state() reaches /metrics as specserve:proposer_state{name=...} (a hybrid
+    reports its first proposer's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from specserve.engine.proposers.base import Proposer
+    from specserve.engine.proposers.hybrid import HybridProposer
+    from specserve.serve.metrics import exposition
+    from specserve.serve.protocol import UnitSnapshot
+
+    class Model(Proposer):
+        method = "eagle"
+
+        def propose(self, requests):
+            return []
+
+    proposer = SuffixProposer()
+    proposer.learn([1, 2, 3, 4, 5, 6], prompt_len=2)
+    state = HybridProposer(proposer, Model()).state()
+    assert state == {"suffix_cache_responses": 1, "suffix_cache_tokens": 5,
+                     "suffix_cache_bytes": proposer.cache.nbytes}
+    numbers = dict.fromkeys(("num_requests_running", "num_requests_waiting", "free_slots", "num_slots",
+                             "draft_available", "target_available", "target_restarts",
+                             "estimated_speedup", "speculation_length_current",
+                             "concurrency_gate_open", "spec_decode_num_drafts",
+                             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                             "draft_fallbacks", "requests_admitted", "requests_aborted"), 0)
+    snap = UnitSnapshot(method="eagle", accepted_per_position=[], router_decisions={}, k_counts={},
+                        proposer_state=state, **numbers)
+    families = {f.name: f for f in text_string_to_metric_families(exposition({"u1": snap}).decode())}
+    got = {s.labels["name"]: s.value for s in families["specserve:proposer_state"].samples}
+    assert got == {name: float(v) for name, v in state.items()}

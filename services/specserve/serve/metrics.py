@@ -215,6 +215,10 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
     decisions = CounterMetricFamily(
         "specserve:router_decisions", "Speculation decisions per request, by outcome and reason.",
         labels=[*labels, "decision", "reason"])
+    proposer = GaugeMetricFamily(
+        "specserve:proposer_state", "What the unit's proposer holds across requests "
+        "(suffix decoding: its response cache's responses, tokens and bytes).",
+        labels=[*labels, "name"])
     k_hist = HistogramMetricFamily(
         "specserve:speculation_length",
         "K drafted per decoding sequence per step (0: that step ran target-only).", labels=labels)
@@ -228,6 +232,8 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
             per_pos.add_metric([*values, str(pos)], float(n))
         for (decision, reason), n in sorted(snap.router_decisions.items()):
             decisions.add_metric([*values, decision, reason], float(n))
+        for name, value in sorted(snap.proposer_state.items()):
+            proposer.add_metric([*values, name], float(value))
         k_counts = snap.k_counts
         cumulative, buckets = 0, []
         for bound in K_BUCKETS:
@@ -238,7 +244,7 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         k_hist.add_metric(values, buckets, sum_value=float(sum(k * n for k, n in k_counts.items())))
     yield from gauges.values()
     yield from counters.values()
-    yield from (per_pos, decisions, k_hist)
+    yield from (per_pos, decisions, proposer, k_hist)
 
 
 class _Families:

@@ -369,3 +369,4 @@ class UnitSnapshot:
     requests_aborted: int
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     k_counts: dict[int, int]                      # K -> decoding rows that drafted it
+    proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()

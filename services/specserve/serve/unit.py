@@ -135,6 +135,7 @@ class SpeculationUnit:
             requests_aborted=self.core.num_aborted,
             router_decisions=dict(self.decisions),
             k_counts=dict(engine.k_counts),
+            proposer_state=engine.proposer.state() if engine.proposer is not None else {},
         )
 
     def _break_even(self) -> float | None:

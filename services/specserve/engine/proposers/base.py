@@ -85,5 +85,10 @@ class Proposer(ABC):
     def reset(self) -> None:
         """Forget every sequence (a draft re-attached after a loss: what it held is stale)."""
 
+    def state(self) -> dict[str, float]:
+        """What the proposer holds across requests, for the metrics (gauges named here;
+        ``specserve:proposer_state{name}``): suffix decoding's response cache, for one."""
+        return {}
+
     def flush(self) -> None:
         """Deliver buffered bookkeeping now (a remote proposer; called when the unit is idle)."""

@@ -92,6 +92,9 @@ class HybridProposer(Proposer):
     def flush(self) -> None:
         self.model.flush()
 
+    def state(self) -> dict[str, float]:
+        return self.first.state() | self.model.state()
+
     def _takes(self, proposal: Proposal) -> bool:
         """The first proposer's draft gets the row (the module docstring)."""
         if not proposal.token_ids:

@@ -256,6 +256,11 @@ class SuffixProposer(Proposer):
         """Forget every sequence (the cache of finished responses stays)."""
         self.sequences.clear()
 
+    def state(self) -> dict[str, float]:
+        cache = self.cache
+        return {"suffix_cache_responses": cache.num_responses, "suffix_cache_tokens": cache.num_tokens,
+                "suffix_cache_bytes": cache.nbytes}
+
     def learn(self, token_ids: list[int], prompt_len: int) -> None:
         if len(token_ids) > prompt_len:
             self.cache.add(token_ids[prompt_len:])
