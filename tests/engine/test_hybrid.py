@@ -82,3 +82,31 @@ def test_both_proposers_see_every_sequence_event():
     hybrid.finish(3)
     for p in (first, model):
         assert p.calls == [("start", 3), ("commit", 3, 12), ("learn", 1), ("finish", 3)]
+
+
+def test_a_refused_first_proposer_still_drafts_every_16th_row():
+    """However badly its estimates went, the first proposer keeps being measured."""
+    first, model = Scripted("suffix", [], estimate=0.5), Scripted("eagle", [1, 2, 3, 4])
+    hybrid = HybridProposer(first, model)
+    for _ in range(20):
+        step(hybrid, 3)  # the model: 3 per step
+    first.tokens = [7]
+    got = []
+    for _ in range(64):  # the model's drafts keep 3, the first's none
+        [p] = hybrid.propose([DraftRequest(seq_id=0, token_ids=list(range(10)), k=4)])
+        hybrid.commit(0, 10 + (0 if p.token_ids == [7] else 3))
+        got.append(p.token_ids)
+    assert got.count([7]) == 4 and got.count([1, 2, 3, 4]) == 60
+
+
+def test_an_estimating_first_proposer_drafts_to_the_cap_the_others_to_k():
+    """The coordinator chose k = 2 of a cap of 6: a draft limited by its own confidence may
+    run to 6; prompt lookup and the model keep to 2."""
+    request = DraftRequest(seq_id=0, token_ids=list(range(10)), k=2, cap=6)
+    suffix = HybridProposer(Scripted("suffix", [7] * 8, estimate=5.0), Scripted("eagle", [1] * 8))
+    assert suffix.propose([request])[0].token_ids == [7] * 6
+    ngram = HybridProposer(Scripted("ngram", [7] * 8), Scripted("eagle", [1] * 8))
+    assert ngram.propose([request])[0].token_ids == [7] * 2
+    model = Scripted("eagle", [1] * 8)
+    HybridProposer(Scripted("suffix", []), model).propose([request])
+    assert model.asked == [2]

@@ -188,8 +188,8 @@ class SpecDecodeEngine:
         result, so a failure up to there leaves only caches to restore. Then each row
         advances on its own, and a row that fails there fails alone."""
         t0 = time.perf_counter()
-        ks = self._plan(seqs)
-        proposals = self._propose(seqs, ks)
+        ks, caps = self._plan(seqs)
+        proposals = self._propose(seqs, ks, caps)
         t1 = time.perf_counter()
         starts = [self.target.length(s.slot) for s in seqs]
         logits, hidden = self._verify(seqs, proposals)
@@ -235,9 +235,9 @@ class SpecDecodeEngine:
             remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
         return max(0, min(seq.num_speculative_tokens, remaining - 1))
 
-    def _plan(self, seqs: list[Sequence]) -> list[int]:
+    def _plan(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """K per sequence for this step: its cap, or the controller's K for adaptive decoding
-        rows (rows still in prefill draft at the controller's current K)."""
+        rows (rows still in prefill draft at the controller's current K); and the caps."""
         caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
         decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
         ks = list(caps)
@@ -254,7 +254,7 @@ class SpecDecodeEngine:
             k = ks[i]
             seqs[i].k_counts[k] = seqs[i].k_counts.get(k, 0) + 1
             self.k_counts[k] = self.k_counts.get(k, 0) + 1
-        return ks
+        return ks, caps
 
     def _observe(self, seqs, ks, proposals, results, propose_s: float, accept_s: float) -> None:
         """Feed the step's acceptance and phase costs to the controller."""
@@ -263,7 +263,9 @@ class SpecDecodeEngine:
         if asked and self.draft_available:
             ctl.observe_propose(max(asked), len(asked), propose_s)
         for k, prop, (res, row) in zip(ks, proposals, results):
-            ctl.observe_draft(k, len(prop.token_ids), int(res.num_accepted_tokens[row]))
+            # (a proposer that drafts to the cap was, in effect, asked for what it drafted)
+            ctl.observe_draft(max(k, len(prop.token_ids)), len(prop.token_ids),
+                              int(res.num_accepted_tokens[row]))
         sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
         ctl.observe_accept(len(seqs), sampled, accept_s)
 
@@ -275,13 +277,15 @@ class SpecDecodeEngine:
             if rows is not None and seq.draft_attached and seq.finish_reason is None:
                 seq.hidden.append(rows[:self.target.length(seq.slot) - start])
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def _propose(self, seqs: list[Sequence], ks: list[int], caps: list[int]) -> list[Proposal]:
         requests = [DraftRequest(s.seq_id, s.token_ids, k, s.params.temperature, s.params.top_k,
-                                 s.params.top_p, seeded=s.params.seed is not None)
-                    for s, k in zip(seqs, ks)]
-        active = [i for i, r in enumerate(requests) if r.k > 0]
+                                 s.params.top_p, seeded=s.params.seed is not None, cap=cap)
+                    for s, k, cap in zip(seqs, ks, caps)]
+        to_cap = self.proposer is not None and self.proposer.drafts_to_cap
+        active = [i for i, r in enumerate(requests) if r.k > 0 or (to_cap and r.cap > 0)]
         if self.needs_hidden:  # features go out every step, drafting or not: none pile up here
-            active = [i for i, s in enumerate(seqs) if requests[i].k > 0 or (s.draft_attached and s.hidden)]
+            active = [i for i, s in enumerate(seqs)
+                      if i in active or (s.draft_attached and s.hidden)]
             for i in active:
                 if seqs[i].hidden:
                     requests[i].hidden = torch.cat(seqs[i].hidden)
@@ -294,7 +298,8 @@ class SpecDecodeEngine:
                 self._draft_lost()
                 return proposals  # this step is target-only; nobody's output changes
             for i, proposal in zip(active, drafted):
-                assert len(proposal.token_ids) <= requests[i].k, "proposer drafted too many"
+                limit = requests[i].cap if to_cap else requests[i].k
+                assert len(proposal.token_ids) <= limit, "proposer drafted too many"
                 proposals[i] = proposal
         return proposals
 

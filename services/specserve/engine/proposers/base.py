@@ -28,6 +28,11 @@ class DraftRequest:
     # The request gave a seed: it is verified drafter-invariantly, so a model draft samples
     # with the target's noise of each position (``sampling.NOISE``) and sends no q.
     seeded: bool = False
+    # The most the row may draft at all this step (its request's K, max_tokens and context);
+    # ``k`` <= ``cap`` is what the coordinator chose. Only a proposer with ``drafts_to_cap``
+    # drafts past ``k`` (a hybrid's model-free part: drafting costs it nothing, and its own
+    # confidence limits it). None: ``k``.
+    cap: int | None = None
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Proposer(ABC):
 
     method: str  # its row in the registry (specserve.methods.PROPOSERS)
     needs_hidden = False  # True: reads the target's hidden states (EAGLE); the engine sends them
+    drafts_to_cap = False  # True: may draft up to DraftRequest.cap, past the coordinator's k
 
     @classmethod
     def from_config(cls, spec) -> Proposer:
