@@ -209,7 +209,8 @@ class SpeculationPolicyConfig(_Strict):
     short_output_tokens: int = Field(
         64, ge=0, le=1_048_576,
         description="short_output: requests with max_tokens below this are not speculated "
-                    "(0 disables the rule).")
+                    "by a draft model (its prefill does not pay back; a model-free proposer "
+                    "with K chosen per step costs nothing more); 0 disables the rule.")
     high_concurrency_threshold: int | None = Field(
         None, ge=1, le=100_000,
         description="high_concurrency: new requests are not speculated once the unit's load "
@@ -227,7 +228,8 @@ class SpeculationPolicyConfig(_Strict):
     low_acceptance_threshold: float | None = Field(
         None, ge=0.0, le=1.0,
         description="low_acceptance: a class whose acceptance rate (EWMA) is below this is not "
-                    "speculated. None: the cost model's break-even rate from the unit's "
+                    "speculated by a draft model (a model-free proposer with K chosen per step "
+                    "drafts nothing where it finds nothing). None: the cost model's break-even rate from the unit's "
                     "measured costs (0.1 until they are measured).")
     acceptance_hysteresis: float = Field(
         0.05, ge=0.0, le=1.0,

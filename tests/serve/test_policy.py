@@ -121,14 +121,17 @@ def test_low_acceptance_turns_a_class_off_but_keeps_probing():
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_a_model_free_proposer_is_not_switched_off_where_per_step_k_saves_the_cost(method):
     """Adaptive K drafts nothing where a model-free proposer finds nothing or is rejected:
-    its classes stay on (and measured); with a fixed K the class switch acts again."""
+    its classes and its short requests stay on (and measured); with a fixed K the switches
+    act again."""
     r, _ = router(method=method, acceptance_min_requests=3)
     feed(r, "chat|tenant-a|", rate=0.02, n=5)
     assert r.acceptance.classes["chat|tenant-a|"].low
     assert {decide(r, key="chat|tenant-a|").reason for _ in range(20)} == {"default"}
+    assert decide(r, max_tokens=8).reason == "default"  # a short answer costs nothing more either
     fixed, _ = router(method=method, adaptive=False, acceptance_min_requests=3)
     feed(fixed, "chat|tenant-a|", rate=0.02, n=5)
     assert decide(fixed, key="chat|tenant-a|").reason in ("low_acceptance", "probe")
+    assert decide(fixed, max_tokens=8).reason == "short_output"
 
 
 def test_low_acceptance_recovers_through_probes():

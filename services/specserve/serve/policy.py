@@ -11,7 +11,8 @@ reason              on?    when
 client_override     either the request's ``speculation.enabled`` (on: its K, fixed)
 not_configured      off    the deployment runs no proposer
 draft_unavailable   off    the draft group is lost (the unit re-attaches it when it is back)
-short_output        off    ``max_tokens`` below ``short_output_tokens``
+short_output        off    ``max_tokens`` below ``short_output_tokens`` (for a draft model:
+                           its prefill does not pay back on a short answer)
 high_concurrency    off    the unit's load reached the threshold (hysteresis + dwell)
 low_acceptance      off    the request's class measured an acceptance rate below break-even,
                            where per-step K cannot save the cost (below)
@@ -19,12 +20,13 @@ probe               on     a share of a low-acceptance class, fixed K, to notice
 default             on     everything else; K chosen per step by the coordinator
 ==================  =====  ===============================================================
 
-``low_acceptance`` acts only where per-step K cannot save the cost. A model-free proposer
+``low_acceptance`` and ``short_output`` act only where per-step K cannot save the cost. A
+model-free proposer
 (n-gram, suffix) drafts nothing when it finds nothing, and with per-step K (``adaptive``) the
-coordinator stops drafting where drafts are rejected, so switching such a class off saves
-nothing and loses the requests of it that would pay. A draft model costs per request whatever
-the step's K (its prefill; EAGLE reads the target's features every step), so there the class
-switch stays. Classes are per unit, so per proposer (a unit serves one), and separate traffic
+coordinator stops drafting where drafts are rejected, so switching a class or a short request
+off saves nothing and loses the requests that would pay. A draft model costs per request
+whatever the step's K (its prefill; EAGLE reads the target's features every step), so there
+both switches stay. Classes are per unit, so per proposer (a unit serves one), and separate traffic
 by shape as well as by route and tenant (``ingress._class_key``): a 600-token code edit and a
 one-line question on the same route do not share an acceptance rate.
 
@@ -168,7 +170,8 @@ class SpeculationPolicy:
             return off("draft_unavailable")
         if options.enabled:
             return Decision(True, "client_override", self.method, k)
-        if max_tokens is not None and max_tokens < self.cfg.short_output_tokens:
+        if (max_tokens is not None and max_tokens < self.cfg.short_output_tokens
+                and not self.per_step_k_suffices):
             return off("short_output")
         if not allowed:
             return off("high_concurrency")
