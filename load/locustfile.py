@@ -17,6 +17,13 @@ prompts are the shipped sets in ``load/prompts/``, sent in turn from a random st
     ChatUser             [chat]    chat prompts, max_tokens 128             weight 2
     CodeUser             [code]    code prompts, max_tokens 128             weight 2
     InputRepeatingUser   [repeat]  rewrite + summarize prompts, max 256     weight 2
+    EditUser             [edit]    code_edit + revise prompts, max 256      weight 1
+    AgentUser            [agent]   agent + extract prompts, max 128         weight 1
+    QuoteUser            [quote]   doc_qa prompts, max 128                  weight 1
+
+The last three are the traffic suffix decoding is for (``load/prompts/README.md``): a later
+turn that revises an earlier answer, an edited file returned whole, the next tool call of an
+agent loop, records extracted one JSON object each, answers that quote a document.
 
 ``InputRepeatingUser`` sends prompts of ~450-700 tokens (SmolLM2 tokenizer): it needs a
 model whose context holds that plus its output (the embedded default's 8k does).
@@ -514,4 +521,47 @@ class InputRepeatingUser(SpecServeUser):
     @tag("repeat")
     @task
     def repeat(self) -> None:
+        self.stream_one()
+
+
+class EditUser(SpecServeUser):
+    """Code edits that return the whole file, and later turns that revise an earlier answer."""
+
+    weight = 1
+    label = "edit"
+    prompt_sets = ("code_edit", "revise")
+    max_tokens = 256
+
+    @tag("edit")
+    @task
+    def edit(self) -> None:
+        self.stream_one()
+
+
+class AgentUser(SpecServeUser):
+    """Agent loops (tool schemas, earlier calls and results; the next call expected) and
+    structured extraction (one JSON object per record)."""
+
+    weight = 1
+    label = "agent"
+    prompt_sets = ("agent", "extract")
+    max_tokens = 128
+
+    @tag("agent")
+    @task
+    def agent(self) -> None:
+        self.stream_one()
+
+
+class QuoteUser(SpecServeUser):
+    """Document QA that answers with quotes from the document in the prompt."""
+
+    weight = 1
+    label = "quote"
+    prompt_sets = ("doc_qa",)
+    max_tokens = 128
+
+    @tag("quote")
+    @task
+    def quote(self) -> None:
         self.stream_one()

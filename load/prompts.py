@@ -1,7 +1,8 @@
 """Prompt sets for benchmarks and load tests: ``load/prompts/<name>.jsonl``.
 
-Each line is ``{"messages": [{"role": "user", "content": ...}], "category": ...}``; see
-``load/prompts/README.md`` for what each set is for.
+Each line is ``{"messages": [...OpenAI chat messages...], "category": ...}`` (one user turn,
+or a conversation: system, earlier user and assistant turns); see ``load/prompts/README.md``
+for what each set is for.
 
     from prompts import load_prompts          # scripts run from load/ (Locust, sweeps)
     rewrite = load_prompts("rewrite")         # -> list[dict], in file order
