@@ -34,19 +34,30 @@ def test_generate_on_the_embedded_default(capsys):
     assert "one two three" in report["text"]
 
 
-def test_serve_uses_the_shipped_draft_or_says_it_falls_back(monkeypatch, capsys, tmp_path):
-    """`make serve`'s config names the shipped EAGLE draft: served when present (the start-up
-    line names it and what it measured), n-gram with a message when it is missing."""
+def test_serve_says_what_it_speculates_with(monkeypatch, capsys, tmp_path):
+    """`make serve`'s config runs suffix decoding: the start-up line says so, and that it
+    keeps the unit's last responses in memory. A config naming the shipped EAGLE draft with
+    suffix in front is served as written when the draft is there (the line names the draft
+    and what it measured), and as suffix alone, with a message, when it is missing."""
+    import copy
+
     import yaml
     from specserve import cli
     from specserve.config import AppConfig
     from specserve.engine import draft_head
 
-    args = yaml.safe_load(open("deploy/serve_config.yaml"))["applications"][0]["args"]
-    assert args["unit"]["engine"]["speculative"]["draft"]["source"] == draft_head.EMBEDDED_DRAFT
-    assert cli._default_draft_or_ngram(args) is args  # shipped: used as configured
+    shipped = yaml.safe_load(open("deploy/serve_config.yaml"))["applications"][0]["args"]
+    assert cli._default_draft_or_ngram(shipped) is shipped
+    line = cli._speculation_line(AppConfig.model_validate(shipped))
+    assert line.startswith("speculation: suffix (suffix decoding") and "K up to 8" in line
+    assert "caches the unit's last 256 responses in memory" in line
+
+    args = copy.deepcopy(shipped)
+    args["unit"]["engine"]["speculative"] |= {"method": "eagle", "first": "suffix", "num_speculative_tokens": 4,
+                                              "draft": {"source": draft_head.EMBEDDED_DRAFT}}
+    assert cli._default_draft_or_ngram(args) is args  # the draft is there: used as configured
     line = cli._speculation_line(AppConfig.model_validate(args))
-    assert line.startswith("speculation: eagle") and "embedded-eagle" in line
+    assert line.startswith("speculation: eagle, suffix first") and "embedded-eagle" in line
     assert "acceptance" in line and "at batch 1" in line  # from its eval.json
     assert capsys.readouterr().out == ""
 
@@ -54,7 +65,6 @@ def test_serve_uses_the_shipped_draft_or_says_it_falls_back(monkeypatch, capsys,
     fallback = cli._default_draft_or_ngram(args)
     assert "not installed" in capsys.readouterr().out
     spec = fallback["unit"]["engine"]["speculative"]
-    assert spec["method"] == "ngram" and "draft" not in spec and not spec.get("ngram_first")
-    cfg = AppConfig.model_validate(fallback)
-    assert cli._speculation_line(cfg).startswith("speculation: ngram")
+    assert spec["method"] == "suffix" and "draft" not in spec and "first" not in spec
+    assert cli._speculation_line(AppConfig.model_validate(fallback)).startswith("speculation: suffix")
     assert args["unit"]["engine"]["speculative"]["method"] == "eagle"  # the input is untouched

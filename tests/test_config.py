@@ -20,7 +20,7 @@ def test_shipped_serve_config_validates_and_spells_out_the_defaults():
     # documents the behaviour a config without them gets.
     assert cfg.unit.router == type(cfg.unit.router)()
     spec = cfg.unit.engine.speculative
-    assert spec.method == "eagle" and spec.ngram_first
+    assert spec.method == "suffix" and spec.suffix.max_cached_responses == 256
     assert spec.adaptive == type(spec.adaptive)()
 
 

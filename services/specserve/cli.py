@@ -163,15 +163,17 @@ def cmd_serve(args) -> int:
 
 def _default_draft_or_ngram(app_args: dict) -> dict:
     """The shipped EAGLE draft (``embedded-eagle``) is used when it is there; a checkout or
-    install without it serves with n-gram speculation instead, and says so."""
+    install without it serves with the model-free proposer configured in front of it (n-gram
+    lookup if none) instead, and says so."""
     from specserve.engine.draft_head import EMBEDDED_DRAFT, is_draft_dir
 
     spec = app_args.get("unit", {}).get("engine", {}).get("speculative", {})
     if (spec.get("draft") or {}).get("source") != EMBEDDED_DRAFT or is_draft_dir(EMBEDDED_DRAFT):
         return app_args
+    free = spec.get("first") or "ngram"  # the model-free proposer in front of it, if any
     print(f"specserve: the default draft ({EMBEDDED_DRAFT}) is not installed (`make draft` trains "
-          "it); speculating with ngram (prompt lookup) instead", flush=True)
-    spec = {k: v for k, v in spec.items() if k not in ("draft", "ngram_first", "first")} | {"method": "ngram"}
+          f"it); speculating with {free} alone instead", flush=True)
+    spec = {k: v for k, v in spec.items() if k not in ("draft", "ngram_first", "first")} | {"method": free}
     engine = app_args["unit"]["engine"] | {"speculative": spec}
     return app_args | {"unit": app_args["unit"] | {"engine": engine}}
 
@@ -180,15 +182,20 @@ def _speculation_line(cfg) -> str:
     """Which proposer and which draft the app speculates with (and what the draft measured)."""
     from specserve.engine.draft_head import draft_path, is_draft_dir
 
+    from specserve.methods import PROPOSERS
+
     spec = cfg.unit.engine.speculative
     if spec.method is None:
         return "speculation off (target-only)"
-    if spec.method == "ngram":
-        return f"speculation: ngram (prompt lookup), K up to {spec.num_speculative_tokens}"
+    k_mode = "chosen per step" if spec.adaptive.enabled else "fixed"
+    if spec.draft is None:  # a model-free proposer
+        return (f"speculation: {spec.method} ({PROPOSERS[spec.method].summary}), K up to "
+                f"{spec.num_speculative_tokens}, {k_mode}{_cache_words(spec, spec.method)}")
     where = draft_path(spec.draft.source)
-    lookup = f", {spec.first_method} first" if spec.first_method else ""
-    line = (f"speculation: {spec.method}{lookup}, K up to {spec.num_speculative_tokens}, "
-            f"draft {spec.draft.source}")
+    first = (f", {spec.first_method} first ({PROPOSERS[spec.first_method].summary}"
+             f"{_cache_words(spec, spec.first_method)})" if spec.first_method else "")
+    line = (f"speculation: {spec.method}{first}, K up to {spec.num_speculative_tokens}, "
+            f"{k_mode}, draft {spec.draft.source}")
     if is_draft_dir(spec.draft.source):
         line += f" ({where})"
         try:
@@ -201,6 +208,19 @@ def _speculation_line(cfg) -> str:
         except (OSError, ValueError, KeyError):
             pass
     return line
+
+
+def _cache_words(spec, method: str) -> str:
+    """Suffix decoding's global cache, as the start-up line tells it (what it keeps is user
+    data: say so)."""
+    if method != "suffix":
+        return ""
+    cache = spec.suffix
+    if cache.max_cached_responses == 0:
+        return "; no cache of earlier responses"
+    seeded = f", started from {cache.cache_file}" if cache.cache_file else ""
+    return (f"; caches the unit's last {cache.max_cached_responses} responses in memory (at most "
+            f"{cache.max_cached_tokens} tokens{seeded})")
 
 
 def drain(app_name: str, timeout_s: float, poll_s: float = 0.2) -> int:

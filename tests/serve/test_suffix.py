@@ -1,0 +1,54 @@
+"""Suffix decoding through the Serve path, as `make serve` runs it (tiny model, real HTTP): greedy
+output is the target's, the router speculates by default and says so, the unit's response
+cache learns from what it served and is reported on /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve.conftest import deploy, unit_args
+from tests.serve.test_http import PROMPTS, greedy_equals_target_only
+
+
+@pytest.fixture(scope="module")
+def suffix_app(ray_cluster, tiny_models) -> str:
+    return deploy("suffix", "/suffix", unit_args(tiny_models[0], speculative={
+        "method": "suffix", "num_speculative_tokens": 8, "suffix": {"max_cached_responses": 4},
+        # K fixed: on a random tiny model the cost model could choose K = 0 (test_policy.py and
+        # the benchmarks cover adaptive K); this test is about the path and the cache.
+        "adaptive": {"enabled": False}}))
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_models):
+    from pathlib import Path
+
+    return Path(tiny_models[0]).name
+
+
+def cache_state(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return {s.labels["name"]: s.value for s in families["specserve:proposer_state"].samples
+            if s.labels["method"] == "suffix"}
+
+
+def test_greedy_output_is_the_targets_and_the_cache_learns_what_it_served(
+        suffix_app, tiny_models, model_name):
+    """Every prompt twice: the second time the cache holds the first answer, so the drafts
+    are long and accepted, and the text is still the target's alone."""
+    import time
+
+    prompts = PROMPTS[:3]
+    first = greedy_equals_target_only(suffix_app, model_name, tiny_models[2], prompts, 24, "suffix")
+    again = greedy_equals_target_only(suffix_app, model_name, tiny_models[2], prompts, 24, "suffix")
+    accepted = [b["usage"]["speculation"]["num_accepted_tokens"] for b in again]
+    assert sum(accepted) > sum(b["usage"]["speculation"]["num_accepted_tokens"] for b in first)
+    deadline = time.monotonic() + 60  # units report every second
+    while (state := cache_state(suffix_app)).get("suffix_cache_responses") != 4 \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert state["suffix_cache_responses"] == 4  # six answers, bounded at four
+    assert 0 < state["suffix_cache_tokens"] and 0 < state["suffix_cache_bytes"]
