@@ -28,6 +28,7 @@ from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
+from common import print_end_to_end  # noqa: E402
 from prompts import load_prompts  # noqa: E402
 
 
@@ -71,13 +72,7 @@ def main() -> int:
         end_to_end(modes, prompts[:1], max_tokens=16, progress=False)  # warm-up
         results[workload] = end_to_end(modes, prompts, max_tokens=args.max_tokens)
     print(f"\nbatch 1, greedy, max {args.max_tokens} tokens, {machine_label()}")
-    print(f"{'workload':10} {'mode':28} {'seconds':>8} {'speedup':>8} {'accept':>7} {'mean len':>9} "
-          f"{'identical':>9}")
-    for workload, runs in results.items():
-        for name, r in runs.items():
-            print(f"{workload:10} {name:28} {r['seconds']:8.1f} {r['speedup']:8.2f} "
-                  f"{r['acceptance_rate']:7.3f} {r['mean_acceptance_length']:9.2f} "
-                  f"{str(r['outputs_identical']):>9}")
+    print_end_to_end(results, 28)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "draft": args.draft,

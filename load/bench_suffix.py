@@ -42,6 +42,7 @@ from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, machine_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
+from common import print_end_to_end  # noqa: E402
 from prompts import load_prompts  # noqa: E402
 
 WORKLOADS = ("code_edit", "extract", "agent", "doc_qa", "revise", "chat")
@@ -232,13 +233,7 @@ def main() -> int:
                            "bytes": suffix.cache.nbytes}
     print(f"\nbatch 1, greedy, max {args.max_tokens} tokens, {args.prompts} prompts per workload, "
           f"{machine_label()}")
-    print(f"{'workload':10} {'mode':14} {'seconds':>8} {'speedup':>8} {'accept':>7} {'mean len':>9} "
-          f"{'identical':>9}")
-    for workload, runs in results.items():
-        for name, r in runs.items():
-            print(f"{workload:10} {name:14} {r['seconds']:8.1f} {r['speedup']:8.2f} "
-                  f"{r['acceptance_rate']:7.3f} {r['mean_acceptance_length']:9.2f} "
-                  f"{str(r['outputs_identical']):>9}")
+    print_end_to_end(results, 14)
     print(f"cpu flags: {' '.join(cpu_flags())}")
     for name, c in cache.items():
         print(f"{name} cache at the end: {c['responses']} responses, {c['tokens']} tokens, "

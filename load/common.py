@@ -34,6 +34,18 @@ def format_table(rows: list[dict], spec: TableSpec) -> str:
     return "\n".join(lines)
 
 
+def print_end_to_end(results: dict[str, dict[str, dict]], mode_width: int) -> None:
+    """``end_to_end``'s reports (``specserve.draft.evaluate``) per workload and mode, one line
+    each: seconds, speedup, acceptance rate, mean acceptance length, identical to baseline."""
+    print(f"{'workload':10} {'mode':{mode_width}} {'seconds':>8} {'speedup':>8} {'accept':>7} "
+          f"{'mean len':>9} {'identical':>9}")
+    for workload, runs in results.items():
+        for name, r in runs.items():
+            print(f"{workload:10} {name:{mode_width}} {r['seconds']:8.1f} {r['speedup']:8.2f} "
+                  f"{r['acceptance_rate']:7.3f} {r['mean_acceptance_length']:9.2f} "
+                  f"{str(r['outputs_identical']):>9}")
+
+
 def write_csv(rows: list[dict], path: Path, columns: list[str], *, as_int: tuple[str, ...] = ()) -> None:
     """Rows to CSV, floats to 4 decimals; ``as_int`` columns (flags) as 0 / 1."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -439,3 +439,25 @@ def test_bench_gpu_runs_its_tiny_shape_on_a_cpu(tmp_path, capsys):
         ("library", 1), ("library", 2), ("compiled", 1), ("compiled", 2)]
     assert all(r["tokens_per_s"] > 0 and r["r8"] > 0 for r in result["rows"])
     assert "compiled" in capsys.readouterr().out
+
+
+def test_bench_suffix_runs_end_to_end_on_the_embedded_model(tmp_path):
+    """`make bench-suffix` in miniature: one revision prompt, 8 tokens, target-only against
+    suffix decoding with a warm cache made from 2 answers; exit 0 means the outputs were
+    identical, and the report carries the cache and the proposer's own cost."""
+    import json
+    import subprocess
+    import sys
+
+    out, warm = tmp_path / "bench.json", tmp_path / "warm.jsonl"
+    proc = subprocess.run([sys.executable, "load/bench_suffix.py", "--workloads", "revise",
+                           "--prompts", "1", "--max-tokens", "8", "--modes", "suffix-warm",
+                           "--warm-prompts", "2", "--warm-file", str(warm), "--out", str(out)],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["results"]["revise"]) == {"target-only", "suffix-warm"}
+    assert report["results"]["revise"]["suffix-warm"]["outputs_identical"]
+    assert report["cache"]["suffix-warm"]["responses"] == 3  # 2 warm answers + the one served
+    assert len(warm.read_text().splitlines()) == 2
+    assert {r["responses"] for r in report["proposer_cost"]} == {0, 256, 4096}
