@@ -53,7 +53,8 @@ def test_serve_says_what_it_speculates_with(monkeypatch, capsys, tmp_path):
     assert "caches the unit's last 256 responses in memory" in line
 
     args = copy.deepcopy(shipped)
-    args["unit"]["engine"]["speculative"] |= {"method": "eagle", "first": "suffix", "num_speculative_tokens": 4,
+    args["unit"]["engine"]["speculative"] |= {"method": "eagle", "first": "suffix",
+                                              "num_speculative_tokens": 4,
                                               "draft": {"source": draft_head.EMBEDDED_DRAFT}}
     assert cli._default_draft_or_ngram(args) is args  # the draft is there: used as configured
     line = cli._speculation_line(AppConfig.model_validate(args))

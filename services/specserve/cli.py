@@ -181,7 +181,6 @@ def _default_draft_or_ngram(app_args: dict) -> dict:
 def _speculation_line(cfg) -> str:
     """Which proposer and which draft the app speculates with (and what the draft measured)."""
     from specserve.engine.draft_head import draft_path, is_draft_dir
-
     from specserve.methods import PROPOSERS
 
     spec = cfg.unit.engine.speculative

@@ -229,8 +229,8 @@ class SpeculationPolicyConfig(_Strict):
         None, ge=0.0, le=1.0,
         description="low_acceptance: a class whose acceptance rate (EWMA) is below this is not "
                     "speculated by a draft model (a model-free proposer with K chosen per step "
-                    "drafts nothing where it finds nothing). None: the cost model's break-even rate from the unit's "
-                    "measured costs (0.1 until they are measured).")
+                    "drafts nothing where it finds nothing). None: the cost model's break-even "
+                    "rate from the unit's measured costs (0.1 until they are measured).")
     acceptance_hysteresis: float = Field(
         0.05, ge=0.0, le=1.0,
         description="A class in low_acceptance recovers at threshold + this.")

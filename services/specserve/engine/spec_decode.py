@@ -284,8 +284,8 @@ class SpecDecodeEngine:
         to_cap = self.proposer is not None and self.proposer.drafts_to_cap
         active = [i for i, r in enumerate(requests) if r.k > 0 or (to_cap and r.cap > 0)]
         if self.needs_hidden:  # features go out every step, drafting or not: none pile up here
-            active = [i for i, s in enumerate(seqs)
-                      if i in active or (s.draft_attached and s.hidden)]
+            asked = set(active)
+            active = [i for i, s in enumerate(seqs) if i in asked or (s.draft_attached and s.hidden)]
             for i in active:
                 if seqs[i].hidden:
                     requests[i].hidden = torch.cat(seqs[i].hidden)

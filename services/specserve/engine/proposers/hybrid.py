@@ -133,7 +133,8 @@ class HybridProposer(Proposer):
         looked = self.first.propose([r if r.cap is None else dataclasses.replace(r, k=r.cap)
                                      for r in requests])
         # Only an estimate-bearing draft is limited by its own confidence; others keep to k.
-        looked = [p if p.expected_accepted is not None else dataclasses.replace(p, token_ids=p.token_ids[:r.k])
+        looked = [p if p.expected_accepted is not None
+                  else dataclasses.replace(p, token_ids=p.token_ids[:r.k])
                   for p, r in zip(looked, requests)]
         takes = [self._takes(p) for p in looked]
         asks = [dataclasses.replace(r, k=0) if take else r for r, take in zip(requests, takes)]
