@@ -35,8 +35,9 @@ and lossless, so all of them).
     python load/sweep.py --start-local                       # starts Ray + Serve itself
 
 ``--start-local`` starts a local Ray cluster and the Serve app on 127.0.0.1:``--local-port``
-(embedded default, n-gram, ``max_num_seqs`` = the largest concurrency) and stops it at the
-end. Writes ``results/sweep.csv`` and ``results/sweep.png`` and prints a table.
+(embedded default, ``--method``, n-gram by default, ``max_num_seqs`` = the largest
+concurrency) and stops it at the end. Writes ``results/sweep.csv`` and
+``results/sweep.png`` and prints a table.
 """
 
 from __future__ import annotations
@@ -313,10 +314,17 @@ def save_plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 # -- server ---------------------------------------------------------------------------------------
-def local_app_args(max_num_seqs: int, max_queue_len: int, max_model_len: int, k: int) -> dict:
-    """The AppConfig of the local server: embedded default, n-gram, enough slots and queue."""
-    return {"unit": {"engine": {"target": {"source": "embedded"},
-                                "speculative": {"method": "ngram", "num_speculative_tokens": k},
+def local_app_args(max_num_seqs: int, max_queue_len: int, max_model_len: int, k: int,
+                   method: str = "ngram", first: str | None = None) -> dict:
+    """The AppConfig of the local server: embedded default, ``method`` (n-gram by default; a
+    model method drafts with the shipped EAGLE draft, behind ``first`` if given), enough slots
+    and queue."""
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method in ("eagle", "draft_model"):
+        spec["draft"] = {"source": "embedded-eagle"}
+        if first:
+            spec["first"] = first
+    return {"unit": {"engine": {"target": {"source": "embedded"}, "speculative": spec,
                                 "max_model_len": max_model_len, "max_num_seqs": max_num_seqs},
                      "max_queue_len": max_queue_len},
             "max_tokens_cap": 4096, "auth": {"enabled": False}}  # loopback benchmark
@@ -460,6 +468,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds per (mode, level); requests still running then are cancelled")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--k", type=int, default=4, help="--start-local: the server's default K")
+    p.add_argument("--method", default="ngram", choices=("ngram", "suffix", "eagle"),
+                   help="--start-local: the proposer (eagle: the shipped EAGLE draft)")
+    p.add_argument("--first", default=None, choices=("ngram", "suffix"),
+                   help="--start-local, with --method eagle: the model-free proposer in front")
     p.add_argument("--max-model-len", type=int, default=2048, help="--start-local: context length")
     p.add_argument("--machine", default=None, help="machine name for the plot title")
     p.add_argument("--csv", type=Path, default=RESULTS / "sweep.csv")
@@ -491,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.start_local:
             top = max(args.concurrency)
-            base = start_local(args.local_port, local_app_args(top, max(64, top),
-                                                               args.max_model_len, args.k))
+            base = start_local(args.local_port, local_app_args(
+                top, max(64, top), args.max_model_len, args.k, args.method, args.first))
         model, spec, rows, round_rows = asyncio.run(run_sweep(args, base, prompts))
     finally:
         if args.start_local:

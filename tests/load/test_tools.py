@@ -107,6 +107,10 @@ def test_local_app_args_validate():
     cfg = AppConfig.model_validate(sweep.local_app_args(32, 64, 2048, 4))
     assert cfg.unit.engine.max_num_seqs == 32 and cfg.unit.max_queue_len >= 32
     assert cfg.unit.engine.speculative.method == "ngram"
+    hybrid = AppConfig.model_validate(sweep.local_app_args(8, 64, 2048, 8, "eagle", "suffix"))
+    assert hybrid.unit.engine.speculative.first_method == "suffix"
+    assert AppConfig.model_validate(sweep.local_app_args(8, 64, 2048, 8, "suffix")).unit.engine \
+        .speculative.method == "suffix"
 
 
 def _fake_server(delay_s: float, hang: bool = False, peers: int = 1):
