@@ -18,9 +18,13 @@
    - rms_norm_rows, silu_mul_rows, rope_and_store: a token's elementwise work in one call
      each (a layer's small torch ops cost more in dispatch than in arithmetic at batch 1).
 
-   Built at first use with the machine's C compiler (-O3 -march=native, FMA contraction on),
-   so VL is the machine's widest vector; results are reproducible on one machine and one
-   build, not across CPUs. */
+   Built at first use with the machine's C compiler (-O3 -march=native), so VL is the
+   machine's widest vector; results are reproducible on one machine and one build, not across
+   CPUs. Contraction is off (-ffp-contract=off) and every fused multiply-add is written out
+   (fmadd), so which operations run is fixed here, not by a compiler's heuristics: with
+   contraction on, GCC's tuning for AMD Zen (avoid-fma-chains) split the FMAs of dot()'s one
+   accumulator into multiply + add but kept the 4x4 tiles' FMAs, and a token's attention
+   differed between a lone decode and a verify (tests/engine/test_kernels.py, on an EPYC). */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -38,6 +42,18 @@ typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
 static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* a * b + c, rounded once where the CPU has FMA (an explicit instruction the compiler keeps);
+   elsewhere a multiply and an add, the same everywhere since contraction is off. */
+#if VL == 16
+#include <immintrin.h>
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
+#endif
 
 #if VL == 16
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
@@ -119,12 +135,12 @@ static inline vf vexp(vf x) {
   vf n = t - 12582912.0f;
   vf f = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
   vf p = 1.0f / 720 + (vf){0};
-  p = p * f + 1.0f / 120;
-  p = p * f + 1.0f / 24;
-  p = p * f + 1.0f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  p = fmadd(p, f, (vf){0} + 1.0f / 120);
+  p = fmadd(p, f, (vf){0} + 1.0f / 24);
+  p = fmadd(p, f, (vf){0} + 1.0f / 6);
+  p = fmadd(p, f, (vf){0} + 0.5f);
+  p = fmadd(p, f, (vf){0} + 1.0f);
+  p = fmadd(p, f, (vf){0} + 1.0f);
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   __builtin_memcpy(&scale, &bits, sizeof scale);
@@ -135,7 +151,7 @@ static inline vf vexp(vf x) {
 static inline float dot(const float *a, const float *b, int n) {
   vf acc = (vf){0};
   int nv = n - n % VL;
-  for (int i = 0; i < nv; i += VL) acc += load(a + i) * load(b + i);
+  for (int i = 0; i < nv; i += VL) acc = fmadd(load(a + i), load(b + i), acc);
   float s = hsum(acc);
   for (int i = nv; i < n; i++) s += a[i] * b[i];
   return s;
@@ -156,7 +172,7 @@ static inline float dot(const float *a, const float *b, int n) {
       for (int i = 0; i < NR; i++) {                                                          \
         __builtin_prefetch(w + (size_t)(n + i + PREFETCH_ROWS) * K + k);                      \
         vf wv = load(w + (size_t)(n + i) * K + k);                                            \
-        for (int j = 0; j < MR; j++) acc[i][j] += wv * xs[j];                                 \
+        for (int j = 0; j < MR; j++) acc[i][j] = fmadd(wv, xs[j], acc[i][j]);                 \
       }                                                                                       \
     }                                                                                         \
     float sums[NR * MR];                                                                      \
@@ -232,7 +248,7 @@ static void scores(const float *const *q, int nq, const float *k, int D, int j0,
         for (int c = 0; c < 4; c++) ks[c] = load(k + (size_t)(j + c) * D + d);
         for (int r = 0; r < 4; r++) {
           vf qv = load(q[r] + d);
-          for (int c = 0; c < 4; c++) acc[r][c] += qv * ks[c];
+          for (int c = 0; c < 4; c++) acc[r][c] = fmadd(qv, ks[c], acc[r][c]);
         }
       }
       float sums[16];
@@ -266,7 +282,8 @@ static void softmax_values(float *p, int j0, int j1, const float *v, int D, floa
   for (int d = dv * VL; d < D; d++) out[d] = 0.0f;
   for (int j = j0; j < j1; j++) {
     const float *vj = v + (size_t)j * D;
-    for (int c = 0; c < dv; c++) acc[c] += p[j] * load(vj + c * VL);
+    vf pj = (vf){0} + p[j];
+    for (int c = 0; c < dv; c++) acc[c] = fmadd(pj, load(vj + c * VL), acc[c]);
     for (int d = dv * VL; d < D; d++) out[d] += p[j] * vj[d];
   }
   for (int c = 0; c < dv; c++) store(out + c * VL, acc[c] / total);

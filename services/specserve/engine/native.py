@@ -34,7 +34,7 @@ from specserve.machine import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
