@@ -113,27 +113,38 @@ def speculation() -> _Dashboard:
                   f"{{{UNIT}}}[{RATE}])) / ignoring(position) group_left {drafts}", "position {{position}}")],
                (12, 5, 12, 8), "percentunit",
                "Share of drafts whose token at this position was accepted (0 = first drafted)."),
-        RowPanel(title="Speculation length and speedup", gridPos=GridPos(h=1, w=24, x=0, y=13)),
+        series("Mean acceptance length by proposer",
+               [q(f"1 + sum by (proposer) (rate(specserve:proposer_num_accepted_tokens_total{{{UNIT}}}"
+                  f"[{RATE}])) / sum by (proposer) (rate(specserve:proposer_num_drafts_total{{{UNIT}}}"
+                  f"[{RATE}]))", "{{proposer}}")],
+               (0, 13, 12, 8), description="Tokens per verified draft, per proposer that drafted "
+                                           "(a hybrid's parts apart: suffix in front of EAGLE)."),
+        series("Drafts by proposer",
+               [q(f"sum by (proposer) (rate(specserve:proposer_num_drafts_total{{{UNIT}}}[{RATE}]))",
+                  "{{proposer}}")],
+               (12, 13, 12, 8), "ops", "Verified drafts per second, per proposer that drafted them "
+                                       "(which part of a hybrid serves the traffic)."),
+        RowPanel(title="Speculation length and speedup", gridPos=GridPos(h=1, w=24, x=0, y=21)),
         series("K chosen",
                [q(f"sum(rate(specserve:speculation_length_sum{{{UNIT}}}[{RATE}])) / "
                   f"sum(rate(specserve:speculation_length_count{{{UNIT}}}[{RATE}]))", "mean K per step", "A"),
                 q(f"specserve:speculation_length_current{{{UNIT}}}", "current K {{unit}}", "B")],
-               (0, 14, 12, 8), description="Mean K drafted per decoding sequence per step "
+               (0, 22, 12, 8), description="Mean K drafted per decoding sequence per step "
                                            "(0 = target-only), and each unit's current K."),
         series("Estimated vs measured speedup",
                [q(f"avg(specserve:estimated_speedup{{{UNIT}}})", "estimated (cost model)", "A"),
                 q(f"{mean_tpot('off')} / {mean_tpot('on')}", "measured (TPOT off / on)", "B")],
-               (12, 14, 12, 8), description="Measured: mean time per output token of requests "
+               (12, 22, 12, 8), description="Measured: mean time per output token of requests "
                                             "served without speculation over those with it."),
-        RowPanel(title="Router and draft", gridPos=GridPos(h=1, w=24, x=0, y=22)),
+        RowPanel(title="Router and draft", gridPos=GridPos(h=1, w=24, x=0, y=30)),
         series("Router decisions by reason",
                [q(f"sum by (decision, reason) (rate(specserve:router_decisions_total{{{UNIT}}}[{RATE}]))",
                   "{{decision}}: {{reason}}")],
-               (0, 23, 12, 8), "reqps", "Per-request speculation decisions per second."),
+               (0, 31, 12, 8), "reqps", "Per-request speculation decisions per second."),
         series("Draft fallbacks and availability",
                [q(f"sum(increase(specserve:draft_fallbacks_total{{{UNIT}}}[{RATE}]))", "fallbacks", "A"),
                 q(f"min(specserve:draft_available{{{UNIT}}})", "draft available (min over units)", "B")],
-               (12, 23, 12, 8), description="Times a unit lost its draft group, and whether "
+               (12, 31, 12, 8), description="Times a unit lost its draft group, and whether "
                                             "every unit has it now (1)."),
     ]
     return dashboard("specserve / Speculation", "specserve-speculation",

@@ -51,6 +51,24 @@ def test_position_acceptance_counts_and_extrapolates():
     assert got[2] == got[1] == got[3]
 
 
+def test_k_follows_the_acceptance_of_the_proposer_it_governs():
+    """In a hybrid, the model-free part's long accepted runs (suffix decoding drafts to the
+    row's cap) must not raise the model's K, nor count as its acceptance: each source is
+    measured apart, and K is chosen from ``k_source``'s."""
+    ctl = SpecLengthController(4, AdaptiveConfig())
+    ctl.k_source = "eagle"
+    for _ in range(10):
+        ctl.observe_draft(4, 4, 4, "suffix")
+        ctl.observe_draft(4, 4, 0, "eagle")
+    assert ctl.acceptance.rates()[0][0] == 0.0
+    assert ctl.by_source["suffix"].rates()[0][0] == 1.0
+    assert list(ctl.acceptance.asked) == list(ctl.by_source["eagle"].asked)
+    pooled = SpecLengthController(4, AdaptiveConfig())  # one proposer: every row
+    pooled.observe_draft(4, 4, 4, "suffix")
+    pooled.observe_draft(4, 4, 0)
+    assert pooled.acceptance.rates()[0][0] == pytest.approx(0.5, abs=0.01)
+
+
 class SyntheticUnit:
     """Step time = fixed + per_token * tokens (+ draft per K); each drafted token is accepted
     with probability ``alpha`` until the first rejection. Every ``prefill_every`` steps a new

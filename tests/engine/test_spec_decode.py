@@ -171,6 +171,27 @@ def test_greedy_equals_target_only_with_the_real_controller(target_hf, close_dra
     assert ctl.calibrated and ctl.forward_cost.num_observations > 0
 
 
+def test_a_hybrid_measures_its_parts_apart_and_k_follows_the_model(target_hf):
+    """Suffix decoding in front of the EAGLE head under the real controller: outputs equal
+    target-only; the stats per drafting proposer add up to the totals, both parts drafted, and
+    the controller chose K from the EAGLE rows' acceptance alone."""
+    batch = prompts(8, seed=13)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    ctl = SpecLengthController(4, AdaptiveConfig(warmup_steps=1, min_dwell_steps=1, hysteresis=0.0,
+                                                 probe_interval_steps=2))
+    spec = make_engine(target_hf, "suffix+eagle", 4, controller=ctl)
+    for size in (8, 1, 8):  # the second pass over the batch finds its answers in the cache
+        got = spec.generate(batch[:size], GREEDY, adaptive=True)
+        assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
+    parts = spec.by_proposer
+    assert set(parts) == set(ctl.by_source) == {"suffix", "eagle"} and ctl.k_source == "eagle"
+    for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(getattr(s, field) for s in parts.values()) == getattr(spec.stats, field)
+    assert all(s.num_drafts > 0 for s in parts.values())
+    assert np.array_equal(ctl.acceptance.asked, ctl.by_source["eagle"].asked)
+    assert ctl.acceptance.asked[0] < ctl.by_source["eagle"].asked[0] + ctl.by_source["suffix"].asked[0]
+
+
 def test_greedy_equals_huggingface_generate(target_hf):
     """The target-only path itself is the model's greedy decoding."""
     prompt = prompts(1)[0]

@@ -218,12 +218,19 @@ def test_metrics_values_agree_with_the_units(scraped, obs_app):
     decisions = {(s.labels["decision"], s.labels["reason"]): s.value
                  for s in families["specserve:router_decisions"].samples if s.name.endswith("_total")}
     assert decisions[("off", "client_override")] >= 6 and decisions[("on", "default")] >= 6
+    # one proposer here: its part is the whole
+    samples = families["specserve:proposer_num_draft_tokens"].samples
+    by_proposer = {s.labels["proposer"]: s.value for s in samples if s.name.endswith("_total")}
+    assert by_proposer == {name: float(part["num_draft_tokens"])
+                           for name, part in stats["spec_by_proposer"].items()}
+    assert sum(by_proposer.values()) == stats["spec"]["num_draft_tokens"]
     for family in families.values():  # low cardinality: no request ids, prompts, tenants
         if not family.name.startswith("specserve:"):
             continue
         for sample in family.samples:
             assert set(sample.labels) <= {"route", "status", "speculation", "unit", "method",
-                                          "decision", "reason", "position", "le", "name"}, sample
+                                          "decision", "reason", "position", "le", "name",
+                                          "proposer"}, sample
 
 
 def test_units_are_mirrored_on_rays_metrics_port(scraped):

@@ -52,3 +52,9 @@ def test_greedy_output_is_the_targets_and_the_cache_learns_what_it_served(
         time.sleep(0.5)
     assert state["suffix_cache_responses"] == 4  # six answers, bounded at four
     assert 0 < state["suffix_cache_tokens"] and 0 < state["suffix_cache_bytes"]
+    # the acceptance per drafting proposer, on /metrics: here suffix decoding alone
+    text = httpx.get(suffix_app + "/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    drafted = {s.labels["proposer"]: s.value for s in families["specserve:proposer_num_draft_tokens"].samples
+               if s.labels["method"] == "suffix" and s.name.endswith("_total")}
+    assert set(drafted) == {"suffix"} and drafted["suffix"] > 0

@@ -4,11 +4,14 @@ Before every step the controller predicts, for each candidate K in 0..K_max, how
 the batch's decoding rows will emit and how long the step will take, and keeps the K with the
 most tokens per second. Both sides of that ratio are measured on this unit, not assumed:
 
-- **acceptance**, per draft position j, as decayed counts of rows *asked* for at least j + 1
+- **acceptance**, per proposer and draft position j, as decayed counts of rows *asked* for at least j + 1
   drafts, rows that *got* at least j + 1 (an n-gram proposer often finds fewer, or none), and
   rows whose first j + 1 drafts were *accepted*. Then E[emitted | K] = 1 + Σ_{j<K} acc_j / asked_j
   with no independence assumption: n-gram acceptance is strongly correlated across positions,
-  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it.
+  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it. K follows the acceptance of
+  the proposer it governs (``k_source``): in a hybrid, the model part's. The model-free first
+  part drafts to the row's cap and is picked per row by its own estimate (``hybrid.py``), so
+  its long accepted runs must not raise the model's K, nor its misses lower it.
 - **cost**, fitted online by decayed least squares with non-negative coefficients:
   the target forward as ``θ0 + θ1·rows + θ2·tokens + θ3·attention`` (attention = Σ new tokens ×
   context), the draft phase as ``φ0 + φ1·K + φ2·K·rows`` and the accept phase as
@@ -177,6 +180,11 @@ class SpecLengthController:
         self._break_even: tuple | None = None  # (what it was solved from, the value)
         self._last_switch = 0
         self._probe_turn = 0
+        # Acceptance per proposer (``Proposal.source``); K is chosen from ``k_source``'s, the
+        # proposer K governs (a hybrid's model part: its first part drafts to the row's cap
+        # and is chosen per row by its own estimate, hybrid.py). None: every row counts.
+        self.k_source: str | None = None
+        self.by_source: dict[str, PositionAcceptance] = {}
         self.acceptance = PositionAcceptance(max_k, cfg.decay)
         self.forward_cost = DecayedLeastSquares((1.0, 8.0, 64.0, 65536.0), cfg.decay)
         self.sizes = SizeCosts(cfg.decay)
@@ -208,8 +216,16 @@ class SpecLengthController:
     def observe_accept(self, rows: int, sampled_logit_rows: int, seconds: float) -> None:
         self.accept_cost.observe((1.0, rows, sampled_logit_rows), seconds)
 
-    def observe_draft(self, asked: int, drafted: int, accepted: int) -> None:
-        self.acceptance.observe(asked, drafted, accepted)
+    def observe_draft(self, asked: int, drafted: int, accepted: int, source: str | None = None
+                      ) -> None:
+        """One row's step: drafts it was asked for, got and had accepted; ``source``: the
+        proposer that drafted them."""
+        if source is not None:
+            if source not in self.by_source:
+                self.by_source[source] = PositionAcceptance(self.max_k, self.cfg.decay)
+            self.by_source[source].observe(asked, drafted, accepted)
+        if self.k_source is None or source in (None, self.k_source):
+            self.acceptance.observe(asked, drafted, accepted)
 
     @property
     def calibrated(self) -> bool:

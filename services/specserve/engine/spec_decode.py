@@ -67,6 +67,8 @@ class SpecDecodeEngine:
         self.needs_hidden = proposer is not None and proposer.needs_hidden
         self.num_speculative_tokens = num_speculative_tokens
         self.controller = controller if proposer is not None else None
+        if self.controller is not None:
+            self.controller.k_source = proposer.method  # K governs it (adaptive.py)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.stats = SpecStats()
@@ -74,6 +76,7 @@ class SpecDecodeEngine:
         self.draft_available = proposer is not None
         self.num_draft_fallbacks = 0       # times the proposer became unavailable
         self.k_counts: dict[int, int] = {}  # decoding sequence-steps per K drafted, since start
+        self.by_proposer: dict[str, SpecStats] = {}  # the stats per Proposal.source
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
         self.fault_token: int | None = None
@@ -265,9 +268,13 @@ class SpecDecodeEngine:
         for k, prop, (res, row) in zip(ks, proposals, results):
             # (a proposer that drafts to the cap was, in effect, asked for what it drafted)
             ctl.observe_draft(max(k, len(prop.token_ids)), len(prop.token_ids),
-                              int(res.num_accepted_tokens[row]))
+                              int(res.num_accepted_tokens[row]), self._source(prop))
         sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
         ctl.observe_accept(len(seqs), sampled, accept_s)
+
+    def _source(self, proposal: Proposal) -> str:
+        """The registry method that drafted ``proposal`` (a hybrid names its part)."""
+        return proposal.source or self.proposer.method
 
     def _keep_hidden(self, seqs: list[Sequence], starts: list[int],
                      hidden: list[torch.Tensor | None]) -> None:
@@ -392,6 +399,11 @@ class SpecDecodeEngine:
         num_accepted_tokens = int(res.num_accepted_tokens[row])
         seq.stats.observe(num_draft_tokens, num_accepted_tokens)
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        if num_draft_tokens:
+            source = self._source(proposal)
+            if source not in self.by_proposer:
+                self.by_proposer[source] = SpecStats()
+            self.by_proposer[source].observe(num_draft_tokens, num_accepted_tokens)
         seq.append_tokens(res.emitted(row), eos_token_ids=self.eos_token_ids,
                           max_model_len=self.max_model_len)
         if seq.finish_reason:

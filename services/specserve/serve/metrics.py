@@ -201,6 +201,14 @@ _COUNTERS = {
     "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
 }
 
+# The spec_decode counters per drafting proposer (a hybrid's first and model parts), in the
+# order of ``UnitSnapshot.by_proposer``'s tuples.
+_BY_PROPOSER = (
+    ("num_drafts", "Verified drafts, by the proposer that drafted them (a hybrid's parts)."),
+    ("num_draft_tokens", "Drafted tokens, by the proposer that drafted them."),
+    ("num_accepted_tokens", "Drafted tokens the target accepted, by the proposer that drafted them."),
+)
+
 
 def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
     """Metric families of every unit's snapshot (see :meth:`SpeculationUnit.metrics_snapshot`)."""
@@ -219,6 +227,8 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         "specserve:proposer_state", "What the unit's proposer holds across requests "
         "(suffix decoding: its response cache's responses, tokens and bytes).",
         labels=[*labels, "name"])
+    by_proposer = [CounterMetricFamily(f"specserve:proposer_{name}", doc, labels=[*labels, "proposer"])
+                   for name, doc in _BY_PROPOSER]
     k_hist = HistogramMetricFamily(
         "specserve:speculation_length",
         "K drafted per decoding sequence per step (0: that step ran target-only).", labels=labels)
@@ -234,6 +244,9 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
             decisions.add_metric([*values, decision, reason], float(n))
         for name, value in sorted(snap.proposer_state.items()):
             proposer.add_metric([*values, name], float(value))
+        for name, counts in sorted(snap.by_proposer.items()):
+            for family, n in zip(by_proposer, counts):
+                family.add_metric([*values, name], float(n))
         k_counts = snap.k_counts
         cumulative, buckets = 0, []
         for bound in K_BUCKETS:
@@ -244,7 +257,7 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         k_hist.add_metric(values, buckets, sum_value=float(sum(k * n for k, n in k_counts.items())))
     yield from gauges.values()
     yield from counters.values()
-    yield from (per_pos, decisions, proposer, k_hist)
+    yield from (per_pos, decisions, proposer, *by_proposer, k_hist)
 
 
 class _Families:

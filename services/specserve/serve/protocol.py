@@ -370,3 +370,5 @@ class UnitSnapshot:
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     k_counts: dict[int, int]                      # K -> decoding rows that drafted it
     proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()
+    # per drafting proposer (a hybrid's parts): (drafts, draft tokens, accepted tokens)
+    by_proposer: dict[str, tuple[int, int, int]] = field(default_factory=dict)

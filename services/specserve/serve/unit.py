@@ -136,6 +136,8 @@ class SpeculationUnit:
             router_decisions=dict(self.decisions),
             k_counts=dict(engine.k_counts),
             proposer_state=engine.proposer.state() if engine.proposer is not None else {},
+            by_proposer={name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+                         for name, s in engine.by_proposer.items()},
         )
 
     def _break_even(self) -> float | None:
@@ -162,7 +164,9 @@ class SpeculationUnit:
                 "draft_probes": self.core.draft_watch.num_probes if self.core.draft_watch else 0,
                 "target_available": self.core.target_available,
                 "target_restarts": self.core.num_target_restarts,
-                "spec": self.engine.stats.as_dict(), "times": self.engine.times.as_dict(),
+                "spec": self.engine.stats.as_dict(),
+                "spec_by_proposer": {name: s.as_dict() for name, s in self.engine.by_proposer.items()},
+                "times": self.engine.times.as_dict(),
                 "router": {"decisions": {f"{on}:{reason}": n
                                          for (on, reason), n in self.decisions.items()},
                            "concurrency_gate_open": self.policy.gate.open,
@@ -179,6 +183,7 @@ class SpeculationUnit:
         acc, got = ctl.acceptance.rates()
         return {"k": ctl.k, "calibrated": ctl.calibrated, "steps": ctl.steps,
                 "estimated_speedup": round(ctl.estimated_speedup, 4),
+                "k_source": ctl.k_source,
                 "acceptance_by_position": [round(float(a), 4) for a in acc],
                 "draft_yield_by_position": [round(float(g), 4) for g in got]}
 

@@ -45,6 +45,9 @@ class Proposal:
     # The proposer's own estimate of how many of token_ids the target keeps (suffix decoding:
     # from its counts); None: no estimate. A hybrid compares it with the model's (hybrid.py).
     expected_accepted: float | None = None
+    # The registry method that drafted it, where a proposer combines several (a hybrid's first
+    # or model part); None: the proposer's own. Acceptance is measured per source.
+    source: str | None = None
 
 
 class Proposer(ABC):

@@ -143,6 +143,8 @@ class HybridProposer(Proposer):
         out = []
         for i, (r, take) in enumerate(zip(requests, takes)):
             proposal = looked[i] if take else drafted.get(i, Proposal([]))
+            proposal = dataclasses.replace(
+                proposal, source=self.first.method if take else self.model.method)
             if proposal.token_ids:
                 self._pending[r.seq_id] = (take, len(r.token_ids), looked[i].expected_accepted)
                 self.rows_first += take
