@@ -172,6 +172,8 @@ def main() -> int:
     p.add_argument("--eagle-k", type=int, default=4)
     p.add_argument("--warm-prompts", type=int, default=64)
     p.add_argument("--warm-file", default="results/suffix-warm.jsonl")
+    p.add_argument("--reuse-warm", action="store_true",
+                   help="keep an existing --warm-file (made by an earlier run with the same settings)")
     p.add_argument("--out", default="results/bench-suffix.json")
     p.add_argument("--cost-only", action="store_true", help="only the proposer's own cost")
     p.add_argument("--sharing", action="store_true",
@@ -197,7 +199,8 @@ def main() -> int:
     if args.cost_only:
         return 0
     wanted = set(args.modes.split(",")) if args.modes else None
-    if wanted is None or wanted & {"suffix-warm", "suffix+eagle"}:
+    reuse = args.reuse_warm and Path(args.warm_file).exists()
+    if (wanted is None or wanted & {"suffix-warm", "suffix+eagle"}) and not reuse:
         started = time.perf_counter()
         warm_responses(Path(args.warm_file), args.warm_prompts, args.max_tokens, target_only, tokenizer)
         print(f"warm cache: {args.warm_prompts} responses ({time.perf_counter() - started:.0f} s)")
