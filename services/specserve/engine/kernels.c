@@ -263,9 +263,11 @@ static void scores(const float *const *q, int nq, const float *k, int D, int j0,
 
 /* out = softmax(p[j0..j1)) @ v[j0..j1): the maximum, exp and its sum VL keys at a time from
    j0 (lanes past j1 computed and left out), then the weighted values in key order. p holds
-   j1 - j0 + VL floats from j0. */
-static void softmax_values(float *p, int j0, int j1, const float *v, int D, float *out,
-                           vf *acc) {
+   j1 - j0 + VL floats from j0. With `keys`, p[j0 + m] is the score of key keys[m] (a token
+   tree's query: its visible keys gathered in order), and its value row is read from there;
+   the arithmetic is the same as for keys that were contiguous. */
+static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const float *v, int D,
+                           float *out, vf *acc) {
   vi lane;
   for (int i = 0; i < VL; i++) lane[i] = i;
   float top = -INFINITY;
@@ -281,7 +283,7 @@ static void softmax_values(float *p, int j0, int j1, const float *v, int D, floa
   for (int c = 0; c < dv; c++) acc[c] = (vf){0};
   for (int d = dv * VL; d < D; d++) out[d] = 0.0f;
   for (int j = j0; j < j1; j++) {
-    const float *vj = v + (size_t)j * D;
+    const float *vj = v + (size_t)(keys ? keys[j - j0] : j) * D;
     vf pj = (vf){0} + p[j];
     for (int c = 0; c < dv; c++) acc[c] = fmadd(pj, load(vj + c * VL), acc[c]);
     for (int d = dv * VL; d < D; d++) out[d] += p[j] * vj[d];
@@ -295,9 +297,15 @@ static void softmax_values(float *p, int j0, int j1, const float *v, int D, floa
    q: B * T tokens of H heads of D floats, q_stride floats apart (the q heads of the fused
    projection's rows); k, v: [slots, Hk, S, D]; lo, hi: [B * T]; out: [B, T, H, D].
    The T * (H / Hk) query rows of one (b, key/value head) go 4 at a time (sharing key loads);
-   a query's arithmetic is the same in any group (see scores and softmax_values). */
+   a query's arithmetic is the same in any group (see scores and softmax_values).
+   Token trees (tree non-NULL): query (b, t) of a row with start[b] >= 0 reads the keys
+   [lo, start[b]) and, of the row's new tokens stored from start[b], those whose bit is set in
+   tree[b * T + t] (its ancestors and itself; hi is then its own position + 1); a row with
+   start[b] = -1 is a chain. Its visible keys are gathered in order, so
+   a node computes exactly what the same token computes in a chain of its path. */
 void attention_rows(const float *q, int q_stride, const float *k, const float *v,
-                    const int64_t *slot, const int32_t *lo, const int32_t *hi, float *out,
+                    const int64_t *slot, const int32_t *lo, const int32_t *hi,
+                    const uint64_t *tree, const int32_t *start, float *out,
                     int B, int T, int H, int Hk, int S, int D, float scale, int threads) {
   int group = H / Hk, rows = T * group, blocks = (rows + 3) / 4, n = B * Hk * blocks;
   size_t stride = (size_t)S + VL;
@@ -306,6 +314,7 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
 #pragma omp parallel num_threads(threads) if (work >= PARALLEL_MIN_WORK)
   {
     float *p = malloc(sizeof(float) * 4 * stride);
+    int32_t *keys = tree ? malloc(sizeof(int32_t) * (size_t)S) : NULL;
     vf *acc = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(D / VL + 1));
 #pragma omp for schedule(static)
     for (int item = 0; item < n; item++) {
@@ -314,7 +323,7 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
       size_t head = ((size_t)slot[b] * Hk + kh) * S;
       const float *qs[4];
       float *ps[4], *os[4];
-      int j0[4], j1[4], lowest = S, highest = 0;
+      int j0[4], j1[4], bts[4], lowest = S, highest = 0;
       for (int r = 0; r < nq; r++) {
         int row = first + r, h = kh * group + row % group, bt = b * T + row / group;
         qs[r] = q + (size_t)bt * q_stride + (size_t)h * D;
@@ -322,12 +331,26 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
         ps[r] = p + r * stride;
         j0[r] = lo[bt];
         j1[r] = hi[bt];
+        bts[r] = bt;
         lowest = j0[r] < lowest ? j0[r] : lowest;
         highest = j1[r] > highest ? j1[r] : highest;
       }
       scores(qs, nq, k + head * D, D, lowest, highest, scale, ps);
-      for (int r = 0; r < nq; r++) softmax_values(ps[r], j0[r], j1[r], v + head * D, D, os[r], acc);
+      for (int r = 0; r < nq; r++) {
+        if (!tree || start[b] < 0) {  /* a chain (start -1: a chain row beside trees) */
+          softmax_values(ps[r], j0[r], j1[r], NULL, v + head * D, D, os[r], acc);
+          continue;
+        }
+        int n = 0, first_new = start[b];  /* gather the visible keys' scores to j0 + m */
+        for (int j = j0[r]; j < first_new && j < j1[r]; j++) keys[n++] = j;
+        uint64_t bits = tree[bts[r]];
+        for (int i = 0; i < 64 && first_new + i < j1[r]; i++)
+          if (bits >> i & 1) keys[n++] = first_new + i;
+        for (int m = 0; m < n; m++) ps[r][j0[r] + m] = ps[r][keys[m]];
+        softmax_values(ps[r], j0[r], j0[r] + n, keys, v + head * D, D, os[r], acc);
+      }
     }
+    free(keys);
     free(acc);
     free(p);
   }

@@ -100,6 +100,21 @@ class SlotKVCache(SlotTable):
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
+    def keep(self, slot: int, positions: list[int], at: int) -> None:
+        """Token-tree compaction: the keys and values at ``positions`` (increasing, each
+        ``>= at``) move to ``at, at + 1, ...`` in every layer, and the slot's length becomes
+        ``at + len(positions)``: a verified tree's accepted path, made contiguous as a chain's
+        would be (a node's keys and values are those of the same token at the same position
+        in a chain, so they move as they are)."""
+        assert all(p >= at + i for i, p in enumerate(positions)) and positions == sorted(positions)
+        if positions != list(range(at, at + len(positions))):
+            device = self.k[0].device
+            src = torch.tensor(positions, device=device)
+            dst = torch.arange(at, at + len(positions), device=device)
+            for storage in (*self.k, *self.v):
+                storage[slot, :, dst] = storage[slot, :, src]  # the read copies before the write
+        self.rollback(slot, at + len(positions))
+
     def gather(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` up to ``kv_len``: two ``[B, H, kv_len, D]`` tensors.
 

@@ -186,7 +186,7 @@ class Attention(nn.Module):
                               ctx.row_starts, ctx.row_lens)
         q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
         return native.attention(q, keys, values, ctx.slot_index, ctx.key_start(window),
-                                ctx.key_end, d ** -0.5)
+                                ctx.key_end, d ** -0.5, ctx.tree, ctx.tree_starts)
 
     def _attend_static(self, x: torch.Tensor, ctx: StaticInputs, cache: SlotKVCache,
                        window: bool) -> torch.Tensor:
@@ -268,6 +268,11 @@ class ForwardContext:
     kv_used: int                   # the longest (start + num_new) in the batch
     positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
     window: int | None             # the sliding window of the layers that have one
+    # Token trees (``LlamaRuntime.forward(trees=...)``): [B, T] int64, bit i of query (b, t) set
+    # where it sees its row's new token i (its ancestors and itself), and [B] int32, each tree
+    # row's first new position (-1: a chain row). None: every row is a chain.
+    tree: torch.Tensor | None = None
+    tree_starts: torch.Tensor | None = None
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
 
@@ -321,6 +326,11 @@ class ForwardContext:
             visible = keys <= self.positions[:, :, None]                     # [B, T, S]
             if window:
                 visible &= keys > self.positions[:, :, None] - self.window
+            if self.tree is not None:  # a tree row's query: its prefix, ancestors and itself
+                rel = keys - self.tree_starts.long()[:, None, None]          # [B, 1, S]
+                bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1        # [B, T, S]
+                seen = (rel < 0) | ((rel < 64) & (bit == 1))
+                visible = torch.where((self.tree_starts >= 0)[:, None, None], visible & seen, visible)
             self._ranges[key] = visible.to(self.valid.device)
         return self._ranges[key]
 
@@ -400,8 +410,9 @@ class LlamaRuntime(nn.Module):
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
                 num_logits: list[int] | None = None, *,
-                features: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                features: torch.Tensor | None = None, return_hidden: bool = False,
+                trees: list[list[int] | None] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
 
         Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
@@ -412,12 +423,21 @@ class LlamaRuntime(nn.Module):
         LM head reads) of *every* new token, ``[sum(len(ids)), hidden]`` in row order: the
         features an EAGLE draft head reads. ``features``: per-token inputs of that shape for
         a model that takes them (:class:`~specserve.engine.draft_head.DraftHead`).
+
+        ``trees``: per row, None (a chain: each new token follows the one before) or a token
+        tree over its new tokens: ``trees[i][j]`` is the index of new token j's parent among
+        them (``[-1, 0, 0, 1]``: token 0 follows the cache, 1 and 2 both follow 0, 3 follows
+        1). A node sits at the position of its depth and attends to the cache and its
+        ancestors only, so its logits are those of its root-to-node path as a chain (bit for
+        bit on the C kernels). The new tokens are stored in the slot in their order; the
+        caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a
+        tree row; not with sliding-window layers.
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
-        ctx, tokens = self._prepare(cache, slots, token_ids)
+        ctx, tokens = self._prepare(cache, slots, token_ids, trees)
         x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
-        if self.static is not None and self.static.takes(x.shape[1]):
+        if self.static is not None and ctx.tree is None and self.static.takes(x.shape[1]):
             x = self.static(x, ctx, cache)
         else:
             for layer in self.layers:
@@ -442,8 +462,8 @@ class LlamaRuntime(nn.Module):
         """``[N, vocab]`` float32 logits of final hidden states ``[N, hidden]``."""
         return self.lm_head(hidden).float()
 
-    def _prepare(self, cache: SlotKVCache, slots: list[int],
-                 token_ids: list[list[int]]) -> tuple[ForwardContext, torch.Tensor]:
+    def _prepare(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
+                 trees: list[list[int] | None] | None = None) -> tuple[ForwardContext, torch.Tensor]:
         device = self.embed.weight.device
         starts = [cache.lengths[s] for s in slots]
         lens = [len(ids) for ids in token_ids]
@@ -462,21 +482,60 @@ class LlamaRuntime(nn.Module):
         steps = torch.arange(t)
         positions = start_t[:, None] + steps[None, :]                   # [B, T]
         valid = steps[None, :] < torch.tensor(lens)[:, None]              # [B, T]
-        table_pos = positions.clamp(max=self.max_positions - 1).to(device)
+        rope_positions, tree, tree_starts = positions, None, None
+        if trees is not None and any(parents is not None for parents in trees):
+            rope_positions, tree, tree_starts = self._trees(trees, starts, lens, t)
+        table_pos = rope_positions.clamp(max=self.max_positions - 1).to(device)
         cos = self.rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
         sin = self.rope_sin[table_pos].unsqueeze(2)
         slot_t = torch.tensor(slots)[:, None].expand(-1, t)
         ctx = ForwardContext(
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
-            kv_used=kv_used, positions=positions, window=self._window())
+            kv_used=kv_used, positions=positions, window=self._window(), tree=tree,
+            tree_starts=tree_starts)
         return ctx, tokens.to(device)
+
+    def _trees(self, trees: list[list[int] | None], starts: list[int], lens: list[int],
+               t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE positions ``[B, T]`` (a node's: its row start + its depth), the visibility
+        bitmasks ``[B, T]`` and the tree rows' starts ``[B]`` (-1: chain) of a forward."""
+        if self._window() is not None:
+            raise InvalidRequestError("token trees are not supported with sliding-window attention")
+        depth = torch.arange(t).repeat(len(starts), 1)          # [B, T]: chains (and padding)
+        masks = torch.zeros(len(starts), t, dtype=torch.int64)
+        tree_starts = torch.full((len(starts),), -1, dtype=torch.int32)
+        for b, parents in enumerate(trees):
+            if parents is None:
+                continue
+            if len(parents) != lens[b] or lens[b] > 64:
+                raise InvalidRequestError(f"a tree needs one parent per new token, at most 64 "
+                                          f"(row {b}: {len(parents)} parents, {lens[b]} tokens)")
+            for j, parent in enumerate(parents):
+                if (j == 0) != (parent == -1) or parent >= j:
+                    raise InvalidRequestError(f"row {b}: token {j}'s parent {parent} (the first "
+                                              "token's must be -1, the others' an earlier token)")
+                if j:
+                    depth[b, j] = depth[b, parent] + 1
+                    masks[b, j] = masks[b, parent] | _bit(j)
+                else:
+                    masks[b, j] = 1
+            for j in range(lens[b], t):  # padding: sees the row's tokens; never read
+                depth[b, j] = j
+                masks[b, j] = masks[b, j - 1] | _bit(j)
+            tree_starts[b] = starts[b]
+        return torch.tensor(starts)[:, None] + depth, masks, tree_starts
 
     def _window(self) -> int | None:
         """The sliding window of the layers that have one (one size per model), or None."""
         windows = {w for w in self.arch.sliding_windows if w is not None}
         assert len(windows) <= 1, "one sliding window size per model"
         return next(iter(windows), None)
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int64 (bit 63 is the sign)."""
+    return 1 << j if j < 63 else -(1 << 63)
 
 
 def _logit_positions(token_ids: list[list[int]], num_logits: list[int],

@@ -82,7 +82,7 @@ def _load() -> ctypes.CDLL:
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.linear_rows.argtypes = [ptr] * 4 + [i32] * 4
     lib.linear_rows.restype = None
-    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 6 + [i32] * 6 + [f32, i32]
+    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 8 + [i32] * 6 + [f32, i32]
     lib.rms_norm_rows.argtypes = [ptr] * 3 + [i32] * 2 + [f32, i32]
     lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
     lib.rope_and_store.argtypes = [ptr] * 8 + [i32] * 7
@@ -150,17 +150,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-              lo: torch.Tensor, hi: torch.Tensor, scale: float) -> torch.Tensor:
+              lo: torch.Tensor, hi: torch.Tensor, scale: float, tree: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, T, H, D]`` (each token's heads contiguous; tokens may be
     further apart, as the q part of a fused projection is) over the cache storage ``keys`` /
     ``values`` ``[num_slots, Hk, S, D]`` of ``slots`` ``[B]`` (int64); query ``(b, t)``
-    reads keys ``lo[b, t] <= j < hi[b, t]`` (int32, at least one). Returns ``[B, T, H * D]``."""
+    reads keys ``lo[b, t] <= j < hi[b, t]`` (int32, at least one). Returns ``[B, T, H * D]``.
+
+    Token trees: with ``tree`` ``[B, T]`` (int64 bitmasks) and ``starts`` ``[B]`` (int32, the
+    position of each row's first new token; -1: the row is a chain), query ``(b, t)`` of a
+    tree row reads the keys before ``starts[b]`` (from ``lo``) and those new tokens ``i``
+    whose bit ``i`` is set (at most 64 new tokens in a tree row)."""
     b, t, h, d = q.shape
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != t * q.stride(1):
         q = q.contiguous()
     out = torch.empty(b, t, h * d, dtype=torch.float32)
     _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
-                            slots.data_ptr(), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), b, t, h,
+                            slots.data_ptr(), lo.data_ptr(), hi.data_ptr(), _ptr(tree), _ptr(starts),
+                            out.data_ptr(), b, t, h,
                             keys.shape[1], keys.shape[2], d, scale, torch.get_num_threads())
     return out
 
