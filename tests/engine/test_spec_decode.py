@@ -17,7 +17,7 @@ from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.hybrid import HybridProposer
 from specserve.engine.proposers.ngram import NgramProposer
-from specserve.engine.proposers.suffix import SuffixProposer
+from specserve.engine.proposers.suffix import SuffixOptions, SuffixProposer
 from specserve.engine.sequence import StepOutput
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
@@ -61,6 +61,12 @@ def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slo
         proposer = NgramProposer(min_n=1, max_n=3)
     elif method == "suffix":  # its global cache fills with the engine's earlier responses
         proposer = SuffixProposer()
+    elif method == "suffix-tree":  # token trees of suffix decoding's likeliest branches
+        proposer = SuffixProposer(SuffixOptions(tree=True, min_token_prob=0.01))
+    elif method == "suffix-tree+eagle":  # trees where suffix is confident, EAGLE chains elsewhere
+        proposer = HybridProposer(SuffixProposer(SuffixOptions(tree=True, min_token_prob=0.01)),
+                                  EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
+                                                            num_slots=slots, max_seq_len=max_len)))
     elif method == "suffix+eagle":  # suffix decoding first, the EAGLE head for the other rows
         proposer = HybridProposer(SuffixProposer(), EagleProposer(ModelWorker(
             eagle_head_of(target_hf, max_len=max_len), num_slots=slots, max_seq_len=max_len)))
@@ -89,7 +95,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 MODEL_METHODS = ["draft_model", "eagle", "decoder_head"]  # every proposer with a model
-METHODS = ["ngram", "suffix", *MODEL_METHODS, "suffix+eagle"]  # ... and without, and a hybrid
+# ... and without, a hybrid, and token trees (issue 20)
+METHODS = ["ngram", "suffix", *MODEL_METHODS, "suffix+eagle", "suffix-tree", "suffix-tree+eagle"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -104,6 +111,8 @@ def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
         assert [c.text for c in got] == [c.text for c in reference[:size]]
     assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
     assert spec.target.num_free_slots == 8
+    if "tree" in method and k > 1:  # trees were verified, not only chains
+        assert spec.num_tree_drafts > 0
 
 
 @pytest.fixture(scope="module")

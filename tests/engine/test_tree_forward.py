@@ -162,3 +162,22 @@ def test_native_tree_attention_equals_the_chain_of_each_nodes_path(heads):
             alone = native.attention(q[:, j:j + 1], keys, values, torch.tensor([1]),
                                      torch.zeros_like(end), end, d ** -0.5)
             assert torch.equal(out[0, j], alone[0, 0]), (start, j, path)
+
+
+def test_a_tree_after_a_long_prompt_tail_in_one_forward(rt):
+    """A prefilling row drafts too: its prompt's 80-token tail (a chain) and a tree after it in
+    one forward; the tree is counted from its base, so it fits the 64-token masks."""
+    rng = random.Random(4)
+    tail = random_sequences((80,), seed=9)[0]
+    drafts = random_tree(rng, 12)[1:]  # parents among the drafts, in tree_acceptance's numbering
+    drafts = [p - 1 for p in drafts]
+    parents = [-1, *range(len(tail) - 1)] + [len(tail) - 1 if p == -1 else len(tail) + p for p in drafts]
+    ids = tail + [rng.randrange(3, VOCAB) for _ in drafts]
+    cache = rt.make_cache(num_slots=1, max_seq_len=128)
+    slot = cache.allocate()
+    got = rt(cache, [slot], [ids], [len(drafts) + 1], trees=[parents])  # the root's, then each node's
+    sub = [-1] + [p + 1 for p in drafts]  # the root (the tail's last token) and the drafts
+    for m in range(len(sub)):
+        path = [len(tail) - 1 + k for k in path_of(sub, m)]
+        want = chain_logits(rt, tail[:-1], [ids[k] for k in path])
+        assert torch.equal(got[m], want), m

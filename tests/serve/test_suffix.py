@@ -58,3 +58,21 @@ def test_greedy_output_is_the_targets_and_the_cache_learns_what_it_served(
     drafted = {s.labels["proposer"]: s.value for s in families["specserve:proposer_num_draft_tokens"].samples
                if s.labels["method"] == "suffix" and s.name.endswith("_total")}
     assert set(drafted) == {"suffix"} and drafted["suffix"] > 0
+
+
+@pytest.fixture(scope="module")
+def suffix_tree_app(ray_cluster, tiny_models) -> str:
+    return deploy("suffix-tree", "/suffix-tree", unit_args(tiny_models[0], speculative={
+        "method": "suffix", "num_speculative_tokens": 8,
+        "suffix": {"tree": True, "min_token_prob": 0.01}, "adaptive": {"enabled": False}}))
+
+
+def test_token_trees_through_the_target_group(suffix_tree_app, tiny_models, model_name):
+    """suffix.tree: true over the Serve path (issue 20): trees are verified by the target
+    ranks, each accepted path compacted with the slot's next forward; the text is the
+    target's alone."""
+    prompts = PROMPTS[:3]
+    for _ in range(2):  # the second pass finds the first's answers in the cache
+        greedy_equals_target_only(suffix_tree_app, model_name, tiny_models[2], prompts, 24, "suffix")
+    stats = httpx.get(suffix_tree_app + "/v1/units/stats", timeout=60).json()
+    assert stats["spec_tree_drafts"] > 0 and stats["spec"]["num_accepted_tokens"] > 0

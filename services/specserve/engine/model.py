@@ -269,8 +269,9 @@ class ForwardContext:
     positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
     window: int | None             # the sliding window of the layers that have one
     # Token trees (``LlamaRuntime.forward(trees=...)``): [B, T] int64, bit i of query (b, t) set
-    # where it sees its row's new token i (its ancestors and itself), and [B] int32, each tree
-    # row's first new position (-1: a chain row). None: every row is a chain.
+    # where it sees the i-th token from its row's base (its ancestors and itself), and [B]
+    # int32, each tree row's base position (-1: a chain row; ``LlamaRuntime._trees``).
+    # None: every row is a chain.
     tree: torch.Tensor | None = None
     tree_starts: torch.Tensor | None = None
     _hidden: dict = field(default_factory=dict)
@@ -431,7 +432,7 @@ class LlamaRuntime(nn.Module):
         ancestors only, so its logits are those of its root-to-node path as a chain (bit for
         bit on the C kernels). The new tokens are stored in the slot in their order; the
         caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a
-        tree row; not with sliding-window layers.
+        tree after its base (``_trees``); not with sliding-window layers.
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
@@ -499,32 +500,44 @@ class LlamaRuntime(nn.Module):
     def _trees(self, trees: list[list[int] | None], starts: list[int], lens: list[int],
                t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RoPE positions ``[B, T]`` (a node's: its row start + its depth), the visibility
-        bitmasks ``[B, T]`` and the tree rows' starts ``[B]`` (-1: chain) of a forward."""
+        bitmasks ``[B, T]`` and the tree rows' bases ``[B]`` (-1: chain) of a forward.
+
+        A row's tokens up to its *base* form a chain that every later token descends from
+        (the base: the lowest parent of a token that does not follow the token before it;
+        a verify's base is the row's last token, a prompt's tail before it): the kernels
+        read keys before the base as a chain's, and bit i of a query's mask stands for the
+        base's i-th token after it, so a tree of up to 63 drafts fits whatever came before."""
         if self._window() is not None:
             raise InvalidRequestError("token trees are not supported with sliding-window attention")
         depth = torch.arange(t).repeat(len(starts), 1)          # [B, T]: chains (and padding)
         masks = torch.zeros(len(starts), t, dtype=torch.int64)
-        tree_starts = torch.full((len(starts),), -1, dtype=torch.int32)
+        bases = torch.full((len(starts),), -1, dtype=torch.int32)
         for b, parents in enumerate(trees):
             if parents is None:
                 continue
-            if len(parents) != lens[b] or lens[b] > 64:
-                raise InvalidRequestError(f"a tree needs one parent per new token, at most 64 "
-                                          f"(row {b}: {len(parents)} parents, {lens[b]} tokens)")
+            if len(parents) != lens[b]:
+                raise InvalidRequestError(f"a tree needs one parent per new token (row {b}: "
+                                          f"{len(parents)} parents, {lens[b]} tokens)")
             for j, parent in enumerate(parents):
                 if (j == 0) != (parent == -1) or parent >= j:
                     raise InvalidRequestError(f"row {b}: token {j}'s parent {parent} (the first "
                                               "token's must be -1, the others' an earlier token)")
-                if j:
-                    depth[b, j] = depth[b, parent] + 1
-                    masks[b, j] = masks[b, parent] | _bit(j)
-                else:
-                    masks[b, j] = 1
+            branching = [p for j, p in enumerate(parents) if j and p != j - 1]
+            if not branching:
+                continue  # a chain after all
+            base = min(branching)
+            if lens[b] - base > 64:
+                raise InvalidRequestError(f"row {b}: a tree of {lens[b] - base} tokens after its "
+                                          "base; at most 64")
+            masks[b, base] = 1
+            for j in range(base + 1, lens[b]):
+                depth[b, j] = depth[b, parents[j]] + 1
+                masks[b, j] = masks[b, parents[j]] | _bit(j - base)
             for j in range(lens[b], t):  # padding: sees the row's tokens; never read
                 depth[b, j] = j
-                masks[b, j] = masks[b, j - 1] | _bit(j)
-            tree_starts[b] = starts[b]
-        return torch.tensor(starts)[:, None] + depth, masks, tree_starts
+                masks[b, j] = masks[b, j - 1] | _bit(j - base) if j - base < 64 else masks[b, j - 1]
+            bases[b] = starts[b] + base
+        return torch.tensor(starts)[:, None] + depth, masks, bases
 
     def _window(self) -> int | None:
         """The sliding window of the layers that have one (one size per model), or None."""

@@ -42,6 +42,8 @@ PLACEHOLDER = -1  # output positions after the emitted token
 class RejectionOutput:
     output_token_ids: torch.Tensor   # [B, K + 1] long, PLACEHOLDER after each row's last token
     num_accepted_tokens: torch.Tensor       # [B] long, 0..num_draft_tokens
+    # token trees (tree_acceptance): per row, the accepted nodes' indices; None: chains
+    paths: list[list[int]] | None = None
 
     def emitted(self, row: int) -> list[int]:
         """The ``num_accepted_tokens + 1`` tokens row ``row`` emits this step."""

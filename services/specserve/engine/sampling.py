@@ -65,7 +65,7 @@ def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 # Streams of the counter-based generator: one per kind of draw, so no two kinds of draw at
 # one position share random numbers (the rejection test's uniform, the target's sampling
 # noise and a draft's own sampling noise must be independent for sampling to stay exact).
-NOISE, UNIFORM, DRAFT = 0, 1, 2
+NOISE, UNIFORM, DRAFT, TREE = 0, 1, 2, 3
 _MASK64 = (1 << 64) - 1
 
 
@@ -90,6 +90,13 @@ def position_uniform(seed: int, position: int) -> float:
     """The U[0, 1) of the rejection test of the draft at ``position``."""
     g = torch.Generator().manual_seed(_mix(seed, position, UNIFORM))
     return float(torch.rand(1, generator=g))
+
+
+def step_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of a token tree's rejection draws at a step whose first new token is at
+    ``position`` (the uniforms of the tried siblings, the final token's noise, in the order
+    :func:`~specserve.engine.tree_acceptance.tree_accept_sampled` takes them)."""
+    return torch.Generator().manual_seed(_mix(seed, position, TREE))
 
 
 def random_seed() -> int:

@@ -77,6 +77,7 @@ class SpecDecodeEngine:
         self.num_draft_fallbacks = 0       # times the proposer became unavailable
         self.k_counts: dict[int, int] = {}  # decoding sequence-steps per K drafted, since start
         self.by_proposer: dict[str, SpecStats] = {}  # the stats per Proposal.source
+        self.num_tree_drafts = 0  # verified drafts that were token trees (Proposal.parents)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
         self.fault_token: int | None = None
@@ -198,6 +199,9 @@ class SpecDecodeEngine:
         logits, hidden = self._verify(seqs, proposals)
         t2 = time.perf_counter()
         results = self._sample(seqs, proposals, logits)
+        if hidden is not None:
+            hidden = [_path_rows(h, p, res.paths[row] if res.paths else None)
+                      for h, p, (res, row) in zip(hidden, proposals, results)]
         outputs = [self._advance_or_fail(seq, prop, res, row)
                    for seq, prop, (res, row) in zip(seqs, proposals, results)]
         t3 = time.perf_counter()
@@ -355,6 +359,8 @@ class SpecDecodeEngine:
         want_hidden = self.needs_hidden and any(s.draft_attached for s in seqs)
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
                   for s, p in zip(seqs, proposals)]
+        trees = [_input_tree(len(inputs[i]) - len(p.token_ids), p.parents)
+                 for i, p in enumerate(proposals)]
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             key = 0 if self.target.length(s.slot) > 0 else len(inputs[i])  # 0: decode rows
@@ -367,8 +373,10 @@ class SpecDecodeEngine:
                 raise RuntimeError("injected fault (fault_token)")
             counts = [len(proposals[i].token_ids) + 1 for i in rows]
             t0 = time.perf_counter()
+            row_trees = [trees[i] for i in rows]
             result = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
-                                         counts, argmax_only, return_hidden=want_hidden)
+                                         counts, argmax_only, return_hidden=want_hidden,
+                                         **({"trees": row_trees} if any(row_trees) else {}))
             if self.controller is not None:
                 tokens = sum(len(inputs[i]) for i in rows)
                 attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
@@ -399,6 +407,7 @@ class SpecDecodeEngine:
         num_accepted_tokens = int(res.num_accepted_tokens[row])
         seq.stats.observe(num_draft_tokens, num_accepted_tokens)
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        self.num_tree_drafts += proposal.parents is not None
         if num_draft_tokens:
             source = self._source(proposal)
             if source not in self.by_proposer:
@@ -409,6 +418,8 @@ class SpecDecodeEngine:
         if seq.finish_reason:
             self._release(seq)
         else:
+            if res.paths is not None:  # a tree: its accepted path moves next to the root
+                self.target.keep(seq.slot, [num_before + n for n in res.paths[row]], num_before)
             # Everything before the last emitted token is final; that token is fed next step.
             self.target.rollback(seq.slot, num_before + num_accepted_tokens)
             if seq.draft_attached:
@@ -454,4 +465,23 @@ class SpecDecodeEngine:
                         s.seq_id, s.token_ids[:s.prompt_len], s.output_token_ids,
                         s.detokenizer.text, out.finish_reason, s.stats)
         return [done[i] for i in ids]
+
+
+def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:
+    """A row's tree over its forward's new tokens: the ``num_before`` tokens before the drafts
+    (its last token, or a prompt's tail) as a chain, then the drafts' tree (None: a chain)."""
+    if parents is None:
+        return None
+    return ([-1, *range(num_before - 1)]
+            + [num_before - 1 if p == -1 else num_before + p for p in parents])
+
+
+def _path_rows(hidden: torch.Tensor | None, proposal: Proposal, path: list[int] | None
+               ) -> torch.Tensor | None:
+    """A tree row's hidden states in the order of its kept path (the tokens before the
+    drafts, then the accepted nodes), as a chain's would be; others as they are."""
+    if hidden is None or path is None:
+        return hidden
+    before = hidden.shape[0] - len(proposal.token_ids)
+    return torch.cat([hidden[:before], hidden[[before + n for n in path]]])
 

@@ -14,6 +14,11 @@ position from the row's seed, and runs the matching sampler of
   text of the seed at any K, in any batch (:func:`verify_seeded`);
 - **unseeded** sampled rows: the rejection test, which accepts more (:func:`verify_sampled`).
 
+A row whose proposal is a token tree (``Proposal.parents``) is verified alone by
+:func:`verify_tree` (:mod:`~specserve.engine.tree_acceptance`: the greedy walk, the
+drafter-invariant walk with the chain's noise per depth, or multi-candidate rejection with
+draws from :func:`~specserve.engine.sampling.step_generator`).
+
 Every draw is a function of (seed, position) alone (:mod:`~specserve.engine.sampling`), never
 of the batch or of K, which is why rows can be regrouped and padded freely.
 """
@@ -27,13 +32,21 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.proposers.base import Proposal
 from specserve.engine.rejection_sampler import (
+    PLACEHOLDER,
     RejectionOutput,
     drafter_invariant_sample,
     greedy_rejection_sample,
     rejection_sample,
     stochastic_num_accepted,
 )
-from specserve.engine.sampling import compute_probs, position_noise, position_uniform, sample_from
+from specserve.engine.sampling import (
+    compute_probs,
+    position_noise,
+    position_uniform,
+    sample_from,
+    step_generator,
+)
+from specserve.engine.tree_acceptance import tree_accept_greedy, tree_accept_sampled, tree_accept_seeded
 
 
 @dataclass(frozen=True)
@@ -54,10 +67,16 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
     when every row of the forward was greedy.
     """
     assert len(rows) == len(proposals) == len(logits)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    seeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is not None]
-    unseeded = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.seed is None]
     results: list[tuple[RejectionOutput, int] | None] = [None] * len(rows)
+    chains = []
+    for i, (row, proposal, x) in enumerate(zip(rows, proposals, logits)):
+        if proposal.parents is not None:
+            results[i] = (verify_tree(row, proposal, x), 0)
+        else:
+            chains.append(i)
+    greedy = [i for i in chains if rows[i].params.greedy]
+    seeded = [i for i in chains if not rows[i].params.greedy and rows[i].params.seed is not None]
+    unseeded = [i for i in chains if not rows[i].params.greedy and rows[i].params.seed is None]
     kinds = ((greedy, lambda _rows, props, x: verify_greedy(props, x)),  # greedy draws nothing
              (seeded, verify_seeded), (unseeded, verify_sampled))
     for picked, verify in kinds:
@@ -67,6 +86,25 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
             for j, i in enumerate(picked):
                 results[i] = (out, j)
     return results
+
+
+def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor) -> RejectionOutput:
+    """One row whose drafts form a tree; logits: ``[N + 1, V]`` (or argmax ids, greedy), row
+    0 after the row's last token, row i + 1 after node i. Returns a one-row output whose
+    ``paths`` holds the accepted nodes."""
+    parents, tokens = proposal.parents, proposal.token_ids
+    if row.params.greedy:
+        out = tree_accept_greedy(parents, tokens, logits)
+    else:
+        p = target_probs([row.params], [logits], len(tokens))[0]  # [N + 1, V]
+        if row.params.seed is not None:
+            out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
+        else:
+            out = tree_accept_sampled(parents, tokens, p, proposal.probs,
+                                      step_generator(row.seed, row.position))
+    emitted = torch.full((1, len(tokens) + 1), PLACEHOLDER, dtype=torch.long)
+    emitted[0, :len(out.emitted)] = torch.tensor(out.emitted, dtype=torch.long)
+    return RejectionOutput(emitted, torch.tensor([out.num_accepted]), paths=[out.path])
 
 
 def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor]) -> RejectionOutput:

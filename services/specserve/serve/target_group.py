@@ -80,22 +80,27 @@ class TargetRank:
 
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                 num_logits: list[int], argmax_only: bool = False,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_hidden: bool = False, trees: list | None = None,
+                moves: list | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
         (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
-        states, which every rank has in full after the last all-reduce)."""
-        batch = (slots, starts, token_ids, num_logits)
+        states, which every rank has in full after the last all-reduce). ``moves``: the
+        coordinator's pending token-tree compactions ``(slot, positions, at)``, applied
+        before the batch (like rollback, they ride on the next forward)."""
+        batch = (slots, starts, token_ids, num_logits, trees, moves)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         out = self._run(batch, argmax_only, return_hidden)
         return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
 
     def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
-        slots, starts, token_ids, num_logits = batch
+        slots, starts, token_ids, num_logits, trees, moves = batch
+        for slot, positions, at in moves or ():
+            self.worker.keep(slot, positions, at)
         for slot, start in zip(slots, starts):  # the coordinator's lengths: rollback for free
             self.worker.rollback(slot, start)
         return self.worker.forward(slots, token_ids, num_logits, argmax_only,
-                                   return_hidden=return_hidden)
+                                   return_hidden=return_hidden, trees=trees)
 
     def _follow(self) -> None:
         """Ranks > 0: run whatever rank 0 broadcasts, for as long as the actor lives."""
@@ -134,6 +139,7 @@ class TargetGroup(SlotOwner):
         self.step_timeout_s = cfg.target_step_timeout_s
         self.generation = 0   # restarts so far
         self.ranks: list = []
+        self._moves: dict[int, tuple[list[int], int]] = {}  # slot -> a kept path not yet sent
         self._launch()
 
     def _launch(self) -> None:
@@ -158,6 +164,7 @@ class TargetGroup(SlotOwner):
         every sequence first; their slots are free, and the new ranks' caches start empty."""
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
+        self._moves.clear()
         self.generation += 1
         self._launch()
 
@@ -165,12 +172,23 @@ class TargetGroup(SlotOwner):
     def vocab_size(self) -> int:
         return self.info["vocab_size"]
 
+    def keep(self, slot: int, positions: list[int], at: int) -> None:
+        """A tree's accepted path: the ranks move it with the slot's next forward."""
+        self._moves[slot] = (positions, at)
+        self.table.rollback(slot, at + len(positions))
+
+    def free(self, slot: int) -> None:
+        self._moves.pop(slot, None)
+        super().free(slot)
+
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
-                argmax_only: bool = False,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                argmax_only: bool = False, return_hidden: bool = False,
+                trees: list[list[int] | None] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         starts = [self.table.lengths[s] for s in slots]
+        moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
         ref = self.ranks[0].forward.remote(slots, starts, token_ids, num_logits, argmax_only,
-                                           return_hidden)
+                                           return_hidden, trees, moves)
         ready, _ = ray.wait([ref, *self._watch], num_returns=1, timeout=self.step_timeout_s)
         if not ready:
             raise TargetUnavailable(f"a target step took longer than {self.step_timeout_s:g} s "

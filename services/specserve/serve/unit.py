@@ -166,6 +166,7 @@ class SpeculationUnit:
                 "target_restarts": self.core.num_target_restarts,
                 "spec": self.engine.stats.as_dict(),
                 "spec_by_proposer": {name: s.as_dict() for name, s in self.engine.by_proposer.items()},
+                "spec_tree_drafts": self.engine.num_tree_drafts,
                 "times": self.engine.times.as_dict(),
                 "router": {"decisions": {f"{on}:{reason}": n
                                          for (on, reason), n in self.decisions.items()},

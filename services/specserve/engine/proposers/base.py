@@ -38,7 +38,12 @@ class DraftRequest:
 @dataclass
 class Proposal:
     """Up to ``k`` drafted tokens. ``probs`` is q at each drafted position (``[len, V]``),
-    present only for sampled requests of a proposer with a model."""
+    present only for sampled requests of a proposer with a model.
+
+    ``parents``: the drafts form a token tree (issue 20): ``parents[i]`` is the index of token
+    i's parent among them, -1 for a child of the row's last token, in topological order,
+    siblings in the order they were drawn (``tree_acceptance``'s convention; ``probs[i]`` is
+    then the q token i was drawn from given its earlier siblings). None: a chain."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
@@ -48,6 +53,7 @@ class Proposal:
     # The registry method that drafted it, where a proposer combines several (a hybrid's first
     # or model part); None: the proposer's own. Acceptance is measured per source.
     source: str | None = None
+    parents: list[int] | None = None
 
 
 class Proposer(ABC):

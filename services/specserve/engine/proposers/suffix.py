@@ -36,6 +36,7 @@ lives in the coordinator's memory only, and seeding it from a file (``cache_file
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from collections import deque
@@ -99,6 +100,50 @@ def continuation(store: np.ndarray, ends: np.ndarray, limit: int,
         probs.append(prob)
         ends = ends[following == values[best]] + 1
     return tokens, probs
+
+
+def continuation_tree(store: np.ndarray, ends: np.ndarray, budget: int, max_depth: int,
+                      min_token_prob: float) -> tuple[list[int], list[int], list[float]]:
+    """Up to ``budget`` nodes of the continuations after ``ends``, likeliest first: a node's
+    probability is its parent's times the share of the parent's occurrences it follows; the
+    likeliest unexpanded node is added next, while its probability is >= ``min_token_prob``
+    and its depth <= ``max_depth``. Returns ``(tokens, parents, probs)`` in the order added
+    (topological; siblings likeliest first; parent -1: after the context). The chain of
+    :func:`continuation` is the path of the likeliest child at each depth.
+
+    >>> store = np.array([4, 5, 6, SEP, 4, 5, 8, SEP, 4, 5, 6, SEP], dtype=np.int32)
+    >>> continuation_tree(store, np.array([0, 4, 8]), budget=3, max_depth=3, min_token_prob=0.0)
+    ([5, 6, 8], [-1, 0, 0], [1.0, 0.6666666666666666, 0.3333333333333333])
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    heap: list[tuple[float, int, int, int, np.ndarray]] = []  # (-prob, order, token, parent, ends)
+    order = 0
+
+    def expand(node: int, prob: float, at: np.ndarray, depth: int) -> None:
+        nonlocal order
+        if depth > max_depth or at.size == 0:
+            return
+        following = store[at + 1]
+        values, counts = np.unique(following[following != SEP], return_counts=True)
+        for value, count in zip(values.tolist(), counts.tolist()):
+            p = prob * count / at.size
+            if p >= min_token_prob:
+                heapq.heappush(heap, (-p, order, value, node, at[following == value] + 1))
+                order += 1
+
+    expand(-1, 1.0, ends, 1)
+    depth = {-1: 0}
+    while heap and len(tokens) < budget:
+        neg, _, token, parent, at = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        probs.append(-neg)
+        depth[node] = depth[parent] + 1
+        expand(node, -neg, at, depth[node] + 1)
+    return tokens, parents, probs
 
 
 def bigram_keys(prev: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -277,6 +322,7 @@ class SuffixProposer(Proposer):
         context = own[:-1]
         last = int(context[-1])
         best: list[int] = []
+        best_parents: list[int] | None = None
         best_score = 0.0
         # (store, where the context's last `length` tokens end in it, length)
         stores = [(own, np.flatnonzero(own[:-2] == last), 1)]  # not the suffix itself, at the end
@@ -287,7 +333,13 @@ class SuffixProposer(Proposer):
                 continue
             length, ends = match(store, ends, context, self.options.max_match_tokens, length)
             limit = min(r.k, math.floor(self.options.match_factor * length + self.options.match_offset))
-            tokens, probs = continuation(store, ends, limit, self.options.min_token_prob)
+            if self.options.tree:  # up to K nodes, at most `limit` deep
+                tokens, parents, probs = continuation_tree(store, ends, r.k, limit,
+                                                           self.options.min_token_prob)
+            else:
+                (tokens, probs), parents = continuation(store, ends, limit, self.options.min_token_prob), None
             if sum(probs) > best_score:
-                best, best_score = tokens, sum(probs)
-        return Proposal(best, expected_accepted=best_score if best else None)
+                best, best_parents, best_score = tokens, parents, sum(probs)
+        if not best:
+            return Proposal([])
+        return Proposal(best, expected_accepted=best_score, parents=best_parents)
