@@ -376,7 +376,7 @@ class SpecDecodeEngine:
             row_trees = [trees[i] for i in rows]
             result = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
                                          counts, argmax_only, return_hidden=want_hidden,
-                                         **({"trees": row_trees} if any(row_trees) else {}))
+                                         trees=row_trees if any(row_trees) else None)
             if self.controller is not None:
                 tokens = sum(len(inputs[i]) for i in rows)
                 attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
