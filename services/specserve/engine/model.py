@@ -34,6 +34,7 @@ from specserve.engine import native
 from specserve.engine.compiled import StaticForward, StaticInputs
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys, native_ready
 from specserve.engine.kv_cache import SlotKVCache
+from specserve.engine.tree_acceptance import validate_tree
 from specserve.errors import ConfigError, InvalidRequestError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -518,10 +519,12 @@ class LlamaRuntime(nn.Module):
             if len(parents) != lens[b]:
                 raise InvalidRequestError(f"a tree needs one parent per new token (row {b}: "
                                           f"{len(parents)} parents, {lens[b]} tokens)")
-            for j, parent in enumerate(parents):
-                if (j == 0) != (parent == -1) or parent >= j:
-                    raise InvalidRequestError(f"row {b}: token {j}'s parent {parent} (the first "
-                                              "token's must be -1, the others' an earlier token)")
+            try:  # the drafts after token 0, numbered as tree_acceptance numbers them
+                if not parents or parents[0] != -1:
+                    raise ValueError("token 0's parent must be -1 (it follows the cache)")
+                validate_tree([p - 1 for p in parents[1:]])
+            except ValueError as exc:
+                raise InvalidRequestError(f"row {b}: malformed token tree ({exc})") from None
             branching = [p for j, p in enumerate(parents) if j and p != j - 1]
             if not branching:
                 continue  # a chain after all
