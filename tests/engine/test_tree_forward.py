@@ -181,3 +181,44 @@ def test_a_tree_after_a_long_prompt_tail_in_one_forward(rt):
         path = [len(tail) - 1 + k for k in path_of(sub, m)]
         want = chain_logits(rt, tail[:-1], [ids[k] for k in path])
         assert torch.equal(got[m], want), m
+
+
+def test_a_tree_grown_over_several_forwards_equals_it_in_one(rt):
+    """A draft expands its tree a level at a time (``proposers/eagle.py``): each forward
+    brings new nodes whose parents were stored by earlier forwards (``trees[i]`` covers the
+    cached part too). Every node's logits equal those of the whole tree in one forward, and
+    so those of its path as a chain; a chain row beside it is unaffected."""
+    rng = random.Random(5)
+    for trial in range(6):
+        prefix, other = random_sequences((rng.randrange(3, 30), 11), seed=20 + trial)
+        parents = [-1] + sorted_tree(rng, rng.randrange(6, 30))
+        ids = [rng.randrange(3, VOCAB) for _ in parents]
+        cache = rt.make_cache(num_slots=2, max_seq_len=128)
+        slot, chain_slot = cache.allocate(), cache.allocate()
+        rt(cache, [slot, chain_slot], [prefix, other])
+        cuts = sorted(rng.sample(range(1, len(parents)), 3)) + [len(parents)]
+        got, done = [], 0
+        for cut in cuts:  # nodes [done, cut) arrive now; the chain row decodes a token each time
+            nxt = rng.randrange(3, VOCAB)
+            out = rt(cache, [slot, chain_slot], [ids[done:cut], [nxt]], [cut - done, 1],
+                     trees=[parents[:cut], None])
+            got.append(out[:-1])
+            other = other + [nxt]
+            assert torch.equal(out[-1], chain_logits(rt, other[:-1], other[-1:])[None][0]), trial
+            done = cut
+        got = torch.cat(got)
+        for j in range(len(parents)):
+            want = chain_logits(rt, prefix, [ids[i] for i in path_of(parents, j)])
+            assert torch.equal(got[j], want), (trial, j)
+
+
+def sorted_tree(rng: random.Random, size: int) -> list[int]:
+    """Parents of ``size`` nodes after a root at index 0, level by level as a draft grows it
+    (each node's parent an earlier node, depths non-decreasing)."""
+    parents, depth = [], [0]
+    for j in range(1, size + 1):
+        parent = rng.choice([i for i in range(j) if depth[i] == max(depth[:j]) or
+                             depth[i] == max(depth[:j]) - 1] or [j - 1])
+        parents.append(parent)
+        depth.append(depth[parent] + 1)
+    return parents

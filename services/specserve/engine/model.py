@@ -434,6 +434,12 @@ class LlamaRuntime(nn.Module):
         bit on the C kernels). The new tokens are stored in the slot in their order; the
         caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a
         tree after its base (``_trees``); not with sliding-window layers.
+
+        A tree may grow over several forwards (a draft expanding it a level at a time,
+        ``proposers/eagle.py``): ``trees[i]`` longer than ``token_ids[i]`` covers the row's
+        last ``len(trees[i])`` tokens *after* this forward, the first of them stored by earlier
+        forwards of the same tree (their parents as they were given then), so a new token's
+        parent may be a token already in the cache.
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
@@ -516,9 +522,11 @@ class LlamaRuntime(nn.Module):
         for b, parents in enumerate(trees):
             if parents is None:
                 continue
-            if len(parents) != lens[b]:
-                raise InvalidRequestError(f"a tree needs one parent per new token (row {b}: "
-                                          f"{len(parents)} parents, {lens[b]} tokens)")
+            past = len(parents) - lens[b]  # the tree's tokens stored by earlier forwards
+            if not 0 <= past <= starts[b]:
+                raise InvalidRequestError(f"a tree needs one parent per new token and at most one "
+                                          f"per cached token (row {b}: {len(parents)} parents, "
+                                          f"{lens[b]} new tokens, {starts[b]} cached)")
             try:  # the drafts after token 0, numbered as tree_acceptance numbers them
                 if not parents or parents[0] != -1:
                     raise ValueError("token 0's parent must be -1 (it follows the cache)")
@@ -529,17 +537,23 @@ class LlamaRuntime(nn.Module):
             if not branching:
                 continue  # a chain after all
             base = min(branching)
-            if lens[b] - base > 64:
-                raise InvalidRequestError(f"row {b}: a tree of {lens[b] - base} tokens after its "
-                                          "base; at most 64")
-            masks[b, base] = 1
-            for j in range(base + 1, lens[b]):
-                depth[b, j] = depth[b, parents[j]] + 1
-                masks[b, j] = masks[b, parents[j]] | _bit(j - base)
+            if len(parents) - base > 64:
+                raise InvalidRequestError(f"row {b}: a tree of {len(parents) - base} tokens after "
+                                          "its base; at most 64")
+            # Depth and mask of every token of the tree, cached ones included (index j is
+            # stored at starts[b] - past + j); the new tokens take theirs.
+            tree_depth, tree_mask = list(range(base + 1)), [0] * base + [1]
+            for j in range(base + 1, len(parents)):
+                tree_depth.append(tree_depth[parents[j]] + 1)
+                tree_mask.append(tree_mask[parents[j]] | _bit(j - base))
+            for j in range(lens[b]):
+                depth[b, j] = tree_depth[past + j] - past
+                masks[b, j] = tree_mask[past + j]
             for j in range(lens[b], t):  # padding: sees the row's tokens; never read
                 depth[b, j] = j
-                masks[b, j] = masks[b, j - 1] | _bit(j - base) if j - base < 64 else masks[b, j - 1]
-            bases[b] = starts[b] + base
+                bit = past + j - base
+                masks[b, j] = masks[b, j - 1] | _bit(bit) if bit < 64 else masks[b, j - 1]
+            bases[b] = starts[b] - past + base
         return torch.tensor(starts)[:, None] + depth, masks, bases
 
     def _window(self) -> int | None:
