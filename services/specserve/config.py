@@ -182,6 +182,13 @@ class _SpeculativeSettings(_Strict):
         """The model-free proposer in front of the model one (``first`` or ``ngram_first``)."""
         return self.first or ("ngram" if self.ngram_first else None)
 
+    @property
+    def method_options(self) -> dict | None:
+        """The method's own settings (``speculative.<method>``) as plain data, None where it
+        has none: what a draft actor is built with."""
+        options = getattr(self, self.method, None) if self.method else None
+        return options.model_dump() if isinstance(options, BaseModel) else None
+
 
 SpeculativeConfig = create_model(
     "SpeculativeConfig", __base__=_SpeculativeSettings, __doc__=_SpeculativeSettings.__doc__,

@@ -57,7 +57,16 @@ PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
                  reads_features=False, draft_kind="decoder", plain_draft=True,
                  summary="a smaller model of the target's tokenizer, or a decoder draft"),
     ProposerSpec("eagle", "eagle", "EagleProposer", draft_model=True, reads_features=True,
-                 draft_kind="eagle", summary="an EAGLE head reading the target's features"),
+                 draft_kind="eagle", summary="an EAGLE head reading the target's features",
+                 options=(
+        Option("tree", False, "Draft a token tree of up to K nodes instead of one chain "
+                              "(EAGLE-2's dynamic tree: expand the likeliest nodes level by "
+                              "level, keep the K likeliest); verified in one forward (issue 20)."),
+        Option("tree_topk", 4, "tree: children per expanded node, and nodes expanded per level.",
+               ge=1, le=8),
+        Option("tree_depth", 6, "tree: levels grown (one forward of the head each): the "
+                                "deepest path drafted.", ge=1, le=8),
+    )),
     ProposerSpec("suffix", "suffix", "SuffixProposer", draft_model=False, reads_features=False,
                  draft_kind=None, summary="suffix decoding: the most frequent continuation of the "
                                           "sequence's suffix in itself and in earlier responses",

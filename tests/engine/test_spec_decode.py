@@ -14,7 +14,7 @@ from scipy import stats
 from specserve.config import AdaptiveConfig, SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.draft_model import DraftModelProposer
-from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
 from specserve.engine.proposers.hybrid import HybridProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.proposers.suffix import SuffixOptions, SuffixProposer
@@ -67,6 +67,10 @@ def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slo
         proposer = HybridProposer(SuffixProposer(SuffixOptions(tree=True, min_token_prob=0.01)),
                                   EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
                                                             num_slots=slots, max_seq_len=max_len)))
+    elif method == "eagle-tree":  # EAGLE-2 dynamic trees of the head's likeliest nodes
+        proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
+                                             num_slots=slots, max_seq_len=max_len),
+                                 EagleOptions(tree=True, tree_topk=3, tree_depth=4))
     elif method == "suffix+eagle":  # suffix decoding first, the EAGLE head for the other rows
         proposer = HybridProposer(SuffixProposer(), EagleProposer(ModelWorker(
             eagle_head_of(target_hf, max_len=max_len), num_slots=slots, max_seq_len=max_len)))
@@ -96,7 +100,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 MODEL_METHODS = ["draft_model", "eagle", "decoder_head"]  # every proposer with a model
 # ... and without, a hybrid, and token trees (issue 20)
-METHODS = ["ngram", "suffix", *MODEL_METHODS, "suffix+eagle", "suffix-tree", "suffix-tree+eagle"]
+METHODS = ["ngram", "suffix", *MODEL_METHODS, "suffix+eagle", "suffix-tree", "suffix-tree+eagle",
+           "eagle-tree"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -417,10 +422,20 @@ def test_sampled_output_has_target_distribution(target_hf, method, params, seede
                          eos=frozenset())
     prompt = list(sampling_prompt(target_hf))
     joint = exact_joint(target_hf, prompt, params)
-    pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params, seeded), joint)
+    pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, _reaching_k(params, method), seeded),
+                               joint)
     rate = engine.stats.acceptance_rate
     assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
+    if method == "eagle-tree":  # the second token came out of trees with siblings
+        assert engine.num_tree_drafts > 0
     assert pvalue > 1e-3
+
+
+def _reaching_k(params: SamplingParams, method: str) -> SamplingParams:
+    """For EAGLE trees. An EAGLE head drafts nothing in the prefill step (it has no target features yet), so
+    the pair's second token comes from the second step, whose K max_tokens caps at
+    ``max_tokens - 2``: 5 lets it draft the full K = 3 (a tree of 3 nodes, not one)."""
+    return params.model_copy(update={"max_tokens": 5}) if method == "eagle-tree" else params
 
 
 def test_sampled_output_has_target_distribution_with_k_changing_every_step(target_hf):
@@ -448,6 +463,24 @@ def test_distribution_test_has_power(target_hf):
     draft_only = make_engine(draft, None, slots=256, eos=frozenset())
     assert chi_square_pvalue_or_zero(_sample_pairs(draft_only, prompt, params),
                                      exact_joint(target_hf, prompt, params)) < 1e-6
+
+
+def test_the_tree_distribution_test_rejects_a_wrong_residual_update(target_hf, monkeypatch):
+    """The chi-square test above, through EAGLE trees with several siblings per node
+    (unseeded: multi-candidate rejection), fails when the residual after a rejected sibling
+    is not updated (the rejected token stays in it and can be recovered after all): the
+    test has the power to see that mistake at this sample size. (test_tree_acceptance has
+    power checks against two more wrong updates, row by row.)"""
+    from specserve.engine import tree_acceptance
+
+    monkeypatch.setattr(tree_acceptance, "_residual_after_rejection", lambda r, q, token: r)
+    torch.manual_seed(20261125)
+    params = _reaching_k(SAMPLED[0], "eagle-tree")
+    engine = make_engine(target_hf, "eagle-tree", 3, slots=256, eos=frozenset())
+    prompt = list(sampling_prompt(target_hf))
+    samples = _sample_pairs(engine, prompt, params, seeded=False)
+    assert engine.num_tree_drafts > 0
+    assert chi_square_pvalue_or_zero(samples, exact_joint(target_hf, prompt, params)) < 1e-6
 
 
 def chi_square_pvalue_or_zero(samples, joint) -> float:

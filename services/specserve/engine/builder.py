@@ -79,12 +79,13 @@ def build_proposer(spec: SpeculativeConfig, draft: Proposer | None = None) -> Pr
 
 def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, max_model_len: int,
                         target_runtime=None, target_cfg: ModelConfig | None = None,
-                        target_vocab_size: int | None = None) -> Proposer:
+                        target_vocab_size: int | None = None, options: dict | None = None) -> Proposer:
     """The proposer of a model method: a plain draft model, or a draft from ``train-draft``
     (a directory with ``draft.json``) on the target's embeddings, taken from
     ``target_runtime`` when the target is in this process, else read via ``target_cfg``.
     ``target_vocab_size`` (default: ``target_runtime``'s): the ids the target verifies; a
-    plain draft with more or fewer embedding rows drafts over exactly those."""
+    plain draft with more or fewer embedding rows drafts over exactly those. ``options``:
+    the method's ``speculative.<method>`` settings (``SpeculativeConfig.method_options``)."""
     spec = PROPOSERS[method]
     if is_draft_dir(draft_cfg.source):
         device = resolve_device(draft_cfg.device)
@@ -104,7 +105,8 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
     if target_vocab_size is None and target_runtime is not None:
         target_vocab_size = target_runtime.arch.vocab_size
     worker = ModelWorker(runtime, num_slots=num_slots, max_seq_len=max_model_len)
-    return proposer_class(method).from_draft(worker, target_vocab_size=target_vocab_size)
+    return proposer_class(method).from_draft(worker, target_vocab_size=target_vocab_size,
+                                             options=options)
 
 
 def assemble_engine(target, tokenizer, eos_token_ids: frozenset[int], spec: SpeculativeConfig,
@@ -126,7 +128,8 @@ def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
     draft = None
     if spec.method is not None and PROPOSERS[spec.method].draft_model:
         draft = load_draft_proposer(spec.method, spec.draft, target_runtime=target.runtime,
-                                    num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len)
+                                    num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                                    options=spec.method_options)
     return assemble_engine(worker, target.tokenizer, target.eos_token_ids, spec, draft), target
 
 

@@ -61,7 +61,7 @@ class DraftGroup(Proposer):
                                     **placement).remote(
             engine.speculative.method, engine.speculative.draft.model_dump(),
             engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs, target_vocab_size,
-            niced=cfg.accelerator == "cpu")
+            options=engine.speculative.method_options, niced=cfg.accelerator == "cpu")
         proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
             raise RuntimeError("the draft group did not start")

@@ -119,7 +119,7 @@ class DraftWorker:
 
     def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
                  num_slots: int, target_vocab_size: int | None = None, *,
-                 niced: bool = False) -> None:
+                 options: dict | None = None, niced: bool = False) -> None:
         loading = contextlib.nullcontext()
         if niced:  # before the heavy imports below: they are most of a restart's CPU
             os.nice(DRAFT_NICENESS)
@@ -135,7 +135,8 @@ class DraftWorker:
             self.proposer = load_draft_proposer(
                 method, ModelConfig.model_validate(draft),
                 target_cfg=ModelConfig.model_validate(target), num_slots=num_slots,
-                max_model_len=max_model_len, target_vocab_size=target_vocab_size)
+                max_model_len=max_model_len, target_vocab_size=target_vocab_size,
+                options=options)
         self._slow: tuple[float, float] = (0.0, 0.0)  # fault injection: (seconds per call, until)
         self._hang = 0.0                               # fault injection: the next step sleeps this
 

@@ -73,9 +73,11 @@ class Proposer(ABC):
         raise NotImplementedError(f"{cls.__name__} drafts with a model: use from_draft")
 
     @classmethod
-    def from_draft(cls, draft, *, target_vocab_size: int | None = None) -> Proposer:
+    def from_draft(cls, draft, *, target_vocab_size: int | None = None,
+                   options: dict | None = None) -> Proposer:
         """A proposer around a loaded draft (a ``ModelWorker``), drafting over the target's
-        ``target_vocab_size`` ids (builder.py)."""
+        ``target_vocab_size`` ids, with its ``speculative.<method>`` settings as a dict
+        (``options``: they cross to a draft actor as plain data; builder.py)."""
         raise NotImplementedError(f"{cls.__name__} has no draft model: use from_config")
 
     def start(self, seq_id: int, seed: int) -> None:

@@ -37,7 +37,8 @@ class DraftModelProposer(Proposer):
         self.seeds: dict[int, int] = {}  # seq_id -> the request's seed
 
     @classmethod
-    def from_draft(cls, draft: ModelWorker, *, target_vocab_size: int | None = None) -> DraftModelProposer:
+    def from_draft(cls, draft: ModelWorker, *, target_vocab_size: int | None = None,
+                   options: dict | None = None) -> DraftModelProposer:
         return cls(draft, target_vocab_size=target_vocab_size)
 
     def start(self, seq_id: int, seed: int) -> None:

@@ -13,14 +13,27 @@ State per sequence: a slot in the head's cache, the features received but not ye
 verification the cache is rolled back to ``real``; the next request brings the features of
 the tokens the target kept. A sequence whose features were lost (a restarted draft actor)
 cannot be caught up: the engine leaves it target-only (``Proposer.needs_hidden``).
+
+With ``speculative.eagle.tree`` the head drafts a token tree instead of a chain (EAGLE-2's
+dynamic tree, :mod:`~specserve.engine.proposers.tree_growth`): after the catch-up forward, each
+level is one more forward of the head over the ``tree_topk`` best nodes of every row, each fed
+with its parent's predicted feature and masked to its ancestors in the head's cache; the K
+(the node budget) best-scored nodes are drafted. The head's tree nodes are predicted pairs, so
+:meth:`commit` drops them as it drops a chain's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specserve.config import PROPOSER_OPTIONS
 from specserve.engine.proposers.base import DraftRequest, Proposal
 from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.proposers.tree_growth import TreeGrowth
+from specserve.engine.sampling import compute_probs
+
+# speculative.eagle: its fields, bounds and defaults are the registry's (specserve.methods).
+EagleOptions = PROPOSER_OPTIONS["eagle"]
 
 
 class EagleProposer(DraftModelProposer):
@@ -28,16 +41,18 @@ class EagleProposer(DraftModelProposer):
     needs_hidden = True
     CATCH_UP_BACKLOG = 16  # features waiting for a row that drafts nothing before they are fed
 
-    def __init__(self, worker) -> None:
+    def __init__(self, worker, options: EagleOptions | None = None) -> None:
         super().__init__(worker)
         assert getattr(worker.runtime, "uses_features", False), "an EAGLE proposer needs an eagle head"
+        self.options = options or EagleOptions()
         self.pending: dict[int, list[torch.Tensor]] = {}  # seq_id -> features not yet fed
         self.real: dict[int, int] = {}                     # seq_id -> pairs from real features
 
     @classmethod
-    def from_draft(cls, draft, *, target_vocab_size: int | None = None) -> EagleProposer:
+    def from_draft(cls, draft, *, target_vocab_size: int | None = None,
+                   options: dict | None = None) -> EagleProposer:
         """The head drafts over the target's own embedding and LM head ids: no mapping."""
-        return cls(draft)
+        return cls(draft, EagleOptions.model_validate(options or {}))
 
     def start(self, seq_id: int, seed: int) -> None:
         super().start(seq_id, seed)
@@ -68,7 +83,58 @@ class EagleProposer(DraftModelProposer):
                 feeds[i] = feed
                 if r.k == 0:
                     silent.add(i)
+        if self.options.tree:
+            return self._draft_trees(requests, feeds, silent)
         return self._draft(requests, feeds, silent)
+
+    def _draft_trees(self, requests: list[DraftRequest],
+                     feeds: dict[int, tuple[list[int], torch.Tensor]], silent: set[int]) -> list[Proposal]:
+        """A tree of up to ``k`` nodes per fed row (module docstring): the catch-up forward,
+        then one forward per level for every row still growing."""
+        proposals = [Proposal([]) for _ in requests]
+        if not feeds:
+            return proposals
+        rows = list(feeds)
+        logits, root_features = self._forward([self.slots[requests[i].seq_id] for i in rows],
+                                              [feeds[i] for i in rows])
+        trees: dict[int, TreeGrowth] = {}
+        levels: dict[int, int] = {}
+        for j, i in enumerate(rows):
+            if i not in silent:
+                trees[i] = TreeGrowth(self._logprobs(requests[i], logits[j:j + 1])[0],
+                                      root_features[j:j + 1], topk=self.options.tree_topk,
+                                      budget=requests[i].k)
+                levels[i] = self._levels(requests[i])
+        while growing := [i for i in trees if trees[i].depth < levels[i] and trees[i].frontier]:
+            fed = [trees[i].feed() for i in growing]
+            logits, hidden = self.worker.runtime(
+                self.worker.cache, [self.slots[requests[i].seq_id] for i in growing],
+                [tokens for tokens, _, _ in fed], [len(tokens) for tokens, _, _ in fed],
+                features=torch.cat([f for _, features, _ in fed for f in features]),
+                return_hidden=True, trees=[parents for _, _, parents in fed])
+            counts = [len(tokens) for tokens, _, _ in fed]
+            for i, x, h in zip(growing, logits.split(counts), hidden.split(counts)):
+                trees[i].expand(self._logprobs(requests[i], x), h.split(1))
+        for i, tree in trees.items():
+            tokens, parents = tree.proposal()
+            proposals[i] = Proposal(tokens, parents=parents)
+        return proposals
+
+    def _levels(self, r: DraftRequest) -> int:
+        """How deep row ``r``'s tree grows: ``tree_depth``, no deeper than its budget can
+        reach, and only as many levels as the head's cache has room for."""
+        room = self.worker.max_seq_len - self.worker.length(self.slots[r.seq_id])
+        return max(1, min(self.options.tree_depth, r.k, 1 + room // self.options.tree_topk))
+
+    def _logprobs(self, r: DraftRequest, logits: torch.Tensor) -> torch.Tensor:
+        """``[m, V]`` log-probabilities the tree is scored by: the draft's softmax for greedy
+        rows, its distribution after the request's temperature / top-k / top-p otherwise."""
+        logits = self._to_target_vocab(logits)
+        if r.temperature <= 0:
+            return torch.log_softmax(logits, dim=-1)
+        m = logits.shape[0]
+        return compute_probs(logits, torch.full((m,), r.temperature), torch.full((m,), r.top_k),
+                             torch.full((m,), r.top_p)).log()
 
     def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
