@@ -292,3 +292,17 @@ def test_break_even_is_solved_again_only_when_a_cost_fit_changed(monkeypatch):
     assert ctl.break_even_acceptance() == pytest.approx(first, abs=0.05) and len(solves) == 2
     ctl.break_even_acceptance(context=512)
     assert len(solves) == 3
+
+
+def test_a_trees_kept_nodes_are_counted_by_their_index():
+    """A token tree's acceptance is counted per node (its index in the proposal, best first):
+    node j is accepted when it lies on the kept path, so the sum over the first K nodes
+    predicts a budget-K tree's accepted tokens, as it does a chain's."""
+    acc = PositionAcceptance(6, decay=0.999)
+    for _ in range(10):
+        acc.observe(6, 6, [1, 4])  # node 0 rejected, its sibling 1 kept, then 1's child 4
+    rates, got = acc.rates()
+    assert rates[0] == 0 and rates[2] == rates[3] == rates[5] == 0
+    assert rates[1] > 0.99 and rates[4] > 0.99 and (got == 1).all()
+    acc.observe(6, 6, 2)  # a chain's count still means its first drafts
+    assert acc.accepted[0] > 0 and acc.accepted[1] > 9

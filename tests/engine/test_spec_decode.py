@@ -116,8 +116,14 @@ def test_greedy_equals_target_only(target_hf, close_draft_hf, method, k):
         assert [c.text for c in got] == [c.text for c in reference[:size]]
     assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
     assert spec.target.num_free_slots == 8
-    if "tree" in method and k > 1:  # trees were verified, not only chains
+    if "tree" in method and k > 1:  # trees were verified, not only chains, and counted
         assert spec.num_tree_drafts > 0
+        st = spec.stats
+        assert sum(st.tree_sizes.values()) == sum(st.tree_depths.values()) == spec.num_tree_drafts
+        assert sum(st.tree_ranks.values()) == sum(d * n for d, n in st.tree_depths.items())
+        assert max(st.tree_sizes) <= k
+        if method == "eagle-tree":  # a sibling beyond the head's first choice was kept
+            assert any(rank > 0 for _, rank in st.tree_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +178,21 @@ def test_greedy_equals_target_only_with_k_changing_every_step(target_hf, close_d
     assert spec.stats.num_accepted_tokens > 0 and spec.target.num_free_slots == 8
 
 
-def test_greedy_equals_target_only_with_the_real_controller(target_hf, close_draft_hf):
-    """The cost-model controller, calibrated quickly so it switches K during the run."""
+@pytest.mark.parametrize("method", ["draft_model", "eagle-tree"])
+def test_greedy_equals_target_only_with_the_real_controller(target_hf, close_draft_hf, method):
+    """The cost-model controller, calibrated quickly so it switches K (a tree's node budget
+    for eagle-tree) during the run."""
     batch = prompts(8, seed=12)
     reference = make_engine(target_hf, None).generate(batch, GREEDY)
     ctl = SpecLengthController(4, AdaptiveConfig(warmup_steps=1, min_dwell_steps=1, hysteresis=0.0,
                                                  probe_interval_steps=2))
-    spec = make_engine(target_hf, "draft_model", 4, draft_hf=close_draft_hf, controller=ctl)
+    spec = make_engine(target_hf, method, 4, draft_hf=close_draft_hf, controller=ctl)
     for size in (8, 3, 1):
         got = spec.generate(batch[:size], GREEDY, adaptive=True)
         assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
     assert ctl.calibrated and ctl.forward_cost.num_observations > 0
+    if method == "eagle-tree":  # trees were verified and their kept nodes counted by index
+        assert spec.num_tree_drafts > 0 and ctl.acceptance.accepted[1:].sum() > 0
 
 
 def test_a_hybrid_measures_its_parts_apart_and_k_follows_the_model(target_hf):

@@ -6,9 +6,14 @@ most tokens per second. Both sides of that ratio are measured on this unit, not 
 
 - **acceptance**, per proposer and draft position j, as decayed counts of rows *asked* for at least j + 1
   drafts, rows that *got* at least j + 1 (an n-gram proposer often finds fewer, or none), and
-  rows whose first j + 1 drafts were *accepted*. Then E[emitted | K] = 1 + Σ_{j<K} acc_j / asked_j
+  rows whose draft j was *accepted* (for a chain: whose first j + 1 were). Then
+  E[emitted | K] = 1 + Σ_{j<K} acc_j / asked_j
   with no independence assumption: n-gram acceptance is strongly correlated across positions,
-  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it. K follows the acceptance of
+  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it. **Token trees** are counted
+  by node: a tree proposer drafts its nodes best first, so the tree of budget K is the first K
+  nodes of a larger one, and node j is accepted when it lies on the kept path; the same sum
+  then predicts a tree's emitted tokens, and K is the tree's node budget (the acceptance per
+  depth and sibling rank that this sum adds up is on /metrics, ``stats.py``). K follows the acceptance of
   the proposer it governs (``k_source``): in a hybrid, the model part's. The model-free first
   part drafts to the row's cap and is picked per row by its own estimate (``hybrid.py``), so
   its long accepted runs must not raise the model's K, nor its misses lower it.
@@ -121,12 +126,18 @@ class PositionAcceptance:
         self.drafted = np.zeros(max_k)
         self.accepted = np.zeros(max_k)
 
-    def observe(self, asked: int, drafted: int, accepted: int) -> None:
+    def observe(self, asked: int, drafted: int, accepted: int | list[int]) -> None:
+        """``accepted``: how many of a chain's first drafts were kept, or a tree's kept nodes."""
         if asked <= 0:
             return
-        for counts, n in ((self.asked, asked), (self.drafted, drafted), (self.accepted, accepted)):
+        for counts, n in ((self.asked, asked), (self.drafted, drafted)):
             counts *= self.decay
             counts[: min(n, len(counts))] += 1.0
+        self.accepted *= self.decay
+        if isinstance(accepted, int):
+            self.accepted[: min(accepted, len(self.accepted))] += 1.0
+        else:
+            self.accepted[[j for j in accepted if j < len(self.accepted)]] += 1.0
 
     @property
     def measured(self) -> bool:
@@ -216,10 +227,10 @@ class SpecLengthController:
     def observe_accept(self, rows: int, sampled_logit_rows: int, seconds: float) -> None:
         self.accept_cost.observe((1.0, rows, sampled_logit_rows), seconds)
 
-    def observe_draft(self, asked: int, drafted: int, accepted: int, source: str | None = None
-                      ) -> None:
-        """One row's step: drafts it was asked for, got and had accepted; ``source``: the
-        proposer that drafted them."""
+    def observe_draft(self, asked: int, drafted: int, accepted: int | list[int],
+                      source: str | None = None) -> None:
+        """One row's step: drafts it was asked for, got and had accepted (a tree: the kept
+        nodes' indices); ``source``: the proposer that drafted them."""
         if source is not None:
             if source not in self.by_source:
                 self.by_source[source] = PositionAcceptance(self.max_k, self.cfg.decay)

@@ -271,8 +271,9 @@ class SpecDecodeEngine:
             ctl.observe_propose(max(asked), len(asked), propose_s)
         for k, prop, (res, row) in zip(ks, proposals, results):
             # (a proposer that drafts to the cap was, in effect, asked for what it drafted)
-            ctl.observe_draft(max(k, len(prop.token_ids)), len(prop.token_ids),
-                              int(res.num_accepted_tokens[row]), self._source(prop))
+            accepted = res.paths[row] if res.paths is not None else int(res.num_accepted_tokens[row])
+            ctl.observe_draft(max(k, len(prop.token_ids)), len(prop.token_ids), accepted,
+                              self._source(prop))
         sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
         ctl.observe_accept(len(seqs), sampled, accept_s)
 
@@ -405,14 +406,15 @@ class SpecDecodeEngine:
         num_before = len(seq.token_ids)
         num_draft_tokens = len(proposal.token_ids)
         num_accepted_tokens = int(res.num_accepted_tokens[row])
-        seq.stats.observe(num_draft_tokens, num_accepted_tokens)
-        self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        tree = (proposal.parents, res.paths[row]) if res.paths is not None else None
+        seq.stats.observe(num_draft_tokens, num_accepted_tokens, tree)
+        self.stats.observe(num_draft_tokens, num_accepted_tokens, tree)
         self.num_tree_drafts += proposal.parents is not None
         if num_draft_tokens:
             source = self._source(proposal)
             if source not in self.by_proposer:
                 self.by_proposer[source] = SpecStats()
-            self.by_proposer[source].observe(num_draft_tokens, num_accepted_tokens)
+            self.by_proposer[source].observe(num_draft_tokens, num_accepted_tokens, tree)
         seq.append_tokens(res.emitted(row), eos_token_ids=self.eos_token_ids,
                           max_model_len=self.max_model_len)
         if seq.finish_reason:

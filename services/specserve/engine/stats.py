@@ -3,6 +3,13 @@
 Per sequence and in total: drafts, draft tokens, accepted tokens, and accepted tokens per
 draft position (position 0 is the first drafted token). From these:
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
+
+Token trees (issue 20) add, per verified tree: its size (nodes drafted), the depth its
+accepted path reached (0: no node kept), and for every accepted node its depth and its rank
+among its siblings (0: the first drafted child of its parent): where a tree's acceptance
+comes from, beyond the chain's first choice. For a tree, "position" above is the node's
+index in the proposal (best first for the proposers here), so accepted_per_position counts
+the accepted nodes by index.
 """
 
 from __future__ import annotations
@@ -17,9 +24,14 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    tree_sizes: dict[int, int] = field(default_factory=dict)       # nodes -> trees verified
+    tree_depths: dict[int, int] = field(default_factory=dict)      # accepted depth -> trees
+    tree_ranks: dict[tuple[int, int], int] = field(default_factory=dict)  # (depth, rank) -> nodes
 
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Record one verified draft of one sequence (a row with no drafts is not a draft)."""
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int,
+                tree: tuple[list[int], list[int]] | None = None) -> None:
+        """Record one verified draft of one sequence (a row with no drafts is not a draft).
+        ``tree``: ``(parents, accepted path)`` where the draft was a token tree."""
         if num_draft_tokens == 0:
             return
         assert 0 <= num_accepted_tokens <= num_draft_tokens
@@ -27,7 +39,17 @@ class SpecStats:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
         _add_ones(self.drafted_per_position, num_draft_tokens)
-        _add_ones(self.accepted_per_position, num_accepted_tokens)
+        if tree is None:
+            _add_ones(self.accepted_per_position, num_accepted_tokens)
+            return
+        parents, path = tree
+        self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for node in path:
+            self.accepted_per_position[node] += 1
+        _count(self.tree_sizes, len(parents))
+        _count(self.tree_depths, len(path))
+        for depth, rank in enumerate(sibling_ranks(parents, path), start=1):
+            _count(self.tree_ranks, (depth, rank))
 
     def merge(self, other: SpecStats) -> None:
         self.num_drafts += other.num_drafts
@@ -38,6 +60,10 @@ class SpecStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n
+        for mine, theirs in ((self.tree_sizes, other.tree_sizes), (self.tree_depths, other.tree_depths),
+                             (self.tree_ranks, other.tree_ranks)):
+            for key, n in theirs.items():
+                _count(mine, key, n)
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,7 +81,25 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            **({"tree_sizes": dict(sorted(self.tree_sizes.items())),
+                "tree_accepted_depths": dict(sorted(self.tree_depths.items())),
+                "tree_accepted_ranks": {f"{d}:{r}": n for (d, r), n in sorted(self.tree_ranks.items())}}
+               if self.tree_sizes else {}),
         }
+
+
+def sibling_ranks(parents: list[int], path: list[int]) -> list[int]:
+    """Each accepted node's rank among its siblings (0: its parent's first child), root side
+    first. ``parents``: the tree (``tree_acceptance``'s convention); ``path``: accepted nodes.
+
+    >>> sibling_ranks([-1, -1, 0, 0, 1], [0, 3])
+    [0, 1]
+    """
+    return [sum(1 for j in range(node) if parents[j] == parents[node]) for node in path]
+
+
+def _count(counts: dict, key, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
 
 
 def _add_ones(counts: list[int], n: int) -> None:
