@@ -46,7 +46,8 @@ def test_stale_json_is_detected(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, must_have", [
     ("speculation.json", ["Acceptance rate", "Mean acceptance length", "Acceptance by position",
                           "K chosen", "Estimated vs measured speedup", "Router decisions by reason",
-                          "Draft fallbacks and availability"]),
+                          "Draft fallbacks and availability", "Tree size and accepted depth",
+                          "Accepted depth", "Accepted sibling rank"]),
     ("serving.json", ["Requests/s by status", "Time to first token", "Inter-token latency",
                       "End-to-end latency", "Output tokens/s", "Running / waiting", "Free KV slots",
                       "Errors/s"]),

@@ -86,6 +86,12 @@ def dashboard(title: str, uid: str, description: str, panels: list) -> _Dashboar
                       templating=variables(), schemaVersion=39).auto_panel_ids()
 
 
+def _mean(histogram: str) -> str:
+    """Mean observation of a histogram over the rate window."""
+    return (f"sum(rate({histogram}_sum{{{UNIT}}}[{RATE}])) / "
+            f"sum(rate({histogram}_count{{{UNIT}}}[{RATE}]))")
+
+
 def speculation() -> _Dashboard:
     accepted = f"sum(rate(specserve:spec_decode_num_accepted_tokens_total{{{UNIT}}}[{RATE}]))"
     drafted = f"sum(rate(specserve:spec_decode_num_draft_tokens_total{{{UNIT}}}[{RATE}]))"
@@ -146,6 +152,27 @@ def speculation() -> _Dashboard:
                 q(f"min(specserve:draft_available{{{UNIT}}})", "draft available (min over units)", "B")],
                (12, 31, 12, 8), description="Times a unit lost its draft group, and whether "
                                             "every unit has it now (1)."),
+        RowPanel(title="Token trees", gridPos=GridPos(h=1, w=24, x=0, y=39)),
+        series("Tree size and accepted depth",
+               [q(_mean("specserve:spec_decode_tree_size"), "mean nodes per tree", "A"),
+                q(_mean("specserve:spec_decode_tree_accepted_depth"), "mean accepted depth", "B")],
+               (0, 40, 8, 8), description="Nodes drafted per verified token tree (the budget the "
+                                          "cost model chose, or fewer) and how deep its kept path "
+                                          "went: the tree's accepted tokens (no data: no trees)."),
+        series("Accepted depth",
+               [q(f"sum by (le) (rate(specserve:spec_decode_tree_accepted_depth_bucket{{{UNIT}}}"
+                  f"[{RATE}]))", "depth <= {{le}}")],
+               (8, 40, 8, 8), "ops", "Verified trees per second whose kept path reached at most "
+                                     "this depth (cumulative buckets)."),
+        series("Accepted sibling rank",
+               [q(f"1 - sum(rate(specserve:spec_decode_tree_accepted_rank_bucket{{{UNIT}, le=\"0.0\"}}"
+                  f"[{RATE}])) / sum(rate(specserve:spec_decode_tree_accepted_rank_count{{{UNIT}}}"
+                  f"[{RATE}]))", "kept nodes off the first choice", "A"),
+                q(f"sum by (le) (rate(specserve:spec_decode_tree_accepted_rank_bucket{{{UNIT}}}"
+                  f"[{RATE}]))", "rank <= {{le}}", "B")],
+               (16, 40, 8, 8), description="Share of kept tree nodes that were not their parent's "
+                                           "first drafted child (what a chain would have lost), "
+                                           "and kept nodes per second by rank (cumulative)."),
     ]
     return dashboard("specserve / Speculation", "specserve-speculation",
                      "Acceptance, speculation length, speedup and router decisions.", panels)

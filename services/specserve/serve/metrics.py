@@ -42,6 +42,9 @@ REPORT_INTERVAL_S = 1.0
 STALE_AFTER_S = 30.0
 HUB_NAMESPACE = "specserve"
 K_BUCKETS = tuple(range(17))
+TREE_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TREE_DEPTH_BUCKETS = tuple(range(17))
+TREE_RANK_BUCKETS = tuple(range(9))
 
 # -- request metrics (ingress process) -----------------------------------------------------------
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -231,7 +234,22 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
                    for name, doc in _BY_PROPOSER]
     k_hist = HistogramMetricFamily(
         "specserve:speculation_length",
-        "K drafted per decoding sequence per step (0: that step ran target-only).", labels=labels)
+        "K drafted per decoding sequence per step (0: that step ran target-only; for a tree "
+        "proposer, the node budget).", labels=labels)
+    tree_hists = [  # (family, snapshot field, bucket bounds)
+        (HistogramMetricFamily("specserve:spec_decode_tree_size",
+                               "Nodes of each verified token tree.", labels=labels),
+         "tree_sizes", TREE_SIZE_BUCKETS),
+        (HistogramMetricFamily("specserve:spec_decode_tree_accepted_depth",
+                               "Depth the kept path of each verified token tree reached "
+                               "(its accepted tokens; 0: no node kept).", labels=labels),
+         "tree_depths", TREE_DEPTH_BUCKETS),
+        (HistogramMetricFamily("specserve:spec_decode_tree_accepted_rank",
+                               "Sibling rank of each kept tree node (0: its parent's first "
+                               "drafted child; above 0: a branch a chain would not have had).",
+                               labels=labels),
+         "tree_ranks", TREE_RANK_BUCKETS),
+    ]
     for unit, snap in sorted(units.items()):
         values = [unit, snap.method]
         for name, family in gauges.items():
@@ -247,17 +265,22 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         for name, counts in sorted(snap.by_proposer.items()):
             for family, n in zip(by_proposer, counts):
                 family.add_metric([*values, name], float(n))
-        k_counts = snap.k_counts
-        cumulative, buckets = 0, []
-        for bound in K_BUCKETS:
-            cumulative += k_counts.get(bound, 0)
-            buckets.append((str(float(bound)), float(cumulative)))
-        total = sum(k_counts.values())
-        buckets.append(("+Inf", float(total)))
-        k_hist.add_metric(values, buckets, sum_value=float(sum(k * n for k, n in k_counts.items())))
+        _add_histogram(k_hist, values, snap.k_counts, K_BUCKETS)
+        for family, name, bounds in tree_hists:  # zeros where no tree was verified
+            _add_histogram(family, values, getattr(snap, name), bounds)
     yield from gauges.values()
     yield from counters.values()
-    yield from (per_pos, decisions, proposer, *by_proposer, k_hist)
+    yield from (per_pos, decisions, proposer, *by_proposer, k_hist, *(f for f, _, _ in tree_hists))
+
+
+def _add_histogram(family: HistogramMetricFamily, values: list[str], counts: dict[int, int],
+                   bounds: tuple[int, ...]) -> None:
+    """One series of ``family`` from ``counts`` (observed value -> times; the values are
+    integers, so bucket ``le = b`` holds every value up to b)."""
+    buckets = [(str(float(bound)), float(sum(n for v, n in counts.items() if v <= bound)))
+               for bound in bounds]
+    buckets.append(("+Inf", float(sum(counts.values()))))
+    family.add_metric(values, buckets, sum_value=float(sum(v * n for v, n in counts.items())))
 
 
 class _Families:

@@ -372,3 +372,8 @@ class UnitSnapshot:
     proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()
     # per drafting proposer (a hybrid's parts): (drafts, draft tokens, accepted tokens)
     by_proposer: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # token trees (SpecStats): nodes -> trees verified, kept depth -> trees, sibling rank ->
+    # kept nodes (over every depth)
+    tree_sizes: dict[int, int] = field(default_factory=dict)
+    tree_depths: dict[int, int] = field(default_factory=dict)
+    tree_ranks: dict[int, int] = field(default_factory=dict)

@@ -138,6 +138,8 @@ class SpeculationUnit:
             proposer_state=engine.proposer.state() if engine.proposer is not None else {},
             by_proposer={name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
                          for name, s in engine.by_proposer.items()},
+            tree_sizes=dict(spec.tree_sizes), tree_depths=dict(spec.tree_depths),
+            tree_ranks=_by_rank(spec.tree_ranks),
         )
 
     def _break_even(self) -> float | None:
@@ -259,3 +261,12 @@ def _usage(prompt_tokens: int, completion_tokens: int, out: StepOutput, decision
                             "mean_speculation_length": round(out.mean_speculation_length, 4),
                             "estimated_speedup": estimated_speedup,
                             **out.stats.as_dict()}}
+
+
+def _by_rank(ranks: dict[tuple[int, int], int]) -> dict[int, int]:
+    """Kept tree nodes per sibling rank, over every depth (the per-depth counts are in
+    ``/v1/units/stats``; a depth label on /metrics would multiply its series)."""
+    out: dict[int, int] = {}
+    for (_, rank), n in ranks.items():
+        out[rank] = out.get(rank, 0) + n
+    return out
