@@ -121,9 +121,12 @@ bench-draft: install ## The shipped draft vs target-only vs ngram at batch 1 on 
 bench-suffix: install ## Suffix decoding vs every proposer at batch 1 on code edits, extraction, agents, doc QA, revisions, chat (results/bench-suffix.json)
 	$(PY) load/bench_suffix.py $(BENCH_ARGS)
 
+bench-tree: install ## EAGLE token trees vs chains: verify cost per tree size, batch 1 on held-out chat, c = 1/4/8 (results/bench-tree.json)
+	$(PY) load/bench_tree.py $(BENCH_ARGS)
+
 bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft bench-suffix dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree dashboards rules prometheus helm-lint helm-schema

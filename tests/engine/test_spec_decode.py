@@ -315,6 +315,50 @@ def test_context_limit_inside_draft_window(target_hf):
     assert got.output_token_ids == ref.output_token_ids and len(prompt) + len(ref.output_token_ids) == 31
 
 
+@pytest.mark.parametrize("method", ["eagle-tree", "suffix-tree"])
+def test_context_limit_inside_a_tree(target_hf, method):
+    """Trees near the context's end: the node budget shrinks with the room left, the head's
+    own cache keeps room for the levels it grows, and generation stops with 'length' exactly
+    at the context length, as target-only does."""
+    batch = [p[:20] for p in prompts(4, seed=3)]
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    ref = make_engine(target_hf, None, max_len=31).generate(batch, params)
+    spec = make_engine(target_hf, method, 8, max_len=31)
+    for _ in range(2):  # the second time suffix decoding finds the answers in its cache
+        got = spec.generate(batch, params)
+        assert [g.output_token_ids for g in got] == [r.output_token_ids for r in ref]
+        assert all(g.finish_reason == "length" and len(g.prompt_token_ids) + len(g.output_token_ids)
+                   == 31 for g in got)
+    assert spec.num_tree_drafts > 0 and spec.target.num_free_slots == 8
+
+
+@pytest.mark.parametrize("method", ["eagle-tree", "suffix-tree"])
+def test_after_every_tree_step_the_cache_is_a_fresh_prefills(target_hf, method):
+    """Rollback and KV compaction: after every step, each running sequence's target cache
+    holds exactly the keys and values a fresh prefill of its text (all but the last token)
+    computes, bit for bit (the C kernels are row-invariant), and nothing past it counts."""
+    batch = prompts(6, seed=4)
+    spec = make_engine(target_hf, method, 6)
+    spec.generate(batch, GREEDY)  # suffix decoding: the second pass drafts from its cache
+    for i, p in enumerate(batch):
+        spec.add_request(p, GREEDY, num_speculative_tokens=1 + i % 6)  # trees and chains mixed
+    fresh = worker_of(target_hf, 1, 256)
+    checked = 0
+    while spec.has_unfinished():
+        spec.step()
+        for seq in spec.running.values():
+            n = spec.target.length(seq.slot)
+            assert n == len(seq.token_ids) - 1
+            slot = fresh.allocate()
+            fresh.forward([slot], [seq.token_ids[:-1]], [1])
+            for mine, theirs in zip(spec.target.cache.k + spec.target.cache.v,
+                                    fresh.cache.k + fresh.cache.v):
+                assert torch.equal(mine[seq.slot, :, :n], theirs[slot, :, :n])
+            fresh.free(slot)
+            checked += 1
+    assert checked > 0 and spec.num_tree_drafts > 0
+
+
 def test_more_requests_than_slots_queue_and_all_finish(target_hf, close_draft_hf):
     batch = prompts(8, seed=5)
     ref = make_engine(target_hf, None, slots=8).generate(batch, GREEDY)

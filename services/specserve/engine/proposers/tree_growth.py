@@ -13,6 +13,10 @@ child's score is at most its parent's, the nodes with the highest scores always 
   ``trees=`` masks each node to its ancestors) and each gets its ``topk`` likeliest children.
   Expanding by score rather than in a fixed shape is what makes the tree *dynamic*: a
   confident path grows deep, an uncertain step grows wide.
+  Only nodes that still rank among the ``budget - 1`` best made so far are expanded: a child
+  ranks after its parent, and later levels only push ranks down, so the children of any other
+  node could never be drafted (the forwards are smaller, and a small budget stops growing
+  early; the frontier is never spent on nodes that cannot be drafted).
 - **Rerank**: of every node made, the ``budget`` best-scored are drafted, best first. That
   order is topological (parents first) and is what the coordinator's acceptance statistics
   count by (``adaptive.py``: node i of every tree is "position" i), so a smaller budget drafts
@@ -84,8 +88,7 @@ class TreeGrowth:
     def proposal(self) -> tuple[list[int], list[int] | None]:
         """The ``budget`` best nodes, best first: their tokens and parents among them (None
         where they form a chain)."""
-        order = sorted(range(len(self.nodes)),
-                       key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))[:self.budget]
+        order = self._ranked()[:self.budget]
         index = {node: n for n, node in enumerate(order)}
         parents = [-1 if self.nodes[i].parent == -1 else index[self.nodes[i].parent] for i in order]
         chain = parents == list(range(-1, len(parents) - 1))
@@ -101,5 +104,10 @@ class TreeGrowth:
                 self.nodes.append(Node(int(token), parent, score + value, depth, feature))
 
     def _pick_frontier(self, depth: int) -> None:
-        level = [i for i in range(len(self.nodes)) if self.nodes[i].depth == depth]
+        ranked = self._ranked()[:self.budget - 1]  # whose children could still be drafted
+        level = [i for i in ranked if self.nodes[i].depth == depth]
         self.frontier = sorted(level, key=lambda i: (-self.nodes[i].score, i))[:self.topk]
+
+    def _ranked(self) -> list[int]:
+        """Every node, best first (score, then the shallower, then the earlier made)."""
+        return sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
