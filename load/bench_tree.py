@@ -10,8 +10,9 @@ Three parts, one run, one machine:
    the held-out chat prompts (``eval-chat``: none was a training prompt of the draft). Per
    prompt every mode runs once, the order rotating; every output must equal target-only's.
    Mean acceptance length = tokens emitted per verified draft.
-3. **Concurrency**: the adaptive chain and the adaptive tree with c prompts decoded together
-   (c = 1, 4, 8; continuous batching in one engine), output tokens per second side by side,
+3. **Concurrency**: target-only, the adaptive chain and the adaptive tree with c prompts
+   decoded together (c = 1, 4, 8; continuous batching in one engine; an untimed round first so
+   the cost model is calibrated at that batch size), output tokens per second side by side,
    with the node budgets the cost model chose.
 
     make bench-tree                        # or: python load/bench_tree.py --help
@@ -38,7 +39,7 @@ from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
-from common import print_end_to_end  # noqa: E402
+from common import print_end_to_end, rotated  # noqa: E402
 
 
 def verify_costs(worker, prompt: list[int], sizes: list[int], batches: list[int],
@@ -71,22 +72,29 @@ def verify_costs(worker, prompt: list[int], sizes: list[int], batches: list[int]
 
 def concurrency(modes: dict[str, tuple], prompts: list[list[int]], levels: list[int],
                 max_tokens: int) -> dict[int, dict[str, dict]]:
-    """Output tokens per second of each mode with ``c`` prompts decoded together."""
+    """Output tokens per second of each mode with ``c`` prompts decoded together: per level,
+    one untimed round first (the cost model calibrates at that batch size, as a serving unit's
+    has), then two timed rounds of other prompts, the modes' order rotating."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out: dict[int, dict[str, dict]] = {}
+    names = list(modes)
     for c in levels:
-        out[c] = {}
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        outputs = {}
-        for name, (engine, k) in modes.items():
+        rounds = [[prompts[(r * c + i) % len(prompts)] for i in range(c)] for r in range(3)]
+        seconds, tokens, outputs = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), {}
+        for engine, k in modes.values():
+            engine.generate(rounds[0], params, num_speculative_tokens=k, adaptive=True)
             engine.k_counts.clear()
-            t0 = time.perf_counter()
-            done = engine.generate(batch, params, num_speculative_tokens=k, adaptive=True)
-            seconds = time.perf_counter() - t0
-            tokens = sum(len(d.output_token_ids) for d in done)
-            outputs[name] = [d.output_token_ids for d in done]
-            out[c][name] = {"tokens_per_s": tokens / seconds, "k_counts": dict(sorted(engine.k_counts.items())),
-                            "outputs_identical": outputs[name] == outputs[next(iter(modes))]}
+        for r, batch in enumerate(rounds[1:]):
+            for name in rotated(names, r):
+                engine, k = modes[name]
+                t0 = time.perf_counter()
+                done = engine.generate(batch, params, num_speculative_tokens=k, adaptive=True)
+                seconds[name] += time.perf_counter() - t0
+                tokens[name] += sum(len(d.output_token_ids) for d in done)
+                outputs.setdefault(name, []).extend(d.output_token_ids for d in done)
+        out[c] = {name: {"tokens_per_s": tokens[name] / seconds[name],
+                         "k_counts": dict(sorted(modes[name][0].k_counts.items())),
+                         "outputs_identical": outputs[name] == outputs[names[0]]} for name in names}
     return out
 
 
@@ -123,6 +131,7 @@ def main() -> int:
     trees = {"method": "eagle", "draft": draft, "eagle": tree}
     modes = {"target-only": (target_only, 0),
              f"chain K={args.k}": (engine(chain), args.k),
+             f"chain K={2 * args.k}": (engine({**chain, "num_speculative_tokens": 2 * args.k}), 2 * args.k),
              f"chain K<={args.k} adaptive": (engine(chain), args.k, True)}
     for n in budgets:
         modes[f"tree N={n}"] = (engine({**trees, "num_speculative_tokens": n}), n)
@@ -145,7 +154,7 @@ def main() -> int:
                         prompts, levels, args.max_tokens)
 
     print(f"\n{machine_label()}")
-    print(f"verify cost: a forward of the last token + N tree nodes / a decode (batch rows)")
+    print("verify cost: a forward of the last token + N tree nodes / a decode (batch rows)")
     print("rows " + "".join(f"{n:>7}" for n in costs[levels[0]]))
     for batch, row in costs.items():
         print(f"{batch:4} " + "".join(f"{t / row[0]:7.2f}" for t in row.values()))

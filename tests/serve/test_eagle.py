@@ -5,6 +5,8 @@ prompt lookup in front (``ngram_first``), TP = 2."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from ray import serve
@@ -64,3 +66,39 @@ def test_eagle_unit_frees_every_slot(eagle_app, model_name):  # noqa: F811
     assert stats["draft_available"] and stats["running"] == 0 and stats["waiting"] == 0
     assert stats["free_slots"] == stats["num_slots"] == 4
     assert stats["spec"]["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def eagle_tree_app(ray_cluster, tiny_models, tmp_path_factory):
+    """The EAGLE head drafting token trees (issue 20): its options travel to the draft actor,
+    the cost model chooses the node budget (up to 6) per step."""
+    draft = tmp_path_factory.mktemp("eagle-tree") / "draft"
+    save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
+               extra={})
+    args = unit_args(tiny_models[0], max_num_seqs=4, speculative={
+        "method": "eagle", "num_speculative_tokens": 6, "draft": {"source": str(draft)},
+        "eagle": {"tree": True, "tree_topk": 3, "tree_depth": 4},
+        "adaptive": {"warmup_steps": 4, "probe_interval_steps": 4}})
+    args["unit"]["draft_timeout_s"] = 120
+    yield deploy("eagle-tree", "/eagle-tree", args)
+    serve.delete("eagle-tree")
+
+
+def test_eagle_trees_through_serve(eagle_tree_app, tiny_models, model_name):  # noqa: F811
+    """Greedy output equals target-only's; the unit verified trees, counted them by size,
+    accepted depth and sibling rank, and exports them on /metrics."""
+    greedy_equals_target_only(eagle_tree_app, model_name, tiny_models[2], PROMPTS[:4], 32, "eagle")
+    stats = unit_stats(eagle_tree_app)
+    spec = stats["spec"]
+    assert stats["spec_tree_drafts"] > 0 and spec["num_accepted_tokens"] > 0
+    assert sum(spec["tree_sizes"].values()) == sum(spec["tree_accepted_depths"].values())
+    assert stats["free_slots"] == stats["num_slots"] == 4
+    deadline = time.monotonic() + 60  # the unit reports to the metrics hub every second
+    while True:
+        counts = [float(line.split()[-1]) for line in
+                  httpx.get(eagle_tree_app + "/metrics", timeout=60).text.splitlines()
+                  if line.startswith("specserve:spec_decode_tree_size_count")]
+        if any(counts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any(counts), "no tree on /metrics"
