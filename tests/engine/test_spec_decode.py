@@ -359,6 +359,26 @@ def test_after_every_tree_step_the_cache_is_a_fresh_prefills(target_hf, method):
     assert checked > 0 and spec.num_tree_drafts > 0
 
 
+def test_a_long_row_is_verified_apart_from_the_short_ones(target_hf, close_draft_hf):
+    """One row drafting 8 among seven drafting nothing: its verify is a forward of its own, so
+    the others are not padded to its 9 tokens; output stays target-only's."""
+    batch = prompts(8, seed=6)
+    reference = make_engine(target_hf, None).generate(batch, GREEDY)
+    engine = make_engine(target_hf, "draft_model", 8, draft_hf=close_draft_hf)
+    calls = []
+    forward = engine.target.forward
+    engine.target.forward = lambda slots, ids, *a, **kw: calls.append([len(x) for x in ids]) or forward(
+        slots, ids, *a, **kw)
+    ids = [engine.add_request(p, GREEDY, num_speculative_tokens=8 if i == 0 else 0)
+           for i, p in enumerate(batch)]
+    seqs = {s.seq_id: s for s in engine.waiting}
+    while engine.has_unfinished():
+        engine.step()
+    assert [seqs[i].output_token_ids for i in ids] == [c.output_token_ids for c in reference]
+    apart = [c for c in calls if len(c) == 1 and c[0] == 9]
+    assert apart and all(max(c) == 1 for c in calls if len(c) == 7)
+
+
 def test_more_requests_than_slots_queue_and_all_finish(target_hf, close_draft_hf):
     batch = prompts(8, seed=5)
     ref = make_engine(target_hf, None, slots=8).generate(batch, GREEDY)

@@ -354,8 +354,9 @@ class SpecDecodeEngine:
         """Target logits ``[num_draft_tokens + 1, V]`` per row (``[num_draft_tokens + 1]``
         argmax ids when every row is greedy), and for a proposer that reads them the target's
         hidden states of every input token per row (None otherwise). Decode rows share one
-        forward; prefill rows share one per input length, so no row is padded to a prompt's
-        length."""
+        forward, or two where a few long rows (an exploration probe, a big tree) would pad
+        the others to their length (:func:`split_padded`); prefill rows share one per input
+        length, so no row is padded to a prompt's length."""
         argmax_only = all(s.params.greedy for s in seqs)
         want_hidden = self.needs_hidden and any(s.draft_attached for s in seqs)
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
@@ -366,6 +367,10 @@ class SpecDecodeEngine:
         for i, s in enumerate(seqs):
             key = 0 if self.target.length(s.slot) > 0 else len(inputs[i])  # 0: decode rows
             groups.setdefault(key, []).append(i)
+        if 0 in groups:
+            groups[0], long_rows = split_padded(groups[0], [len(x) for x in inputs])
+            if long_rows:
+                groups[-1] = long_rows
         out: list[torch.Tensor | None] = [None] * len(seqs)
         hidden: list[torch.Tensor | None] = [None] * len(seqs)
         for rows in groups.values():
@@ -467,6 +472,36 @@ class SpecDecodeEngine:
                         s.seq_id, s.token_ids[:s.prompt_len], s.output_token_ids,
                         s.detokenizer.text, out.finish_reason, s.stats)
         return [done[i] for i in ids]
+
+
+# A second verify forward costs about one decode of weight reads; on this project's CPUs a
+# decode costs about as much as 16 padded token rows of compute (bench-tree's verify costs:
+# 17 tokens at batch 1 cost 2.2 decodes). Splitting pays where it saves twice that.
+SPLIT_MIN_PADDING = 32
+
+
+def split_padded(rows: list[int], lengths: list[int],
+                 min_saving: int = SPLIT_MIN_PADDING) -> tuple[list[int], list[int]]:
+    """Decode rows as one forward, or two: ``(short rows, long rows)``. A forward computes
+    every row at its longest row's length, so one row drafting 16 while seven draft nothing
+    costs 8 x 17 token rows; apart, 7 x 1 and 1 x 17. Split at the length that saves the most
+    padded token rows, when that is at least ``min_saving`` (the second forward's own cost).
+
+    >>> split_padded([0, 1, 2, 3], [1, 1, 17, 1])
+    ([0, 1, 3], [2])
+    >>> split_padded([0, 1], [3, 5])
+    ([0, 1], [])
+    """
+    longest = max(lengths[i] for i in rows)
+    best, cut = 0, None
+    for length in sorted({lengths[i] for i in rows} - {longest}):
+        short = [i for i in rows if lengths[i] <= length]
+        saving = len(short) * (longest - length)
+        if saving > best:
+            best, cut = saving, length
+    if cut is None or best < min_saving:
+        return rows, []
+    return ([i for i in rows if lengths[i] <= cut], [i for i in rows if lengths[i] > cut])
 
 
 def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:
