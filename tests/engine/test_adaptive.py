@@ -306,3 +306,15 @@ def test_a_trees_kept_nodes_are_counted_by_their_index():
     assert rates[1] > 0.99 and rates[4] > 0.99 and (got == 1).all()
     acc.observe(6, 6, 2)  # a chain's count still means its first drafts
     assert acc.accepted[0] > 0 and acc.accepted[1] > 9
+
+
+def test_probes_draft_twice_the_current_k_not_the_whole_budget():
+    """A tree's budget may be 16 nodes: a probe drafts twice the current K (at least 4), so it
+    explores a doubling at a time instead of paying for the full budget every interval."""
+    ctl = SpecLengthController(16, AdaptiveConfig(probe_interval_steps=4))
+    rows = [Row(context=100, cap=16, adaptive=True, sampled=False) for _ in range(3)]
+    for k, probe in ((0, 4), (1, 4), (4, 8), (12, 16)):
+        ctl.k = k
+        ctl.steps = 3  # plan() counts this step as the 4th: a probe step
+        ctl.cfg = ctl.cfg.model_copy(update={"enabled": False})  # keep K where it was set
+        assert sorted(ctl.plan(rows)) == sorted([k, k, probe])

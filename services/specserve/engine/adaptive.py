@@ -34,8 +34,10 @@ most tokens per second. Both sides of that ratio are measured on this unit, not 
 Smoothing and hysteresis: the statistics decay per observation; K changes only after
 ``min_dwell_steps`` at the current one, and only to a K whose predicted throughput beats the
 current K's by ``hysteresis``. Exploration: every ``probe_interval_steps`` one decoding row
-(in turn) drafts its full K, so acceptance beyond the current K, or at all when K = 0, stays
-measured and K can come back. Batch size counts decoding rows only; prefill rows run in
+(in turn) drafts twice the current K, at least ``PROBE_MIN_K`` (up to its cap), so acceptance
+beyond the current K, or at all when K = 0, stays measured and K can come back, a doubling at
+a time. Not the full cap at once: a token tree's budget may be 16 nodes, and on a CPU a probe
+of 16 costs a step about two decodes (measured, bench-tree) every ``probe_interval_steps``. Batch size counts decoding rows only; prefill rows run in
 forwards of their own and only feed the forward-cost fit.
 """
 
@@ -50,6 +52,7 @@ from specserve.engine.cost_model import expected_tokens_per_step
 
 _MIN_WEIGHT = 2.0  # decayed rows a position needs before its own counts are used
 MEASURED_SIZES = 64  # padded forward sizes (rows x longest row) whose mean time is kept
+PROBE_MIN_K = 4  # the smallest K an exploration probe drafts (module docstring)
 
 
 class DecayedLeastSquares:
@@ -257,7 +260,7 @@ class SpecLengthController:
         if self.k < self.max_k and self.steps % self.cfg.probe_interval_steps == 0:
             i = adaptive[self._probe_turn % len(adaptive)]
             self._probe_turn += 1
-            ks[i] = rows[i].cap
+            ks[i] = min(rows[i].cap, max(2 * self.k, PROBE_MIN_K))
         return ks
 
     def _update_k(self, rows: list[Row]) -> None:
