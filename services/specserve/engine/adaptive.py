@@ -37,8 +37,9 @@ current K's by ``hysteresis``. Exploration: every ``probe_interval_steps`` one d
 (in turn) drafts twice the current K, at least ``PROBE_MIN_K`` (up to its cap), so acceptance
 beyond the current K, or at all when K = 0, stays measured and K can come back, a doubling at
 a time. Not the full cap at once: a token tree's budget may be 16 nodes, and on a CPU a probe
-of 16 costs a step about two decodes (measured, bench-tree) every ``probe_interval_steps``. Batch size counts decoding rows only; prefill rows run in
-forwards of their own and only feed the forward-cost fit.
+of 16 costs a step about two decodes (measured, bench-tree) every ``probe_interval_steps``.
+Batch size counts decoding rows only; prefill rows run in forwards of their own and only feed
+the forward-cost fit.
 """
 
 from __future__ import annotations
