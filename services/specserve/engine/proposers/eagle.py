@@ -107,12 +107,12 @@ class EagleProposer(DraftModelProposer):
                 levels[i] = self._levels(requests[i])
         while growing := [i for i in trees if trees[i].depth < levels[i] and trees[i].frontier]:
             fed = [trees[i].feed() for i in growing]
+            counts = [len(tokens) for tokens, _, _ in fed]
             logits, hidden = self.worker.runtime(
                 self.worker.cache, [self.slots[requests[i].seq_id] for i in growing],
-                [tokens for tokens, _, _ in fed], [len(tokens) for tokens, _, _ in fed],
+                [tokens for tokens, _, _ in fed], counts,
                 features=torch.cat([f for _, features, _ in fed for f in features]),
                 return_hidden=True, trees=[parents for _, _, parents in fed])
-            counts = [len(tokens) for tokens, _, _ in fed]
             for i, x, h in zip(growing, logits.split(counts), hidden.split(counts)):
                 trees[i].expand(self._logprobs(requests[i], x), h.split(1))
         for i, tree in trees.items():
