@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.engine.tree_acceptance import tree_children
+
 
 @dataclass
 class SpecStats:
@@ -95,7 +97,8 @@ def sibling_ranks(parents: list[int], path: list[int]) -> list[int]:
     >>> sibling_ranks([-1, -1, 0, 0, 1], [0, 3])
     [0, 1]
     """
-    return [sum(1 for j in range(node) if parents[j] == parents[node]) for node in path]
+    children = tree_children(parents)  # the sibling order verification tried them in
+    return [children[parents[node] + 1].index(node) for node in path]
 
 
 def _count(counts: dict, key, n: int = 1) -> None:
