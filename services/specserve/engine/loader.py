@@ -8,7 +8,13 @@ A model *source* is one of:
 - a ``.gguf`` file: dequantized to fp32 once, then cached as a plain safetensors directory, so
   later loads take seconds instead of half a minute.
 - a local ``transformers`` directory (``config.json`` + safetensors).
-- anything else is taken as a hub id (works only where the machine can reach the hub).
+- anything else is taken as a hub id (works only where the machine can reach the hub): its
+  config, tokenizer and safetensors files are downloaded into the hub cache.
+
+So every model is a safetensors directory by the time its weights are read, and
+:func:`load_model` reads them through :mod:`specserve.engine.shard_loader`: each tensor
+parallel rank only its shard, one tensor at a time, without instantiating the
+``transformers`` model.
 
 The cache directory is ``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``.
 """
@@ -130,6 +136,46 @@ def load_hf_model(src: ResolvedSource):
         raise ModelNotFoundError(f"could not load model {src.location!r}: {exc}") from exc
 
 
+# What a hub download fetches: configs and tokenizer files (json, sentencepiece, BPE merges,
+# tiktoken) and the safetensors weights transformers would load (``model*.safetensors``, not
+# e.g. Mistral's duplicate ``consolidated.safetensors``).
+HUB_PATTERNS = ["*.json", "model*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def local_folder(src: ResolvedSource) -> Path:
+    """The directory holding ``src``'s files: itself, or a hub id's download (once; later
+    calls find it in the hub cache)."""
+    if src.gguf_file is not None:
+        raise ConfigError(f"{src.gguf_file}: GGUF files are read through their dequantized "
+                          "cache directory (resolve)")
+    folder = Path(src.location)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(src.location, allow_patterns=HUB_PATTERNS))
+    except OSError as exc:  # not found, offline, refused: every hub error is an OSError
+        raise ModelNotFoundError(f"could not download model {src.location!r}: {exc}") from exc
+
+
+def load_configs(folder: Path):
+    """``(config, generation_config)`` of a model directory, as ``from_pretrained`` would
+    set them: without a ``generation_config.json``, the generation settings of
+    ``config.json`` (its EOS id)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"could not read the config of {str(folder)!r}: {exc}") from exc
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        generation = GenerationConfig.from_pretrained(folder, config_file_name="config.json")
+    return config, generation
+
+
 def load_tokenizer(src: ResolvedSource):
     from transformers import AutoTokenizer
 
@@ -139,11 +185,11 @@ def load_tokenizer(src: ResolvedSource):
         raise ModelNotFoundError(f"could not load the tokenizer of {src.location!r}: {exc}") from exc
 
 
-def eos_token_ids(hf_model_or_config, tokenizer) -> frozenset[int]:
+def eos_token_ids(generation_config, tokenizer) -> frozenset[int]:
     """Every id that ends generation: the generation config's EOS list plus the tokenizer's."""
     ids: set[int] = set()
-    gen = getattr(hf_model_or_config, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for source in (getattr(generation_config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -176,47 +222,48 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_model(cfg, *, max_model_len: int) -> LoadedModel:
-    """Load a :class:`~specserve.config.ModelConfig` into our runtime."""
-    from specserve.engine.model import build_runtime
+def load_model(cfg, *, max_model_len: int,
+               tp_group: torch.distributed.ProcessGroup | None = None) -> LoadedModel:
+    """Load a :class:`~specserve.config.ModelConfig` into our runtime: the whole model, or
+    with ``tp_group`` this rank's tensor-parallel shard of it (read as a shard: see
+    :mod:`specserve.engine.shard_loader`)."""
+    from transformers.utils import logging as hf_logging
+
+    from specserve.engine.shard_loader import load_sharded
 
     src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)
-    hf_model = load_hf_model(src)
-    tokenizer = load_tokenizer(src)
+    folder = local_folder(src)
+    hf_config, generation = load_configs(folder)
+    tokenizer = load_tokenizer(ResolvedSource(src.name, str(folder)))
     device = resolve_device(cfg.device)
-    runtime = build_runtime(hf_model.config, hf_model.state_dict(), max_len=max_model_len,
-                            dtype=resolve_dtype(cfg.dtype, device), device=device)
+    # The draft pipeline's --no-progress switches transformers' bars off; they used to be
+    # the only bar of a load, so that switch silences this one too.
+    progress = None if hf_logging.is_progress_bar_enabled() else False
+    runtime = load_sharded(folder, hf_config, max_len=max_model_len,
+                           dtype=resolve_dtype(cfg.dtype, device), device=device,
+                           group=tp_group, desc=f"loading {src.name}", progress=progress)
     runtime.requires_grad_(False)
     kernels = cfg.kernels if cfg.kernels != "auto" else ("library" if device.type == "cuda"
                                                          else "invariant")
     runtime.use_kernels(kernels)
-    return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(hf_model, tokenizer))
+    return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))
 
 
 def load_target_parts(cfg, *, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's input embeddings and rope tables, without loading the rest of it: what a
     trained draft (``specserve.engine.draft_head``) needs in a process that has no target.
-    Reads one tensor from the target's safetensors; other formats load the whole model."""
-    from transformers import AutoConfig
+    Reads one tensor from the target's safetensors."""
+    from safetensors import safe_open
 
     from specserve.engine.model import rope_tables
+    from specserve.engine.shard_loader import weight_files
 
     src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)
+    folder = local_folder(src)
+    hf_config, _ = load_configs(folder)
     name = "model.embed_tokens.weight"
-    embed = None
-    folder = Path(src.location)
-    if folder.is_dir() and src.gguf_file is None:
-        from safetensors import safe_open
-
-        for file in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                if name in f.keys():
-                    embed = f.get_tensor(name)
-                    break
-        hf_config = AutoConfig.from_pretrained(src.location)
-    if embed is None:
-        hf_model = load_hf_model(src)
-        hf_config, embed = hf_model.config, hf_model.state_dict()[name]
+    with safe_open(str(weight_files(folder)[name]), framework="pt") as f:
+        embed = f.get_tensor(name)
     max_len = min(max_model_len, hf_config.max_position_embeddings)
     cos, sin = rope_tables(hf_config, max_len)
     device = resolve_device(cfg.device)

@@ -608,25 +608,34 @@ def build_runtime(hf_config, state_dict: dict[str, torch.Tensor], *, max_len: in
 
 def _convert_state_dict(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """Map ``transformers`` parameter names onto ours, fusing q/k/v and gate/up."""
-    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm": sd["model.norm.weight"]}
-    out["lm_head.weight"] = sd["model.embed_tokens.weight" if arch.tie_word_embeddings
-                               else "lm_head.weight"]
+    out = {ours: torch.cat([sd[name] for name in names]) if len(names) > 1 else sd[names[0]]
+           for ours, names in checkpoint_names(arch).items()}
+    if arch.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed.weight"]
+    return {k: v.detach() for k, v in out.items()}
+
+
+def checkpoint_names(arch: ModelArch) -> dict[str, tuple[str, ...]]:
+    """Our parameter name -> the ``transformers`` tensors it is made of, concatenated on dim 0
+    in this order: the one mapping that :func:`_convert_state_dict` and the sharded loader
+    (``shard_loader.py``) both read. A tied LM head is absent: it is the embedding."""
+    names = {"embed.weight": ("model.embed_tokens.weight",), "norm": ("model.norm.weight",)}
+    if not arch.tie_word_embeddings:
+        names["lm_head.weight"] = ("lm_head.weight",)
     for i in range(arch.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         att, mlp = hf + "self_attn.", hf + "mlp."
-        out[ours + "input_norm"] = sd[hf + "input_layernorm.weight"]
-        out[ours + "post_attn_norm"] = sd[hf + "post_attention_layernorm.weight"]
-        out[ours + "attn.qkv.weight"] = torch.cat([sd[att + f"{p}_proj.weight"] for p in "qkv"])
-        out[ours + "attn.o.weight"] = sd[att + "o_proj.weight"]
-        out[ours + "mlp.gate_up.weight"] = torch.cat([sd[mlp + "gate_proj.weight"],
-                                                      sd[mlp + "up_proj.weight"]])
-        out[ours + "mlp.down.weight"] = sd[mlp + "down_proj.weight"]
-        if arch.qkv_bias:
-            out[ours + "attn.qkv.bias"] = torch.cat([sd[att + f"{p}_proj.bias"] for p in "qkv"])
-        if arch.o_bias:
-            out[ours + "attn.o.bias"] = sd[att + "o_proj.bias"]
-        if arch.mlp_bias:
-            out[ours + "mlp.gate_up.bias"] = torch.cat([sd[mlp + "gate_proj.bias"],
-                                                        sd[mlp + "up_proj.bias"]])
-            out[ours + "mlp.down.bias"] = sd[mlp + "down_proj.bias"]
-    return {k: v.detach() for k, v in out.items()}
+        names[ours + "input_norm"] = (hf + "input_layernorm.weight",)
+        names[ours + "post_attn_norm"] = (hf + "post_attention_layernorm.weight",)
+        for kind in _kinds(arch.qkv_bias):
+            names[ours + f"attn.qkv.{kind}"] = tuple(att + f"{p}_proj.{kind}" for p in "qkv")
+        for kind in _kinds(arch.o_bias):
+            names[ours + f"attn.o.{kind}"] = (att + f"o_proj.{kind}",)
+        for kind in _kinds(arch.mlp_bias):
+            names[ours + f"mlp.gate_up.{kind}"] = (mlp + f"gate_proj.{kind}", mlp + f"up_proj.{kind}")
+            names[ours + f"mlp.down.{kind}"] = (mlp + f"down_proj.{kind}",)
+    return names
+
+
+def _kinds(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
