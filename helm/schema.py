@@ -42,7 +42,11 @@ def group(doc: str) -> dict:
         "minReplicas": COUNT, "maxReplicas": COUNT, "resources": RESOURCES,
         "nodeSelector": {"type": "object", "additionalProperties": STR},
         "tolerations": LIST_OF_OBJECTS, "affinity": OBJ, "runtimeClassName": STR,
-        "shmSize": QUANTITY}), "description": doc}
+        "shmSize": QUANTITY,
+        "gpuMemoryGiB": {"type": "number", "exclusiveMinimum": 0, "maximum": 4096,
+                         "description": "Memory of one GPU of the group as CUDA counts it (GiB): "
+                                        "what the memory estimate must fit (docs/MEMORY.md)."}}),
+        "description": doc}
 
 
 def monitor() -> dict:

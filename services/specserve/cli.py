@@ -290,6 +290,79 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def _memory_parser(sub) -> None:
+    from specserve.config import EngineConfig, ModelConfig, SpeculativeConfig, UnitConfig
+
+    p = sub.add_parser("memory-estimate", help="GPU memory per rank of a target (and its draft), "
+                                               "from config.json (docs/MEMORY.md)")
+    p.add_argument("--config", required=True, help="the target's config.json, or its model directory")
+    p.add_argument("--draft-config", help="the draft's config.json or directory (one GPU of its own)")
+    p.add_argument("--tp", type=int, default=_default(UnitConfig, "tensor_parallel_size"),
+                   choices=_choices(UnitConfig, "tensor_parallel_size"), help="target tensor parallel size")
+    p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=_choices(ModelConfig, "dtype"),
+                   help="auto: bfloat16 (the estimate is for CUDA)")
+    p.add_argument("--max-model-len", type=int, default=_default(EngineConfig, "max_model_len"))
+    p.add_argument("--max-num-seqs", type=int, default=_default(EngineConfig, "max_num_seqs"))
+    p.add_argument("-k", "--num-speculative-tokens", type=int, dest="k",
+                   default=_default(SpeculativeConfig, "num_speculative_tokens"))
+    p.add_argument("--prefill-rows", type=int, default=1,
+                   help="prompts of full length prefilled in one forward (same-length prompts share one)")
+    p.add_argument("--gpu-memory-gib", type=float,
+                   help="memory of one GPU as CUDA counts it (an 80 GB H100: 79); exit 1 if it does not fit")
+    p.add_argument("--draft-gpu-memory-gib", type=float,
+                   help="the draft's GPU, if another kind (default: --gpu-memory-gib)")
+    p.set_defaults(func=cmd_memory_estimate)
+
+
+def _bound(model, field: str, which: str):
+    """A bound (``ge``, ``le``) of a pydantic field."""
+    return next(getattr(m, which) for m in model.model_fields[field].metadata if hasattr(m, which))
+
+
+def _read_model_config(path: str) -> dict:
+    """A ``config.json`` as a dict, from the file or the directory holding it."""
+    from pathlib import Path
+
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    try:
+        return json.loads(file.read_text())
+    except OSError as exc:
+        raise SpecServeError(f"cannot read {file}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise SpecServeError(f"{file} is not JSON: {exc}") from exc
+
+
+def cmd_memory_estimate(args) -> int:
+    from dataclasses import replace
+
+    from specserve.config import EngineConfig
+    from specserve.memory import GIB, ModelShape, Workload, estimate, format_estimate, largest_num_seqs
+
+    EngineConfig.model_validate({"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                                 "speculative": {"num_speculative_tokens": args.k}})  # the same bounds
+    gpus = [args.gpu_memory_gib, args.draft_gpu_memory_gib or args.gpu_memory_gib]
+    roles = [("target", args.config, args.tp, False, gpus[0])]
+    if args.draft_config:
+        roles.append(("draft", args.draft_config, 1, True, gpus[1]))
+    fits = True
+    for role, path, tp, draft, gib in roles:
+        gpu = gib * GIB if gib else None
+        shape = ModelShape.from_config(_read_model_config(path))
+        load = Workload(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        num_speculative_tokens=args.k, tp=tp, dtype=args.dtype, draft=draft,
+                        prefill_rows=args.prefill_rows)
+        est = estimate(shape, load)
+        dtype = "auto = bfloat16" if args.dtype == "auto" else args.dtype
+        print(f"{role} {path}: tp {tp}, {dtype}, max_model_len {args.max_model_len}, "
+              f"max_num_seqs {args.max_num_seqs}, K {args.k}; per GPU:")
+        print(format_estimate(est, gpu_memory_bytes=gpu))
+        if gpu is not None:
+            most = replace(load, max_num_seqs=_bound(EngineConfig, "max_num_seqs", "le"))
+            print(f"  largest max_num_seqs that fits: {largest_num_seqs(shape, most, gpu)}")
+            fits = fits and est.fits(gpu)
+    return 0 if fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -298,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _dashboards_parser(sub)
     _train_draft_parser(sub)
+    _memory_parser(sub)
     return parser
 
 

@@ -1,0 +1,341 @@
+"""GPU memory per rank: what a target rank or a draft holds, estimated from ``config.json``.
+
+The runtime preallocates almost everything it will ever use, so the estimate is mostly exact
+arithmetic over the same shapes the code allocates (``tests/test_memory.py`` checks the weight
+and KV bytes against a real runtime's tensors, at TP 1 and TP 2):
+
+- **sharded weights**: this rank's ``1 / tp`` of q/k/v, o, gate/up and down (and their
+  column-parallel biases): :func:`specserve.engine.tp.split_of` cuts them;
+- **replicated weights**: what every rank holds whole: the embeddings, the LM head (untied;
+  a tied head *is* the embedding), every norm, the row-parallel biases (rank 0's copy, zeros
+  elsewhere, the same bytes) and the rope tables ``2 x min(max_model_len, max_positions) x
+  head_dim``. For Llama-3.1-70B the embeddings and LM head alone are 2 x 128256 x 8192 x 2 B
+  = 3.9 GiB on *every* rank;
+- **KV cache**: :class:`~specserve.engine.kv_cache.SlotKVCache` keeps every slot at full
+  length, no paging: ``2 (k, v) x layers x slots x kv_heads / tp x positions x head_dim x
+  dtype bytes``, positions rounded up to whole blocks of :data:`KV_BLOCK`, and one spare slot
+  with ``kernels: compiled``;
+- **workspace**: the transient tensors of the largest forward, computed from its shapes (see
+  :func:`forward_workspace`), the larger of a prefill of ``prefill_rows`` prompts of full length and
+  a verify of every slot at full context;
+- **overhead**: an allowance, not computed: the CUDA context with cuBLAS workspaces and
+  loaded kernels (:data:`CUDA_CONTEXT_BYTES`) and, under TP, NCCL's buffers (:data:`NCCL_BYTES`).
+
+An estimate *fits* a GPU when its total is at most :data:`MAX_UTILIZATION` of the GPU's memory:
+the rest is for what no formula here sees (the caching allocator's fragmentation, a library's
+lazily made buffers). ``docs/MEMORY.md`` has the flagship's numbers and the reasoning;
+``specserve memory-estimate`` prints an estimate.
+
+Nothing here imports torch (but :func:`check_cuda_memory`, when called) or the engine: it
+runs where a Helm chart is rendered.
+
+Worked example (Llama-3.2-1B-shaped numbers, one GPU):
+
+>>> cfg = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+...        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
+...        "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 131072}
+>>> est = estimate_memory(cfg, max_model_len=8192, max_num_seqs=32, num_speculative_tokens=4)
+>>> round(est.weights / GIB, 2), round(est.kv_cache / GIB, 2)
+(2.3, 8.0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from specserve.errors import ConfigError
+
+GIB = 1 << 30
+KV_BLOCK = 64  # positions per KV block: specserve.engine.kernels.KV_BLOCK (a test keeps them equal)
+FP32 = 4
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto: bfloat16 on CUDA
+
+# The allowance for what is not a tensor of ours. A CUDA 12 context with torch's kernels
+# loaded lazily, cuBLAS / cuBLASLt workspaces and the caching allocator's first blocks take
+# 0.5 - 0.8 GiB on an H100; 1 GiB leaves room for more kernels than one forward loads.
+CUDA_CONTEXT_BYTES = 1 * GIB
+# NCCL's per-peer buffers (NCCL_BUFFSIZE, 4 MiB, x channels x protocols) and, on NVSwitch
+# machines, NVLink SHARP buffers, which take the most (NCCL_NVLS_ENABLE=0 turns them off).
+NCCL_BYTES = 3 * GIB // 2
+# The share of a GPU an estimate may take (vLLM's default gpu_memory_utilization is 0.9 too).
+MAX_UTILIZATION = 0.9
+# Logits are float32 [rows, vocab]; sampling them (temperature, one sort with int64 indices
+# for top-k / top-p, masks, softmax, cumsum, the exponential-race noise) keeps about ten
+# float32 copies alive at its peak, plus the LM head's own output in the model dtype.
+SAMPLER_FP32_COPIES = 10
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama-family ``config.json`` the estimate reads (the same rules as
+    :class:`specserve.engine.model.ModelArch`: head_dim defaults to hidden / heads, kv heads
+    to heads, Qwen2 has q/k/v biases and no o bias)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        def need(key: str) -> int:
+            value = config.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"config.json: {key} must be a positive integer (got {value!r})")
+            return value
+
+        heads = need("num_attention_heads")
+        model_type = config.get("model_type", "llama")
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            hidden_size=need("hidden_size"), num_layers=need("num_hidden_layers"), num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or need("hidden_size") // heads,
+            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=config.get("max_position_embeddings") or 1 << 30,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU (one tensor-parallel rank, or the draft's GPU); the module docstring
+    defines each part."""
+
+    sharded_weights: int
+    replicated_weights: int
+    kv_cache: int
+    workspace: int
+    overhead: int
+
+    @property
+    def weights(self) -> int:
+        return self.sharded_weights + self.replicated_weights
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def fits(self, gpu_memory_bytes: float) -> bool:
+        return self.total <= MAX_UTILIZATION * gpu_memory_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine is configured for: the inputs of an estimate besides the model."""
+
+    max_model_len: int
+    max_num_seqs: int
+    num_speculative_tokens: int = 0  # K: a verify forward feeds K + 1 tokens per row
+    tp: int = 1
+    dtype: str = "auto"
+    draft: bool = False       # a draft: one logit row per sequence (a target: K + 1)
+    prefill_rows: int = 1     # prompts of full length prefilled in one forward
+    spare_slot: bool = False  # kernels: compiled (a static-shape forward's padding slot)
+
+    @classmethod
+    def of(cls, engine, *, tp: int = 1, draft: bool = False) -> Workload:
+        """The workload of an :class:`~specserve.config.EngineConfig`'s target (or draft)."""
+        model = engine.speculative.draft if draft else engine.target
+        return cls(max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
+                   num_speculative_tokens=engine.speculative.num_speculative_tokens, tp=tp,
+                   dtype=model.dtype, draft=draft, spare_slot=model.kernels == "compiled")
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def weight_bytes(shape: ModelShape, tp: int, nbytes: int, max_len: int) -> tuple[int, int]:
+    """``(sharded, replicated)`` parameter and rope-table bytes on one rank."""
+    h, d, layers = shape.hidden_size, shape.head_dim, shape.num_layers
+    q, kv, inter = shape.num_heads // tp * d, shape.num_kv_heads // tp * d, shape.intermediate_size // tp
+    per_layer = (q + 2 * kv) * h + h * q + 2 * inter * h + inter * h  # qkv, o, gate_up, down
+    per_layer += (q + 2 * kv) * shape.qkv_bias + 2 * inter * shape.mlp_bias  # column-parallel biases
+    # norms, and the row-parallel biases (o, down) every rank holds (zeros off rank 0)
+    per_layer_whole = 2 * h + h * shape.o_bias + h * shape.mlp_bias
+    embeddings = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
+    rope = 2 * max_len * d  # cos and sin tables, in the model dtype
+    return (layers * per_layer * nbytes,
+            (layers * per_layer_whole + h + embeddings + rope) * nbytes)
+
+
+def kv_cache_bytes(shape: ModelShape, load: Workload) -> int:
+    """The :class:`~specserve.engine.kv_cache.SlotKVCache` tensors of one rank."""
+    positions = -(-load.max_model_len // KV_BLOCK) * KV_BLOCK
+    slots = load.max_num_seqs + load.spare_slot
+    return (2 * shape.num_layers * slots * (shape.num_kv_heads // load.tp) * positions
+            * shape.head_dim * dtype_bytes(load.dtype))
+
+
+def forward_workspace(shape: ModelShape, tp: int, nbytes: int, *, rows: int, new_tokens: int,
+                      kv_len: int, logit_rows: int) -> int:
+    """Peak transient bytes of one forward of ``rows`` rows of ``new_tokens`` tokens over
+    ``kv_len`` keys on one rank (the ``library`` kernels, which ``auto`` picks on CUDA).
+
+    Attention dominates: torch's ``scaled_dot_product_attention`` with a mask (any row of
+    more than one new token is causal) and grouped k/v heads has no fused kernel and runs
+    its *math* backend (``aten._scaled_dot_product_attention_math``, traced op by op): q, k
+    and v upcast to float32, k and v repeated to every query head, k transposed and scaled
+    (three ``[rows, heads / tp, kv_len, head_dim]`` float32 tensors), then the scores
+    ``[rows, heads / tp, new_tokens, kv_len]``, masked into a new tensor, and
+    ``_safe_softmax`` (its output, a bool mask of -inf and a ``where``): at its peak three
+    float32 tensors of the scores' shape and a bool one, quadratic in a prompt's length. The
+    boolean mask becomes a float one first. Beside it, the hidden states
+    (residual, normed input, sublayer output and rms_norm's float32 copy), the fused q/k/v
+    output, the MLP's (gate/up, silu(gate), their product; not alive with attention's) and
+    the logits with the sampler's copies (:data:`SAMPLER_FP32_COPIES`).
+    """
+    h, d = shape.hidden_size, shape.head_dim
+    heads, kv_heads = shape.num_heads // tp, shape.num_kv_heads // tp
+    tokens = rows * new_tokens
+    hidden = tokens * h * (3 * nbytes + FP32)
+    qkv = tokens * (heads + 2 * kv_heads) * d * nbytes
+    gathered = 2 * rows * kv_heads * kv_len * d * nbytes  # keys and values of scattered slots
+    if new_tokens > 1:  # masked: the math backend
+        mask = rows * new_tokens * kv_len * (1 + FP32)  # the bool mask and its float form
+        upcast = (tokens * heads + 2 * rows * kv_heads * kv_len) * d * FP32
+        repeated = 3 * rows * heads * kv_len * d * FP32  # k and v per query head, scaled k^T
+        scores = rows * heads * new_tokens * kv_len * (3 * FP32 + 1)
+        attention = gathered + mask + upcast + repeated + scores
+    else:  # one token sees every key: no mask, a fused kernel reads k and v where they are
+        attention = gathered + tokens * heads * d * nbytes
+    mlp = tokens * shape.intermediate_size // tp * 4 * nbytes
+    logits = logit_rows * shape.vocab_size * (nbytes + SAMPLER_FP32_COPIES * FP32)
+    return hidden + qkv + max(attention, mlp) + logits
+
+
+def workspace_bytes(shape: ModelShape, load: Workload) -> int:
+    """The larger of the two largest forwards the engine makes: a prefill of
+    ``prefill_rows`` prompts of ``max_model_len`` tokens (prefill rows share a forward only
+    when their prompts have the same length), and a verify of every slot at full context
+    (K + 1 tokens per row; a draft's catch-up feeds as many)."""
+    nbytes, per_row = dtype_bytes(load.dtype), load.num_speculative_tokens + 1
+    logits_per_row = 1 if load.draft else per_row
+    positions = -(-load.max_model_len // KV_BLOCK) * KV_BLOCK
+    prefill = forward_workspace(shape, load.tp, nbytes, rows=load.prefill_rows,
+                                new_tokens=load.max_model_len, kv_len=positions,
+                                logit_rows=load.prefill_rows * logits_per_row)
+    verify = forward_workspace(shape, load.tp, nbytes, rows=load.max_num_seqs, new_tokens=per_row,
+                               kv_len=positions, logit_rows=load.max_num_seqs * logits_per_row)
+    return max(prefill, verify)
+
+
+def check_workload(shape: ModelShape, load: Workload) -> None:
+    """The refusals the engine would make (``tp.check_divisible``, ``make_cache``)."""
+    if load.tp < 1 or (load.draft and load.tp != 1):
+        raise ConfigError(f"tensor parallel size {load.tp}: a draft runs on 1 GPU, a target on 1 or more")
+    for name, value in (("num_attention_heads", shape.num_heads),
+                        ("num_key_value_heads", shape.num_kv_heads),
+                        ("intermediate_size", shape.intermediate_size)):
+        if value % load.tp:
+            raise ConfigError(f"{name} = {value} is not divisible by the tensor parallel size {load.tp}")
+    if load.max_model_len > shape.max_position_embeddings:
+        raise ConfigError(f"max_model_len {load.max_model_len} exceeds the model's "
+                          f"max_position_embeddings {shape.max_position_embeddings}")
+    if min(load.max_model_len, load.max_num_seqs, load.prefill_rows) < 1 or load.num_speculative_tokens < 0:
+        raise ConfigError("max_model_len, max_num_seqs and prefill_rows must be positive, K not negative")
+
+
+def estimate(shape: ModelShape, load: Workload) -> MemoryEstimate:
+    """Bytes on one GPU of a rank (or the draft) serving ``load``."""
+    check_workload(shape, load)
+    sharded, replicated = weight_bytes(shape, load.tp, dtype_bytes(load.dtype),
+                                       min(load.max_model_len, shape.max_position_embeddings))
+    return MemoryEstimate(
+        sharded_weights=sharded, replicated_weights=replicated,
+        kv_cache=kv_cache_bytes(shape, load), workspace=workspace_bytes(shape, load),
+        overhead=CUDA_CONTEXT_BYTES + (NCCL_BYTES if load.tp > 1 else 0))
+
+
+def estimate_memory(config: dict, **workload) -> MemoryEstimate:
+    """:func:`estimate` from a ``config.json`` dict and :class:`Workload`'s fields."""
+    return estimate(ModelShape.from_config(config), Workload(**workload))
+
+
+def largest_num_seqs(shape: ModelShape, load: Workload, gpu_memory_bytes: float) -> int:
+    """The most ``max_num_seqs`` at which ``load`` still fits (0: not even one). The total
+    grows with the slot count, so a bisection finds it."""
+    low, high = 0, load.max_num_seqs
+    while low < high:
+        mid = (low + high + 1) // 2
+        if estimate(shape, replace(load, max_num_seqs=mid)).fits(gpu_memory_bytes):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def check_fits(shape: ModelShape, load: Workload, *, free_bytes: int, total_bytes: int) -> MemoryEstimate:
+    """Refuse, with the fix named, a ``load`` that will not fit this GPU: its estimate must
+    be within :data:`MAX_UTILIZATION` of ``total_bytes``, and what it has yet to allocate
+    (all but the CUDA context, which exists by now) within ``free_bytes``. The arguments
+    are ``torch.cuda.mem_get_info()``'s, the check runs before the weights load."""
+    est = estimate(shape, load)
+    if est.fits(total_bytes) and est.total - CUDA_CONTEXT_BYTES <= free_bytes:
+        return est
+    budget = min(total_bytes, (free_bytes + CUDA_CONTEXT_BYTES) / MAX_UTILIZATION)
+    seqs = largest_num_seqs(shape, load, budget)
+    fix = (f"lower max_num_seqs to {seqs} or less, or max_model_len" if seqs
+           else "use a larger tensor_parallel_size, a shorter max_model_len or a larger GPU")
+    raise ConfigError(
+        f"this GPU cannot hold the {'draft' if load.draft else 'target'} as configured: about "
+        f"{est.total / GIB:.1f} GiB per GPU ({format_estimate(est, oneline=True)}), "
+        f"{free_bytes / GIB:.1f} of {total_bytes / GIB:.1f} GiB free, {MAX_UTILIZATION:.0%} usable: "
+        f"{fix} (docs/MEMORY.md)")
+
+
+def check_cuda_memory(config, load: Workload, device=None) -> MemoryEstimate:
+    """:func:`check_fits` on a CUDA device (default: the current one), with torch's numbers.
+    ``config``: a ``config.json`` dict or a ``transformers`` config. Meant for a rank or a
+    draft at start, before its weights load."""
+    import torch
+
+    config = config if isinstance(config, dict) else config.to_dict()
+    free, total = torch.cuda.mem_get_info(device)
+    return check_fits(ModelShape.from_config(config), load, free_bytes=free, total_bytes=total)
+
+
+PARTS = (  # (field, label, what it is) in the order a table prints them
+    ("sharded_weights", "sharded weights", "this rank's 1/tp of attention and MLP"),
+    ("replicated_weights", "replicated weights", "embeddings, LM head, norms, rope tables"),
+    ("kv_cache", "KV cache", "every slot at max_model_len"),
+    ("workspace", "workspace", "largest forward: activations, logits, sampler"),
+    ("overhead", "overhead", "allowance: CUDA context, cuBLAS, NCCL"),
+)
+
+
+def format_estimate(est: MemoryEstimate, *, gpu_memory_bytes: float | None = None,
+                    oneline: bool = False) -> str:
+    """A table, one line per part, or with ``oneline`` the parts on one line (GiB).
+
+    >>> print(format_estimate(MemoryEstimate(GIB, 0, 2 * GIB, 0, GIB), oneline=True))
+    sharded weights 1.0 + replicated weights 0.0 + KV cache 2.0 + workspace 0.0 + overhead 1.0 = 4.0 GiB
+    """
+    if oneline:
+        parts = " + ".join(f"{label} {getattr(est, name) / GIB:.1f}" for name, label, _ in PARTS)
+        return f"{parts} = {est.total / GIB:.1f} GiB"
+    lines = [f"  {label:<19}{getattr(est, name) / GIB:7.2f} GiB  {why}" for name, label, why in PARTS]
+    lines.append(f"  {'total':<19}{est.total / GIB:7.2f} GiB" + _verdict(est, gpu_memory_bytes))
+    return "\n".join(lines)
+
+
+def _verdict(est: MemoryEstimate, gpu_memory_bytes: float | None) -> str:
+    if gpu_memory_bytes is None:
+        return ""
+    share = est.total / gpu_memory_bytes
+    return (f"  {share:.0%} of {gpu_memory_bytes / GIB:.1f} GiB: "
+            f"{'fits' if est.fits(gpu_memory_bytes) else 'does NOT fit'} "
+            f"(at most {MAX_UTILIZATION:.0%})")
