@@ -49,16 +49,26 @@ class ProposerSpec:
     options: tuple[Option, ...] = ()  # its settings, speculative.<method>.<name>
 
 
+# A model draft's sampled q, truncated: the rows a sampled draft sends per drafted token.
+Q_TOP_K = Option("q_top_k", 16, "Sampled requests: the draft samples each token from its k "
+                                "likeliest (renormalised) and sends only those k ids and "
+                                "probabilities to the target (8 * k bytes, not 4 * vocab); "
+                                "verification uses exactly that q, so output stays lossless. "
+                                "Larger k: q closer to the draft's full distribution.",
+                 ge=1, le=1024)
+
 PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
     ProposerSpec("ngram", "ngram", "NgramProposer", draft_model=False, reads_features=False,
                  draft_kind=None, summary="prompt lookup: the continuation of the sequence's "
                                           "last n-gram where it occurred before"),
     ProposerSpec("draft_model", "draft_model", "DraftModelProposer", draft_model=True,
                  reads_features=False, draft_kind="decoder", plain_draft=True,
-                 summary="a smaller model of the target's tokenizer, or a decoder draft"),
+                 summary="a smaller model of the target's tokenizer, or a decoder draft",
+                 options=(Q_TOP_K,)),
     ProposerSpec("eagle", "eagle", "EagleProposer", draft_model=True, reads_features=True,
                  draft_kind="eagle", summary="an EAGLE head reading the target's features",
                  options=(
+        Q_TOP_K,
         Option("tree", False, "Draft a token tree of up to K nodes instead of one chain "
                               "(EAGLE-2's dynamic tree: expand the likeliest nodes level by "
                               "level, keep the K likeliest); verified in one forward (issue 20)."),

@@ -169,6 +169,16 @@ def test_progress_bar_names_the_model(tmp_path, capsys):
     assert "loading tiny" in capsys.readouterr().err
 
 
+def test_progress_off_a_terminal_is_a_line_per_quarter(tmp_path, capsys):
+    """A Ray actor's stderr is a log, not a terminal: four lines, not carriage returns."""
+    hf = tiny_hf_model("llama-gqa", seed=4)
+    hf.save_pretrained(tmp_path)
+    load_sharded(tmp_path, hf.config, max_len=64, desc="rank 1/2 loading tiny")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rank")]
+    assert [line.split(": ")[1].split("%")[0] for line in lines] == ["25", "50", "75", "100"]
+    assert all(line.startswith("rank 1/2 loading tiny: ") for line in lines)
+
+
 # -- TP = 2 in two processes -----------------------------------------------------------------
 
 

@@ -379,6 +379,38 @@ def test_a_long_row_is_verified_apart_from_the_short_ones(target_hf, close_draft
     assert apart and all(max(c) == 1 for c in calls if len(c) == 7)
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_a_new_prompt_is_fed_to_the_draft_apart_from_the_decoding_rows(target_hf, close_draft_hf,
+                                                                      method):
+    """A 48-token prompt arriving while three rows decode: the draft reads it in a forward of
+    its own, never padding the decoding rows' catch-up to its length (on a GPU that padding
+    is prompt-length attention workspace for every row); output stays target-only's."""
+    short, long_prompt = prompts(3, seed=8), prompts(1, seed=9)[0] * 6
+    assert len(long_prompt) > 16 * 2
+    reference = make_engine(target_hf, None).generate([*short, long_prompt], GREEDY)
+    engine = make_engine(target_hf, method, 3, draft_hf=close_draft_hf)
+    calls = []
+    runtime = engine.proposer.worker.runtime
+    forward = runtime.forward
+
+    def record(cache, slots, token_ids, *args, **kwargs):
+        calls.append([len(x) for x in token_ids])
+        return forward(cache, slots, token_ids, *args, **kwargs)
+
+    runtime.forward = record  # the draft's every forward, through nn.Module.__call__
+    ids = [engine.add_request(p, GREEDY) for p in short]
+    seqs = {s.seq_id: s for s in engine.waiting}
+    for _ in range(3):
+        engine.step()
+    ids.append(engine.add_request(long_prompt, GREEDY))
+    seqs.update({s.seq_id: s for s in engine.waiting})
+    while engine.has_unfinished():
+        engine.step()
+    assert [seqs[i].output_token_ids for i in ids] == [c.output_token_ids for c in reference]
+    long_feeds = [c for c in calls if max(c) > 16]
+    assert long_feeds and all(len(set(c)) == 1 for c in long_feeds)
+
+
 def test_more_requests_than_slots_queue_and_all_finish(target_hf, close_draft_hf):
     batch = prompts(8, seed=5)
     ref = make_engine(target_hf, None, slots=8).generate(batch, GREEDY)
@@ -510,6 +542,49 @@ def _reaching_k(params: SamplingParams, method: str) -> SamplingParams:
     the pair's second token comes from the second step, whose K max_tokens caps at
     ``max_tokens - 2``: 5 lets it draft the full K = 3 (a tree of 3 nodes, not one)."""
     return params.model_copy(update={"max_tokens": 5}) if method == "eagle-tree" else params
+
+
+@pytest.mark.parametrize("q_top_k", [1, 3])
+def test_a_draft_truncated_to_its_top_k_keeps_the_target_distribution(target_hf, q_top_k):
+    """Unseeded rows (the rejection test, which reads q): the draft samples from its top
+    ``q_top_k`` only and sends that q (``TopK``); the output is still target-only's in
+    distribution, down to k = 1 (a draft that always proposes its argmax, q one-hot). The
+    default k = 16 runs in the tests above."""
+    torch.manual_seed(20261126)
+    params = SAMPLED[0]
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256,
+                         eos=frozenset())
+    engine.proposer.q_top_k = q_top_k
+    prompt = list(sampling_prompt(target_hf))
+    pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params, seeded=False),
+                               exact_joint(target_hf, prompt, params))
+    assert engine.stats.num_draft_tokens > 0 and 0.0 < engine.stats.acceptance_rate < 0.95
+    assert pvalue > 1e-3
+
+
+def test_the_truncated_q_test_rejects_a_q_that_is_not_the_one_sampled_from(target_hf):
+    """Power: the same test fails when the q sent with the drafts is not the truncated q the
+    draft sampled from (here its argmax's probability before renormalising, k = 1)."""
+    from specserve.engine.proposers.base import TopK
+
+    torch.manual_seed(20261126)
+    params = SAMPLED[0]
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256,
+                         eos=frozenset())
+    engine.proposer.q_top_k = 1
+    propose = engine.proposer.propose
+
+    def unrenormalised(requests):
+        proposals = propose(requests)
+        for proposal in proposals:
+            if isinstance(proposal.probs, TopK):
+                proposal.probs.probs *= 0.5  # what q(argmax) is before renormalising, roughly
+        return proposals
+
+    engine.proposer.propose = unrenormalised
+    prompt = list(sampling_prompt(target_hf))
+    samples = _sample_pairs(engine, prompt, params, seeded=False)
+    assert chi_square_pvalue_or_zero(samples, exact_joint(target_hf, prompt, params)) < 1e-6
 
 
 def test_sampled_output_has_target_distribution_with_k_changing_every_step(target_hf):

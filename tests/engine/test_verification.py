@@ -100,3 +100,40 @@ def test_verify_batch_verifies_each_kind_in_one_call():
     assert len({id(out) for out, _ in results}) == 3
     alone = verify_greedy([proposals[1], proposals[3]], [logits[1], logits[3]])
     assert torch.equal(results[1][0].output_token_ids, alone.output_token_ids)
+
+
+def test_noise_is_exponential_and_a_function_of_its_key_alone():
+    """The counter-based noise (``sampling.exponential_noise``): a row depends on its key
+    only (not on the batch it is drawn in, so a verify on rank 0 and a draft in its own
+    process draw the same noise for one position), and it is Exp(1) (Kolmogorov-Smirnov,
+    fixed keys, so the outcome is fixed), independent across keys and across entries."""
+    from scipy import stats
+    from specserve.engine.sampling import NOISE, exponential_noise, noise_key
+
+    rows = exponential_noise([5, 9, 5], 50_000)
+    assert torch.equal(rows[0], rows[2]) and torch.equal(rows[0], exponential_noise([5], 50_000)[0])
+    assert torch.equal(position_noise(3, 7, 50_000), exponential_noise([noise_key(3, 7, NOISE)], 50_000)[0])
+    assert stats.kstest(rows[1].numpy(), "expon").pvalue > 1e-3
+    assert bool((rows > 0).all()) and bool(rows.isfinite().all())
+    assert abs(float(torch.corrcoef(rows[:2])[0, 1])) < 0.02
+    assert abs(float(torch.corrcoef(torch.stack([rows[1, :-1], rows[1, 1:]]))[0, 1])) < 0.02
+
+
+def test_topk_q_is_dense_where_verified_and_compact_on_the_wire():
+    """A draft's truncated q (``TopK``): scattered into the vocabulary for the rejection test,
+    pickled as raw bytes (8 per entry) and back unchanged."""
+    import pickle
+
+    from specserve.engine.proposers.base import TopK
+
+    ids = torch.tensor([[3, 1], [0, 15]])
+    probs = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    q = TopK(ids, probs)
+    dense = q.dense(V)
+    assert dense.shape == (2, V) and dense[0, 3] == 0.75 and dense[1, 15] == 0.5
+    assert torch.allclose(dense.sum(-1), torch.ones(2))
+    back = pickle.loads(pickle.dumps(q))
+    assert torch.equal(back.ids, ids.int()) and torch.equal(back.probs, probs)
+    assert len(pickle.dumps(q)) < 2 * 2 * 8 + 200
+    p = draft_probs([Proposal([3, 15], q)], torch.tensor([[3, 15]]), V)
+    assert torch.equal(p[0], dense)

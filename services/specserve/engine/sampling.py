@@ -79,11 +79,49 @@ def _mix(seed: int, position: int, stream: int) -> int:
     return z ^ (z >> 31)
 
 
-def position_noise(seed: int, position: int, vocab: int, stream: int = NOISE) -> torch.Tensor:
+def noise_key(seed: int, position: int, stream: int = NOISE) -> int:
+    """The 64-bit key of the noise deciding the token at ``position`` of a sequence seeded
+    ``seed``, in ``stream``."""
+    return _mix(seed, position, stream)
+
+
+def _int64(value: int) -> int:
+    """A uint64 as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z`` (torch's ``>>`` is arithmetic: mask the sign fill)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+_GOLDEN, _M1, _M2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def exponential_noise(keys: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(keys), V]`` Exp(1) noise on ``device``, row i a function of ``keys[i]`` alone.
+
+    Counter-based, computed where it is used: entry j of a row is SplitMix64's finaliser of
+    ``key + (j + 1) * golden`` (integer ops, which wrap the same on every device), its top 53
+    bits a uniform u in (0, 1), the noise ``-log u``. So a verify on a GPU draws no random
+    numbers on the host and copies none to the device, and the bits are the same on the CPU
+    and the GPU (the final ``log`` may differ in the last place between them)."""
+    key = torch.tensor([_int64(k) for k in keys], dtype=torch.int64, device=device)[:, None]
+    index = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)[None, :]
+    z = key + index * _GOLDEN  # [N, V]; int64 products wrap, as uint64 ones would
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 11).double() + 0.5) * 2.0 ** -53  # (0, 1): never 0, so the noise is finite
+    return (-torch.log(u)).float()
+
+
+def position_noise(seed: int, position: int, vocab: int, stream: int = NOISE,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
     """``[V]`` Exp(1) noise deciding the token at ``position`` of a sequence seeded ``seed``
-    (``sample_from(probs, noise)`` samples it). Same arguments, same noise, in any process."""
-    g = torch.Generator().manual_seed(_mix(seed, position, stream))
-    return torch.empty(vocab).exponential_(generator=g)
+    (``sample_from(probs, noise)`` samples it). Same arguments, same noise, in any process
+    and on any device (:func:`exponential_noise`)."""
+    return exponential_noise([noise_key(seed, position, stream)], vocab, device)[0]
 
 
 def position_uniform(seed: int, position: int) -> float:

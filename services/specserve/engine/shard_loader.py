@@ -24,6 +24,7 @@ The checkpoint is found as ``transformers`` finds it: ``model.safetensors.index.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -89,7 +90,8 @@ def load_sharded(folder: Path, hf_config, *, max_len: int | None = None,
     over ``group`` (None: not sharded, the whole model). The result is what
     ``tp.apply_tp(build_runtime(...), group)`` gives, bit for bit (``tests/engine/
     test_sharded_load.py``). ``progress``: a tqdm bar over this rank's bytes on stderr;
-    None shows it only on a terminal."""
+    None: the bar on a terminal, elsewhere (a Ray actor's log, streamed to the driver with
+    the actor's name) a line at every quarter (:class:`_QuarterLines`); False: nothing."""
     from tqdm.auto import tqdm
 
     rank, world = tp.tp_rank_world(group) if group is not None else (0, 1)
@@ -110,8 +112,11 @@ def load_sharded(folder: Path, hf_config, *, max_len: int | None = None,
     total = sum(torch.Size(shape).numel() for _, _, shape in plan) * dtype.itemsize
     if world > 1:
         desc = f"rank {rank}/{world} {desc}"
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-              disable=None if progress is None else not progress) as bar:
+    terminal = sys.stderr.isatty()
+    bar = (tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not (progress or (progress is None and terminal)))
+           if progress or terminal else _QuarterLines(total, desc, enabled=progress is None))
+    with bar:
         for name, split, shape in plan:
             out = torch.empty(shape, dtype=dtype, device=device)
             tp.set_param(model, name, read_shard(files, sources[name], split, out, rank, world))
@@ -121,3 +126,28 @@ def load_sharded(folder: Path, hf_config, *, max_len: int | None = None,
     model.rope_cos = cos.to(device=device, dtype=dtype)
     model.rope_sin = sin.to(device=device, dtype=dtype)
     return tp.localize(model, world, group).eval()
+
+
+class _QuarterLines:
+    """tqdm's ``update`` / context protocol for a log that is not a terminal: one line on
+    stderr as each quarter of the bytes is read (a bar's carriage returns would pile up into
+    one line there)."""
+
+    def __init__(self, total: int, desc: str, *, enabled: bool) -> None:
+        self.total, self.desc, self.enabled = max(total, 1), desc, enabled
+        self.done, self.quarter = 0, 0
+
+    def __enter__(self) -> _QuarterLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        self.done += n
+        quarter = min(4, 4 * self.done // self.total)
+        if self.enabled and quarter > self.quarter:
+            self.quarter = quarter
+            size = (f"{self.total / 2**30:.1f} GiB" if self.total >= 2**30
+                    else f"{self.total / 2**20:.1f} MiB")
+            print(f"{self.desc}: {25 * quarter}% of {size}", file=sys.stderr, flush=True)

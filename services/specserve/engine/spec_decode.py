@@ -7,11 +7,14 @@ the step names the module):
 2. **draft**: ask the proposer (``proposers/``) for up to K tokens per running sequence (K is
    capped so the step can neither overrun ``max_tokens`` nor the context; for adaptive
    requests the controller of ``adaptive.py`` picks K under that cap);
-3. **verify**: one target forward over each row's pending tokens plus its drafts, asking for
-   logits at the last ``num_draft_tokens + 1`` positions (ragged: every row its own length);
-4. **accept**: ``verification.py`` turns those logits and the proposals into the tokens each
-   row emits (the rejection sampler of ``rejection_sampler.py`` keeps a prefix of the drafts
-   and adds one recovered or bonus token); ``Sequence.append_tokens`` (``sequence.py``)
+3. **verify**: one target forward over each row's pending tokens plus its drafts, with
+   logits at the last ``num_draft_tokens + 1`` positions (ragged: every row its own length),
+   and ``verification.py`` turning those logits and the proposals into the tokens each row
+   emits (the rejection sampler of ``rejection_sampler.py`` keeps a prefix of the drafts and
+   adds one recovered or bonus token). Both happen in the target's ``verify``
+   (``worker.py``), where the logits are: on a tensor-parallel group that is rank 0, and
+   only the emitted tokens come back;
+4. **accept**: ``Sequence.append_tokens`` (``sequence.py``)
    appends them one at a time through the stop checks (EOS, stop token ids, stop strings,
    max_tokens, context), so a stop inside a draft window truncates exactly where
    target-only decoding would have stopped;
@@ -41,13 +44,12 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
-from specserve.engine.rejection_sampler import RejectionOutput
 from specserve.engine.sampling import random_seed
 from specserve.engine.sequence import Completion, Sequence, StepOutput
 from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
-from specserve.engine.verification import SamplingRow, verify_batch
-from specserve.engine.worker import ModelWorker
+from specserve.engine.verification import Verdict
+from specserve.engine.worker import ModelWorker, Verified
 from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed, TargetUnavailable
 
 log = logging.getLogger(__name__)
@@ -196,30 +198,25 @@ class SpecDecodeEngine:
         proposals = self._propose(seqs, ks, caps)
         t1 = time.perf_counter()
         starts = [self.target.length(s.slot) for s in seqs]
-        logits, hidden = self._verify(seqs, proposals)
-        t2 = time.perf_counter()
-        results = self._sample(seqs, proposals, logits)
-        if hidden is not None:
-            hidden = [_path_rows(h, p, res.paths[row] if res.paths else None)
-                      for h, p, (res, row) in zip(hidden, proposals, results)]
-        outputs = [self._advance_or_fail(seq, prop, res, row)
-                   for seq, prop, (res, row) in zip(seqs, proposals, results)]
+        verdicts, hidden, sample_s = self._verify(seqs, proposals)
+        t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
+        outputs = [self._advance_or_fail(seq, prop, verdict)
+                   for seq, prop, verdict in zip(seqs, proposals, verdicts)]
         t3 = time.perf_counter()
         try:  # bookkeeping of the unit, not of a request: it must not fail the outputs above
             if hidden is not None:
                 self._keep_hidden(seqs, starts, hidden)
             self.times.add(t1 - t0, t2 - t1, t3 - t2)
             if self.controller is not None:
-                self._observe(seqs, ks, proposals, results, t1 - t0, t3 - t2)
+                self._observe(seqs, ks, proposals, verdicts, t1 - t0, t3 - t2)
         except Exception:  # noqa: BLE001
             log.exception("step bookkeeping failed; the draft starts afresh")
             self._draft_lost()
         return outputs
 
-    def _advance_or_fail(self, seq: Sequence, proposal: Proposal, res: RejectionOutput,
-                         row: int) -> StepOutput:
+    def _advance_or_fail(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> StepOutput:
         try:
-            return self._advance(seq, proposal, res, row)
+            return self._advance(seq, proposal, verdict)
         except Exception as exc:  # noqa: BLE001  this row's own fault
             log.exception("request %d failed while advancing; ending it", seq.seq_id)
             return self._fail(seq, exc)
@@ -263,15 +260,15 @@ class SpecDecodeEngine:
             self.k_counts[k] = self.k_counts.get(k, 0) + 1
         return ks, caps
 
-    def _observe(self, seqs, ks, proposals, results, propose_s: float, accept_s: float) -> None:
+    def _observe(self, seqs, ks, proposals, verdicts, propose_s: float, accept_s: float) -> None:
         """Feed the step's acceptance and phase costs to the controller."""
         ctl = self.controller
         asked = [k for k in ks if k > 0]
         if asked and self.draft_available:
             ctl.observe_propose(max(asked), len(asked), propose_s)
-        for k, prop, (res, row) in zip(ks, proposals, results):
+        for k, prop, verdict in zip(ks, proposals, verdicts):
             # (a proposer that drafts to the cap was, in effect, asked for what it drafted)
-            accepted = res.paths[row] if res.paths is not None else int(res.num_accepted_tokens[row])
+            accepted = verdict.path if verdict.path is not None else verdict.num_accepted
             ctl.observe_draft(max(k, len(prop.token_ids)), len(prop.token_ids), accepted,
                               self._source(prop))
         sampled = sum(len(p.token_ids) + 1 for s, p in zip(seqs, proposals) if not s.params.greedy)
@@ -350,14 +347,13 @@ class SpecDecodeEngine:
                 self._attach(seq)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal]
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None] | None]:
-        """Target logits ``[num_draft_tokens + 1, V]`` per row (``[num_draft_tokens + 1]``
-        argmax ids when every row is greedy), and for a proposer that reads them the target's
-        hidden states of every input token per row (None otherwise). Decode rows share one
-        forward, or two where a few long rows (an exploration probe, a big tree) would pad
-        the others to their length (:func:`split_padded`); prefill rows share one per input
-        length, so no row is padded to a prompt's length."""
-        argmax_only = all(s.params.greedy for s in seqs)
+                ) -> tuple[list[Verdict], list[torch.Tensor | None] | None, float]:
+        """The target's verdict per row; for a proposer that reads them, the final hidden
+        states of each row's tokens that are now final (None otherwise); and the seconds the
+        rejection sampler took. Decode rows share one verify, or two where a few long rows
+        (an exploration probe, a big tree) would pad the others to their length
+        (:func:`split_padded`); prefill rows share one per input length, so no row is padded
+        to a prompt's length."""
         want_hidden = self.needs_hidden and any(s.draft_attached for s in seqs)
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
                   for s, p in zip(seqs, proposals)]
@@ -371,47 +367,39 @@ class SpecDecodeEngine:
             groups[0], long_rows = split_padded(groups[0], [len(x) for x in inputs])
             if long_rows:
                 groups[-1] = long_rows
-        out: list[torch.Tensor | None] = [None] * len(seqs)
+        verdicts: list[Verdict | None] = [None] * len(seqs)
         hidden: list[torch.Tensor | None] = [None] * len(seqs)
+        sample_s = 0.0
         for rows in groups.values():
             if self.fault_token is not None and any(
                     self.fault_token in seqs[i].token_ids[:seqs[i].prompt_len] for i in rows):
                 raise RuntimeError("injected fault (fault_token)")
-            counts = [len(proposals[i].token_ids) + 1 for i in rows]
             t0 = time.perf_counter()
             row_trees = [trees[i] for i in rows]
-            result = self.target.forward([seqs[i].slot for i in rows], [inputs[i] for i in rows],
-                                         counts, argmax_only, return_hidden=want_hidden,
-                                         trees=row_trees if any(row_trees) else None)
+            result: Verified = self.target.verify(
+                [seqs[i].slot for i in rows], [inputs[i] for i in rows], [proposals[i] for i in rows],
+                [(seqs[i].params, seqs[i].seed) for i in rows], return_hidden=want_hidden,
+                trees=row_trees if any(row_trees) else None)
+            sample_s += result.sample_s
             if self.controller is not None:
                 tokens = sum(len(inputs[i]) for i in rows)
                 attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
                                 for i in rows)
-                self.controller.observe_forward(len(rows), tokens, attention, time.perf_counter() - t0,
+                self.controller.observe_forward(len(rows), tokens, attention,
+                                                time.perf_counter() - t0 - result.sample_s,
                                                 len(rows) * max(len(inputs[i]) for i in rows))
-            logits = result[0] if want_hidden else result
-            for i, chunk in zip(rows, logits.split(counts)):
-                out[i] = chunk
-            if want_hidden:
-                for i, chunk in zip(rows, result[1].split([len(inputs[i]) for i in rows])):
-                    hidden[i] = chunk
-        return out, hidden if want_hidden else None
+            for j, i in enumerate(rows):
+                verdicts[i] = result.verdicts[j]
+                if want_hidden:
+                    hidden[i] = result.hidden[j]
+        return verdicts, hidden if want_hidden else None, sample_s
 
-    def _sample(self, seqs: list[Sequence], proposals: list[Proposal],
-                logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:
-        """Run the rejection sampler on the step's rows (one call per kind of row, see
-        :func:`~specserve.engine.verification.verify_batch`); returns, per sequence, its
-        sampler output and its row in that output."""
-        rows = [SamplingRow(s.params, s.seed, len(s.token_ids)) for s in seqs]
-        return verify_batch(rows, proposals, logits)
-
-    def _advance(self, seq: Sequence, proposal: Proposal, res: RejectionOutput,
-                 row: int) -> StepOutput:
+    def _advance(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> StepOutput:
         """Append the emitted tokens through the stop checks, then roll caches back."""
         num_before = len(seq.token_ids)
         num_draft_tokens = len(proposal.token_ids)
-        num_accepted_tokens = int(res.num_accepted_tokens[row])
-        tree = (proposal.parents, res.paths[row]) if res.paths is not None else None
+        num_accepted_tokens = verdict.num_accepted
+        tree = (proposal.parents, verdict.path) if verdict.path is not None else None
         seq.stats.observe(num_draft_tokens, num_accepted_tokens, tree)
         self.stats.observe(num_draft_tokens, num_accepted_tokens, tree)
         self.num_tree_drafts += proposal.parents is not None
@@ -420,13 +408,13 @@ class SpecDecodeEngine:
             if source not in self.by_proposer:
                 self.by_proposer[source] = SpecStats()
             self.by_proposer[source].observe(num_draft_tokens, num_accepted_tokens, tree)
-        seq.append_tokens(res.emitted(row), eos_token_ids=self.eos_token_ids,
+        seq.append_tokens(verdict.emitted, eos_token_ids=self.eos_token_ids,
                           max_model_len=self.max_model_len)
         if seq.finish_reason:
             self._release(seq)
         else:
-            if res.paths is not None:  # a tree: its accepted path moves next to the root
-                self.target.keep(seq.slot, [num_before + n for n in res.paths[row]], num_before)
+            if verdict.path is not None:  # a tree: its accepted path moves next to the root
+                self.target.keep(seq.slot, [num_before + n for n in verdict.path], num_before)
             # Everything before the last emitted token is final; that token is fed next step.
             self.target.rollback(seq.slot, num_before + num_accepted_tokens)
             if seq.draft_attached:
@@ -511,14 +499,3 @@ def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:
         return None
     return ([-1, *range(num_before - 1)]
             + [num_before - 1 if p == -1 else num_before + p for p in parents])
-
-
-def _path_rows(hidden: torch.Tensor | None, proposal: Proposal, path: list[int] | None
-               ) -> torch.Tensor | None:
-    """A tree row's hidden states in the order of its kept path (the tokens before the
-    drafts, then the accepted nodes), as a chain's would be; others as they are."""
-    if hidden is None or path is None:
-        return hidden
-    before = hidden.shape[0] - len(proposal.token_ids)
-    return torch.cat([hidden[:before], hidden[[before + n for n in path]]])
-

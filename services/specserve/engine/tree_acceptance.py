@@ -191,7 +191,7 @@ def tree_accept_seeded(parents: Sequence[int], tokens: Sequence[int], target_pro
     depths = [0, *tree_depths(parents)]  # per row of p
 
     def target_token(row: int) -> int:
-        noise = position_noise(seed, position + depths[row], vocab)  # [V]
+        noise = position_noise(seed, position + depths[row], vocab, device=target_probs.device)  # [V]
         return int(sample_from(target_probs[row], noise))
 
     return tree_accept_matching(parents, tokens, target_token)
@@ -235,7 +235,8 @@ def tree_accept_sampled(parents: Sequence[int], tokens: Sequence[int], target_pr
                 break
             r = _residual_after_rejection(r, q, tokens[child])
         else:  # every child rejected, or a leaf: recovered or bonus token from r
-            noise = torch.empty(vocab, dtype=r.dtype, device=r.device).exponential_(generator=generator)
+            # drawn on the host (the generator is a CPU one on every device), used on r's
+            noise = torch.empty(vocab, dtype=r.dtype).exponential_(generator=generator).to(r.device)
             return TreeAcceptance(path, [tokens[i] for i in path] + [int(sample_from(r, noise))])
 
 

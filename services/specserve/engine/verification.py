@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.proposers.base import Proposal
+from specserve.engine.proposers.base import Proposal, TopK
 from specserve.engine.rejection_sampler import (
     PLACEHOLDER,
     RejectionOutput,
@@ -41,12 +41,24 @@ from specserve.engine.rejection_sampler import (
 )
 from specserve.engine.sampling import (
     compute_probs,
+    exponential_noise,
+    noise_key,
     position_noise,
     position_uniform,
     sample_from,
     step_generator,
 )
 from specserve.engine.tree_acceptance import tree_accept_greedy, tree_accept_sampled, tree_accept_seeded
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one row keeps of a step, as plain data: what the target's rank 0 sends back to
+    the coordinator (never logits)."""
+
+    emitted: list[int]               # the accepted drafts, then the recovered or bonus token
+    num_accepted: int
+    path: list[int] | None = None    # a tree's accepted nodes (None: a chain)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,16 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
     return results
 
 
+def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
+                logits: list[torch.Tensor]) -> list[Verdict]:
+    """:func:`verify_batch`, each row's result as a :class:`Verdict`."""
+    verdicts = []
+    for res, row in verify_batch(rows, proposals, logits):
+        verdicts.append(Verdict(res.emitted(row), int(res.num_accepted_tokens[row]),
+                                res.paths[row] if res.paths is not None else None))
+    return verdicts
+
+
 def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor) -> RejectionOutput:
     """One row whose drafts form a tree; logits: ``[N + 1, V]`` (or argmax ids, greedy), row
     0 after the row's last token, row i + 1 after node i. Returns a one-row output whose
@@ -100,7 +122,10 @@ def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor) -> R
         if row.params.seed is not None:
             out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
         else:
-            out = tree_accept_sampled(parents, tokens, p, proposal.probs,
+            q = proposal.probs
+            if isinstance(q, TopK):
+                q = q.dense(p.shape[-1], p.device)
+            out = tree_accept_sampled(parents, tokens, p, q,
                                       step_generator(row.seed, row.position))
     emitted = torch.full((1, len(tokens) + 1), PLACEHOLDER, dtype=torch.long)
     emitted[0, :len(out.emitted)] = torch.tensor(out.emitted, dtype=torch.long)
@@ -113,7 +138,7 @@ def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor]) -> Reje
     logits[i]: ``[num_draft_tokens_i + 1, V]`` logits or ``[num_draft_tokens_i + 1]`` argmax ids.
     """
     assert len(proposals) == len(logits) and all(x.ndim in (1, 2) for x in logits)
-    draft_token_ids, num_draft_tokens = pad_drafts(proposals)  # [B, K], [B]
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
@@ -127,13 +152,13 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
     assert len(rows) == len(proposals) == len(logits)
-    draft_token_ids, num_draft_tokens = pad_drafts(proposals)  # [B, K], [B]
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
     p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1])  # [B, K + 1, V]
     noise = torch.ones_like(p)  # [B, K + 1, V]; positions never drawn are never emitted
     for i, r in enumerate(rows):
         # Draw up to the first disagreement only: the noise of later positions would be wasted.
         for j in range(int(num_draft_tokens[i]) + 1):
-            noise[i, j] = position_noise(r.seed, r.position + j, noise.shape[-1])
+            noise[i, j] = position_noise(r.seed, r.position + j, noise.shape[-1], device=noise.device)
             if j == num_draft_tokens[i] or int(sample_from(p[i, j], noise[i, j])) != draft_token_ids[i, j]:
                 break
     return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
@@ -146,29 +171,34 @@ def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
     assert len(rows) == len(proposals) == len(logits)
-    draft_token_ids, num_draft_tokens = pad_drafts(proposals)  # [B, K], [B]
+    device = logits[0].device
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals, device)  # [B, K], [B]
     bsz, max_spec_len = draft_token_ids.shape
     p = target_probs([r.params for r in rows], logits, max_spec_len)  # [B, K + 1, V]
     q = draft_probs(proposals, draft_token_ids, p.shape[-1])           # [B, K, V] or None
-    uniform = torch.ones(bsz, max_spec_len)  # [B, K]
-    for i, r in enumerate(rows):
-        for j in range(int(num_draft_tokens[i])):
+    uniform = torch.ones(bsz, max_spec_len)  # [B, K], drawn on the host
+    for i, (r, proposal) in enumerate(zip(rows, proposals)):
+        for j in range(len(proposal.token_ids)):
             uniform[i, j] = position_uniform(r.seed, r.position + j)
+    uniform = uniform.to(device)
     num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
     # The noise of the position each row's recovered or bonus token lands on: [B, V].
-    noise = torch.stack([position_noise(r.seed, r.position + int(n), p.shape[-1])
-                         for r, n in zip(rows, num_accepted_tokens)])
+    noise = exponential_noise([noise_key(r.seed, r.position + n)
+                               for r, n in zip(rows, num_accepted_tokens.tolist())], p.shape[-1], device)
     return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
 
 
-def pad_drafts(proposals: list[Proposal]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, K]`` draft token ids (padded with 0) and ``[B]`` num_draft_tokens."""
+def pad_drafts(proposals: list[Proposal], device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, K]`` draft token ids (padded with 0) and ``[B]`` num_draft_tokens, on ``device``
+    (the logits'); built on the host, moved in one copy each."""
     assert proposals
     max_spec_len = max(len(p.token_ids) for p in proposals)
     draft_token_ids = torch.zeros(len(proposals), max_spec_len, dtype=torch.long)
     for i, p in enumerate(proposals):
         draft_token_ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
-    return draft_token_ids, torch.tensor([len(p.token_ids) for p in proposals])
+    num_draft_tokens = torch.tensor([len(p.token_ids) for p in proposals])
+    return draft_token_ids.to(device), num_draft_tokens.to(device)
 
 
 def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
@@ -180,15 +210,17 @@ def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
     assert len(params) == len(logits)
     assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
     counts = [x.shape[0] for x in logits]
-    probs = compute_probs(torch.cat(logits), _per_logit_row([s.temperature for s in params], counts),
-                          _per_logit_row([s.top_k for s in params], counts),
-                          _per_logit_row([s.top_p for s in params], counts))  # [sum(K_i + 1), V]
+    device = logits[0].device
+    probs = compute_probs(torch.cat(logits),
+                          _per_logit_row([s.temperature for s in params], counts, device),
+                          _per_logit_row([s.top_k for s in params], counts, device),
+                          _per_logit_row([s.top_p for s in params], counts, device))  # [sum(K_i + 1), V]
     return torch.stack([pad_rows(x, max_spec_len + 1, 0.0) for x in probs.split(counts)])
 
 
-def _per_logit_row(values: list, counts: list[int]) -> torch.Tensor:
-    """``[sum(counts)]``: each row's value repeated once per logits row of that row."""
-    return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)])
+def _per_logit_row(values: list, counts: list[int], device: torch.device) -> torch.Tensor:
+    """``[sum(counts)]`` on ``device``: each row's value repeated once per logits row of it."""
+    return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)], device=device)
 
 
 def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
@@ -202,19 +234,23 @@ def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
 
 def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
                 vocab: int) -> torch.Tensor | None:
-    """``[B, K, V]`` q for model proposers; None when every proposal is deterministic.
-    A deterministic row inside a model batch (no probs) gets its one-hot q.
+    """``[B, K, V]`` q for model proposers, on ``draft_token_ids``' device; None when every
+    proposal is deterministic. A deterministic row inside a model batch (no probs) gets its
+    one-hot q; a :class:`TopK` q is scattered into the vocabulary.
 
     draft_token_ids: ``[B, K]`` as :func:`pad_drafts` returns them.
     """
     assert draft_token_ids.ndim == 2 and draft_token_ids.shape[0] == len(proposals)
     if all(p.probs is None for p in proposals):
         return None
-    q = torch.zeros(len(proposals), draft_token_ids.shape[1], vocab)
+    device = draft_token_ids.device
+    q = torch.zeros(len(proposals), draft_token_ids.shape[1], vocab, device=device)
     for i, p in enumerate(proposals):
         n = len(p.token_ids)
-        if p.probs is not None:
-            q[i, :n] = p.probs  # [n, V]
+        if isinstance(p.probs, TopK):
+            q[i, :n] = p.probs.dense(vocab, device)  # [n, V]
+        elif p.probs is not None:
+            q[i, :n] = p.probs.to(device)
         elif n:
-            q[i, torch.arange(n), draft_token_ids[i, :n]] = 1.0
+            q[i, torch.arange(n, device=device), draft_token_ids[i, :n]] = 1.0
     return q

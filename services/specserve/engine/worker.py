@@ -1,17 +1,40 @@
 """A model and its slot cache: what a target rank or a draft model holds.
 
-The speculation loop only talks to this interface (``forward`` / ``allocate`` / ``free`` /
-``rollback`` / ``keep`` / ``length``), which is why the same loop drives an in-process model here and a
-tensor-parallel group of Ray actors in the Serve units.
+The speculation loop only talks to this interface (``verify`` / ``allocate`` / ``free`` /
+``rollback`` / ``keep`` / ``length``), which is why the same loop drives an in-process model
+here and a tensor-parallel group of Ray actors in the Serve units.
+
+``verify`` is the target's half of a step: the forward *and* the rejection sampler, so the
+logits never leave the process (and device) that computed them. What comes back is
+:class:`Verified`: the tokens each row keeps, as plain data, and for a proposer that reads
+them the kept tokens' final hidden states, on the CPU.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
+from specserve.config import SamplingParams
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.malloc import keep_freed_memory
 from specserve.engine.model import LlamaRuntime
+from specserve.engine.proposers.base import Proposal
+from specserve.engine.verification import SamplingRow, Verdict, verify_rows
+
+
+@dataclass
+class Verified:
+    """A verify call's result, per row in call order."""
+
+    verdicts: list[Verdict]
+    # per row, the final hidden states of its tokens that are now final (the tokens before
+    # the drafts, then the accepted drafts, in path order for a tree), CPU; None: not asked
+    hidden: list[torch.Tensor] | None
+    forward_s: float   # the forward, measured where it ran
+    sample_s: float    # the rejection sampler, ditto
 
 
 class SlotOwner:
@@ -57,6 +80,31 @@ class ModelWorker(SlotOwner):
         :meth:`~specserve.engine.kv_cache.SlotKVCache.keep`)."""
         self.cache.keep(slot, positions, at)
 
+    def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
+               sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
+               trees: list[list[int] | None] | None = None) -> Verified:
+        """One verify forward and its rejection sampling, here, next to the logits.
+
+        ``token_ids[i]``: row i's pending tokens, then its drafts ``proposals[i].token_ids``;
+        ``sampling[i]``: its request's parameters and seed. Greedy-only batches compute the
+        argmax on the device and nothing else. ``return_hidden``: the kept tokens' hidden
+        states come back (:attr:`Verified.hidden`)."""
+        counts = [len(p.token_ids) + 1 for p in proposals]
+        rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids))
+                for slot, ids, p, (params, seed) in zip(slots, token_ids, proposals, sampling)]
+        t0 = time.perf_counter()
+        out = self.forward(slots, token_ids, counts, all(r.params.greedy for r in rows),
+                           return_hidden=return_hidden, trees=trees)
+        logits, hidden = out if return_hidden else (out, None)
+        _sync(logits)
+        t1 = time.perf_counter()
+        verdicts = verify_rows(rows, proposals, list(logits.split(counts)))
+        kept = None
+        if hidden is not None:
+            kept = [_kept_rows(h, p, v).cpu() for h, p, v in
+                    zip(hidden.split([len(ids) for ids in token_ids]), proposals, verdicts)]
+        return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1)
+
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
                 argmax_only: bool = False, return_hidden: bool = False,
                 trees: list[list[int] | None] | None = None
@@ -73,3 +121,17 @@ class ModelWorker(SlotOwner):
         if argmax_only:
             logits = logits.argmax(dim=-1)
         return (logits, hidden) if return_hidden else logits
+
+
+def _sync(x: torch.Tensor) -> None:
+    """Wait for ``x``'s device, so a clock read after it times the forward (CUDA is async)."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
+def _kept_rows(hidden: torch.Tensor, proposal: Proposal, verdict: Verdict) -> torch.Tensor:
+    """A row's hidden states of the tokens it keeps: those before the drafts, then the
+    accepted drafts (a tree's in the order of its kept path, as a chain's would be)."""
+    before = hidden.shape[0] - len(proposal.token_ids)
+    accepted = verdict.path if verdict.path is not None else range(verdict.num_accepted)
+    return hidden[[*range(before), *(before + n for n in accepted)]]

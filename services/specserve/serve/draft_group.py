@@ -24,6 +24,7 @@ from specserve.errors import ProposerUnavailable
 from specserve.methods import PROPOSERS
 from specserve.serve.draft_worker import DraftWorker, process_start
 from specserve.serve.placement import ACTOR_NAMESPACE, NODE_SLIVER, in_bundle
+from specserve.serve.wire import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class DraftGroup(Proposer):
         self.timeout_s = timeout_s
         self._ops: list[tuple] = []
         self._local: tuple[int, int | None] | None = None  # (pid, start) of a draft on this node
+        self.received = Traffic()  # proposals as they arrived (compact: serve/wire.py)
 
     @classmethod
     def launch(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None,
@@ -95,10 +97,12 @@ class DraftGroup(Proposer):
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         ops, self._ops = self._ops, []
         try:
-            return self._result(self.actor.step.remote(ops, requests))
+            proposals = self._result(self.actor.step.remote(ops, requests))
         except Exception as exc:  # dead, restarting, timed out or broken: all mean "no draft"
             log.warning("draft group unavailable: %s", exc)
             raise ProposerUnavailable(str(exc)) from exc
+        self.received.add(proposals)
+        return proposals
 
     def _result(self, ref):
         """``ref``'s value within ``timeout_s``. Ray fails a call to an actor whose process died

@@ -143,7 +143,9 @@ class DraftWorker:
     def step(self, ops: list[tuple], requests: list[DraftRequest]) -> list[Proposal]:
         self._maybe_slow()
         self.apply(ops)
-        return self.proposer.propose(requests) if requests else []
+        from specserve.serve.wire import host_only  # (light: torch is loaded by now)
+
+        return host_only(self.proposer.propose(requests)) if requests else []
 
     def apply(self, ops: list[tuple]) -> None:
         """Every op is applied, whatever the one before did: one sequence's failed ``commit``

@@ -5,7 +5,12 @@ coordinator-side client that makes them look like an in-process
 N :class:`TargetRank` actors form one ``torch.distributed`` process group
 (NCCL on GPUs, gloo on CPU, rendezvous on rank 0's node address: 127.0.0.1 locally). Only
 rank 0 is called; it broadcasts each batch to the others over the process group (one Ray call
-per step, however large N is), every rank runs its shard, and rank 0 returns the logits. The
+per step, however large N is), every rank runs its shard, and rank 0, which has the full
+logits after the last all-reduce, runs the rejection sampler next to them
+(:meth:`~specserve.engine.worker.ModelWorker.verify`) and returns only what each row keeps:
+no logits tensor crosses a process boundary. The coordinator sends token ids, the draft's
+proposals (ids, and for sampled rows a truncated q, :class:`~specserve.engine.proposers.base.TopK`)
+and each sequence's sampling parameters once, when its slot first verifies. The
 coordinator owns the slot table and sends each row's start length, so rollback costs nothing.
 A rank that dies or a step slower than ``target_step_timeout_s`` raises
 :class:`~specserve.errors.TargetUnavailable` within that bound (every rank has a ``watch``
@@ -25,13 +30,14 @@ import ray
 import torch
 import torch.distributed as dist
 
-from specserve.config import EngineConfig, UnitConfig
+from specserve.config import EngineConfig, SamplingParams, UnitConfig
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.loader import load_model
-from specserve.engine.tp import apply_tp
-from specserve.engine.worker import ModelWorker, SlotOwner
+from specserve.engine.proposers.base import Proposal
+from specserve.engine.worker import ModelWorker, SlotOwner, Verified
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import ACTOR_NAMESPACE, in_bundle
+from specserve.serve.wire import Traffic, host_only
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -54,6 +60,7 @@ class TargetRank:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.worker: ModelWorker | None = None
+        self.sampling: dict[int, tuple] = {}  # slot -> its sequence's (params, seed)
         _threads(world_size)
 
     def rendezvous(self) -> tuple[str, int]:
@@ -70,13 +77,31 @@ class TargetRank:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                     world_size=self.world_size, timeout=PG_TIMEOUT)
-        loaded = load_model(cfg.target, max_model_len=cfg.max_model_len)
-        runtime = apply_tp(loaded.runtime)
+        # Each rank reads only its shard of the checkpoint (engine/shard_loader.py).
+        group = dist.group.WORLD if self.world_size > 1 else None
+        loaded = load_model(cfg.target, max_model_len=cfg.max_model_len, tp_group=group)
+        runtime = loaded.runtime
         self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
         if self.rank > 0:
             threading.Thread(target=self._follow, name="tp-follower", daemon=True).start()
         return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
                 "eos_token_ids": sorted(loaded.eos_token_ids)}
+
+    def verify(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
+               proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
+               trees: list | None = None, moves: list | None = None) -> Verified:
+        """Rank 0: broadcast the forward, run this rank's shard and the rejection sampler;
+        return the rows' verdicts (CPU hidden states of kept tokens with ``return_hidden``).
+        ``sampling``: slot -> (params, seed) for the sequences new since the last call (this
+        rank keeps them per slot)."""
+        self.sampling.update(sampling)
+        batch = (slots, starts, token_ids, [len(p.token_ids) + 1 for p in proposals], trees, moves)
+        if self.world_size > 1:
+            dist.broadcast_object_list([batch], src=0)
+        self._prepare(batch)
+        return host_only(self.worker.verify(slots, token_ids, proposals,
+                                            [self.sampling[s] for s in slots],
+                                            return_hidden=return_hidden, trees=trees))
 
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                 num_logits: list[int], argmax_only: bool = False,
@@ -86,19 +111,26 @@ class TargetRank:
         (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
         states, which every rank has in full after the last all-reduce). ``moves``: the
         coordinator's pending token-tree compactions ``(slot, positions, at)``, applied
-        before the batch (like rollback, they ride on the next forward)."""
+        before the batch (like rollback, they ride on the next forward). For tests and
+        tools: serving verifies (:meth:`verify`), and logits stay here."""
         batch = (slots, starts, token_ids, num_logits, trees, moves)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         out = self._run(batch, argmax_only, return_hidden)
         return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
 
-    def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
-        slots, starts, token_ids, num_logits, trees, moves = batch
+    def _prepare(self, batch) -> None:
+        slots, starts, _, _, _, moves = batch
         for slot, positions, at in moves or ():
             self.worker.keep(slot, positions, at)
         for slot, start in zip(slots, starts):  # the coordinator's lengths: rollback for free
             self.worker.rollback(slot, start)
+
+    def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
+        """Every rank's forward of a batch (rank 0's verify runs the same one: the followers
+        need not know what rank 0 does with its logits)."""
+        slots, _, token_ids, num_logits, trees, _ = batch
+        self._prepare(batch)
         return self.worker.forward(slots, token_ids, num_logits, argmax_only,
                                    return_hidden=return_hidden, trees=trees)
 
@@ -140,6 +172,8 @@ class TargetGroup(SlotOwner):
         self.generation = 0   # restarts so far
         self.ranks: list = []
         self._moves: dict[int, tuple[list[int], int]] = {}  # slot -> a kept path not yet sent
+        self._sampling: dict[int, tuple] = {}  # slot -> the (params, seed) rank 0 holds for it
+        self.received = Traffic()  # what rank 0 sent back
         self._launch()
 
     def _launch(self) -> None:
@@ -165,6 +199,7 @@ class TargetGroup(SlotOwner):
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
         self._moves.clear()
+        self._sampling.clear()
         self.generation += 1
         self._launch()
 
@@ -181,14 +216,40 @@ class TargetGroup(SlotOwner):
         self._moves.pop(slot, None)
         super().free(slot)
 
+    def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
+               sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
+               trees: list[list[int] | None] | None = None) -> Verified:
+        """:meth:`ModelWorker.verify <specserve.engine.worker.ModelWorker.verify>` on rank 0:
+        a row's sampling parameters travel when its slot's holder changes, not every step."""
+        new = {}
+        for slot, row in zip(slots, sampling):
+            if self._sampling.get(slot) != row:
+                new[slot] = self._sampling[slot] = row
+        starts = [self.table.lengths[s] for s in slots]
+        moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
+        result = self._call(self.ranks[0].verify.remote(slots, starts, token_ids, proposals, new,
+                                                        return_hidden, trees, moves))
+        self.received.add(result)
+        for slot, ids in zip(slots, token_ids):
+            self.table.lengths[slot] += len(ids)
+        return result
+
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
                 argmax_only: bool = False, return_hidden: bool = False,
                 trees: list[list[int] | None] | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits from rank 0 (tests and tools; serving calls :meth:`verify`)."""
         starts = [self.table.lengths[s] for s in slots]
         moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
-        ref = self.ranks[0].forward.remote(slots, starts, token_ids, num_logits, argmax_only,
-                                           return_hidden, trees, moves)
+        logits = self._call(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits,
+                                                         argmax_only, return_hidden, trees, moves))
+        for slot, ids in zip(slots, token_ids):
+            self.table.lengths[slot] += len(ids)
+        return logits
+
+    def _call(self, ref):
+        """Rank 0's answer, or :class:`TargetUnavailable` when a rank dies or the step
+        outlives ``target_step_timeout_s``."""
         ready, _ = ray.wait([ref, *self._watch], num_returns=1, timeout=self.step_timeout_s)
         if not ready:
             raise TargetUnavailable(f"a target step took longer than {self.step_timeout_s:g} s "
@@ -196,12 +257,9 @@ class TargetGroup(SlotOwner):
         if ref not in ready:
             raise TargetUnavailable(f"target rank {self._watch[ready[0]]} died")
         try:
-            logits = ray.get(ref)
+            return ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             raise TargetUnavailable(f"target rank 0 died: {exc}") from exc
-        for slot, ids in zip(slots, token_ids):
-            self.table.lengths[slot] += len(ids)
-        return logits
 
     def shutdown(self) -> None:
         for rank in self.ranks:

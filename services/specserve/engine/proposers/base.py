@@ -35,10 +35,43 @@ class DraftRequest:
     cap: int | None = None
 
 
+class TopK:
+    """A draft's q at each drafted position, truncated to its ``k`` likeliest ids: ``ids`` and
+    ``probs``, both ``[n, k]`` (a model draft samples from exactly this renormalised top-k, so
+    it *is* q, and the rejection test stays exact). What crosses from a draft actor to the
+    target's rank 0: ``n * k * 8`` bytes (int32 ids, float32 probabilities) instead of ``n * V
+    * 4``; it pickles as raw bytes, never as a device tensor.
+    """
+
+    __slots__ = ("ids", "probs")
+
+    def __init__(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        assert ids.shape == probs.shape and ids.ndim == 2
+        self.ids = ids.to("cpu", torch.int32)
+        self.probs = probs.to("cpu", torch.float32)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def dense(self, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[n, vocab]`` float32 q on ``device``: zero outside each row's k ids."""
+        ids = self.ids.to(device, torch.long)
+        return torch.zeros(len(self), vocab, device=device).scatter_(1, ids, self.probs.to(device))
+
+    def __getstate__(self) -> tuple:
+        return tuple(self.ids.shape), self.ids.numpy().tobytes(), self.probs.numpy().tobytes()
+
+    def __setstate__(self, state: tuple) -> None:
+        shape, ids, probs = state
+        self.ids = torch.frombuffer(bytearray(ids), dtype=torch.int32).reshape(shape)
+        self.probs = torch.frombuffer(bytearray(probs), dtype=torch.float32).reshape(shape)
+
+
 @dataclass
 class Proposal:
-    """Up to ``k`` drafted tokens. ``probs`` is q at each drafted position (``[len, V]``),
-    present only for sampled requests of a proposer with a model.
+    """Up to ``k`` drafted tokens. ``probs`` is q at each drafted position, present only for
+    unseeded sampled requests of a proposer with a model: a :class:`TopK` (what model drafts
+    send) or a dense ``[len, V]`` tensor (in-process callers and tests).
 
     ``parents``: the drafts form a token tree (issue 20): ``parents[i]`` is the index of token
     i's parent among them, -1 for a child of the row's last token, in topological order,
@@ -46,7 +79,7 @@ class Proposal:
     then the q token i was drawn from given its earlier siblings). None: a chain."""
 
     token_ids: list[int]
-    probs: torch.Tensor | None = None
+    probs: TopK | torch.Tensor | None = None
     # The proposer's own estimate of how many of token_ids the target keeps (suffix decoding:
     # from its counts); None: no estimate. A hybrid compares it with the model's (hybrid.py).
     expected_accepted: float | None = None

@@ -6,6 +6,12 @@ from q, the same temperature / top-k / top-p transform the target uses (argmax f
 After verification the coordinator calls :meth:`commit` with how many tokens are final and
 the cache is rolled back to that, so a rejected draft never leaks into the next proposal.
 
+For unseeded sampled requests q is the draft's distribution truncated to its ``q_top_k``
+likeliest ids and renormalised (``speculative.draft_model.q_top_k``): the draft samples from
+exactly that and sends only those ids and probabilities (:class:`~.base.TopK`), so the
+rejection test is exact and a drafted token costs ``8 * q_top_k`` bytes on the wire instead
+of ``4 * V``. Greedy and seeded rows send token ids only.
+
 Sampling noise is fixed by the request's seed and the drafted token's position
 (:mod:`~specserve.engine.sampling`): the target's own noise for seeded requests (verified
 drafter-invariantly, so the draft agrees with the target as often as shared noise allows),
@@ -22,24 +28,31 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
-from specserve.engine.sampling import DRAFT, NOISE, compute_probs, position_noise, sample_from
+from specserve.config import PROPOSER_OPTIONS
+from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer, TopK
+from specserve.engine.sampling import DRAFT, NOISE, compute_probs, exponential_noise, noise_key, sample_from
 from specserve.engine.worker import ModelWorker
+
+# speculative.draft_model: its fields, bounds and defaults are the registry's (specserve.methods).
+DraftModelOptions = PROPOSER_OPTIONS["draft_model"]
 
 
 class DraftModelProposer(Proposer):
     method = "draft_model"
 
-    def __init__(self, worker: ModelWorker, target_vocab_size: int | None = None) -> None:
+    def __init__(self, worker: ModelWorker, target_vocab_size: int | None = None, *,
+                 q_top_k: int = DraftModelOptions().q_top_k) -> None:
         self.worker = worker
         self.vocab_size = target_vocab_size or worker.vocab_size  # ids the target verifies
+        self.q_top_k = q_top_k
         self.slots: dict[int, int] = {}  # seq_id -> slot in the draft cache
         self.seeds: dict[int, int] = {}  # seq_id -> the request's seed
 
     @classmethod
     def from_draft(cls, draft: ModelWorker, *, target_vocab_size: int | None = None,
                    options: dict | None = None) -> DraftModelProposer:
-        return cls(draft, target_vocab_size=target_vocab_size)
+        q_top_k = DraftModelOptions.model_validate(options or {}).q_top_k
+        return cls(draft, target_vocab_size=target_vocab_size, q_top_k=q_top_k)
 
     def start(self, seq_id: int, seed: int) -> None:
         self.finish(seq_id)  # a sequence started again (a re-attached draft) keeps one slot
@@ -77,23 +90,48 @@ class DraftModelProposer(Proposer):
         reads none) until every fed row has its ``k`` drafts; ``silent`` rows are fed once and
         draft nothing. Each draft feeds back its token (and the model's predicted feature)."""
         drafts: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
         while feeds:
             rows = list(feeds)
-            logits, predicted = self._forward([self.slots[requests[i].seq_id] for i in rows],
-                                              [feeds[i] for i in rows])
-            tokens, row_probs = self._sample([requests[i] for i in rows], logits,
-                                             [len(requests[i].token_ids) + len(drafts[i]) for i in rows])
+            logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
+                                                      [feeds[i] for i in rows])
+            tokens, row_q = self._sample([requests[i] for i in rows], logits,
+                                         [len(requests[i].token_ids) + len(drafts[i]) for i in rows])
             feeds = {}
             for j, i in enumerate(rows):
                 if i in silent:
                     continue
                 drafts[i].append(tokens[j])
-                if row_probs[j] is not None:
-                    probs[i].append(row_probs[j])
+                if row_q[j] is not None:
+                    qs[i].append(row_q[j])
                 if len(drafts[i]) < requests[i].k:
                     feeds[i] = ([tokens[j]], None if predicted is None else predicted[j:j + 1])
-        return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+        return [Proposal(d, TopK(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
+                         if q else None) for d, q in zip(drafts, qs)]
+
+    # Rows feeding at most this many tokens (a step's catch-up: the accepted drafts and the
+    # bonus token) share a forward; a longer feed (a new sequence's prompt) goes in its own,
+    # per length, so it never pads the others to its length (memory: docs/MEMORY.md).
+    SHORT_FEED = 16
+
+    def _forward_grouped(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_forward` over ``feeds``, in forwards grouped by length (``SHORT_FEED``);
+        the outputs in the order of ``feeds``."""
+        groups: dict[int, list[int]] = {}
+        for j, (tokens, _) in enumerate(feeds):
+            groups.setdefault(0 if len(tokens) <= self.SHORT_FEED else len(tokens), []).append(j)
+        if len(groups) == 1:
+            return self._forward(slots, feeds)
+        order = [j for rows in groups.values() for j in rows]
+        outs = [self._forward([slots[j] for j in rows], [feeds[j] for j in rows])
+                for rows in groups.values()]
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))  # row j's place in the groups' order
+        back = back.to(outs[0][0].device)
+        logits = torch.cat([x for x, _ in outs])[back]
+        features = None if outs[0][1] is None else torch.cat([f for _, f in outs])[back]
+        return logits, features
 
     def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,27 +143,38 @@ class DraftModelProposer(Proposer):
         tokens = [[t if t < limit else 0 for t in ids] for ids, _ in feeds]
         return self.worker.forward(slots, tokens, [1] * len(feeds)), None
 
-    def _sample(self, requests: list[DraftRequest], logits: torch.Tensor,
-                positions: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _sample(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int]
+                ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor] | None]]:
         """One draft token per row, for the token at ``positions[j]``: argmax for greedy rows,
-        a sample from q otherwise (with q itself for the rejection test of unseeded rows)."""
+        a sample from q otherwise: seeded rows from the full q with the target's noise,
+        unseeded ones from q's top ``q_top_k`` (renormalised), returned with that q as
+        ``([k] ids, [k] probs)`` CPU tensors for the rejection test."""
         logits = self._to_target_vocab(logits)  # [n, V_target]
+        device = logits.device
         tokens = logits.argmax(dim=-1).tolist()
-        row_probs: list[torch.Tensor | None] = [None] * len(requests)
+        row_q: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(requests)
         sampled = [j for j, r in enumerate(requests) if r.temperature > 0]
-        if sampled:
-            reqs = [requests[j] for j in sampled]
-            q = compute_probs(logits[sampled], torch.tensor([r.temperature for r in reqs]),
-                              torch.tensor([r.top_k for r in reqs]),
-                              torch.tensor([r.top_p for r in reqs]))  # [n, V_target]
-            noise = torch.stack([position_noise(self.seeds[r.seq_id], positions[j], q.shape[-1],
-                                                NOISE if r.seeded else DRAFT)
-                                 for r, j in zip(reqs, sampled)])
-            picks = sample_from(q, noise)
-            for n, (r, j) in enumerate(zip(reqs, sampled)):
-                tokens[j] = int(picks[n])
-                row_probs[j] = None if r.seeded else q[n]
-        return tokens, row_probs
+        if not sampled:
+            return tokens, row_q
+        reqs = [requests[j] for j in sampled]
+        q = compute_probs(logits[sampled], torch.tensor([r.temperature for r in reqs], device=device),
+                          torch.tensor([r.top_k for r in reqs], device=device),
+                          torch.tensor([r.top_p for r in reqs], device=device))  # [n, V_target]
+        noise = exponential_noise([noise_key(self.seeds[r.seq_id], positions[j], NOISE if r.seeded else DRAFT)
+                                   for r, j in zip(reqs, sampled)], q.shape[-1], device)  # [n, V_target]
+        picks = sample_from(q, noise)                                       # seeded rows' tokens
+        free = [n for n, r in enumerate(reqs) if not r.seeded]
+        if free:
+            probs, ids = q[free].topk(min(self.q_top_k, q.shape[-1]), dim=-1)  # [m, k]
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            choice = sample_from(probs, noise[free].gather(1, ids))            # [m]
+            picks[free] = ids.gather(1, choice[:, None])[:, 0]
+            ids, probs = ids.cpu(), probs.cpu()
+            for m, n in enumerate(free):
+                row_q[sampled[n]] = (ids[m], probs[m])
+        for n, j in enumerate(sampled):
+            tokens[j] = int(picks[n])
+        return tokens, row_q
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """``[n, V_draft]`` -> ``[n, V_target]``: extra rows dropped, missing ones -inf."""

@@ -42,9 +42,9 @@ class EagleProposer(DraftModelProposer):
     CATCH_UP_BACKLOG = 16  # features waiting for a row that drafts nothing before they are fed
 
     def __init__(self, worker, options: EagleOptions | None = None) -> None:
-        super().__init__(worker)
-        assert getattr(worker.runtime, "uses_features", False), "an EAGLE proposer needs an eagle head"
         self.options = options or EagleOptions()
+        super().__init__(worker, q_top_k=self.options.q_top_k)
+        assert getattr(worker.runtime, "uses_features", False), "an EAGLE proposer needs an eagle head"
         self.pending: dict[int, list[torch.Tensor]] = {}  # seq_id -> features not yet fed
         self.real: dict[int, int] = {}                     # seq_id -> pairs from real features
 
@@ -95,8 +95,8 @@ class EagleProposer(DraftModelProposer):
         if not feeds:
             return proposals
         rows = list(feeds)
-        logits, root_features = self._forward([self.slots[requests[i].seq_id] for i in rows],
-                                              [feeds[i] for i in rows])
+        logits, root_features = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
+                                                      [feeds[i] for i in rows])
         trees: dict[int, TreeGrowth] = {}
         levels: dict[int, int] = {}
         for j, i in enumerate(rows):
@@ -132,9 +132,10 @@ class EagleProposer(DraftModelProposer):
         logits = self._to_target_vocab(logits)
         if r.temperature <= 0:
             return torch.log_softmax(logits, dim=-1)
-        m = logits.shape[0]
-        return compute_probs(logits, torch.full((m,), r.temperature), torch.full((m,), r.top_k),
-                             torch.full((m,), r.top_p)).log()
+        m, device = logits.shape[0], logits.device
+        return compute_probs(logits, torch.full((m,), r.temperature, device=device),
+                             torch.full((m,), r.top_k, device=device),
+                             torch.full((m,), r.top_p, device=device)).log()
 
     def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +143,7 @@ class EagleProposer(DraftModelProposer):
         logits, hidden = self.worker.runtime(
             self.worker.cache, slots, tokens, [1] * len(feeds),
             features=torch.cat([f for _, f in feeds]), return_hidden=True)
-        last = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
+        last = torch.tensor([len(t) for t in tokens], device=hidden.device).cumsum(0) - 1
         return logits, hidden[last]  # f-hat at each row's newest position
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], torch.Tensor] | None:

@@ -1,0 +1,135 @@
+"""Device discipline without a GPU (tests/device_double.py): the engine, with the target,
+a draft model, an EAGLE head and EAGLE trees on a second device, computes with device tensors
+only and hands back CPU tensors and plain data only; a planted CPU tensor in the sampler, or
+a device tensor on its way out of a process, fails the check.
+
+The double checks which device each tensor is on, as CUDA does, not CUDA itself: kernels,
+streams and bf16 are the lent GPU machine's (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from specserve.config import SamplingParams
+from specserve.engine import spec_decode, verification
+from specserve.engine.proposers.base import Proposal, TopK
+from specserve.engine.proposers.draft_model import DraftModelProposer
+from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.worker import ModelWorker, Verified
+from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
+
+from tests.device_double import DeviceDouble, DeviceMix, OnDevice, to_double
+from tests.engine.test_spec_decode import EOS, prompts
+from tests.models import eagle_head_of, perturbed, runtime_of, tiny_hf_model
+from tests.tiny import make_tiny_tokenizer
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=12),
+          SamplingParams(temperature=0.8, top_k=30, max_tokens=12, seed=7),   # drafter-invariant
+          SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12),          # rejection test
+          SamplingParams(temperature=0.7, max_tokens=12)]
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+
+
+def _worker(runtime, device: bool, slots: int = 8) -> ModelWorker:
+    runtime.use_kernels("library")  # the C kernels read CPU pointers; a GPU runs the library's
+    return ModelWorker(to_double(runtime) if device else runtime, num_slots=slots, max_seq_len=256)
+
+
+def _engine(target_hf, method: str, device: bool) -> SpecDecodeEngine:
+    if method == "draft_model":
+        proposer = DraftModelProposer(_worker(runtime_of(perturbed(target_hf, scale=0.3)), device),
+                                      q_top_k=8)
+    else:
+        proposer = EagleProposer(_worker(eagle_head_of(target_hf), device),
+                                 EagleOptions(tree=method == "eagle-tree", tree_topk=3, tree_depth=3))
+    return SpecDecodeEngine(_worker(runtime_of(target_hf), device), make_tiny_tokenizer(),
+                            eos_token_ids=EOS, proposer=proposer, num_speculative_tokens=4)
+
+
+def _checked_at_the_boundary(engine: SpecDecodeEngine) -> list[int]:
+    """What the target's verify and the proposer return goes through ``host_only`` (as the
+    actors' replies do); returns a list that counts the checks."""
+    checks = []
+    verify, propose = engine.target.verify, engine.proposer.propose
+
+    def checked(fn):
+        def call(*args, **kwargs):
+            checks.append(1)
+            return host_only(fn(*args, **kwargs))
+        return call
+
+    engine.target.verify, engine.proposer.propose = checked(verify), checked(propose)
+    return checks
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle-tree"])
+def test_the_engine_computes_on_its_device_and_returns_host_data(target_hf, method, monkeypatch):
+    """Greedy, seeded and unseeded sampled rows in one batch, the models on the double's
+    device: no op mixes devices, nothing off the host leaves verify or propose, and the
+    output is the plain CPU engine's, token for token (same data, same seeds: the unseeded
+    rows' seeds come from a counter here, not from the OS)."""
+    batch = prompts(4, seed=3)
+    monkeypatch.setattr(spec_decode, "random_seed", itertools.count(100).__next__)
+    expected = _engine(target_hf, method, device=False).generate(batch, PARAMS)
+    monkeypatch.setattr(spec_decode, "random_seed", itertools.count(100).__next__)
+    with DeviceDouble() as double:
+        engine = _engine(target_hf, method, device=True)
+        assert engine.target.runtime.embed.weight.device.type == "cuda"
+        checks = _checked_at_the_boundary(engine)
+        done = engine.generate(batch, PARAMS)
+    assert [c.finish_reason for c in done] == ["length"] * 4  # none failed on a mix
+    assert [c.output_token_ids for c in done] == [c.output_token_ids for c in expected]
+    assert engine.stats.num_draft_tokens > 0 and len(checks) > 4 and double.calls > 1000
+    if method == "eagle-tree":
+        assert engine.num_tree_drafts > 0
+
+
+def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):
+    """The sampler's per-row temperatures built on the host (as before issue 21) next to
+    logits on the device: the double raises, as CUDA would."""
+    sampled = (SamplingParams(temperature=0.7), 1)
+    with DeviceDouble():
+        worker = _worker(runtime_of(target_hf), device=True)
+        slot = worker.allocate()
+        worker.verify([slot], [[5, 6, 7]], [Proposal([])], [sampled])  # fine as built
+        worker.rollback(slot, 0)
+        monkeypatch.setattr(verification, "_per_logit_row",
+                            lambda values, counts, device: torch.tensor(
+                                [v for v, n in zip(values, counts) for _ in range(n)]))
+        with pytest.raises(DeviceMix, match="same device"):
+            worker.verify([slot], [[5, 6, 7]], [Proposal([])], [sampled])
+
+
+def test_the_double_catches_mixes_and_allows_what_cuda_allows():
+    with DeviceDouble():
+        x = torch.randn(3, 4).to("cuda")
+        with pytest.raises(DeviceMix):
+            _ = x * torch.ones(3, 4)
+        with pytest.raises(DeviceMix):
+            torch.cat([x, torch.zeros(1, 4)])
+        with pytest.raises(TypeError):
+            x.numpy()
+        assert isinstance(x * torch.tensor(2.0), OnDevice)     # a 0-d host scalar is fine
+        assert isinstance(x[torch.tensor([0, 2])], OnDevice)   # host indices, as CUDA allows
+        assert x.cpu().device.type == "cpu" and not isinstance(x.cpu(), OnDevice)
+        assert isinstance(torch.zeros(2, device=x.device), OnDevice)
+
+
+def test_a_device_tensor_cannot_cross_a_process_boundary():
+    """``host_only`` (what the target rank and the draft actor return through) refuses a
+    device tensor anywhere in the reply, and counts host data by its size."""
+    with DeviceDouble():
+        hidden = torch.randn(2, 8).to("cuda")
+        crossing = Verified([], [hidden], 0.0, 0.0)
+        with pytest.raises(DeviceTensorCrossing, match="cuda:0"):
+            host_only(crossing)
+        assert host_only(Verified([], [hidden.cpu()], 0.0, 0.0)).hidden[0].device.type == "cpu"
+    q = TopK(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16))
+    assert 4 * 16 * 8 <= wire_bytes(Proposal([1, 2, 3, 4], q)) < 4 * 16 * 8 + 400
