@@ -209,6 +209,18 @@ def serving() -> _Dashboard:
         series("Errors/s",
                [q(f'sum by (status) (rate(specserve:requests_total{{{NS}, status=~"4..|5.."}}[{RATE}]))',
                   "{{status}}")], (16, 23, 8, 8), "reqps", "4xx (bad requests, 429 when full) and 5xx."),
+        RowPanel(title="Between the groups", gridPos=GridPos(h=1, w=24, x=0, y=31)),
+        series("Bytes to the coordinator per reply",
+               [q(f"sum by (source) (rate(specserve:unit_received_bytes_total{{{UNIT}}}[{RATE}])) / "
+                  f"sum by (source) (rate(specserve:unit_received_messages_total{{{UNIT}}}[{RATE}]))",
+                  "from {{source}}", "A")],
+               (0, 32, 12, 8), "bytes", "What one verify forward (target rank 0: kept tokens, "
+                                        "never logits) or one draft step (ids, top-k q) sends "
+                                        "the coordinator, averaged over the replies."),
+        series("Bytes/s to the coordinator",
+               [q(f"sum by (source) (rate(specserve:unit_received_bytes_total{{{UNIT}}}[{RATE}]))",
+                  "from {{source}}", "A")],
+               (12, 32, 12, 8), "Bps"),
     ]
     return dashboard("specserve / Serving", "specserve-serving",
                      "Requests, tokens/s, latency percentiles, running / waiting, free slots, errors.",

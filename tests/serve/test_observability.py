@@ -230,7 +230,7 @@ def test_metrics_values_agree_with_the_units(scraped, obs_app):
         for sample in family.samples:
             assert set(sample.labels) <= {"route", "status", "speculation", "unit", "method",
                                           "decision", "reason", "position", "le", "name",
-                                          "proposer"}, sample
+                                          "proposer", "source"}, sample
 
 
 def test_units_are_mirrored_on_rays_metrics_port(scraped):

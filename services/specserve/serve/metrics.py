@@ -232,6 +232,13 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         labels=[*labels, "name"])
     by_proposer = [CounterMetricFamily(f"specserve:proposer_{name}", doc, labels=[*labels, "proposer"])
                    for name, doc in _BY_PROPOSER]
+    received = [CounterMetricFamily(f"specserve:unit_received_{name}", doc, labels=[*labels, "source"])
+                for name, doc in (
+                    ("bytes", "Bytes the unit's coordinator received from its target group "
+                              "(rank 0: each row's kept tokens, never logits) and its draft group "
+                              "(token ids and top-k q), by source."),
+                    ("messages", "Replies the coordinator received, by source (one per verify "
+                                 "forward or draft step): bytes / messages = bytes per step."))]
     k_hist = HistogramMetricFamily(
         "specserve:speculation_length",
         "K drafted per decoding sequence per step (0: that step ran target-only; for a tree "
@@ -265,12 +272,16 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         for name, counts in sorted(snap.by_proposer.items()):
             for family, n in zip(by_proposer, counts):
                 family.add_metric([*values, name], float(n))
+        for source, counts in sorted(snap.received.items()):
+            for family, n in zip(received, counts):
+                family.add_metric([*values, source], float(n))
         _add_histogram(k_hist, values, snap.k_counts, K_BUCKETS)
         for family, name, bounds in tree_hists:  # zeros where no tree was verified
             _add_histogram(family, values, getattr(snap, name), bounds)
     yield from gauges.values()
     yield from counters.values()
-    yield from (per_pos, decisions, proposer, *by_proposer, k_hist, *(f for f, _, _ in tree_hists))
+    yield from (per_pos, decisions, proposer, *by_proposer, *received, k_hist,
+                *(f for f, _, _ in tree_hists))
 
 
 def _add_histogram(family: HistogramMetricFamily, values: list[str], counts: dict[int, int],

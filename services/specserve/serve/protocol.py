@@ -377,3 +377,5 @@ class UnitSnapshot:
     tree_sizes: dict[int, int] = field(default_factory=dict)
     tree_depths: dict[int, int] = field(default_factory=dict)
     tree_ranks: dict[int, int] = field(default_factory=dict)
+    # what the coordinator received from each group: source -> (bytes, messages)
+    received: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -140,6 +140,9 @@ class SpeculationUnit:
                          for name, s in engine.by_proposer.items()},
             tree_sizes=dict(spec.tree_sizes), tree_depths=dict(spec.tree_depths),
             tree_ranks=_by_rank(spec.tree_ranks),
+            received={name: (group.received.bytes, group.received.calls)
+                      for name, group in (("target", self.target), ("draft", self.draft))
+                      if group is not None},
         )
 
     def _break_even(self) -> float | None:
