@@ -124,9 +124,12 @@ bench-suffix: install ## Suffix decoding vs every proposer at batch 1 on code ed
 bench-tree: install ## EAGLE token trees vs chains: verify cost per tree size, batch 1 on held-out chat, c = 1/4/8 (results/bench-tree.json)
 	$(PY) load/bench_tree.py $(BENCH_ARGS)
 
+bench-wire: install ## Bytes per row and step between a unit's groups (TP = 2 target, draft actor), before and after issue 21 (results/bench-wire.json)
+	$(PY) load/bench_wire.py $(BENCH_ARGS)
+
 bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema
