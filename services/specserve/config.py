@@ -59,6 +59,12 @@ class SamplingParams(_Strict):
     stop_token_ids: tuple[int, ...] = Field(
         (), max_length=64, description="Token ids that end generation (besides EOS).")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="Report each output token's log-probability under the target and this many "
+                    "most likely alternatives (OpenAI's top_logprobs); None: none. Sampled "
+                    "requests: after their temperature / top-k / top-p (the distribution the "
+                    "token was drawn from); greedy ones: the model's own softmax.")
 
     @field_validator("temperature")
     @classmethod

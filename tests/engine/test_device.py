@@ -26,9 +26,9 @@ from tests.engine.test_spec_decode import EOS, prompts
 from tests.models import eagle_head_of, perturbed, runtime_of, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
 
-PARAMS = [SamplingParams(temperature=0, max_tokens=12),
+PARAMS = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
           SamplingParams(temperature=0.8, top_k=30, max_tokens=12, seed=7),   # drafter-invariant
-          SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12),          # rejection test
+          SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, logprobs=1),  # rejection test
           SamplingParams(temperature=0.7, max_tokens=12)]
 
 
@@ -86,6 +86,7 @@ def test_the_engine_computes_on_its_device_and_returns_host_data(target_hf, meth
         done = engine.generate(batch, PARAMS)
     assert [c.finish_reason for c in done] == ["length"] * 4  # none failed on a mix
     assert [c.output_token_ids for c in done] == [c.output_token_ids for c in expected]
+    assert [c.logprobs for c in done] == [c.logprobs for c in expected]
     assert engine.stats.num_draft_tokens > 0 and len(checks) > 4 and double.calls > 1000
     if method == "eagle-tree":
         assert engine.num_tree_drafts > 0

@@ -40,6 +40,8 @@ class Sequence:
     num_emitted_tokens: int = 0        # output tokens already reported by step()
     k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
     hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
+    # per output token, with params.logprobs: (its logprob, [(token, logprob), ...] top ones)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def mean_speculation_length(self) -> float:
@@ -89,6 +91,7 @@ class StepOutput:
     k_counts: dict[int, int] | None = None  # on the last output: decode steps per K drafted
     mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
     error: Exception | None = None          # finish_reason "error": why this request failed
+    logprobs: list | None = None            # with params.logprobs: new_token_ids' (Sequence.logprobs)
 
 
 @dataclass
@@ -101,3 +104,4 @@ class Completion:
     text: str
     finish_reason: str
     stats: SpecStats
+    logprobs: list | None = None  # with params.logprobs: one (logprob, top) per output token

@@ -410,6 +410,8 @@ class SpecDecodeEngine:
             self.by_proposer[source].observe(num_draft_tokens, num_accepted_tokens, tree)
         seq.append_tokens(verdict.emitted, eos_token_ids=self.eos_token_ids,
                           max_model_len=self.max_model_len)
+        if verdict.logprobs is not None:  # those of the tokens the stop checks let through
+            seq.logprobs += verdict.logprobs[:len(seq.token_ids) - num_before]
         if seq.finish_reason:
             self._release(seq)
         else:
@@ -420,9 +422,12 @@ class SpecDecodeEngine:
             if seq.draft_attached:
                 self._proposer_call(self.proposer.commit, seq.seq_id, num_before + num_accepted_tokens)
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
+        logprobs = (seq.logprobs[seq.num_emitted_tokens:] if seq.params.logprobs is not None
+                    else None)
         seq.num_emitted_tokens += len(new_tokens)
         delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
-        out = StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats)
+        out = StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats,
+                         logprobs=logprobs)
         if seq.finish_reason is not None:
             out.k_counts, out.mean_speculation_length = dict(seq.k_counts), seq.mean_speculation_length
         return out
@@ -458,7 +463,8 @@ class SpecDecodeEngine:
                     s = seqs[out.seq_id]
                     done[out.seq_id] = Completion(
                         s.seq_id, s.token_ids[:s.prompt_len], s.output_token_ids,
-                        s.detokenizer.text, out.finish_reason, s.stats)
+                        s.detokenizer.text, out.finish_reason, s.stats,
+                        s.logprobs if s.params.logprobs is not None else None)
         return [done[i] for i in ids]
 
 

@@ -26,6 +26,7 @@ of the batch or of K, which is why rows can be regrouped and padded freely.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -59,6 +60,9 @@ class Verdict:
     emitted: list[int]               # the accepted drafts, then the recovered or bonus token
     num_accepted: int
     path: list[int] | None = None    # a tree's accepted nodes (None: a chain)
+    # per emitted token, with SamplingParams.logprobs: its log-probability under the target
+    # and the top alternatives, ``(logprob, [(token, logprob), ...])``
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,12 +106,42 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
 
 def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
                 logits: list[torch.Tensor]) -> list[Verdict]:
-    """:func:`verify_batch`, each row's result as a :class:`Verdict`."""
+    """:func:`verify_batch`, each row's result as a :class:`Verdict` (with the emitted
+    tokens' log-probabilities where its request asked for them)."""
     verdicts = []
-    for res, row in verify_batch(rows, proposals, logits):
-        verdicts.append(Verdict(res.emitted(row), int(res.num_accepted_tokens[row]),
-                                res.paths[row] if res.paths is not None else None))
+    for r, x, (res, row) in zip(rows, logits, verify_batch(rows, proposals, logits)):
+        path = res.paths[row] if res.paths is not None else None
+        emitted = res.emitted(row)
+        lp = None if r.params.logprobs is None else emitted_logprobs(r.params, x, emitted, path)
+        verdicts.append(Verdict(emitted, int(res.num_accepted_tokens[row]), path, lp))
     return verdicts
+
+
+def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list[int],
+                     path: list[int] | None) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each emitted token's log-probability and the ``params.logprobs`` likeliest tokens', from
+    the target's logits row that decided it (a chain's rows in order; a tree's root row, then
+    its kept nodes' rows). Sampled requests: log p after their transform (what the token was
+    drawn from: -inf outside top-k / top-p); greedy ones: the model's log-softmax. The same
+    rows decide the same tokens without speculation, so the values are target-only's.
+
+    logits: ``[num_draft_tokens + 1, V]`` (not argmax ids)."""
+    assert logits.ndim == 2, "logprobs need the logits, not argmax ids"
+    index = list(range(len(emitted))) if path is None else [0, *(n + 1 for n in path)]
+    x = logits[index].float()  # [len(emitted), V]
+    if params.greedy:
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        m = x.shape[0]
+        full = partial(torch.full, (m,), device=x.device)
+        logp = compute_probs(x, full(params.temperature), full(params.top_k), full(params.top_p)).log()
+    chosen = logp.gather(1, torch.tensor(emitted, device=x.device)[:, None])[:, 0].tolist()
+    if params.logprobs:
+        top_values, top_ids = logp.topk(params.logprobs, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
+    else:
+        tops = [[] for _ in emitted]
+    return list(zip(chosen, tops))
 
 
 def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor) -> RejectionOutput:

@@ -93,7 +93,8 @@ class ModelWorker(SlotOwner):
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids))
                 for slot, ids, p, (params, seed) in zip(slots, token_ids, proposals, sampling)]
         t0 = time.perf_counter()
-        out = self.forward(slots, token_ids, counts, all(r.params.greedy for r in rows),
+        argmax_only = all(r.params.greedy and r.params.logprobs is None for r in rows)
+        out = self.forward(slots, token_ids, counts, argmax_only,
                            return_hidden=return_hidden, trees=trees)
         logits, hidden = out if return_hidden else (out, None)
         _sync(logits)
