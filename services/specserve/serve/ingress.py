@@ -257,24 +257,55 @@ def _sse_line(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _chunk(rid: str, model: str, created: int, chat: bool, delta, finish: str | None) -> dict:
+LOGPROB_FLOOR = -9999.0  # OpenAI's logprob of a token the distribution excludes (JSON has no -inf)
+
+
+def _logprobs(tokenizer, items: list | None, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's ``logprobs`` object of a choice (or a chunk) from the unit's
+    ``(token, logprob, [(token, logprob), ...])`` items. Chat: ``content`` entries with the
+    token's text, bytes and ``top_logprobs``; completions: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (dicts that always hold the chosen token, as OpenAI's do) and
+    ``text_offset`` from ``offset``."""
+    if items is None:
+        return None
+    text = {t: tokenizer.decode([t]) for t, _, top in items for t in (t, *(a for a, _ in top))}
     if chat:
-        choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": text[token], "logprob": max(logprob, LOGPROB_FLOOR),
+                    "bytes": list(text[token].encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, lp, top in items], "refusal": None}
+    offsets = []
+    for t, _, _ in items:
+        offsets.append(offset)
+        offset += len(text[t])
+    return {"tokens": [text[t] for t, _, _ in items],
+            "token_logprobs": [max(lp, LOGPROB_FLOOR) for _, lp, _ in items],
+            "top_logprobs": [{text[a]: max(b, LOGPROB_FLOOR) for a, b in [*top, (t, lp)]}
+                             for t, lp, top in items],
+            "text_offset": offsets}
+
+
+def _chunk(rid: str, model: str, created: int, chat: bool, delta, finish: str | None,
+           logprobs: dict | None = None) -> dict:
+    if chat:
+        choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+    choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice]}
 
 
-def _response(rid: str, model: str, chat: bool, text: str, finish: str, usage: dict) -> dict:
+def _response(rid: str, model: str, chat: bool, text: str, finish: str, usage: dict,
+              logprobs: dict | None = None) -> dict:
     created = int(time.time())
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish, "logprobs": None}
+                  "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
             "usage": usage}
@@ -553,19 +584,23 @@ class OpenAIIngress:
             # free the slot and the lease when the generator is dropped.
             weakref.finalize(body, _close, stream, lease)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        text, finish, usage = await self._collect(stream, chunks, route, rid)
-        return JSONResponse(_response(rid, self.model_name, chat, text, finish, usage),
-                            headers=headers)
+        text, finish, usage, items = await self._collect(stream, chunks, route, rid)
+        return JSONResponse(_response(rid, self.model_name, chat, text, finish, usage,
+                                      _logprobs(self.tokenizer, items, chat)), headers=headers)
 
-    async def _collect(self, stream, chunks, route: str, rid: str) -> tuple[str, str, dict]:
+    async def _collect(self, stream, chunks, route: str, rid: str
+                       ) -> tuple[str, str, dict, list | None]:
         parts: list[str] = []
+        items: list | None = None
         try:
             async for chunk in chunks:
                 parts.append(chunk.text)
+                if chunk.logprobs is not None:
+                    items = (items or []) + chunk.logprobs
                 if chunk.finish_reason is not None:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))
-                    return "".join(parts), chunk.finish_reason, chunk.usage
+                    return "".join(parts), chunk.finish_reason, chunk.usage, items
         except RequestTimeout:
             raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
@@ -578,15 +613,19 @@ class OpenAIIngress:
                    route: str, lease: Lease) -> AsyncIterator[str]:
         created = int(time.time())
         parts: list[str] = []  # kept only to log the output (limits.log_request_content)
+        offset = 0  # completions' text_offset of the next token
         try:
             if chat:
                 yield _sse_line(_chunk(rid, self.model_name, created, chat, {"role": "assistant",
                                                                          "content": ""}, None))
             async for chunk in chunks:
-                if chunk.text or chunk.finish_reason:
+                if chunk.text or chunk.finish_reason or chunk.logprobs:
                     delta = {"content": chunk.text} if chat else chunk.text
+                    logprobs = _logprobs(self.tokenizer, chunk.logprobs, chat, offset)
+                    if logprobs is not None and not chat:
+                        offset += sum(len(t) for t in logprobs["tokens"])
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
-                                      chunk.finish_reason))
+                                      chunk.finish_reason, logprobs))
                     if self.limits.log_request_content:
                         parts.append(chunk.text)
                 if chunk.finish_reason is not None:

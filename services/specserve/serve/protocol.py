@@ -158,9 +158,6 @@ class _Request(_Lenient):
         Field(1, ge=1, json_schema_extra={"maximum": 1})
     best_of: Annotated[int, _only(lambda v: v == 1, "best_of > 1")] = \
         Field(1, ge=1, json_schema_extra={"maximum": 1})
-    logprobs: Annotated[bool | int, WithJsonSchema({"enum": [False, 0]}),
-                        _only(lambda v: v == 0)] = False  # False or 0 (True == 1)
-    top_logprobs: ZeroCount = 0
     presence_penalty: ZeroPenalty = 0.0
     frequency_penalty: ZeroPenalty = 0.0
     repetition_penalty: OnePenalty = 1.0
@@ -214,16 +211,31 @@ class _Request(_Lenient):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives to report per output token; None: no logprobs (per route)."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=tuple(self.stop_list),
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              logprobs=self.num_logprobs)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
         description="Text, a list of token ids, or a list of exactly one string.")
     max_tokens: int | None = Field(16, ge=1, description="OpenAI's default for completions is 16.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Each output token's log-probability under the target "
+                                       "and this many likeliest alternatives (OpenAI: at most 5; "
+                                       "vLLM: 20). Sampled requests: after temperature / top-k / "
+                                       "top-p; greedy ones: the model's softmax.")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
     echo: No = False
     suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0}), _only(_empty)] = ""
 
@@ -253,6 +265,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
+    logprobs: bool = Field(False, description="Each output token's log-probability under the "
+                                              "target (sampled requests: after temperature / "
+                                              "top-k / top-p; greedy ones: the model's softmax).")
+    top_logprobs: int = Field(0, ge=0, le=20, description="With logprobs: this many likeliest "
+                                                          "alternatives per token.")
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -342,6 +369,8 @@ class StreamDelta:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     timing: Timing | None = None
+    # with SamplingParams.logprobs: the chunk's tokens, (token, logprob, [(token, logprob)...])
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)

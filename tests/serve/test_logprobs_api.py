@@ -1,0 +1,109 @@
+"""Logprobs over the OpenAI API (issue 22, first part), over real HTTP against the session's
+n-gram and draft-model apps: chat ``logprobs`` / ``top_logprobs`` and completions
+``logprobs: N``, streamed and not, parsed by the official ``openai`` client; with speculation
+on they equal the same request's with speculation off (the client's override), value for
+value, and the values are the target's own log-softmax (greedy)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from specserve.engine.tokenizer import encode_chat, encode_prompt
+
+from tests.serve.test_api_compat import MESSAGES, PROMPT, post
+from tests.tiny import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> str:
+    return Path(tiny_models[0]).name
+
+
+def _chat(url: str, model: str, speculate: bool, **extra) -> dict:
+    r = post(url, {"model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+                   "logprobs": True, "top_logprobs": 3, "ignore_eos": True,
+                   "speculation": {"enabled": speculate}, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("app", ["ngram_app", "draft_app"])
+def test_chat_logprobs_with_speculation_equal_target_only(request, model, app):
+    url = request.getfixturevalue(app)
+    on, off = _chat(url, model, True), _chat(url, model, False)
+    assert on["usage"]["speculation"]["enabled"] and not off["usage"]["speculation"]["enabled"]
+    assert on["choices"][0]["message"] == off["choices"][0]["message"]
+    assert on["choices"][0]["logprobs"] == off["choices"][0]["logprobs"]
+    content = on["choices"][0]["logprobs"]["content"]
+    assert len(content) == on["usage"]["completion_tokens"] == 12
+    assert "".join(c["token"] for c in content) == on["choices"][0]["message"]["content"]
+    for c in content:  # greedy: the chosen token is the likeliest
+        assert len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["token"] == c["token"]
+        assert c["top_logprobs"][0]["logprob"] == c["logprob"] <= 0
+        assert bytes(c["bytes"]).decode() == c["token"]
+
+
+def test_chat_logprobs_are_the_targets_log_softmax(ngram_app, model, tiny_models):
+    """The target's greedy continuation (transformers, no EOS stop) token by token: each
+    entry is that token's text and its log-softmax under the model."""
+    body = _chat(ngram_app, model, True)
+    tokenizer = make_tiny_tokenizer()
+    prompt = encode_chat(tokenizer, MESSAGES)
+    with torch.no_grad():
+        ids = tiny_models[2].generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        logits = tiny_models[2](torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) - 1:]
+    truth = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tokenizer.decode([i]) for i in ids]
+    got = torch.tensor([c["logprob"] for c in content])
+    assert torch.allclose(got, truth, atol=1e-4, rtol=0)
+
+
+def test_streamed_chat_logprobs_equal_the_whole_response(ngram_app, model):
+    whole = _chat(ngram_app, model, True)["choices"][0]["logprobs"]["content"]
+    with httpx.stream("POST", ngram_app + "/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "ignore_eos": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    streamed = [c for chunk in chunks for choice in chunk["choices"]
+                if choice.get("logprobs") for c in choice["logprobs"]["content"]]
+    assert streamed == whole
+
+
+def test_the_openai_client_reads_chat_logprobs(ngram_app, model):
+    client = OpenAI(base_url=ngram_app + "/v1", api_key="x", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
+                                          temperature=0.7, seed=3, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_completion_logprobs(ngram_app, model):
+    r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                         "logprobs": 2, "ignore_eos": True}, chat=False)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(8)]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == value and len(top) == 2  # greedy: the chosen token is in the top 2
+    assert encode_prompt(make_tiny_tokenizer(), PROMPT)  # the prompt tokenizes (sanity)
+
+
+def test_bad_logprobs_values_are_400(ngram_app, model):
+    for body, chat in (({"logprobs": True, "top_logprobs": 21}, True),
+                       ({"top_logprobs": 2}, True),  # top_logprobs without logprobs
+                       ({"logprobs": 21}, False), ({"logprobs": -1}, False)):
+        base = {"model": model, "max_tokens": 2, **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+        r = post(ngram_app, {**base, **body}, chat=chat)
+        assert r.status_code == 400 and "logprobs" in r.text, (body, r.text)
