@@ -14,7 +14,7 @@ from specserve.cli import main
     (["--model", "/nope/model"], "model path '/nope/model' does not exist"),
     (["--method", "draft_model"], "needs a draft model"),
     (["--method", "draft_model", "--draft", "/nope/draft"], "'/nope/draft' does not exist"),
-    (["--max-tokens", "0"], "max_tokens: Input should be greater than or equal to 1"),
+    (["--max-tokens", "0"], "max_tokens 0 only scores a prompt"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(["generate", "--prompt", "hi", *args]) == 2

@@ -45,7 +45,8 @@ class SamplingParams(_Strict):
     """How one request samples. Bounds follow the OpenAI API where it defines them."""
 
     max_tokens: int | None = Field(
-        None, ge=1, description="Tokens to generate at most; default: up to the context length.")
+        None, ge=0, description="Tokens to generate at most; default: up to the context length. "
+                                "0 (with prompt_logprobs) only scores the prompt.")
     temperature: float = Field(
         1.0, ge=0.0, le=2.0, description="0 is greedy; higher flattens the distribution.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 disables.")
@@ -74,10 +75,18 @@ class SamplingParams(_Strict):
         rule, with its epsilon)."""
         return 0.0 if value < MIN_TEMPERATURE else value
 
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="Report each prompt token's log-probability given the tokens before it (the "
+                    "model's log-softmax, whatever the sampling settings: what evaluation "
+                    "harnesses score) and this many alternatives; the first token has none.")
+
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 only scores a prompt: it needs prompt_logprobs")
         return self
 
     @property

@@ -90,3 +90,30 @@ def test_a_stop_inside_a_draft_window_keeps_logprobs_aligned(target_hf, referenc
 def test_no_logprobs_unless_asked(target_hf):
     done = make_engine(target_hf, "ngram").generate(prompts(2), SamplingParams(temperature=0, max_tokens=5))
     assert all(c.logprobs is None for c in done)
+
+
+@pytest.mark.parametrize("method", [None, "draft_model", "eagle"])
+def test_prompt_logprobs_score_the_prompt_with_the_engines_own_forward(target_hf, method):
+    """``prompt_logprobs`` (what ``echo`` with ``logprobs`` and an evaluation harness's
+    log-likelihoods read): prompt token j's log-softmax given tokens < j, from the prefill's
+    logits, the first token none; with ``max_tokens`` 0 nothing is generated and the slot is
+    freed; generating too, the output is unchanged and speculation changes no value."""
+    batch = prompts(3, seed=21)
+    runtime = runtime_of(target_hf)
+    cache = runtime.make_cache(1, 256)
+    engine = make_engine(target_hf, method, 3, draft_hf=perturbed(target_hf, scale=0.3))
+    scored = engine.generate(batch, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    for prompt, done in zip(batch, scored):
+        cache.rollback(0, 0)
+        logp = torch.log_softmax(runtime(cache, [0], [prompt], [len(prompt)])[:-1].float(), dim=-1)
+        truth = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        assert done.output_token_ids == [] and done.finish_reason == "length"
+        assert len(done.prompt_logprobs) == len(prompt) - 1
+        assert torch.allclose(torch.tensor([lp for lp, _ in done.prompt_logprobs]), truth, atol=1e-5)
+        assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, top in done.prompt_logprobs)
+    assert engine.target.num_free_slots == 8
+    both = SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=0, logprobs=1)
+    plain = make_engine(target_hf, None).generate(batch, both)
+    for got, want in zip(engine.generate(batch, both), plain):
+        assert got.output_token_ids == want.output_token_ids
+        assert got.prompt_logprobs == want.prompt_logprobs and got.logprobs == want.logprobs

@@ -107,3 +107,52 @@ def test_bad_logprobs_values_are_400(ngram_app, model):
         base = {"model": model, "max_tokens": 2, **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
         r = post(ngram_app, {**base, **body}, chat=chat)
         assert r.status_code == 400 and "logprobs" in r.text, (body, r.text)
+
+
+def _prompt_ids() -> list[int]:
+    return encode_prompt(make_tiny_tokenizer(), PROMPT + " and then some more words")
+
+
+@pytest.mark.parametrize("app", ["ngram_app", "draft_app"])
+def test_echo_with_max_tokens_0_gives_the_prompts_log_likelihood(request, model, tiny_models, app):
+    """What lm-evaluation-harness sends for a log-likelihood (token ids, ``echo``,
+    ``logprobs``, ``max_tokens: 0``): the prompt back, its first token null, every later
+    token's log-softmax given those before it, as the model computes it; nothing generated."""
+    url = request.getfixturevalue(app)
+    ids = _prompt_ids()
+    r = post(url, {"model": model, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1,
+                   "temperature": 0}, chat=False)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    lp = choice["logprobs"]
+    assert choice["text"] == make_tiny_tokenizer().decode(ids) and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and len(lp["tokens"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.no_grad():
+        logits = tiny_models[2](torch.tensor([ids])).logits[0, :-1]
+    truth = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp["token_logprobs"][1:]), truth, atol=1e-4, rtol=0)
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])  # top 1, and the token itself
+
+
+def test_echo_with_generation_streamed_and_not(ngram_app, model):
+    ids = encode_prompt(make_tiny_tokenizer(), PROMPT)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "echo": True, "logprobs": 0,
+            "temperature": 0, "ignore_eos": True}
+    whole = post(ngram_app, body, chat=False).json()["choices"][0]
+    assert whole["text"].startswith(PROMPT)
+    assert len(whole["logprobs"]["tokens"]) == len(ids) + 6
+    assert "".join(whole["logprobs"]["tokens"][len(ids):]) == whole["text"][len(PROMPT):]
+    with httpx.stream("POST", ngram_app + "/v1/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    streamed = {key: [v for c in choices if c["logprobs"] for v in c["logprobs"][key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed == whole["logprobs"]
+
+
+def test_max_tokens_0_without_echo_is_400(ngram_app, model):
+    r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 0}, chat=False)
+    assert r.status_code == 400 and "echo" in r.text

@@ -42,6 +42,8 @@ class Sequence:
     hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
     # per output token, with params.logprobs: (its logprob, [(token, logprob), ...] top ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with params.prompt_logprobs, after the prefill: prompt tokens 1.. (Verdict.prompt_logprobs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def mean_speculation_length(self) -> float:
@@ -92,6 +94,7 @@ class StepOutput:
     mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
     error: Exception | None = None          # finish_reason "error": why this request failed
     logprobs: list | None = None            # with params.logprobs: new_token_ids' (Sequence.logprobs)
+    prompt_logprobs: list | None = None     # on the prefill's output: Sequence.prompt_logprobs
 
 
 @dataclass
@@ -105,3 +108,4 @@ class Completion:
     finish_reason: str
     stats: SpecStats
     logprobs: list | None = None  # with params.logprobs: one (logprob, top) per output token
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: prompt tokens 1..

@@ -408,8 +408,13 @@ class SpecDecodeEngine:
             if source not in self.by_proposer:
                 self.by_proposer[source] = SpecStats()
             self.by_proposer[source].observe(num_draft_tokens, num_accepted_tokens, tree)
-        seq.append_tokens(verdict.emitted, eos_token_ids=self.eos_token_ids,
-                          max_model_len=self.max_model_len)
+        if verdict.prompt_logprobs is not None:
+            seq.prompt_logprobs = verdict.prompt_logprobs
+        if seq.params.max_tokens == 0:  # the prompt was to be scored, nothing generated
+            seq.finish_reason = "length"
+        else:
+            seq.append_tokens(verdict.emitted, eos_token_ids=self.eos_token_ids,
+                              max_model_len=self.max_model_len)
         if verdict.logprobs is not None:  # those of the tokens the stop checks let through
             seq.logprobs += verdict.logprobs[:len(seq.token_ids) - num_before]
         if seq.finish_reason:
@@ -427,7 +432,7 @@ class SpecDecodeEngine:
         seq.num_emitted_tokens += len(new_tokens)
         delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
         out = StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats,
-                         logprobs=logprobs)
+                         logprobs=logprobs, prompt_logprobs=verdict.prompt_logprobs)
         if seq.finish_reason is not None:
             out.k_counts, out.mean_speculation_length = dict(seq.k_counts), seq.mean_speculation_length
         return out
@@ -464,7 +469,7 @@ class SpecDecodeEngine:
                     done[out.seq_id] = Completion(
                         s.seq_id, s.token_ids[:s.prompt_len], s.output_token_ids,
                         s.detokenizer.text, out.finish_reason, s.stats,
-                        s.logprobs if s.params.logprobs is not None else None)
+                        s.logprobs if s.params.logprobs is not None else None, s.prompt_logprobs)
         return [done[i] for i in ids]
 
 

@@ -63,6 +63,8 @@ class Verdict:
     # per emitted token, with SamplingParams.logprobs: its log-probability under the target
     # and the top alternatives, ``(logprob, [(token, logprob), ...])``
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # a prefill with SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,17 @@ def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
     return verdicts
 
 
+def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row i of ``logp`` (``[m, V]`` log-probabilities): ``tokens[i]``'s value and the ``top``
+    likeliest ``(token, value)`` pairs, read back to the host in one copy each."""
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(value, []) for value in chosen]
+    top_values, top_ids = logp.topk(top, dim=-1)
+    return list(zip(chosen, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]))
+
+
 def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list[int],
                      path: list[int] | None) -> list[tuple[float, list[tuple[int, float]]]]:
     """Each emitted token's log-probability and the ``params.logprobs`` likeliest tokens', from
@@ -135,13 +148,7 @@ def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list
         m = x.shape[0]
         full = partial(torch.full, (m,), device=x.device)
         logp = compute_probs(x, full(params.temperature), full(params.top_k), full(params.top_p)).log()
-    chosen = logp.gather(1, torch.tensor(emitted, device=x.device)[:, None])[:, 0].tolist()
-    if params.logprobs:
-        top_values, top_ids = logp.topk(params.logprobs, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
-    else:
-        tops = [[] for _ in emitted]
-    return list(zip(chosen, tops))
+    return token_logprobs(logp, emitted, params.logprobs)
 
 
 def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor) -> RejectionOutput:

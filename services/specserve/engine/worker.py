@@ -13,7 +13,7 @@ them the kept tokens' final hidden states, on the CPU.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,7 +22,7 @@ from specserve.engine.kv_cache import SlotTable
 from specserve.engine.malloc import keep_freed_memory
 from specserve.engine.model import LlamaRuntime
 from specserve.engine.proposers.base import Proposal
-from specserve.engine.verification import SamplingRow, Verdict, verify_rows
+from specserve.engine.verification import SamplingRow, Verdict, token_logprobs, verify_rows
 
 
 @dataclass
@@ -92,14 +92,26 @@ class ModelWorker(SlotOwner):
         counts = [len(p.token_ids) + 1 for p in proposals]
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids))
                 for slot, ids, p, (params, seed) in zip(slots, token_ids, proposals, sampling)]
+        # A prefill that scores its prompt asks for logits at every prompt position.
+        scored = [r.params.prompt_logprobs is not None and self.length(slot) == 0
+                  for r, slot in zip(rows, slots)]
+        asked = [len(ids) if s else n for ids, s, n in zip(token_ids, scored, counts)]
         t0 = time.perf_counter()
-        argmax_only = all(r.params.greedy and r.params.logprobs is None for r in rows)
-        out = self.forward(slots, token_ids, counts, argmax_only,
+        argmax_only = all(r.params.greedy and r.params.logprobs is None and not s
+                          for r, s in zip(rows, scored))
+        out = self.forward(slots, token_ids, asked, argmax_only,
                            return_hidden=return_hidden, trees=trees)
         logits, hidden = out if return_hidden else (out, None)
         _sync(logits)
         t1 = time.perf_counter()
-        verdicts = verify_rows(rows, proposals, list(logits.split(counts)))
+        per_row = list(logits.split(asked))
+        verdicts = verify_rows(rows, proposals, [x[-n:] for x, n in zip(per_row, counts)])
+        for i, (ids, x, n) in enumerate(zip(token_ids, per_row, counts)):
+            if scored[i]:  # logits row j predicts prompt token j + 1
+                prompt = ids[:len(ids) - n + 1]
+                logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
+                verdicts[i] = replace(verdicts[i], prompt_logprobs=token_logprobs(
+                    logp, prompt[1:], rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = None
         if hidden is not None:
             kept = [_kept_rows(h, p, v).cpu() for h, p, v in

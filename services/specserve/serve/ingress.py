@@ -279,11 +279,27 @@ def _logprobs(tokenizer, items: list | None, chat: bool, offset: int = 0) -> dic
     for t, _, _ in items:
         offsets.append(offset)
         offset += len(text[t])
+    # an echoed prompt's first token has no logprob: null, as OpenAI's
     return {"tokens": [text[t] for t, _, _ in items],
-            "token_logprobs": [max(lp, LOGPROB_FLOOR) for _, lp, _ in items],
-            "top_logprobs": [{text[a]: max(b, LOGPROB_FLOOR) for a, b in [*top, (t, lp)]}
+            "token_logprobs": [None if lp is None else max(lp, LOGPROB_FLOOR) for _, lp, _ in items],
+            "top_logprobs": [None if lp is None else
+                             {text[a]: max(b, LOGPROB_FLOOR) for a, b in [*top, (t, lp)]}
                              for t, lp, top in items],
             "text_offset": offsets}
+
+
+def _echoed(echo: tuple[str, list[int]] | None, prompt_logprobs: list | None,
+            items: list | None) -> tuple[str, list | None]:
+    """What an ``echo`` completion puts before its output: the prompt's text, and with
+    logprobs the prompt's items (its first token with none) before the output's."""
+    if echo is None:
+        return "", items
+    text, ids = echo
+    if items is None:
+        return text, None
+    scored = prompt_logprobs or [(None, None)] * (len(ids) - 1)
+    return text, [(ids[0], None, []), *((t, lp, top or []) for t, (lp, top) in zip(ids[1:], scored)),
+                  *items]
 
 
 def _chunk(rid: str, model: str, created: int, chat: bool, delta, finish: str | None,
@@ -461,7 +477,10 @@ class OpenAIIngress:
             prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) \
                 else req.prompt
             ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt)
-            return await self._run(req, ids, lease, rid, chat=False)
+            echo = None
+            if req.echo:
+                echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids), ids)
+            return await self._run(req, ids, lease, rid, chat=False, echo=echo)
         finally:
             lease.release()  # no-op once a stream owns it
 
@@ -546,7 +565,8 @@ class OpenAIIngress:
         return requested
 
     async def _run(self, req, prompt_ids: list[int], lease: Lease, rid: str, *,
-                   chat: bool) -> Response:
+                   chat: bool, echo: tuple[str, list[int]] | None = None) -> Response:
+        """``echo``: the prompt's text and ids, returned before the output (completions)."""
         deadline = time.monotonic() + self.limits.request_timeout_s
         served = self.cfg.unit.engine.speculative.method
         asked = req.speculation.method if req.speculation else None
@@ -579,28 +599,32 @@ class OpenAIIngress:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             lease = lease.hand_over()
-            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease)
+            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease, echo)
             # A client gone before the body starts never runs the generator's ``finally``:
             # free the slot and the lease when the generator is dropped.
             weakref.finalize(body, _close, stream, lease)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        text, finish, usage, items = await self._collect(stream, chunks, route, rid)
-        return JSONResponse(_response(rid, self.model_name, chat, text, finish, usage,
+        text, finish, usage, items, scored = await self._collect(stream, chunks, route, rid)
+        prefix, items = _echoed(echo, scored, items)
+        return JSONResponse(_response(rid, self.model_name, chat, prefix + text, finish, usage,
                                       _logprobs(self.tokenizer, items, chat)), headers=headers)
 
     async def _collect(self, stream, chunks, route: str, rid: str
-                       ) -> tuple[str, str, dict, list | None]:
+                       ) -> tuple[str, str, dict, list | None, list | None]:
         parts: list[str] = []
         items: list | None = None
+        scored: list | None = None
         try:
             async for chunk in chunks:
                 parts.append(chunk.text)
                 if chunk.logprobs is not None:
                     items = (items or []) + chunk.logprobs
+                if chunk.prompt_logprobs is not None:
+                    scored = chunk.prompt_logprobs
                 if chunk.finish_reason is not None:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))
-                    return "".join(parts), chunk.finish_reason, chunk.usage, items
+                    return "".join(parts), chunk.finish_reason, chunk.usage, items, scored
         except RequestTimeout:
             raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
@@ -610,7 +634,8 @@ class OpenAIIngress:
         raise _server_error(RuntimeError("the unit ended the stream without finishing"), rid)
 
     async def _sse(self, stream, chunks, rid: str, chat: bool, include_usage: bool,
-                   route: str, lease: Lease) -> AsyncIterator[str]:
+                   route: str, lease: Lease, echo: tuple[str, list[int]] | None = None
+                   ) -> AsyncIterator[str]:
         created = int(time.time())
         parts: list[str] = []  # kept only to log the output (limits.log_request_content)
         offset = 0  # completions' text_offset of the next token
@@ -619,15 +644,19 @@ class OpenAIIngress:
                 yield _sse_line(_chunk(rid, self.model_name, created, chat, {"role": "assistant",
                                                                          "content": ""}, None))
             async for chunk in chunks:
-                if chunk.text or chunk.finish_reason or chunk.logprobs:
-                    delta = {"content": chunk.text} if chat else chunk.text
-                    logprobs = _logprobs(self.tokenizer, chunk.logprobs, chat, offset)
+                text, items = chunk.text, chunk.logprobs
+                if echo is not None:  # the prompt goes out with the first chunk
+                    prefix, items = _echoed(echo, chunk.prompt_logprobs, items)
+                    text, echo = prefix + text, None
+                if text or chunk.finish_reason or items:
+                    delta = {"content": text} if chat else text
+                    logprobs = _logprobs(self.tokenizer, items, chat, offset)
                     if logprobs is not None and not chat:
                         offset += sum(len(t) for t in logprobs["tokens"])
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
                                       chunk.finish_reason, logprobs))
                     if self.limits.log_request_content:
-                        parts.append(chunk.text)
+                        parts.append(text)
                 if chunk.finish_reason is not None:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))

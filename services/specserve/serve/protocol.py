@@ -216,27 +216,48 @@ class _Request(_Lenient):
         """Alternatives to report per output token; None: no logprobs (per route)."""
         return None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives to report per prompt token; None: the prompt is not scored."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=tuple(self.stop_list),
                               stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.num_logprobs)
+                              logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
         description="Text, a list of token ids, or a list of exactly one string.")
-    max_tokens: int | None = Field(16, ge=1, description="OpenAI's default for completions is 16.")
+    max_tokens: int | None = Field(16, ge=0, description="OpenAI's default for completions is 16; "
+                                                         "0, with echo, only scores the prompt.")
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Each output token's log-probability under the target "
                                        "and this many likeliest alternatives (OpenAI: at most 5; "
                                        "vLLM: 20). Sampled requests: after temperature / top-k / "
                                        "top-p; greedy ones: the model's softmax.")
 
+    echo: bool = Field(False, description="Return the prompt before the completion; with "
+                                          "logprobs, the prompt tokens' too (the first one null: "
+                                          "log-likelihoods, as evaluation harnesses read them).")
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing; it only makes sense with echo")
+        return self
+
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
-    echo: No = False
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.max_tokens == 0 else None  # echo alone: nothing to generate, still a step
     suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0}), _only(_empty)] = ""
 
     @field_validator("prompt")
@@ -371,6 +392,8 @@ class StreamDelta:
     timing: Timing | None = None
     # with SamplingParams.logprobs: the chunk's tokens, (token, logprob, [(token, logprob)...])
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # with SamplingParams.prompt_logprobs, on the first chunk: prompt tokens 1.., (logprob, top)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class SpeculationUnit:
         yield StreamStart(decision)
         # A client that does not stream gets one chunk: every yielded chunk is a Ray message,
         # and per token they cost the forward pass CPU time on a small machine.
-        completion_tokens, pending, logprobs = 0, [], []
+        completion_tokens, pending, logprobs, prompt_logprobs = 0, [], [], None
         clock = _Clock(time.perf_counter())
         async for out in self.core.generate(request.prompt_token_ids, params,
                                             num_speculative_tokens=decision.num_speculative_tokens,
@@ -98,19 +98,23 @@ class SpeculationUnit:
             pending.append(out.text_delta)
             if out.logprobs is not None:
                 logprobs += [(t, lp, top) for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
             if not request.stream and out.finish_reason is None:
                 continue
             text, pending = "".join(pending), []
             chunk_logprobs, logprobs = (logprobs if params.logprobs is not None else None), []
+            scored, prompt_logprobs = prompt_logprobs, None
             if out.finish_reason is None:
-                yield StreamDelta(text, logprobs=chunk_logprobs)
+                yield StreamDelta(text, logprobs=chunk_logprobs, prompt_logprobs=scored)
                 continue
             self.policy.observe(request.class_key, decision, out.stats.num_draft_tokens,
                                 out.stats.num_accepted_tokens, self._break_even())
             yield StreamDelta(text, out.finish_reason,
                               usage=_usage(len(request.prompt_token_ids), completion_tokens, out,
                                            decision, self._estimated_speedup()),
-                              timing=clock.timing(completion_tokens), logprobs=chunk_logprobs)
+                              timing=clock.timing(completion_tokens), logprobs=chunk_logprobs,
+                              prompt_logprobs=scored)
 
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
