@@ -156,3 +156,38 @@ def test_echo_with_generation_streamed_and_not(ngram_app, model):
 def test_max_tokens_0_without_echo_is_400(ngram_app, model):
     r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 0}, chat=False)
     assert r.status_code == 400 and "echo" in r.text
+
+
+def test_lm_evaluation_harness_scores_log_likelihoods(ngram_app, model, tiny_models):
+    """The real lm-evaluation-harness client (``local-completions``: token-id prompts in a
+    batch of one, ``echo``, ``logprobs: 1``, ``max_tokens: 1``) gets each continuation's
+    log-likelihood as the model computes it, and whether it is the greedy continuation."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(base_url=ngram_app + "/v1/completions", model=model,
+                             tokenizer=tiny_models[0], tokenizer_backend="huggingface",
+                             max_retries=1, timeout=120)
+    tokenizer = make_tiny_tokenizer()
+    pairs = [(PROMPT, " the lazy dog"), ("Say something", " nice please")]
+    requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
+    results = lm.loglikelihood(requests)
+    for (context, continuation), (loglik, _) in zip(pairs, results):
+        ctx = tokenizer.encode(context, add_special_tokens=False)
+        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_models[2](torch.tensor([whole])).logits[0, :-1].float(), -1)
+        truth = float(logp.gather(1, torch.tensor(whole[1:])[:, None])[len(ctx) - 1:, 0].sum())
+        assert abs(loglik - truth) < 1e-3, (context, loglik, truth)
+
+
+def test_a_batch_of_one_token_id_prompt_is_served_and_more_are_refused(ngram_app, model):
+    ids = encode_prompt(make_tiny_tokenizer(), PROMPT)
+    one = post(ngram_app, {"model": model, "prompt": [ids], "max_tokens": 3, "temperature": 0},
+               chat=False)
+    alone = post(ngram_app, {"model": model, "prompt": ids, "max_tokens": 3, "temperature": 0},
+                 chat=False)
+    assert one.status_code == 200 and one.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    for prompt in ([ids, ids], [[]]):
+        r = post(ngram_app, {"model": model, "prompt": prompt, "max_tokens": 3}, chat=False)
+        assert r.status_code == 400 and "prompt" in r.text

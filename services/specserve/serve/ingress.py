@@ -474,8 +474,9 @@ class OpenAIIngress:
         lease = self._admit(request)
         try:
             req = await self._parse(request, CompletionRequest)
-            prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) \
-                else req.prompt
+            prompt = req.prompt
+            if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # a batch of one
+                prompt = prompt[0]
             ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt)
             echo = None
             if req.echo:

@@ -229,8 +229,9 @@ class _Request(_Lenient):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] = Field(
-        description="Text, a list of token ids, or a list of exactly one string.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text, a list of token ids, or a list of exactly one string or one list of "
+                    "token ids (what batching clients such as lm-evaluation-harness send).")
     max_tokens: int | None = Field(16, ge=0, description="OpenAI's default for completions is 16; "
                                                          "0, with echo, only scores the prompt.")
     logprobs: int | None = Field(
@@ -262,11 +263,13 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _check_prompt(cls, prompt):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
             raise ValueError("batched prompts are not supported; send one prompt per request")
+        if isinstance(prompt, list) and isinstance(prompt[0], list) and not prompt[0]:
+            raise ValueError("prompt must not be empty")
         return prompt
 
 
