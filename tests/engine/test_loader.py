@@ -98,7 +98,7 @@ def test_bad_engine_config_is_refused(bad, match):
     ({"temperature": 2.5}, "less than or equal to 2"),
     ({"top_p": 0.0}, "greater than 0"),
     ({"top_k": -1}, "greater than or equal to 0"),
-    ({"max_tokens": 0}, "greater than or equal to 1"),
+    ({"max_tokens": 0}, "max_tokens 0 only scores a prompt"),
     ({"stop": [""]}, "non-empty"),
 ])
 def test_bad_sampling_params_are_refused(bad, match):

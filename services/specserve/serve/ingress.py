@@ -541,6 +541,9 @@ class OpenAIIngress:
         if req.model != self.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", code="model_not_found", param="model")
+        refused = req.refusal()
+        if refused is not None:
+            raise APIError(400, refused[0], param=refused[1])
         return req
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:

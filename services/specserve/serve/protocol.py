@@ -244,11 +244,12 @@ class CompletionRequest(_Request):
                                           "logprobs, the prompt tokens' too (the first one null: "
                                           "log-likelihoods, as evaluation harnesses read them).")
 
-    @model_validator(mode="after")
-    def _zero_tokens_need_echo(self) -> CompletionRequest:
+    def refusal(self) -> tuple[str, str] | None:
+        """A combination of fields the route refuses: ``(message, param)`` (a model validator
+        could not name the param in the 400)."""
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 generates nothing; it only makes sense with echo")
-        return self
+            return "max_tokens 0 generates nothing; it only makes sense with echo", "max_tokens"
+        return None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -295,11 +296,11 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int = Field(0, ge=0, le=20, description="With logprobs: this many likeliest "
                                                           "alternatives per token.")
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def refusal(self) -> tuple[str, str] | None:
+        """See :meth:`CompletionRequest.refusal`."""
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+            return "top_logprobs needs logprobs: true", "top_logprobs"
+        return None
 
     @property
     def num_logprobs(self) -> int | None:
