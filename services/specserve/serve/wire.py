@@ -21,23 +21,29 @@ def wire_bytes(obj) -> int:
     (Ray ships tensor data as out-of-band buffers; pickling them here would only copy them).
     Raises :class:`DeviceTensorCrossing` for a tensor that is not on the CPU: a process
     without that device could not read it (and the copy would be hidden in the pickle)."""
-    data = 0
-
-    class Counter(pickle.Pickler):
-        def reducer_override(self, value):
-            nonlocal data
-            if isinstance(value, torch.Tensor):
-                if value.device.type != "cpu":
-                    raise DeviceTensorCrossing(
-                        f"a {value.device} tensor of shape {tuple(value.shape)} would cross a "
-                        "process boundary; only CPU tensors and plain data may")
-                data += value.nbytes
-                return tuple, ((),)
-            return NotImplemented
-
     buffer = io.BytesIO()
-    Counter(buffer, protocol=5).dump(obj)
-    return buffer.tell() + data
+    counter = _Counter(buffer, protocol=5)
+    counter.dump(obj)
+    return buffer.tell() + counter.data
+
+
+class _Counter(pickle.Pickler):
+    """A pickler that writes each tensor as a placeholder and adds up its data's bytes
+    (one class for every call: :func:`wire_bytes` runs on every reply of every step)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.data = 0
+
+    def reducer_override(self, value):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                raise DeviceTensorCrossing(
+                    f"a {value.device} tensor of shape {tuple(value.shape)} would cross a "
+                    "process boundary; only CPU tensors and plain data may")
+            self.data += value.nbytes
+            return tuple, ((),)
+        return NotImplemented
 
 
 def host_only(obj):

@@ -123,12 +123,10 @@ class DraftModelProposer(Proposer):
             groups.setdefault(0 if len(tokens) <= self.SHORT_FEED else len(tokens), []).append(j)
         if len(groups) == 1:
             return self._forward(slots, feeds)
-        order = [j for rows in groups.values() for j in rows]
         outs = [self._forward([slots[j] for j in rows], [feeds[j] for j in rows])
                 for rows in groups.values()]
-        back = torch.empty(len(order), dtype=torch.long)
-        back[torch.tensor(order)] = torch.arange(len(order))  # row j's place in the groups' order
-        back = back.to(outs[0][0].device)
+        order = torch.tensor([j for rows in groups.values() for j in rows])
+        back = order.argsort().to(outs[0][0].device)  # row j's place in the groups' order
         logits = torch.cat([x for x, _ in outs])[back]
         features = None if outs[0][1] is None else torch.cat([f for _, f in outs])[back]
         return logits, features
