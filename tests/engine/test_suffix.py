@@ -259,7 +259,8 @@ def test_the_cache_is_reported_as_proposer_state_on_metrics():
                              "estimated_speedup", "speculation_length_current",
                              "concurrency_gate_open", "spec_decode_num_drafts",
                              "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                             "draft_fallbacks", "requests_admitted", "requests_aborted"), 0)
+                             "draft_fallbacks", "requests_admitted", "requests_aborted",
+                             "prefill_tokens", "prefill_tokens_shared"), 0)
     snap = UnitSnapshot(method="eagle", accepted_per_position=[], router_decisions={}, k_counts={},
                         proposer_state=state, **numbers)
     families = {f.name: f for f in text_string_to_metric_families(exposition({"u1": snap}).decode())}

@@ -160,7 +160,7 @@ UNSUPPORTED = [
     ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
     ("logit_bias", {"50": 100}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("n", 2), ("best_of", 3),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
     ("presence_penalty", 0.5),
     ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 4),
     ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]),

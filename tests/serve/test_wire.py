@@ -146,5 +146,22 @@ def test_greedy_output_through_the_groups_is_target_only(ray_cluster, tiny_model
             done = unit.engine.generate(batch, greedy)
             assert unit.engine.stats.num_draft_tokens > 0
             assert [c.output_token_ids for c in done] == [c.output_token_ids for c in expected]
+            _n_samples_are_their_seeds_alone(unit.engine, batch[3])
         finally:
             unit.close()
+
+
+def _n_samples_are_their_seeds_alone(engine, prompt: list[int]) -> None:
+    """n = 3 through the groups: the slots fork on every rank and in the draft actor, and
+    sample i is the single request of seed 21 + i."""
+    seeded = SamplingParams(temperature=0.9, max_tokens=16, seed=21)
+    ids = engine.add_parallel(prompt, seeded, 3)
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.seq_id] += out.new_token_ids
+    assert engine.num_forked_tokens == 2 * (len(prompt) - 1)
+    for i, seq_id in enumerate(ids):
+        alone = engine.generate([prompt], seeded.model_copy(update={"seed": 21 + i}))[0]
+        assert tokens[seq_id] == alone.output_token_ids, f"sample {i}"
+    assert engine.target.num_free_slots == engine.target.num_slots

@@ -58,6 +58,13 @@ class SlotTable:
             raise ValueError(f"cannot roll slot {slot} from {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
 
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` starts as a copy of ``src``'s first ``length`` positions, whatever it
+        held: n sequences sampled from one prompt share its prefill (``n > 1``)."""
+        if not 0 <= length <= self.lengths[src] or dst == src:
+            raise ValueError(f"cannot fork {length} positions of slot {src} into slot {dst}")
+        self.lengths[dst] = length
+
 
 class SlotKVCache(SlotTable):
     """Keys and values for ``num_slots`` sequences of up to ``max_seq_len`` tokens each.
@@ -114,6 +121,12 @@ class SlotKVCache(SlotTable):
             for storage in (*self.k, *self.v):
                 storage[slot, :, dst] = storage[slot, :, src]  # the read copies before the write
         self.rollback(slot, at + len(positions))
+
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """:meth:`SlotTable.fork`, with the keys and values copied in every layer."""
+        super().fork(src, dst, length)
+        for storage in (*self.k, *self.v):
+            storage[dst, :, :length] = storage[src, :, :length]
 
     def gather(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` up to ``kv_len``: two ``[B, H, kv_len, D]`` tensors.

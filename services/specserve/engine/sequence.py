@@ -33,6 +33,7 @@ class Sequence:
     adaptive: bool                    # the controller picks K per step (up to num_speculative_tokens)
     detokenizer: IncrementalDetokenizer
     seed: int                         # the request's, or a random one: every draw derives from it
+    index: int = 0                    # which of its request's n samples (``n > 1``) it is
     slot: int = -1
     draft_attached: bool = False       # the proposer holds state for this sequence
     stats: SpecStats = field(default_factory=SpecStats)
@@ -95,6 +96,7 @@ class StepOutput:
     error: Exception | None = None          # finish_reason "error": why this request failed
     logprobs: list | None = None            # with params.logprobs: new_token_ids' (Sequence.logprobs)
     prompt_logprobs: list | None = None     # on the prefill's output: Sequence.prompt_logprobs
+    index: int = 0                          # Sequence.index: the choice of its request
 
 
 @dataclass

@@ -26,6 +26,14 @@ unit can answer, by restarting the group), the caches are put back as they were 
 step and each of its rows is stepped again alone: a row that fails alone ends with its error
 (:attr:`StepOutput.error`), the others go on as if nothing had happened.
 
+**n samples of one prompt share its prefill** (:meth:`SpecDecodeEngine.add_parallel`). The
+request takes its n slots at once; the first sample prefills as any request does, and right
+after that verify the others start from copies of its caches over the prompt but its last
+token (``fork`` on the target, which a tensor-parallel group applies on every rank with its
+next forward, and on the proposer: a draft model's cache too). Each then feeds the last prompt
+token itself, as a decoding row does, and samples its first token with its own seed. The
+prompt is computed once (``num_prefill_tokens``; ``num_forked_tokens`` counts what was copied).
+
 Invariant between steps: a running sequence's target cache holds all of its tokens but the
 last (``length == len(token_ids) - 1``); a new sequence's cache is empty and its first forward
 is the prefill. Prefill rows run in forwards of their own so a long prompt never pads the
@@ -80,6 +88,9 @@ class SpecDecodeEngine:
         self.k_counts: dict[int, int] = {}  # decoding sequence-steps per K drafted, since start
         self.by_proposer: dict[str, SpecStats] = {}  # the stats per Proposal.source
         self.num_tree_drafts = 0  # verified drafts that were token trees (Proposal.parents)
+        self.forks: dict[int, list[Sequence]] = {}  # a request's first sample -> its others
+        self.num_prefill_tokens = 0  # prompt tokens the target computed in prefill rows
+        self.num_forked_tokens = 0   # prompt tokens copied from a first sample instead (n > 1)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
         self.fault_token: int | None = None
@@ -97,18 +108,32 @@ class SpecDecodeEngine:
         ``num_speculative_tokens``: K for this request (0 turns speculation off); default the engine's K.
         ``adaptive``: let the controller (if any) pick K per step, at most ``num_speculative_tokens``.
         """
+        return self.add_parallel(prompt_token_ids, params, 1,
+                                 num_speculative_tokens=num_speculative_tokens, adaptive=adaptive)[0]
+
+    def add_parallel(self, prompt_token_ids: list[int], params: SamplingParams, n: int, *,
+                     num_speculative_tokens: int | None = None, adaptive: bool = False) -> list[int]:
+        """Queue ``n`` samples of one prompt (OpenAI's ``n``); their sequence ids, in order
+        (:attr:`StepOutput.index` says which is which). They share one prefill (module
+        docstring). Sample i draws from seed ``params.seed + i``, so each is reproducible and
+        equals the single request of that seed; unseeded ones get a random seed each."""
         self._validate(prompt_token_ids, num_speculative_tokens)
+        if not 1 <= n <= self.target.num_slots:
+            raise InvalidRequestError(f"n must be in [1, {self.target.num_slots}] (this unit's "
+                                      "max_num_seqs: the samples run side by side)")
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-        seed = random_seed() if params.seed is None else params.seed
-        seq = Sequence(
+        seqs = [Sequence(
             seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
             token_ids=list(prompt_token_ids), params=params,
             num_speculative_tokens=k if self.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
-            seed=seed)
-        self.waiting.append(seq)
-        return seq.seq_id
+            seed=random_seed() if params.seed is None else (params.seed + i) % 2**63, index=i)
+            for i in range(n)]
+        self.waiting.append(seqs[0])
+        if n > 1:
+            self.forks[seqs[0].seq_id] = seqs[1:]
+        return [s.seq_id for s in seqs]
 
     def _validate(self, prompt_token_ids: list[int], num_speculative_tokens: int | None) -> None:
         if not prompt_token_ids:
@@ -124,20 +149,40 @@ class SpecDecodeEngine:
             raise InvalidRequestError("num_speculative_tokens must be in [0, 64]")
 
     def abort(self, seq_id: int) -> bool:
-        """Drop a request wherever it is; frees its slots. False if it is unknown or done."""
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
-                return True
-        seq = self.running.get(seq_id)
-        if seq is None:
-            return False
-        seq.finish_reason = "abort"
-        self._release(seq)
+        """Drop a request wherever it is; frees its slots. False if it is unknown or done.
+        Aborting the first of ``n`` samples before its prefill was shared aborts the samples
+        waiting for it (the API aborts all of a request's samples together)."""
+        seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
+        if seq is not None:
+            self.waiting.remove(seq)
+            seq.finish_reason = "abort"
+        elif (seq := self.running.get(seq_id)) is not None:
+            seq.finish_reason = "abort"
+            self._release(seq)
+        else:
+            return self._abort_sibling(seq_id)
+        for sibling in self.forks.pop(seq_id, []):
+            sibling.finish_reason = "abort"
+            if sibling.slot >= 0:
+                self.target.free(sibling.slot)
         return True
 
+    def _abort_sibling(self, seq_id: int) -> bool:
+        """Abort a sample still waiting for its first to share the prefill."""
+        for first, siblings in self.forks.items():
+            for seq in siblings:
+                if seq.seq_id == seq_id:
+                    seq.finish_reason = "abort"
+                    siblings.remove(seq)
+                    if seq.slot >= 0:
+                        self.target.free(seq.slot)
+                    if not siblings:
+                        del self.forks[first]
+                    return True
+        return False
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running)  # (a waiting sibling's first is in either)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -166,7 +211,7 @@ class SpecDecodeEngine:
             except Exception as exc:  # noqa: BLE001  this row's own fault
                 log.exception("request %d failed alone; ending it", seq.seq_id)
                 self._restore([seq])
-                outputs.append(self._fail(seq, exc))
+                outputs += self._fail(seq, exc)
         return outputs
 
     def _restore(self, seqs: list[Sequence]) -> None:
@@ -180,14 +225,21 @@ class SpecDecodeEngine:
             if seq.draft_attached:
                 self._proposer_call(self.proposer.commit, seq.seq_id, final)
 
-    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
-        """End ``seq`` with ``exc`` (our own 4xx errors as they are, anything else a 500)."""
+    def _fail(self, seq: Sequence, exc: Exception) -> list[StepOutput]:
+        """End ``seq`` with ``exc`` (our own 4xx errors as they are, anything else a 500),
+        and the samples that were to share its prefill with it."""
         if self.running.get(seq.seq_id) is seq:
             self._release(seq)
-        seq.finish_reason = "error"
         error = exc if isinstance(exc, InvalidRequestError) else RequestFailed(
             "the server could not process this request")
-        return StepOutput(seq.seq_id, [], "", "error", seq.stats, error=error)
+        failed = [seq]
+        for sibling in self.forks.pop(seq.seq_id, []):
+            self.target.free(sibling.slot)
+            failed.append(sibling)
+        for s in failed:
+            s.finish_reason = "error"
+        return [StepOutput(s.seq_id, [], "", "error", s.stats, error=error, index=s.index)
+                for s in failed]
 
     def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """Plan, draft, verify, sample: nothing of a sequence changes until every row has its
@@ -200,8 +252,12 @@ class SpecDecodeEngine:
         starts = [self.target.length(s.slot) for s in seqs]
         verdicts, hidden, sample_s = self._verify(seqs, proposals)
         t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
-        outputs = [self._advance_or_fail(seq, prop, verdict)
-                   for seq, prop, verdict in zip(seqs, proposals, verdicts)]
+        self.num_prefill_tokens += sum(len(s.token_ids) for s, start in zip(seqs, starts) if start == 0)
+        for i, seq in enumerate(seqs):  # before advancing: that may end and free the first
+            if seq.seq_id in self.forks:
+                self._fork(seq, starts[i], hidden[i] if hidden is not None else None)
+        outputs = [out for seq, prop, verdict in zip(seqs, proposals, verdicts)
+                   for out in self._advance_or_fail(seq, prop, verdict)]
         t3 = time.perf_counter()
         try:  # bookkeeping of the unit, not of a request: it must not fail the outputs above
             if hidden is not None:
@@ -214,20 +270,53 @@ class SpecDecodeEngine:
             self._draft_lost()
         return outputs
 
-    def _advance_or_fail(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> StepOutput:
+    def _advance_or_fail(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> list[StepOutput]:
         try:
-            return self._advance(seq, proposal, verdict)
+            return [self._advance(seq, proposal, verdict)]
         except Exception as exc:  # noqa: BLE001  this row's own fault
             log.exception("request %d failed while advancing; ending it", seq.seq_id)
             return self._fail(seq, exc)
 
     def _admit(self) -> None:
-        while self.waiting and self.target.num_free_slots > 0:
+        """Waiting requests in order, while slots are free: a request of ``n`` samples
+        takes its ``n`` slots at once (its first prefills; the others wait in them)."""
+        while self.waiting:
+            siblings = self.forks.get(self.waiting[0].seq_id, [])
+            if self.target.num_free_slots < 1 + len(siblings):
+                return
             seq = self.waiting.popleft()
             seq.slot = self.target.allocate()
+            for sibling in siblings:
+                sibling.slot = self.target.allocate()
             self.running[seq.seq_id] = seq
             if seq.num_speculative_tokens > 0 and self.draft_available:
                 self._attach(seq)
+
+    def _fork(self, first: Sequence, start: int, hidden: torch.Tensor | None) -> None:
+        """``first`` has verified its prompt: its samples start from copies of its caches over
+        the prompt but its last token (which each feeds itself, as a decoding row does, and
+        samples its first token from with its own seed). ``start``: where ``first``'s verify
+        began; ``hidden``: its kept features, for a proposer that reads them."""
+        shared = first.prompt_len - 1
+        siblings = self.forks[first.seq_id]
+        while siblings:  # one at a time: a fork that raises leaves the rest to the retry
+            seq = siblings[0]
+            self.target.fork(first.slot, seq.slot, shared)
+            self.running[seq.seq_id] = siblings.pop(0)
+            self.num_forked_tokens += shared
+            if seq.num_speculative_tokens == 0 or not self.draft_available:
+                continue
+            if self.needs_hidden and (start != 0 or hidden is None):
+                continue  # the prompt's features are gone (a retried step): target-only
+            try:
+                self.proposer.fork(seq.seq_id, first.seq_id, seq.seed, shared)
+            except ProposerUnavailable:
+                self._draft_lost()
+                continue
+            seq.draft_attached = True
+            if self.needs_hidden:
+                seq.hidden = [hidden[:shared]]
+        del self.forks[first.seq_id]
 
     def _draft_len(self, seq: Sequence) -> int:
         """K for this step: at most the request's K, and never more than can be emitted.
@@ -432,7 +521,7 @@ class SpecDecodeEngine:
         seq.num_emitted_tokens += len(new_tokens)
         delta = seq.detokenizer.pop_delta(final=seq.finish_reason is not None)
         out = StepOutput(seq.seq_id, new_tokens, delta, seq.finish_reason, seq.stats,
-                         logprobs=logprobs, prompt_logprobs=verdict.prompt_logprobs)
+                         logprobs=logprobs, prompt_logprobs=verdict.prompt_logprobs, index=seq.index)
         if seq.finish_reason is not None:
             out.k_counts, out.mean_speculation_length = dict(seq.k_counts), seq.mean_speculation_length
         return out

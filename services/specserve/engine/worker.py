@@ -1,7 +1,7 @@
 """A model and its slot cache: what a target rank or a draft model holds.
 
 The speculation loop only talks to this interface (``verify`` / ``allocate`` / ``free`` /
-``rollback`` / ``keep`` / ``length``), which is why the same loop drives an in-process model
+``rollback`` / ``keep`` / ``fork`` / ``length``), which is why the same loop drives an in-process model
 here and a tensor-parallel group of Ray actors in the Serve units.
 
 ``verify`` is the target's half of a step: the forward *and* the rejection sampler, so the
@@ -58,6 +58,10 @@ class SlotOwner:
     def rollback(self, slot: int, length: int) -> None:
         self.table.rollback(slot, length)
 
+    @property
+    def num_slots(self) -> int:
+        return self.table.num_slots
+
 
 class ModelWorker(SlotOwner):
     """Owns a :class:`LlamaRuntime` and a :class:`SlotKVCache` shaped for it."""
@@ -79,6 +83,11 @@ class ModelWorker(SlotOwner):
         """A verified token tree's accepted path moves to ``at, at + 1, ...`` (the cache's
         :meth:`~specserve.engine.kv_cache.SlotKVCache.keep`)."""
         self.cache.keep(slot, positions, at)
+
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` starts as a copy of ``src``'s first ``length`` positions (the cache's
+        :meth:`~specserve.engine.kv_cache.SlotKVCache.fork`)."""
+        self.cache.fork(src, dst, length)
 
     def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
                sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,

@@ -2,7 +2,7 @@
 holding the draft-model proposer, and :class:`DraftGroup`, its coordinator-side client, which
 the engine sees as a proposer.
 
-Sequence bookkeeping (start / commit / finish) is buffered and sent with the next proposal
+Sequence bookkeeping (start / fork / commit / finish) is buffered and sent with the next proposal
 request, so a step costs one round trip (and flushed when the unit goes idle, so an idle
 draft holds no slots). Any failure or timeout becomes
 :class:`~specserve.errors.ProposerUnavailable`, which the engine answers by decoding
@@ -78,6 +78,9 @@ class DraftGroup(Proposer):
 
     def start(self, seq_id: int, seed: int) -> None:
         self._buffer(("start", (seq_id, seed)))
+
+    def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
+        self._buffer(("fork", (seq_id, parent_id, seed, num_tokens)))
 
     def commit(self, seq_id: int, num_valid_tokens: int) -> None:
         self._buffer(("commit", (seq_id, num_valid_tokens)))

@@ -115,7 +115,7 @@ class _IdleWhileLoading:
 class DraftWorker:
     """The draft group: a draft-model proposer in its own process."""
 
-    OPS = frozenset({"start", "commit", "finish", "reset"})
+    OPS = frozenset({"start", "fork", "commit", "finish", "reset"})
 
     def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
                  num_slots: int, target_vocab_size: int | None = None, *,

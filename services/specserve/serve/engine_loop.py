@@ -57,13 +57,14 @@ class _Add:
     params: SamplingParams
     num_speculative_tokens: int | None
     adaptive: bool
+    n: int                    # samples of the prompt (OpenAI's n), one sequence each
     stream: _Stream
-    accepted: asyncio.Future  # resolves, on the caller's loop, to the sequence id or the error
+    accepted: asyncio.Future  # resolves, on the caller's loop, to the sequence ids or the error
 
 
 @dataclass(frozen=True)
 class _Abort:
-    seq_id: int
+    seq_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,9 @@ class EngineLoop:
         self._draft_was_available = engine.draft_available
         self.num_running = 0
         self.num_waiting = 0
-        self.num_streams = 0  # generate() calls in progress (asyncio side)
-        self.num_admitted = 0  # requests the engine accepted since start
-        self.num_aborted = 0   # requests cancelled before they finished (client went away)
+        self.num_streams = 0  # sequences of the generate() calls in progress (asyncio side)
+        self.num_admitted = 0  # sequences the engine accepted since start (n per request)
+        self.num_aborted = 0   # sequences cancelled before they finished (client went away)
         self.capacity = engine.target.num_free_slots + max_queue_len
         self._thread = threading.Thread(target=self._run, name="spec-coordinator", daemon=True)
         self._thread.start()
@@ -189,57 +190,63 @@ class EngineLoop:
         return self.num_running + self.num_waiting
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       num_speculative_tokens: int | None,
-                       adaptive: bool = False) -> AsyncIterator[StepOutput]:
-        """Stream the outputs of one request; cancelling the iteration aborts it."""
-        self.check_admission()
-        self.num_streams += 1
+                       num_speculative_tokens: int | None, adaptive: bool = False,
+                       n: int = 1) -> AsyncIterator[StepOutput]:
+        """Stream the outputs of one request's ``n`` sequences (:attr:`StepOutput.index` says
+        whose), until every one has finished; cancelling the iteration aborts them all. A
+        request counts ``n`` against the unit's capacity."""
+        self.check_admission(n)
+        self.num_streams += n
         try:
-            async for out in self._stream(prompt_token_ids, params, num_speculative_tokens, adaptive):
+            async for out in self._stream(prompt_token_ids, params, num_speculative_tokens,
+                                          adaptive, n):
                 yield out
         finally:
-            self.num_streams -= 1
+            self.num_streams -= n
 
     @property
     def target_available(self) -> bool:
         """False while the target group restarts after a failure, or once the unit gave up."""
         return not (self.recovering or self.broken)
 
-    def check_admission(self) -> None:
-        """Raise what a new request would get now: 503 while the target group restarts, 429
-        when the unit is full. The unit asks before it answers anything, so the client gets a
-        status code rather than an error inside a stream that already said 200."""
+    def check_admission(self, n: int = 1) -> None:
+        """Raise what a new request of ``n`` sequences would get now: 503 while the target
+        group restarts, 429 when the unit is full. The unit asks before it answers anything,
+        so the client gets a status code rather than an error inside a stream that already
+        said 200."""
         if not self.target_available:
             raise TargetUnavailable("the target group is restarting after a failure; retry shortly")
-        if self.num_streams >= self.capacity:
-            raise CapacityError(f"the unit is full ({self.capacity} requests running or queued); "
+        if self.num_streams + n > self.capacity:
+            raise CapacityError(f"the unit is full ({self.capacity} sequences running or queued); "
                                 "retry shortly")
 
     async def _stream(self, prompt_token_ids, params, num_speculative_tokens,
-                      adaptive) -> AsyncIterator[StepOutput]:
+                      adaptive, n) -> AsyncIterator[StepOutput]:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._submit(_Add(prompt_token_ids, params, num_speculative_tokens, adaptive, stream, accepted))
+        self._submit(_Add(prompt_token_ids, params, num_speculative_tokens, adaptive, n, stream,
+                          accepted))
         try:
-            seq_id = await accepted  # raises the engine's validation error, if any
+            seq_ids = await accepted  # raises the engine's validation error, if any
         except asyncio.CancelledError:
             # Cancelled after the engine thread accepted it but before this task resumed:
-            # the future holds a sequence nobody will read. Abort it.
+            # the future holds sequences nobody will read. Abort them.
             if accepted.done() and not accepted.cancelled() and accepted.exception() is None:
                 self._submit(_Abort(accepted.result()))
             raise
-        finished = False
+        running = set(seq_ids)
         try:
-            while not finished:
+            while running:
                 out = await stream.queue.get()
                 if isinstance(out, Exception):
                     raise out
-                finished = out.finish_reason is not None
+                if out.finish_reason is not None:
+                    running.discard(out.seq_id)
                 yield out
         finally:
-            if not finished:
-                self._submit(_Abort(seq_id))
+            if running:
+                self._submit(_Abort(sorted(running)))
 
     def _submit(self, item: _Add | _Abort | _Stall) -> None:
         self._inbox.put(item)
@@ -296,31 +303,33 @@ class EngineLoop:
                     self._add(item)
                 case _Stall(seconds):
                     time.sleep(seconds)
-                case _Abort(seq_id):
-                    self.num_aborted += self.engine.abort(seq_id)
-                    self._streams.pop(seq_id, None)
+                case _Abort(seq_ids):
+                    for seq_id in seq_ids:
+                        self.num_aborted += self.engine.abort(seq_id)
+                        self._streams.pop(seq_id, None)
             self._count()
 
     def _add(self, add: _Add) -> None:
         loop = add.stream.loop
         try:
-            seq_id = self.engine.add_request(add.prompt_token_ids, add.params,
-                                             num_speculative_tokens=add.num_speculative_tokens,
-                                             adaptive=add.adaptive)
+            seq_ids = self.engine.add_parallel(add.prompt_token_ids, add.params, add.n,
+                                               num_speculative_tokens=add.num_speculative_tokens,
+                                               adaptive=add.adaptive)
         except Exception as exc:
             loop.call_soon_threadsafe(_resolve, add.accepted, None, exc)
             return
-        self._streams[seq_id] = add.stream
-        self.num_admitted += 1
-        loop.call_soon_threadsafe(self._accepted, add.accepted, seq_id)
+        for seq_id in seq_ids:
+            self._streams[seq_id] = add.stream
+        self.num_admitted += len(seq_ids)
+        loop.call_soon_threadsafe(self._accepted, add.accepted, seq_ids)
 
-    def _accepted(self, future: asyncio.Future, seq_id: int) -> None:
-        """On the caller's loop: hand over the sequence id, or abort the sequence if the caller
-        was cancelled (client gone, request timed out) while it waited in the inbox."""
+    def _accepted(self, future: asyncio.Future, seq_ids: list[int]) -> None:
+        """On the caller's loop: hand over the sequence ids, or abort the sequences if the
+        caller was cancelled (client gone, request timed out) while it waited in the inbox."""
         if future.cancelled():
-            self._submit(_Abort(seq_id))
+            self._submit(_Abort(seq_ids))
         elif not future.done():
-            future.set_result(seq_id)
+            future.set_result(seq_ids)
 
     def _deliver(self, seq_id: int, item, *, last: bool) -> None:
         stream = self._streams.pop(seq_id, None) if last else self._streams.get(seq_id)

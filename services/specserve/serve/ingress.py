@@ -32,6 +32,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -303,27 +304,40 @@ def _echoed(echo: tuple[str, list[int]] | None, prompt_logprobs: list | None,
 
 
 def _chunk(rid: str, model: str, created: int, chat: bool, delta, finish: str | None,
-           logprobs: dict | None = None) -> dict:
+           logprobs: dict | None = None, index: int = 0) -> dict:
     if chat:
-        choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta or {}, "finish_reason": finish,
+                  "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+    choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice]}
 
 
-def _response(rid: str, model: str, chat: bool, text: str, finish: str, usage: dict,
-              logprobs: dict | None = None) -> dict:
+@dataclass
+class _Choice:
+    """One choice of a response, as :meth:`SpecServeAPI._collect` gathers it."""
+
+    parts: list[str] = field(default_factory=list)
+    items: list | None = None   # logprobs items
+    scored: list | None = None  # the prompt's, for echo
+    finish: str | None = None
+
+
+def _response(rid: str, model: str, chat: bool, choices: list[dict], usage: dict) -> dict:
+    """The whole response; ``choices``: each one's ``text``, ``finish`` and ``logprobs``."""
     created = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish, "logprobs": logprobs}
+        body = [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+                 "finish_reason": c["finish"], "logprobs": c["logprobs"]}
+                for i, c in enumerate(choices)]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        body = [{"index": i, "text": c["text"], "finish_reason": c["finish"],
+                 "logprobs": c["logprobs"]} for i, c in enumerate(choices)]
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": body,
             "usage": usage}
 
 
@@ -582,9 +596,14 @@ class OpenAIIngress:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         requested = req.requested_max_tokens if chat else req.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids))
+        max_n = self.cfg.unit.engine.max_num_seqs
+        if req.n > max_n:
+            raise APIError(400, f"n: at most {max_n} (the unit's max_num_seqs: the choices are "
+                                "sampled side by side)", param="n")
         payload = UnitRequest(prompt_token_ids=prompt_ids, params=req.sampling_params(max_tokens),
                               speculation=req.speculation, stream=req.stream,
-                              class_key=_class_key(req, chat, lease.key_id, len(prompt_ids)))
+                              class_key=_class_key(req, chat, lease.key_id, len(prompt_ids)),
+                              n=req.n)
         route = "/v1/chat/completions" if chat else "/v1/completions"
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
@@ -603,32 +622,39 @@ class OpenAIIngress:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             lease = lease.hand_over()
-            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease, echo)
+            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease, echo, req.n)
             # A client gone before the body starts never runs the generator's ``finally``:
             # free the slot and the lease when the generator is dropped.
             weakref.finalize(body, _close, stream, lease)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        text, finish, usage, items, scored = await self._collect(stream, chunks, route, rid)
-        prefix, items = _echoed(echo, scored, items)
-        return JSONResponse(_response(rid, self.model_name, chat, prefix + text, finish, usage,
-                                      _logprobs(self.tokenizer, items, chat)), headers=headers)
+        collected, usage = await self._collect(stream, chunks, route, rid, req.n)
+        choices = []
+        for choice in collected:
+            prefix, items = _echoed(echo, choice.scored, choice.items)
+            choices.append({"text": prefix + "".join(choice.parts), "finish": choice.finish,
+                            "logprobs": _logprobs(self.tokenizer, items, chat)})
+        return JSONResponse(_response(rid, self.model_name, chat, choices, usage), headers=headers)
 
-    async def _collect(self, stream, chunks, route: str, rid: str
-                       ) -> tuple[str, str, dict, list | None, list | None]:
-        parts: list[str] = []
-        items: list | None = None
-        scored: list | None = None
+    async def _collect(self, stream, chunks, route: str, rid: str, n: int
+                       ) -> tuple[list[_Choice], dict]:
+        """Every choice's chunks, until all ``n`` finished; and the usage (on the last)."""
+        choices = [_Choice() for _ in range(n)]
+        unfinished = n
         try:
             async for chunk in chunks:
-                parts.append(chunk.text)
+                choice = choices[chunk.index]
+                choice.parts.append(chunk.text)
                 if chunk.logprobs is not None:
-                    items = (items or []) + chunk.logprobs
+                    choice.items = (choice.items or []) + chunk.logprobs
                 if chunk.prompt_logprobs is not None:
-                    scored = chunk.prompt_logprobs
+                    choice.scored = chunk.prompt_logprobs
                 if chunk.finish_reason is not None:
+                    choice.finish = chunk.finish_reason
+                    unfinished -= 1
+                if unfinished == 0:
                     record_finish(route, chunk)
-                    self._log_output(rid, "".join(parts))
-                    return "".join(parts), chunk.finish_reason, chunk.usage, items, scored
+                    self._log_output(rid, "".join(p for c in choices for p in c.parts))
+                    return choices, chunk.usage
         except RequestTimeout:
             raise _timeout_error(self.limits.request_timeout_s) from None
         except Exception as exc:
@@ -638,36 +664,40 @@ class OpenAIIngress:
         raise _server_error(RuntimeError("the unit ended the stream without finishing"), rid)
 
     async def _sse(self, stream, chunks, rid: str, chat: bool, include_usage: bool,
-                   route: str, lease: Lease, echo: tuple[str, list[int]] | None = None
-                   ) -> AsyncIterator[str]:
+                   route: str, lease: Lease, echo: tuple[str, list[int]] | None = None,
+                   n: int = 1) -> AsyncIterator[str]:
         created = int(time.time())
         parts: list[str] = []  # kept only to log the output (limits.log_request_content)
-        offset = 0  # completions' text_offset of the next token
+        offsets = [0] * n  # per choice, completions' text_offset of its next token
+        echoes = [echo] * n  # per choice, the prompt still to send before its text
+        unfinished = n
         try:
             if chat:
-                yield _sse_line(_chunk(rid, self.model_name, created, chat, {"role": "assistant",
-                                                                         "content": ""}, None))
+                for i in range(n):
+                    yield _sse_line(_chunk(rid, self.model_name, created, chat,
+                                           {"role": "assistant", "content": ""}, None, index=i))
             async for chunk in chunks:
-                text, items = chunk.text, chunk.logprobs
-                if echo is not None:  # the prompt goes out with the first chunk
-                    prefix, items = _echoed(echo, chunk.prompt_logprobs, items)
-                    text, echo = prefix + text, None
+                i, text, items = chunk.index, chunk.text, chunk.logprobs
+                if echoes[i] is not None:  # the prompt goes out with the choice's first chunk
+                    prefix, items = _echoed(echoes[i], chunk.prompt_logprobs, items)
+                    text, echoes[i] = prefix + text, None
                 if text or chunk.finish_reason or items:
                     delta = {"content": text} if chat else text
-                    logprobs = _logprobs(self.tokenizer, items, chat, offset)
+                    logprobs = _logprobs(self.tokenizer, items, chat, offsets[i])
                     if logprobs is not None and not chat:
-                        offset += sum(len(t) for t in logprobs["tokens"])
+                        offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
-                                      chunk.finish_reason, logprobs))
+                                           chunk.finish_reason, logprobs, index=i))
                     if self.limits.log_request_content:
                         parts.append(text)
-                if chunk.finish_reason is not None:
+                unfinished -= chunk.finish_reason is not None
+                if unfinished == 0:
                     record_finish(route, chunk)
                     self._log_output(rid, "".join(parts))
-                if chunk.finish_reason is not None and include_usage:
-                    body = _chunk(rid, self.model_name, created, chat, None, None)
-                    body["choices"], body["usage"] = [], chunk.usage
-                    yield _sse_line(body)
+                    if include_usage:
+                        body = _chunk(rid, self.model_name, created, chat, None, None)
+                        body["choices"], body["usage"] = [], chunk.usage
+                        yield _sse_line(body)
         except RequestTimeout:
             yield _sse_line(_timeout_error(self.limits.request_timeout_s).body)
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does

@@ -199,8 +199,11 @@ _COUNTERS = {
     "spec_decode_num_draft_tokens": "Drafted tokens.",
     "spec_decode_num_accepted_tokens": "Drafted tokens the target accepted.",
     "draft_fallbacks": "Times the unit lost its draft group and decoded target-only.",
-    "requests_admitted": "Requests the unit's engine accepted.",
-    "requests_aborted": "Requests cancelled before they finished (client went away).",
+    "requests_admitted": "Sequences the unit's engine accepted (a request of n choices: n).",
+    "requests_aborted": "Sequences cancelled before they finished (client went away).",
+    "prefill_tokens": "Prompt tokens the target computed in prefills.",
+    "prefill_tokens_shared": "Prompt tokens copied from a request's first choice to its others "
+                             "(n > 1) instead of being computed again.",
     "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
 }
 

@@ -11,9 +11,9 @@ Three rules decide what a request may carry:
   every optional field (``"max_tokens": null`` on /v1/completions is 16).
 - **Features we do not implement are refused**, with a 400 whose ``param`` names the field
   (``response_format is not supported by this server``), whenever the value would change the
-  output: tools, logprobs, ``n > 1``, penalties, guided decoding... A value that asks for
-  nothing (``logprobs: false``, ``n: 1``, ``tools: []``, ``response_format: {"type": "text"}``)
-  is accepted. Silently ignoring one would hand a client output it did not ask for.
+  output: tools, ``best_of``, penalties, guided decoding... A value that asks for nothing
+  (``best_of: 1``, ``tools: []``, ``response_format: {"type": "text"}``) is accepted.
+  Silently ignoring one would hand a client output it did not ask for.
 - **Unknown fields are ignored**, as OpenAI's own API and vLLM do, so clients that send newer
   fields without semantics for generation (``store``, ``metadata``, ``service_tier``,
   ``parallel_tool_calls``...) keep working.
@@ -154,8 +154,9 @@ class _Request(_Lenient):
     speculation: SpeculationOptions | None = None
 
     # -- accepted only with the value that asks for nothing (see the module docstring) --------
-    n: Annotated[int, _only(lambda v: v == 1, "n > 1", "; send one request per completion")] = \
-        Field(1, ge=1, json_schema_extra={"maximum": 1})
+    n: int = Field(1, ge=1, le=128, description="Choices to sample from the prompt, which is "
+                   "computed once; at most the unit's max_num_seqs. Choice i of a seeded request "
+                   "is the single request with seed + i.")
     best_of: Annotated[int, _only(lambda v: v == 1, "best_of > 1")] = \
         Field(1, ge=1, json_schema_extra={"maximum": 1})
     presence_penalty: ZeroPenalty = 0.0
@@ -338,8 +339,9 @@ class UnitRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     speculation: SpeculationOptions | None  # the client's control; None: the policy decides
-    stream: bool                            # False: the unit sends one chunk at the end
+    stream: bool                            # False: the unit sends one chunk per choice, at its end
     class_key: str                          # the acceptance class: route|key id|user|traffic class|shape
+    n: int = 1                              # choices: samples of the prompt, one sequence each
 
 
 @dataclass(frozen=True)
@@ -387,8 +389,9 @@ class Timing:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """Text a unit produced; the last chunk has a ``finish_reason``, the ``usage`` object of
-    the response (OpenAI's, with our ``speculation`` block) and the ``timing`` for metrics."""
+    """Text a unit produced for one choice; a choice's last chunk has its ``finish_reason``,
+    and the request's last chunk also the ``usage`` object of the response (OpenAI's, with
+    our ``speculation`` block) and the ``timing`` for metrics."""
 
     text: str
     finish_reason: str | None = None
@@ -396,8 +399,10 @@ class StreamDelta:
     timing: Timing | None = None
     # with SamplingParams.logprobs: the chunk's tokens, (token, logprob, [(token, logprob)...])
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    # with SamplingParams.prompt_logprobs, on the first chunk: prompt tokens 1.., (logprob, top)
+    # with SamplingParams.prompt_logprobs, on a choice's first chunk: prompt tokens 1..,
+    # (logprob, top)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    index: int = 0  # the choice (of the request's n) this chunk belongs to
 
 
 @dataclass(frozen=True)
@@ -423,6 +428,8 @@ class UnitSnapshot:
     draft_fallbacks: int
     requests_admitted: int
     requests_aborted: int
+    prefill_tokens: int
+    prefill_tokens_shared: int
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     k_counts: dict[int, int]                      # K -> decoding rows that drafted it
     proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()

@@ -89,13 +89,15 @@ class TargetRank:
 
     def verify(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
-               trees: list | None = None, moves: list | None = None) -> Verified:
+               trees: list | None = None, moves: list | None = None,
+               forks: list | None = None) -> Verified:
         """Rank 0: broadcast the forward, run this rank's shard and the rejection sampler;
         return the rows' verdicts (CPU hidden states of kept tokens with ``return_hidden``).
         ``sampling``: slot -> (params, seed) for the sequences new since the last call (this
         rank keeps them per slot)."""
         self.sampling.update(sampling)
-        batch = (slots, starts, token_ids, [len(p.token_ids) + 1 for p in proposals], trees, moves)
+        batch = (slots, starts, token_ids, [len(p.token_ids) + 1 for p in proposals], trees, moves,
+                 forks)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         self._prepare(batch)
@@ -106,21 +108,25 @@ class TargetRank:
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                 num_logits: list[int], argmax_only: bool = False,
                 return_hidden: bool = False, trees: list | None = None,
-                moves: list | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                moves: list | None = None, forks: list | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
         (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
         states, which every rank has in full after the last all-reduce). ``moves``: the
-        coordinator's pending token-tree compactions ``(slot, positions, at)``, applied
-        before the batch (like rollback, they ride on the next forward). For tests and
-        tools: serving verifies (:meth:`verify`), and logits stay here."""
-        batch = (slots, starts, token_ids, num_logits, trees, moves)
+        coordinator's pending token-tree compactions ``(slot, positions, at)`` and ``forks``
+        its pending slot copies ``(src, dst, length)`` (``n > 1``), applied before the batch
+        (like rollback, they ride on the next forward). For tests and tools: serving
+        verifies (:meth:`verify`), and logits stay here."""
+        batch = (slots, starts, token_ids, num_logits, trees, moves, forks)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         out = self._run(batch, argmax_only, return_hidden)
         return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
 
     def _prepare(self, batch) -> None:
-        slots, starts, _, _, _, moves = batch
+        slots, starts, _, _, _, moves, forks = batch
+        for src, dst, length in forks or ():  # first: a fork's source may be in the batch
+            self.worker.fork(src, dst, length)
         for slot, positions, at in moves or ():
             self.worker.keep(slot, positions, at)
         for slot, start in zip(slots, starts):  # the coordinator's lengths: rollback for free
@@ -129,7 +135,7 @@ class TargetRank:
     def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
         """Every rank's forward of a batch (rank 0's verify runs the same one: the followers
         need not know what rank 0 does with its logits)."""
-        slots, _, token_ids, num_logits, trees, _ = batch
+        slots, _, token_ids, num_logits, trees, _, _ = batch
         self._prepare(batch)
         return self.worker.forward(slots, token_ids, num_logits, argmax_only,
                                    return_hidden=return_hidden, trees=trees)
@@ -172,6 +178,7 @@ class TargetGroup(SlotOwner):
         self.generation = 0   # restarts so far
         self.ranks: list = []
         self._moves: dict[int, tuple[list[int], int]] = {}  # slot -> a kept path not yet sent
+        self._forks: list[tuple[int, int, int]] = []  # (src, dst, length) not yet sent
         self._sampling: dict[int, tuple] = {}  # slot -> the (params, seed) rank 0 holds for it
         self.received = Traffic()  # what rank 0 sent back
         self._launch()
@@ -199,6 +206,7 @@ class TargetGroup(SlotOwner):
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
         self._moves.clear()
+        self._forks.clear()
         self._sampling.clear()
         self.generation += 1
         self._launch()
@@ -211,6 +219,12 @@ class TargetGroup(SlotOwner):
         """A tree's accepted path: the ranks move it with the slot's next forward."""
         self._moves[slot] = (positions, at)
         self.table.rollback(slot, at + len(positions))
+
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` starts as a copy of ``src``'s first ``length`` positions: every rank
+        copies its shard with the next forward (before it, so ``src`` may be in it)."""
+        self.table.fork(src, dst, length)
+        self._forks.append((src, dst, length))
 
     def free(self, slot: int) -> None:
         self._moves.pop(slot, None)
@@ -227,8 +241,9 @@ class TargetGroup(SlotOwner):
                 new[slot] = self._sampling[slot] = row
         starts = [self.table.lengths[s] for s in slots]
         moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
+        forks, self._forks = self._forks, []
         result = self._call(self.ranks[0].verify.remote(slots, starts, token_ids, proposals, new,
-                                                        return_hidden, trees, moves))
+                                                        return_hidden, trees, moves, forks))
         self.received.add(result)
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)
@@ -241,8 +256,10 @@ class TargetGroup(SlotOwner):
         """Logits from rank 0 (tests and tools; serving calls :meth:`verify`)."""
         starts = [self.table.lengths[s] for s in slots]
         moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
+        forks, self._forks = self._forks, []
         logits = self._call(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits,
-                                                         argmax_only, return_hidden, trees, moves))
+                                                         argmax_only, return_hidden, trees, moves,
+                                                         forks))
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)
         return logits

@@ -22,6 +22,7 @@ from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.sequence import StepOutput
+from specserve.engine.stats import SpecStats
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
@@ -77,44 +78,48 @@ class SpeculationUnit:
                                 max_restarts=cfg.target_restart_attempts)
 
     async def generate(self, request: UnitRequest) -> AsyncIterator[StreamStart | StreamDelta]:
-        """One :class:`StreamStart`, then :class:`StreamDelta` chunks; the last carries the
-        ``usage`` and, for the ingress's metrics, the ``timing``."""
-        params = request.params
-        self.core.check_admission()
+        """One :class:`StreamStart`, then :class:`StreamDelta` chunks of the request's ``n``
+        choices (``index``); each choice's last chunk has its ``finish_reason``, and the last
+        one of all carries the ``usage`` (the prompt once, the completions summed, as
+        OpenAI's) and, for the ingress's metrics, the ``timing``."""
+        params, n = request.params, request.n
+        self.core.check_admission(n)
         decision = self.policy.decide(request.speculation, max_tokens=params.max_tokens,
                                       load=self.core.num_streams, key=request.class_key,
                                       draft_available=self.engine.draft_available)
         self.decisions[decision.key] = self.decisions.get(decision.key, 0) + 1
         yield StreamStart(decision)
-        # A client that does not stream gets one chunk: every yielded chunk is a Ray message,
-        # and per token they cost the forward pass CPU time on a small machine.
-        completion_tokens, pending, logprobs, prompt_logprobs = 0, [], [], None
-        clock = _Clock(time.perf_counter())
+        # A client that does not stream gets one chunk per choice: every yielded chunk is a
+        # Ray message, and per token they cost the forward pass CPU time on a small machine.
+        choices = [_Choice(time.perf_counter()) for _ in range(n)]
+        prompt_logprobs, unfinished = None, n
         async for out in self.core.generate(request.prompt_token_ids, params,
                                             num_speculative_tokens=decision.num_speculative_tokens,
-                                            adaptive=decision.adaptive):
-            completion_tokens += len(out.new_token_ids)
-            clock.output(time.perf_counter(), len(out.new_token_ids))
-            pending.append(out.text_delta)
-            if out.logprobs is not None:
-                logprobs += [(t, lp, top) for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
-            if out.prompt_logprobs is not None:
+                                            adaptive=decision.adaptive, n=n):
+            choice = choices[out.index]
+            choice.add(out, time.perf_counter(), params.logprobs is not None)
+            if out.prompt_logprobs is not None:  # the first choice's prefill scored the prompt
                 prompt_logprobs = out.prompt_logprobs
             if not request.stream and out.finish_reason is None:
                 continue
-            text, pending = "".join(pending), []
-            chunk_logprobs, logprobs = (logprobs if params.logprobs is not None else None), []
-            scored, prompt_logprobs = prompt_logprobs, None
+            # echo: every choice begins with the prompt, whose scores go with its first chunk
+            # (the first choice's prefill computed them, a step before any other's output)
+            scored = None if choice.sent_prompt else prompt_logprobs
+            choice.sent_prompt = True
+            text, logprobs = choice.pop(params.logprobs is not None)
             if out.finish_reason is None:
-                yield StreamDelta(text, logprobs=chunk_logprobs, prompt_logprobs=scored)
+                yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index)
                 continue
             self.policy.observe(request.class_key, decision, out.stats.num_draft_tokens,
                                 out.stats.num_accepted_tokens, self._break_even())
-            yield StreamDelta(text, out.finish_reason,
-                              usage=_usage(len(request.prompt_token_ids), completion_tokens, out,
-                                           decision, self._estimated_speedup()),
-                              timing=clock.timing(completion_tokens), logprobs=chunk_logprobs,
-                              prompt_logprobs=scored)
+            unfinished -= 1
+            usage = timing = None
+            if unfinished == 0:
+                usage = _usage(len(request.prompt_token_ids), choices, decision,
+                               self._estimated_speedup())
+                timing = _Clock.merged([c.clock for c in choices])
+            yield StreamDelta(text, out.finish_reason, usage=usage, timing=timing,
+                              logprobs=logprobs, prompt_logprobs=scored, index=out.index)
 
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
@@ -140,6 +145,8 @@ class SpeculationUnit:
             draft_fallbacks=engine.num_draft_fallbacks,
             requests_admitted=self.core.num_admitted,
             requests_aborted=self.core.num_aborted,
+            prefill_tokens=engine.num_prefill_tokens,
+            prefill_tokens_shared=engine.num_forked_tokens,
             router_decisions=dict(self.decisions),
             k_counts=dict(engine.k_counts),
             proposer_state=engine.proposer.state() if engine.proposer is not None else {},
@@ -169,6 +176,8 @@ class SpeculationUnit:
         return {"running": self.core.num_running, "waiting": self.core.num_waiting,
                 "requests_admitted": self.core.num_admitted,
                 "requests_aborted": self.core.num_aborted,
+                "prefill_tokens": self.engine.num_prefill_tokens,
+                "prefill_tokens_shared": self.engine.num_forked_tokens,
                 "free_slots": self.engine.target.num_free_slots,
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
@@ -235,13 +244,14 @@ class SpeculationUnit:
 
 
 class _Clock:
-    """A request's latencies as the unit sees them (arrival to outputs), for the metrics."""
+    """A choice's latencies as the unit sees them (arrival to outputs), for the metrics."""
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
+        self.num_tokens = 0
 
     def output(self, now: float, num_tokens: int) -> None:
         if num_tokens == 0:
@@ -251,26 +261,67 @@ class _Clock:
         else:
             self.gaps.append(now - self.last)
         self.last = now
+        self.num_tokens += num_tokens
 
-    def timing(self, num_tokens: int) -> Timing:
-        if self.first is None:
+    @staticmethod
+    def merged(clocks: list[_Clock]) -> Timing:
+        """A request's timing over its choices: the first token of any, every choice's gaps,
+        their mean time per output token, the last token of all."""
+        ran = [c for c in clocks if c.first is not None]
+        if not ran:
             return Timing()
-        tpot = (self.last - self.first) / (num_tokens - 1) if num_tokens > 1 else None
-        return Timing(ttft_s=self.first - self.arrival, itl_s=self.gaps, tpot_s=tpot,
-                      e2e_s=self.last - self.arrival)
+        tpots = [(c.last - c.first) / (c.num_tokens - 1) for c in ran if c.num_tokens > 1]
+        return Timing(ttft_s=min(c.first for c in ran) - ran[0].arrival,
+                      itl_s=[g for c in ran for g in c.gaps],
+                      tpot_s=sum(tpots) / len(tpots) if tpots else None,
+                      e2e_s=max(c.last for c in ran) - ran[0].arrival)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, out: StepOutput, decision: Decision,
+class _Choice:
+    """One of a request's ``n`` sequences, as the unit streams it."""
+
+    def __init__(self, arrival: float) -> None:
+        self.clock = _Clock(arrival)
+        self.pending: list[str] = []
+        self.logprobs: list = []
+        self.sent_prompt = False  # its first chunk (with an echo's prompt scores) went out
+        self.last: StepOutput | None = None
+
+    def add(self, out: StepOutput, now: float, logprobs: bool) -> None:
+        self.clock.output(now, len(out.new_token_ids))
+        self.pending.append(out.text_delta)
+        if logprobs and out.logprobs is not None:
+            self.logprobs += [(t, lp, top) for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
+        self.last = out
+
+    def pop(self, logprobs: bool) -> tuple[str, list | None]:
+        """The text (and logprobs items) not yet sent."""
+        text, self.pending = "".join(self.pending), []
+        items, self.logprobs = (self.logprobs if logprobs else None), []
+        return text, items
+
+
+def _usage(prompt_tokens: int, choices: list[_Choice], decision: Decision,
            estimated_speedup: float | None) -> dict:
+    """OpenAI's usage (the prompt once, every choice's completion), with our ``speculation``
+    block over all of them."""
+    completion_tokens = sum(c.clock.num_tokens for c in choices)
+    stats, k_counts = SpecStats(), {}
+    for c in choices:
+        stats.merge(c.last.stats)
+        for k, count in (c.last.k_counts or {}).items():
+            k_counts[k] = k_counts.get(k, 0) + count
+    steps = sum(k_counts.values())
+    mean_k = sum(k * count for k, count in k_counts.items()) / steps if steps else 0.0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "speculation": {"enabled": decision.enabled, "reason": decision.reason,
                             "method": decision.method,
                             "num_speculative_tokens": decision.num_speculative_tokens,
                             "k_mode": "adaptive" if decision.adaptive else "fixed",
-                            "mean_speculation_length": round(out.mean_speculation_length, 4),
+                            "mean_speculation_length": round(mean_k, 4),
                             "estimated_speedup": estimated_speedup,
-                            **out.stats.as_dict()}}
+                            **stats.as_dict()}}
 
 
 def _by_rank(ranks: dict[tuple[int, int], int]) -> dict[int, int]:

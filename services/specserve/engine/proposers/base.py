@@ -117,6 +117,12 @@ class Proposer(ABC):
         """A new sequence begins (reserve state; a second start of one id starts it afresh).
         ``seed`` is the request's: the draft's draws derive from it and the position."""
 
+    def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
+        """A new sequence begins whose first ``num_tokens`` tokens are ``parent_id``'s (one of
+        ``n`` samples of a prompt, ``n > 1``): it may start from a copy of the parent's state
+        over them. By default it starts afresh and catches up from its tokens."""
+        self.start(seq_id, seed)
+
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """Draft for a batch; one proposal per request, in order, each at most ``k`` long."""

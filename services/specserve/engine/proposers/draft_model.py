@@ -59,6 +59,14 @@ class DraftModelProposer(Proposer):
         self.slots[seq_id] = self.worker.allocate()
         self.seeds[seq_id] = seed
 
+    def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
+        """Start ``seq_id`` with a copy of the parent's cache over its first ``num_tokens``
+        tokens, as far as the draft has them (the rest it catches up on as usual)."""
+        self.start(seq_id, seed)
+        parent = self.slots.get(parent_id)
+        if parent is not None:
+            self.worker.fork(parent, self.slots[seq_id], min(self.worker.length(parent), num_tokens))
+
     def finish(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         self.seeds.pop(seq_id, None)

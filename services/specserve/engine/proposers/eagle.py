@@ -58,6 +58,11 @@ class EagleProposer(DraftModelProposer):
         super().start(seq_id, seed)
         self.pending[seq_id], self.real[seq_id] = [], 0
 
+    def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
+        """Afresh: the parent's head cache is built from features the new sequence receives
+        anyway (the engine hands it the parent's prompt features); the head is one layer."""
+        self.start(seq_id, seed)
+
     def finish(self, seq_id: int) -> None:
         super().finish(seq_id)
         self.pending.pop(seq_id, None)

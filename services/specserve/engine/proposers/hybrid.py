@@ -83,6 +83,10 @@ class HybridProposer(Proposer):
         self.first.start(seq_id, seed)
         self.model.start(seq_id, seed)
 
+    def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
+        self.first.fork(seq_id, parent_id, seed, num_tokens)
+        self.model.fork(seq_id, parent_id, seed, num_tokens)
+
     def commit(self, seq_id: int, num_valid_tokens: int) -> None:
         pending = self._pending.pop(seq_id, None)
         if pending is not None:
