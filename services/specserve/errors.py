@@ -31,11 +31,16 @@ class ModelNotFoundError(ConfigError):
 
 
 class InvalidRequestError(SpecServeError, ValueError):
-    """A request the engine refuses before touching the model (prompt too long, ...)."""
+    """A request the engine refuses before touching the model (prompt too long, ...);
+    ``param``: the API field at fault, where one is (the error object's ``param``)."""
 
     type = "invalid_request_error"
     code = "invalid_request"
     status_code = 400
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # (in __dict__: it survives pickling to another process)
 
 
 class RequestFailed(SpecServeError):

@@ -7,7 +7,8 @@ stats); :class:`StepOutput` is what one step produced for it (streaming reads th
 **Stopping.** A step emits up to K + 1 tokens at once, but a sequence must end exactly where
 target-only decoding would have ended. :meth:`Sequence.append_tokens` therefore appends them
 one at a time through :meth:`Sequence.stop_reason` (EOS, stop token ids, stop strings,
-``max_tokens``, the context length), and drops whatever follows the first token that stops it.
+``max_tokens``, the context length, a structured output's grammar once it is complete), and
+drops whatever follows the first token that stops it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
+from specserve.engine.grammar import Matcher
 from specserve.engine.stats import SpecStats
 from specserve.engine.tokenizer import IncrementalDetokenizer
 
@@ -34,6 +36,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     seed: int                         # the request's, or a random one: every draw derives from it
     index: int = 0                    # which of its request's n samples (``n > 1``) it is
+    # structured output: the grammar's state after every output token (grammar.Matcher)
+    grammar: Matcher | None = None
     slot: int = -1
     draft_attached: bool = False       # the proposer holds state for this sequence
     stats: SpecStats = field(default_factory=SpecStats)
@@ -62,6 +66,8 @@ class Sequence:
         for token in token_ids:
             self.token_ids.append(token)
             self.detokenizer.add(token)
+            if self.grammar is not None:  # verification drew the token under its mask
+                self.grammar.advance(token)
             self.finish_reason = self.stop_reason(token, eos_token_ids=eos_token_ids,
                                                   max_model_len=max_model_len)
             if self.finish_reason:
@@ -75,6 +81,8 @@ class Sequence:
         if (token in eos_token_ids and not params.ignore_eos) \
                 or token in params.stop_token_ids or self.detokenizer.stop_reason is not None:
             return "stop"
+        if self.grammar is not None and self.grammar.is_terminated:
+            return "stop"  # the structured output is complete: nothing but EOS may follow
         if params.max_tokens is not None and len(self.output_token_ids) >= params.max_tokens:
             return "length"
         if len(self.token_ids) >= max_model_len:

@@ -51,6 +51,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
+from specserve.engine.grammar import CompiledGrammar, GrammarCompiler
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.sampling import random_seed
 from specserve.engine.sequence import Completion, Sequence, StepOutput
@@ -58,7 +59,13 @@ from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.engine.verification import Verdict
 from specserve.engine.worker import ModelWorker, Verified
-from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed, TargetUnavailable
+from specserve.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ProposerUnavailable,
+    RequestFailed,
+    TargetUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,11 @@ class SpecDecodeEngine:
         self.controller = controller if proposer is not None else None
         if self.controller is not None:
             self.controller.k_source = proposer.method  # K governs it (adaptive.py)
+        if proposer is not None and eos_token_ids:  # a model draft drafts within the grammar
+            try:  # (the compiler reads the vocabulary at its first compile, not here)
+                proposer.use_grammars(GrammarCompiler(tokenizer, target.vocab_size, eos_token_ids))
+            except ConfigError as exc:
+                log.warning("drafts will not follow structured outputs' grammars: %s", exc)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.stats = SpecStats()
@@ -102,21 +114,24 @@ class SpecDecodeEngine:
         return self.target.max_seq_len
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                    num_speculative_tokens: int | None = None, adaptive: bool = False) -> int:
+                    num_speculative_tokens: int | None = None, adaptive: bool = False,
+                    grammar: CompiledGrammar | None = None) -> int:
         """Queue a request; returns its sequence id. Refuses bad input before any state exists.
 
         ``num_speculative_tokens``: K for this request (0 turns speculation off); default the engine's K.
         ``adaptive``: let the controller (if any) pick K per step, at most ``num_speculative_tokens``.
         """
-        return self.add_parallel(prompt_token_ids, params, 1,
-                                 num_speculative_tokens=num_speculative_tokens, adaptive=adaptive)[0]
+        return self.add_parallel(prompt_token_ids, params, 1, num_speculative_tokens=num_speculative_tokens,
+                                 adaptive=adaptive, grammar=grammar)[0]
 
     def add_parallel(self, prompt_token_ids: list[int], params: SamplingParams, n: int, *,
-                     num_speculative_tokens: int | None = None, adaptive: bool = False) -> list[int]:
+                     num_speculative_tokens: int | None = None, adaptive: bool = False,
+                     grammar: CompiledGrammar | None = None) -> list[int]:
         """Queue ``n`` samples of one prompt (OpenAI's ``n``); their sequence ids, in order
         (:attr:`StepOutput.index` says which is which). They share one prefill (module
         docstring). Sample i draws from seed ``params.seed + i``, so each is reproducible and
-        equals the single request of that seed; unseeded ones get a random seed each."""
+        equals the single request of that seed; unseeded ones get a random seed each.
+        ``grammar``: a structured output's, which every sample's text follows (a matcher each)."""
         self._validate(prompt_token_ids, num_speculative_tokens)
         if not 1 <= n <= self.target.num_slots:
             raise InvalidRequestError(f"n must be in [1, {self.target.num_slots}] (this unit's "
@@ -128,7 +143,8 @@ class SpecDecodeEngine:
             num_speculative_tokens=k if self.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
-            seed=random_seed() if params.seed is None else (params.seed + i) % 2**63, index=i)
+            seed=random_seed() if params.seed is None else (params.seed + i) % 2**63, index=i,
+            grammar=grammar.matcher() if grammar is not None else None)
             for i in range(n)]
         self.waiting.append(seqs[0])
         if n > 1:
@@ -248,9 +264,10 @@ class SpecDecodeEngine:
         t0 = time.perf_counter()
         ks, caps = self._plan(seqs)
         proposals = self._propose(seqs, ks, caps)
+        masks = self._constrain(seqs, proposals)
         t1 = time.perf_counter()
         starts = [self.target.length(s.slot) for s in seqs]
-        verdicts, hidden, sample_s = self._verify(seqs, proposals)
+        verdicts, hidden, sample_s = self._verify(seqs, proposals, masks)
         t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
         self.num_prefill_tokens += sum(len(s.token_ids) for s, start in zip(seqs, starts) if start == 0)
         for i, seq in enumerate(seqs):  # before advancing: that may end and free the first
@@ -377,7 +394,9 @@ class SpecDecodeEngine:
 
     def _propose(self, seqs: list[Sequence], ks: list[int], caps: list[int]) -> list[Proposal]:
         requests = [DraftRequest(s.seq_id, s.token_ids, k, s.params.temperature, s.params.top_k,
-                                 s.params.top_p, seeded=s.params.seed is not None, cap=cap)
+                                 s.params.top_p, seeded=s.params.seed is not None, cap=cap,
+                                 grammar=s.grammar.spec if s.grammar is not None else None,
+                                 output_start=s.prompt_len)
                     for s, k, cap in zip(seqs, ks, caps)]
         to_cap = self.proposer is not None and self.proposer.drafts_to_cap
         active = [i for i, r in enumerate(requests) if r.k > 0 or (to_cap and r.cap > 0)]
@@ -435,7 +454,41 @@ class SpecDecodeEngine:
             if wants and self.draft_available and not lost:
                 self._attach(seq)
 
-    def _verify(self, seqs: list[Sequence], proposals: list[Proposal]
+    def _constrain(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[torch.Tensor | None]:
+        """Structured outputs: each constrained row's grammar masks at its verified positions
+        (None for a free row), after cutting the drafts its grammar forbids (in place).
+
+        A chain keeps its drafts up to the first forbidden one. That one is dropped too,
+        except where the rejection test reads the draft's q (an unseeded sampled row with a
+        model's probabilities): there it stays, certain to be rejected (p = 0 under the mask),
+        so the recovered token comes from the residual ``norm(max(0, p - q))`` as the test
+        needs; the position after it is never reached (its mask allows everything). Greedy
+        and seeded rows decide each position from p alone, and a one-hot q's residual is p
+        itself, so dropping it there changes nothing. A tree loses its forbidden nodes and
+        their subtrees (tree proposals are one-hot: same argument)."""
+        masks: list[torch.Tensor | None] = [None] * len(seqs)
+        for i, seq in enumerate(seqs):
+            if seq.grammar is None:
+                continue
+            proposal = proposals[i]
+            if proposal.parents is not None:
+                rows, allowed = seq.grammar.walk_tree(proposal.token_ids, proposal.parents)
+                kept = [j for j, ok in enumerate(allowed) if ok]
+                proposals[i] = proposal.subtree(kept)
+                masks[i] = rows[[0, *(j + 1 for j in kept)]]
+                continue
+            rows, num_allowed = seq.grammar.walk(proposal.token_ids)
+            keep = num_allowed
+            if num_allowed < len(proposal.token_ids) and keeps_forbidden(seq.params, proposal):
+                keep += 1
+                rows = torch.cat([rows, torch.full_like(rows[:1], -1)])  # (never reached)
+            if keep < len(proposal.token_ids):
+                proposals[i] = proposal.prefix(keep)
+            masks[i] = rows
+        return masks
+
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
+                masks: list[torch.Tensor | None] | None = None
                 ) -> tuple[list[Verdict], list[torch.Tensor | None] | None, float]:
         """The target's verdict per row; for a proposer that reads them, the final hidden
         states of each row's tokens that are now final (None otherwise); and the seconds the
@@ -468,7 +521,9 @@ class SpecDecodeEngine:
             result: Verified = self.target.verify(
                 [seqs[i].slot for i in rows], [inputs[i] for i in rows], [proposals[i] for i in rows],
                 [(seqs[i].params, seqs[i].seed) for i in rows], return_hidden=want_hidden,
-                trees=row_trees if any(row_trees) else None)
+                trees=row_trees if any(row_trees) else None,
+                masks=[masks[i] for i in rows] if masks and any(masks[i] is not None for i in rows)
+                else None)
             sample_s += result.sample_s
             if self.controller is not None:
                 tokens = sum(len(inputs[i]) for i in rows)
@@ -543,10 +598,12 @@ class SpecDecodeEngine:
 
     # -- convenience ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 *, num_speculative_tokens: int | None = None, adaptive: bool = False) -> list[Completion]:
+                 *, num_speculative_tokens: int | None = None, adaptive: bool = False,
+                 grammar: CompiledGrammar | None = None) -> list[Completion]:
         """Run prompts to completion (tests, CLI, benchmarks); results in prompt order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive)
+        ids = [self.add_request(p, sp, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive,
+                                grammar=grammar)
                for p, sp in zip(prompts, params_list)]
         wanted = set(ids)
         seqs = {s.seq_id: s for s in self.waiting if s.seq_id in wanted}
@@ -590,6 +647,12 @@ def split_padded(rows: list[int], lengths: list[int],
     if cut is None or best < min_saving:
         return rows, []
     return ([i for i in rows if lengths[i] <= cut], [i for i in rows if lengths[i] > cut])
+
+
+def keeps_forbidden(params: SamplingParams, proposal: Proposal) -> bool:
+    """Whether a chain keeps its first draft a grammar forbids, as a certain rejection
+    (``SpecDecodeEngine._constrain``): where the rejection test reads the draft's q."""
+    return proposal.probs is not None and not params.greedy and params.seed is None
 
 
 def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:

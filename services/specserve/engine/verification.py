@@ -31,6 +31,7 @@ from functools import partial
 import torch
 
 from specserve.config import SamplingParams
+from specserve.engine.grammar import apply_mask
 from specserve.engine.proposers.base import Proposal, TopK
 from specserve.engine.rejection_sampler import (
     PLACEHOLDER,
@@ -74,6 +75,9 @@ class SamplingRow:
     params: SamplingParams
     seed: int       # every draw of the sequence derives from it
     position: int   # of the step's first new token: the sequence's length before the step
+    # structured output: the grammar's packed bitmask of allowed tokens at each verified
+    # position (``[num_draft_tokens + 1, W]`` int32, a tree's root then its nodes); None: free
+    mask: torch.Tensor | None = None
 
 
 def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
@@ -109,14 +113,32 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
 def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
                 logits: list[torch.Tensor]) -> list[Verdict]:
     """:func:`verify_batch`, each row's result as a :class:`Verdict` (with the emitted
-    tokens' log-probabilities where its request asked for them)."""
+    tokens' log-probabilities where its request asked for them).
+
+    A row with a grammar ``mask`` is verified on its logits with the disallowed tokens at
+    -inf: the constrained target distribution, at every position (greedy argmax, p of the
+    rejection test, the recovered and bonus tokens alike). Its logprobs: a sampled row's are
+    of that constrained distribution (what the token was drawn from), a greedy row's the
+    model's log-softmax, as without a grammar."""
+    constrained = [x if r.mask is None else masked(x, r.mask) for r, x in zip(rows, logits)]
     verdicts = []
-    for r, x, (res, row) in zip(rows, logits, verify_batch(rows, proposals, logits)):
+    for r, x, c, (res, row) in zip(rows, logits, constrained,
+                                   verify_batch(rows, proposals, constrained)):
         path = res.paths[row] if res.paths is not None else None
         emitted = res.emitted(row)
-        lp = None if r.params.logprobs is None else emitted_logprobs(r.params, x, emitted, path)
+        lp = None if r.params.logprobs is None else emitted_logprobs(
+            r.params, x if r.params.greedy else c, emitted, path)
         verdicts.append(Verdict(emitted, int(res.num_accepted_tokens[row]), path, lp))
     return verdicts
+
+
+def masked(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` (``[n, V]``) with the tokens ``mask`` (``[n, W]`` packed int32)
+    disallows at -inf, on the logits' device."""
+    assert logits.ndim == 2 and mask.shape[0] == logits.shape[0], "one mask row per logits row"
+    out = logits.clone()
+    apply_mask(out, mask.to(out.device))
+    return out
 
 
 def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int

@@ -91,23 +91,27 @@ class ModelWorker(SlotOwner):
 
     def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
                sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
-               trees: list[list[int] | None] | None = None) -> Verified:
+               trees: list[list[int] | None] | None = None,
+               masks: list[torch.Tensor | None] | None = None) -> Verified:
         """One verify forward and its rejection sampling, here, next to the logits.
 
         ``token_ids[i]``: row i's pending tokens, then its drafts ``proposals[i].token_ids``;
-        ``sampling[i]``: its request's parameters and seed. Greedy-only batches compute the
-        argmax on the device and nothing else. ``return_hidden``: the kept tokens' hidden
-        states come back (:attr:`Verified.hidden`)."""
+        ``sampling[i]``: its request's parameters and seed; ``masks[i]``: a structured
+        output's grammar masks at its verified positions (:attr:`SamplingRow.mask`).
+        Greedy-only batches without masks compute the argmax on the device and nothing else.
+        ``return_hidden``: the kept tokens' hidden states come back (:attr:`Verified.hidden`)."""
         counts = [len(p.token_ids) + 1 for p in proposals]
-        rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids))
-                for slot, ids, p, (params, seed) in zip(slots, token_ids, proposals, sampling)]
+        masks = masks or [None] * len(slots)
+        rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
+                for slot, ids, p, (params, seed), mask
+                in zip(slots, token_ids, proposals, sampling, masks)]
         # A prefill that scores its prompt asks for logits at every prompt position.
         scored = [r.params.prompt_logprobs is not None and self.length(slot) == 0
                   for r, slot in zip(rows, slots)]
         asked = [len(ids) if s else n for ids, s, n in zip(token_ids, scored, counts)]
         t0 = time.perf_counter()
-        argmax_only = all(r.params.greedy and r.params.logprobs is None and not s
-                          for r, s in zip(rows, scored))
+        argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
+                          and not s for r, s in zip(rows, scored))
         out = self.forward(slots, token_ids, asked, argmax_only,
                            return_hidden=return_hidden, trees=trees)
         logits, hidden = out if return_hidden else (out, None)

@@ -46,7 +46,8 @@ class DraftGroup(Proposer):
 
     @classmethod
     def launch(cls, cfg: UnitConfig, pg, bundle: int, name: str | None = None,
-               target_vocab_size: int | None = None) -> DraftGroup:
+               target_vocab_size: int | None = None,
+               eos_token_ids: list[int] | None = None) -> DraftGroup:
         """Start the draft actor (Ray restarts it whenever it dies): in bundle ``bundle`` of the
         unit's placement group, or, with ``draft_node_resource``, on a node advertising that
         resource (a separate draft worker group). ``name`` makes it findable (fault-injection
@@ -63,7 +64,8 @@ class DraftGroup(Proposer):
                                     **placement).remote(
             engine.speculative.method, engine.speculative.draft.model_dump(),
             engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs, target_vocab_size,
-            options=engine.speculative.method_options, niced=cfg.accelerator == "cpu")
+            options=engine.speculative.method_options, niced=cfg.accelerator == "cpu",
+            eos_token_ids=eos_token_ids)
         proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
             raise RuntimeError("the draft group did not start")

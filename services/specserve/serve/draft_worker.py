@@ -119,7 +119,8 @@ class DraftWorker:
 
     def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
                  num_slots: int, target_vocab_size: int | None = None, *,
-                 options: dict | None = None, niced: bool = False) -> None:
+                 options: dict | None = None, niced: bool = False,
+                 eos_token_ids: list[int] | None = None) -> None:
         loading = contextlib.nullcontext()
         if niced:  # before the heavy imports below: they are most of a restart's CPU
             os.nice(DRAFT_NICENESS)
@@ -137,6 +138,13 @@ class DraftWorker:
                 target_cfg=ModelConfig.model_validate(target), num_slots=num_slots,
                 max_model_len=max_model_len, target_vocab_size=target_vocab_size,
                 options=options)
+            if eos_token_ids and target_vocab_size:  # drafts follow structured outputs' grammars
+                from specserve.engine.grammar import GrammarCompiler
+                from specserve.engine.loader import load_tokenizer, resolve
+
+                target_model = ModelConfig.model_validate(target)
+                tokenizer = load_tokenizer(resolve(target_model.source, target_model.cache_dir))
+                self.proposer.use_grammars(GrammarCompiler(tokenizer, target_vocab_size, eos_token_ids))
         self._slow: tuple[float, float] = (0.0, 0.0)  # fault injection: (seconds per call, until)
         self._hang = 0.0                               # fault injection: the next step sleeps this
 

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from specserve.config import SamplingParams
+from specserve.engine.grammar import CompiledGrammar
 from specserve.engine.sequence import StepOutput
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.errors import CapacityError, SpecServeError, TargetUnavailable
@@ -58,6 +59,7 @@ class _Add:
     num_speculative_tokens: int | None
     adaptive: bool
     n: int                    # samples of the prompt (OpenAI's n), one sequence each
+    grammar: CompiledGrammar | None  # a structured output's
     stream: _Stream
     accepted: asyncio.Future  # resolves, on the caller's loop, to the sequence ids or the error
 
@@ -191,7 +193,8 @@ class EngineLoop:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        num_speculative_tokens: int | None, adaptive: bool = False,
-                       n: int = 1) -> AsyncIterator[StepOutput]:
+                       n: int = 1, grammar: CompiledGrammar | None = None
+                       ) -> AsyncIterator[StepOutput]:
         """Stream the outputs of one request's ``n`` sequences (:attr:`StepOutput.index` says
         whose), until every one has finished; cancelling the iteration aborts them all. A
         request counts ``n`` against the unit's capacity."""
@@ -199,7 +202,7 @@ class EngineLoop:
         self.num_streams += n
         try:
             async for out in self._stream(prompt_token_ids, params, num_speculative_tokens,
-                                          adaptive, n):
+                                          adaptive, n, grammar):
                 yield out
         finally:
             self.num_streams -= n
@@ -221,12 +224,12 @@ class EngineLoop:
                                 "retry shortly")
 
     async def _stream(self, prompt_token_ids, params, num_speculative_tokens,
-                      adaptive, n) -> AsyncIterator[StepOutput]:
+                      adaptive, n, grammar) -> AsyncIterator[StepOutput]:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._submit(_Add(prompt_token_ids, params, num_speculative_tokens, adaptive, n, stream,
-                          accepted))
+        self._submit(_Add(prompt_token_ids, params, num_speculative_tokens, adaptive, n, grammar,
+                          stream, accepted))
         try:
             seq_ids = await accepted  # raises the engine's validation error, if any
         except asyncio.CancelledError:
@@ -314,7 +317,7 @@ class EngineLoop:
         try:
             seq_ids = self.engine.add_parallel(add.prompt_token_ids, add.params, add.n,
                                                num_speculative_tokens=add.num_speculative_tokens,
-                                               adaptive=add.adaptive)
+                                               adaptive=add.adaptive, grammar=add.grammar)
         except Exception as exc:
             loop.call_soon_threadsafe(_resolve, add.accepted, None, exc)
             return

@@ -49,6 +49,7 @@ from ray.serve.exceptions import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.config import AppConfig
+from specserve.engine.grammar import GrammarCompiler, GrammarSpec
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import CapacityError, InvalidRequestError, SpecServeError
@@ -214,7 +215,8 @@ def _from_engine(exc: BaseException, rid: str) -> APIError:
         return APIError(429, message or "the service is at capacity; retry shortly",
                         "rate_limit_error", "capacity_exceeded")
     if isinstance(cause, SpecServeError) and cause.status_code < 500:
-        return APIError(cause.status_code, str(cause), cause.type, cause.code)
+        return APIError(cause.status_code, str(cause), cause.type, cause.code,
+                        param=getattr(cause, "param", None))
     return _server_error(exc, rid)
 
 
@@ -435,6 +437,8 @@ class OpenAIIngress:
             log.warning("specserve: authentication is OFF (auth.enabled: false): anyone who can "
                         "reach this port can use the API")
         self.draining = False
+        eos = self.tokenizer.eos_token_id  # (what a grammar compiles to is the unit's business)
+        self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), [eos or 0])
         self.openapi_doc = _openapi(self.model_name)
         initialize_request_metrics()
         self.app_name = serve.get_replica_context().app_name
@@ -600,10 +604,11 @@ class OpenAIIngress:
         if req.n > max_n:
             raise APIError(400, f"n: at most {max_n} (the unit's max_num_seqs: the choices are "
                                 "sampled side by side)", param="n")
+        grammar = await self._grammar(req)
         payload = UnitRequest(prompt_token_ids=prompt_ids, params=req.sampling_params(max_tokens),
                               speculation=req.speculation, stream=req.stream,
                               class_key=_class_key(req, chat, lease.key_id, len(prompt_ids)),
-                              n=req.n)
+                              n=req.n, grammar=grammar)
         route = "/v1/chat/completions" if chat else "/v1/completions"
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
@@ -634,6 +639,24 @@ class OpenAIIngress:
             choices.append({"text": prefix + "".join(choice.parts), "finish": choice.finish,
                             "logprobs": _logprobs(self.tokenizer, items, chat)})
         return JSONResponse(_response(rid, self.model_name, chat, choices, usage), headers=headers)
+
+    async def _grammar(self, req) -> GrammarSpec | None:
+        """The request's structured output, compiled here once so that a schema the grammar
+        library refuses is a 400 naming the field before any unit is involved (the unit
+        compiles it again for its model: milliseconds, and cached)."""
+        try:
+            asked = req.grammar()
+        except InvalidRequestError as exc:
+            field = req._grammar_fields()[0]
+            raise APIError(400, f"{field}: {exc}", param=field) from None
+        if asked is None:
+            return None
+        spec, field = asked
+        try:
+            await asyncio.to_thread(self.grammars.compile, spec)
+        except InvalidRequestError as exc:
+            raise APIError(400, f"{field}: {exc}", param=field) from None
+        return spec
 
     async def _collect(self, stream, chunks, route: str, rid: str, n: int
                        ) -> tuple[list[_Choice], dict]:

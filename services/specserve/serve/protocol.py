@@ -11,7 +11,7 @@ Three rules decide what a request may carry:
   every optional field (``"max_tokens": null`` on /v1/completions is 16).
 - **Features we do not implement are refused**, with a 400 whose ``param`` names the field
   (``response_format is not supported by this server``), whenever the value would change the
-  output: tools, ``best_of``, penalties, guided decoding... A value that asks for nothing
+  output: tools, ``best_of``, penalties, ``guided_grammar``... A value that asks for nothing
   (``best_of: 1``, ``tools: []``, ``response_format: {"type": "text"}``) is accepted.
   Silently ignoring one would hand a client output it did not ask for.
 - **Unknown fields are ignored**, as OpenAI's own API and vLLM do, so clients that send newer
@@ -41,6 +41,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specserve.config import SamplingParams, SpecMethod
+from specserve.engine.grammar import GrammarSpec
+from specserve.errors import InvalidRequestError
 
 UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
 
@@ -166,16 +168,28 @@ class _Request(_Lenient):
     min_tokens: ZeroCount = 0
     logit_bias: EmptyObject | None = None
     response_format: Annotated[
-        dict[str, Any], _only(lambda v: v == {"type": "text"}, hint='; only {"type": "text"}'),
-        WithJsonSchema({"type": "object", "properties": {"type": {"enum": ["text"]}},
-                        "required": ["type"], "additionalProperties": False})] | None = None
+        dict[str, Any], WithJsonSchema({"type": "object", "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"},
+                "strict": {"type": "boolean"}}, "required": ["schema"]}},
+            "required": ["type"]})] | None = Field(
+        None, description="Structured output: text (free), json_object (any JSON object) or "
+                          "json_schema (the output follows the schema; keywords the grammar "
+                          "library cannot enforce are a 400).")
     tools: EmptyList | None = None
     tool_choice: NoneChoice | None = None
     functions: EmptyList | None = None
     function_call: NoneChoice | None = None
-    guided_json: Refused = None
-    guided_regex: Refused = None
-    guided_choice: Refused = None
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM extension: a JSON schema (object or JSON text) the output follows.")
+    guided_regex: str | None = Field(
+        None, min_length=1, max_length=10_000,
+        description="vLLM extension: a regular expression the whole output matches (Rust regex "
+                    "syntax: no look-around or backreferences).")
+    guided_choice: list[Annotated[str, Field(min_length=1, max_length=10_000)]] | None = Field(
+        None, min_length=1, max_length=1024,
+        description="vLLM extension: the output is exactly one of these strings.")
     guided_grammar: Refused = None
     structured_outputs: Refused = None
     prediction: Refused = None
@@ -189,6 +203,48 @@ class _Request(_Lenient):
     allowed_token_ids: EmptyList | None = None
     bad_words: EmptyList | None = None
     prompt_logprobs: Refused = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            GrammarSpec.from_response_format(value)
+        except InvalidRequestError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """The structured output asked for, and the field that asked (None: free text).
+        Raises :class:`InvalidRequestError` for a value that is no grammar (a schema that is
+        not an object, ...); :meth:`refusal` has refused two at once already."""
+        if self.response_format is not None:
+            spec = GrammarSpec.from_response_format(self.response_format)
+            if spec is not None:
+                return spec, "response_format"
+        if self.guided_json is not None:
+            schema = self.guided_json
+            spec = (GrammarSpec("json_schema", schema) if isinstance(schema, str)
+                    else GrammarSpec.json_schema(schema))
+            return spec, "guided_json"
+        if self.guided_regex is not None:
+            return GrammarSpec("regex", self.guided_regex), "guided_regex"
+        if self.guided_choice is not None:
+            return GrammarSpec("choice", tuple(self.guided_choice)), "guided_choice"
+        return None
+
+    def _grammar_fields(self) -> list[str]:
+        """The fields that ask for a structured output."""
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            asked.insert(0, "response_format")
+        return asked
+
+    def _grammar_refusal(self) -> tuple[str, str] | None:
+        asked = self._grammar_fields()
+        if len(asked) > 1:
+            return f"{' and '.join(asked)}: give one structured output, not several", asked[1]
+        return None
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -250,7 +306,7 @@ class CompletionRequest(_Request):
         could not name the param in the 400)."""
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens 0 generates nothing; it only makes sense with echo", "max_tokens"
-        return None
+        return self._grammar_refusal()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -301,7 +357,7 @@ class ChatCompletionRequest(_Request):
         """See :meth:`CompletionRequest.refusal`."""
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
-        return None
+        return self._grammar_refusal()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -342,6 +398,7 @@ class UnitRequest:
     stream: bool                            # False: the unit sends one chunk per choice, at its end
     class_key: str                          # the acceptance class: route|key id|user|traffic class|shape
     n: int = 1                              # choices: samples of the prompt, one sequence each
+    grammar: GrammarSpec | None = None      # a structured output's (response_format, guided_*)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ class TargetRank:
     def verify(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
                trees: list | None = None, moves: list | None = None,
-               forks: list | None = None) -> Verified:
+               forks: list | None = None, masks: list | None = None) -> Verified:
         """Rank 0: broadcast the forward, run this rank's shard and the rejection sampler;
         return the rows' verdicts (CPU hidden states of kept tokens with ``return_hidden``).
         ``sampling``: slot -> (params, seed) for the sequences new since the last call (this
@@ -103,7 +103,7 @@ class TargetRank:
         self._prepare(batch)
         return host_only(self.worker.verify(slots, token_ids, proposals,
                                             [self.sampling[s] for s in slots],
-                                            return_hidden=return_hidden, trees=trees))
+                                            return_hidden=return_hidden, trees=trees, masks=masks))
 
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                 num_logits: list[int], argmax_only: bool = False,
@@ -232,9 +232,11 @@ class TargetGroup(SlotOwner):
 
     def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
                sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
-               trees: list[list[int] | None] | None = None) -> Verified:
+               trees: list[list[int] | None] | None = None,
+               masks: list[torch.Tensor | None] | None = None) -> Verified:
         """:meth:`ModelWorker.verify <specserve.engine.worker.ModelWorker.verify>` on rank 0:
-        a row's sampling parameters travel when its slot's holder changes, not every step."""
+        a row's sampling parameters travel when its slot's holder changes, not every step;
+        grammar masks (packed bits, ``V / 8`` bytes a position) with the rows that have one."""
         new = {}
         for slot, row in zip(slots, sampling):
             if self._sampling.get(slot) != row:
@@ -243,7 +245,7 @@ class TargetGroup(SlotOwner):
         moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
         forks, self._forks = self._forks, []
         result = self._call(self.ranks[0].verify.remote(slots, starts, token_ids, proposals, new,
-                                                        return_hidden, trees, moves, forks))
+                                                        return_hidden, trees, moves, forks, masks))
         self.received.add(result)
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)

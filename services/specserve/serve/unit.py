@@ -11,6 +11,7 @@ Scaling replicas scales whole units; KV caches never cross units.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from ray import serve
 
 from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
+from specserve.engine.grammar import GrammarCompiler
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.sequence import StepOutput
 from specserve.engine.stats import SpecStats
@@ -58,9 +60,12 @@ class SpeculationUnit:
         self.target = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
                                         name=f"target-{self.unit_id}")
         self.draft = (DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
-                                                 target_vocab_size=self.target.vocab_size)
+                                        target_vocab_size=self.target.vocab_size,
+                                        eos_token_ids=self.target.info["eos_token_ids"])
                       if cfg.has_draft_group else None)
         tokenizer = load_tokenizer(resolve(cfg.engine.target.source, cfg.engine.target.cache_dir))
+        eos = self.target.info["eos_token_ids"]
+        self.grammars = GrammarCompiler(tokenizer, self.target.vocab_size, eos)  # structured outputs
         self.engine = assemble_engine(self.target, tokenizer,
                                       frozenset(self.target.info["eos_token_ids"]), spec,
                                       draft=self.draft)
@@ -84,6 +89,9 @@ class SpeculationUnit:
         OpenAI's) and, for the ingress's metrics, the ``timing``."""
         params, n = request.params, request.n
         self.core.check_admission(n)
+        grammar = None
+        if request.grammar is not None:  # off the event loop: milliseconds, bounded by fuel
+            grammar = await asyncio.to_thread(self.grammars.compile, request.grammar)
         decision = self.policy.decide(request.speculation, max_tokens=params.max_tokens,
                                       load=self.core.num_streams, key=request.class_key,
                                       draft_available=self.engine.draft_available)
@@ -95,7 +103,7 @@ class SpeculationUnit:
         prompt_logprobs, unfinished = None, n
         async for out in self.core.generate(request.prompt_token_ids, params,
                                             num_speculative_tokens=decision.num_speculative_tokens,
-                                            adaptive=decision.adaptive, n=n):
+                                            adaptive=decision.adaptive, n=n, grammar=grammar):
             choice = choices[out.index]
             choice.add(out, time.perf_counter(), params.logprobs is not None)
             if out.prompt_logprobs is not None:  # the first choice's prefill scored the prompt

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from specserve.engine.grammar import GrammarCompiler, GrammarSpec
 
 
 @dataclass
@@ -33,6 +35,11 @@ class DraftRequest:
     # drafts past ``k`` (a hybrid's model-free part: drafting costs it nothing, and its own
     # confidence limits it). None: ``k``.
     cap: int | None = None
+    # A structured output's grammar, which the drafts should follow (a proposer with a model
+    # masks its draws with it; the coordinator cuts drafts it forbids either way), and where
+    # the output (which the grammar constrains) begins in ``token_ids``.
+    grammar: GrammarSpec | None = None
+    output_start: int = 0
 
 
 class TopK:
@@ -89,6 +96,25 @@ class Proposal:
     parents: list[int] | None = None
 
 
+    def prefix(self, n: int) -> Proposal:
+        """The chain's first ``n`` drafts (a grammar forbade the next)."""
+        assert self.parents is None and 0 <= n <= len(self.token_ids)
+        probs = self.probs
+        if isinstance(probs, TopK):
+            probs = TopK(probs.ids[:n], probs.probs[:n])
+        elif probs is not None:
+            probs = probs[:n]
+        return replace(self, token_ids=self.token_ids[:n], probs=probs)
+
+    def subtree(self, kept: list[int]) -> Proposal:
+        """The tree's nodes ``kept`` (increasing, each one's parent kept too), renumbered."""
+        assert self.parents is not None and self.probs is None, "trees are one-hot"
+        new = {old: j for j, old in enumerate(kept)}
+        assert all(self.parents[j] == -1 or self.parents[j] in new for j in kept)
+        return replace(self, token_ids=[self.token_ids[j] for j in kept],
+                       parents=[-1 if self.parents[j] == -1 else new[self.parents[j]] for j in kept])
+
+
 class Proposer(ABC):
     """Drafts tokens. Stateful proposers (a draft model's cache) track sequences by id.
 
@@ -116,6 +142,10 @@ class Proposer(ABC):
     def start(self, seq_id: int, seed: int) -> None:
         """A new sequence begins (reserve state; a second start of one id starts it afresh).
         ``seed`` is the request's: the draft's draws derive from it and the position."""
+
+    def use_grammars(self, compiler: GrammarCompiler | None) -> None:
+        """Compile requests' grammars (``DraftRequest.grammar``) with ``compiler``, to draft
+        within them (None: draft freely). A proposer without a model ignores it."""
 
     def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
         """A new sequence begins whose first ``num_tokens`` tokens are ``parent_id``'s (one of

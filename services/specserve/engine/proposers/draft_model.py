@@ -29,9 +29,12 @@ from __future__ import annotations
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
+from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer, TopK
 from specserve.engine.sampling import DRAFT, NOISE, compute_probs, exponential_noise, noise_key, sample_from
+from specserve.engine.verification import masked
 from specserve.engine.worker import ModelWorker
+from specserve.errors import InvalidRequestError
 
 # speculative.draft_model: its fields, bounds and defaults are the registry's (specserve.methods).
 DraftModelOptions = PROPOSER_OPTIONS["draft_model"]
@@ -47,6 +50,8 @@ class DraftModelProposer(Proposer):
         self.q_top_k = q_top_k
         self.slots: dict[int, int] = {}  # seq_id -> slot in the draft cache
         self.seeds: dict[int, int] = {}  # seq_id -> the request's seed
+        self.grammars: GrammarCompiler | None = None  # use_grammars
+        self.matchers: dict[int, Matcher] = {}  # seq_id -> its grammar's state after its output
 
     @classmethod
     def from_draft(cls, draft: ModelWorker, *, target_vocab_size: int | None = None,
@@ -67,9 +72,14 @@ class DraftModelProposer(Proposer):
         if parent is not None:
             self.worker.fork(parent, self.slots[seq_id], min(self.worker.length(parent), num_tokens))
 
+    def use_grammars(self, compiler: GrammarCompiler | None) -> None:
+        self.grammars = compiler
+        self.matchers.clear()
+
     def finish(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         self.seeds.pop(seq_id, None)
+        self.matchers.pop(seq_id, None)
         if slot is not None:
             self.worker.free(slot)
 
@@ -96,26 +106,67 @@ class DraftModelProposer(Proposer):
                silent: frozenset[int] | set[int] = frozenset()) -> list[Proposal]:
         """Decode from ``feeds`` (row -> its input tokens and features, None for a model that
         reads none) until every fed row has its ``k`` drafts; ``silent`` rows are fed once and
-        draft nothing. Each draft feeds back its token (and the model's predicted feature)."""
+        draft nothing. Each draft feeds back its token (and the model's predicted feature).
+        A row with a grammar draws each draft under the grammar's mask (its q is the masked
+        distribution), so its drafts stay within what the target may emit."""
         drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
-        while feeds:
-            rows = list(feeds)
-            logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
-                                                      [feeds[i] for i in rows])
-            tokens, row_q = self._sample([requests[i] for i in rows], logits,
-                                         [len(requests[i].token_ids) + len(drafts[i]) for i in rows])
-            feeds = {}
-            for j, i in enumerate(rows):
-                if i in silent:
-                    continue
-                drafts[i].append(tokens[j])
-                if row_q[j] is not None:
-                    qs[i].append(row_q[j])
-                if len(drafts[i]) < requests[i].k:
-                    feeds[i] = ([tokens[j]], None if predicted is None else predicted[j:j + 1])
+        matchers = {i: m for i in feeds if i not in silent and (m := self._matcher(requests[i]))}
+        try:
+            while feeds:
+                rows = list(feeds)
+                logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
+                                                          [feeds[i] for i in rows])
+                masks = self._masks(rows, matchers)
+                tokens, row_q = self._sample([requests[i] for i in rows], logits,
+                                             [len(requests[i].token_ids) + len(drafts[i]) for i in rows],
+                                             masks)
+                feeds = {}
+                for j, i in enumerate(rows):
+                    if i in silent:
+                        continue
+                    if i in matchers:
+                        if not matchers[i].accepts(tokens[j]):  # (a mask the draft cannot meet)
+                            continue
+                        matchers[i].advance(tokens[j])
+                    drafts[i].append(tokens[j])
+                    if row_q[j] is not None:
+                        qs[i].append(row_q[j])
+                    if len(drafts[i]) < requests[i].k:
+                        feeds[i] = ([tokens[j]], None if predicted is None else predicted[j:j + 1])
+        finally:  # the grammar's state is the output's again: drafts are only proposals
+            for i, matcher in matchers.items():
+                matcher.rollback(len(drafts[i]))
         return [Proposal(d, TopK(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
                          if q else None) for d, q in zip(drafts, qs)]
+
+    def _matcher(self, r: DraftRequest) -> Matcher | None:
+        """Row ``r``'s grammar state after its output so far (None: no grammar, or none this
+        proposer can follow: it then drafts freely and the coordinator cuts what is forbidden)."""
+        if r.grammar is None or self.grammars is None or r.k == 0:
+            return None
+        matcher = self.matchers.get(r.seq_id)
+        output = r.token_ids[r.output_start:]
+        try:
+            if matcher is None or matcher.spec != r.grammar or matcher.num_tokens > len(output):
+                matcher = self.matchers[r.seq_id] = self.grammars.compile(r.grammar).matcher()
+            for token in output[matcher.num_tokens:]:
+                matcher.advance(token)
+        except (InvalidRequestError, ValueError):
+            self.matchers.pop(r.seq_id, None)
+            return None
+        return matcher
+
+    def _masks(self, rows: list[int], matchers: dict[int, Matcher]) -> torch.Tensor | None:
+        """``[len(rows), W]`` packed masks of this draft position (all-allowed for free rows)."""
+        if not any(i in matchers for i in rows):
+            return None
+        masks = allocate_bitmask(len(rows), self.vocab_size)
+        masks.fill_(-1)
+        for j, i in enumerate(rows):
+            if i in matchers:
+                matchers[i].fill_mask(masks, j)
+        return masks
 
     # Rows feeding at most this many tokens (a step's catch-up: the accepted drafts and the
     # bonus token) share a forward; a longer feed (a new sequence's prompt) goes in its own,
@@ -149,13 +200,17 @@ class DraftModelProposer(Proposer):
         tokens = [[t if t < limit else 0 for t in ids] for ids, _ in feeds]
         return self.worker.forward(slots, tokens, [1] * len(feeds)), None
 
-    def _sample(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int]
+    def _sample(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int],
+                masks: torch.Tensor | None = None
                 ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor] | None]]:
         """One draft token per row, for the token at ``positions[j]``: argmax for greedy rows,
         a sample from q otherwise: seeded rows from the full q with the target's noise,
         unseeded ones from q's top ``q_top_k`` (renormalised), returned with that q as
-        ``([k] ids, [k] probs)`` CPU tensors for the rejection test."""
+        ``([k] ids, [k] probs)`` CPU tensors for the rejection test. ``masks``: grammar masks
+        (``[n, W]`` packed) applied to the logits first."""
         logits = self._to_target_vocab(logits)  # [n, V_target]
+        if masks is not None:
+            logits = masked(logits, masks)
         device = logits.device
         tokens = logits.argmax(dim=-1).tolist()
         row_q: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(requests)

@@ -27,10 +27,12 @@ from __future__ import annotations
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
+from specserve.engine.grammar import allocate_bitmask
 from specserve.engine.proposers.base import DraftRequest, Proposal
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.tree_growth import TreeGrowth
 from specserve.engine.sampling import compute_probs
+from specserve.engine.verification import masked
 
 # speculative.eagle: its fields, bounds and defaults are the registry's (specserve.methods).
 EagleOptions = PROPOSER_OPTIONS["eagle"]
@@ -104,13 +106,17 @@ class EagleProposer(DraftModelProposer):
                                                       [feeds[i] for i in rows])
         trees: dict[int, TreeGrowth] = {}
         levels: dict[int, int] = {}
+        matchers = {i: m for i in rows if i not in silent and (m := self._matcher(requests[i]))}
         for j, i in enumerate(rows):
             if i not in silent:
-                trees[i] = TreeGrowth(self._logprobs(requests[i], logits[j:j + 1])[0],
-                                      root_features[j:j + 1], topk=self.options.tree_topk,
+                root = self._logprobs(requests[i], logits[j:j + 1])
+                if i in matchers:
+                    root = self._within_grammar(root, matchers[i], [[]])
+                trees[i] = TreeGrowth(root[0], root_features[j:j + 1], topk=self.options.tree_topk,
                                       budget=requests[i].k)
                 levels[i] = self._levels(requests[i])
         while growing := [i for i in trees if trees[i].depth < levels[i] and trees[i].frontier]:
+            paths = {i: [_path(trees[i], n) for n in trees[i].frontier] for i in growing if i in matchers}
             fed = [trees[i].feed() for i in growing]
             counts = [len(tokens) for tokens, _, _ in fed]
             logits, hidden = self.worker.runtime(
@@ -119,11 +125,26 @@ class EagleProposer(DraftModelProposer):
                 features=torch.cat([f for _, features, _ in fed for f in features]),
                 return_hidden=True, trees=[parents for _, _, parents in fed])
             for i, x, h in zip(growing, logits.split(counts), hidden.split(counts)):
-                trees[i].expand(self._logprobs(requests[i], x), h.split(1))
+                x = self._logprobs(requests[i], x)
+                if i in matchers:
+                    x = self._within_grammar(x, matchers[i], paths[i])
+                trees[i].expand(x, h.split(1))
         for i, tree in trees.items():
             tokens, parents = tree.proposal()
             proposals[i] = Proposal(tokens, parents=parents)
         return proposals
+
+    def _within_grammar(self, logprobs: torch.Tensor, matcher, paths: list[list[int]]) -> torch.Tensor:
+        """``logprobs`` (``[len(paths), V]``) with the tokens the grammar forbids after each
+        row's path of tree tokens (from the row's output so far) at -inf: they are never
+        drafted. The matcher is back where it started."""
+        masks = allocate_bitmask(len(paths), self.vocab_size)
+        for j, path in enumerate(paths):
+            for token in path:  # (each was drawn under the mask: allowed)
+                matcher.advance(token)
+            matcher.fill_mask(masks, j)
+            matcher.rollback(len(path))
+        return masked(logprobs, masks)
 
     def _levels(self, r: DraftRequest) -> int:
         """How deep row ``r``'s tree grows: ``tree_depth``, no deeper than its budget can
@@ -165,3 +186,12 @@ class EagleProposer(DraftModelProposer):
         self.real[seq] = n
         # Features arrive on the CPU from a remote target; the head may sit on a GPU.
         return r.token_ids[real + 1:n + 1], features[:use].to(self.worker.runtime.embed.weight)
+
+
+def _path(tree: TreeGrowth, node: int) -> list[int]:
+    """The tokens from the root's child down to ``node`` of a growing tree."""
+    tokens = []
+    while node >= 0:
+        tokens.append(tree.nodes[node].token)
+        node = tree.nodes[node].parent
+    return tokens[::-1]

@@ -83,6 +83,9 @@ class HybridProposer(Proposer):
         self.first.start(seq_id, seed)
         self.model.start(seq_id, seed)
 
+    def use_grammars(self, compiler) -> None:
+        self.model.use_grammars(compiler)
+
     def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
         self.first.fork(seq_id, parent_id, seed, num_tokens)
         self.model.fork(seq_id, parent_id, seed, num_tokens)

@@ -1,0 +1,198 @@
+"""Structured outputs with speculation (issue 22): the grammar's mask applies to the target
+at every verified position, drafts the grammar forbids never get past verification, and the
+output is the constrained target's: greedy and seeded text identical to target-only with the
+same grammar, for every proposer, and unseeded samples distributed as the constrained target
+(chi-square, with a planted bug the test must catch)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from specserve.config import SamplingParams
+from specserve.engine import spec_decode
+from specserve.engine.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, unpack_bitmask
+
+from tests.engine.test_spec_decode import EOS, far_draft, make_engine, prompts
+from tests.models import VOCAB, perturbed, tiny_hf_model
+from tests.tiny import make_tiny_tokenizer
+
+SCHEMA = {"type": "object", "properties": {
+    "kind": {"enum": ["cat", "dog", "emu"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"}},
+    "required": ["kind", "age", "ok"], "additionalProperties": False}
+METHODS = ["ngram", "suffix", "draft_model", "eagle", "eagle-tree", "suffix-tree"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+SEEDED = SamplingParams(temperature=0.8, max_tokens=40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(make_tiny_tokenizer(), VOCAB, EOS)
+
+
+def valid_prefix(compiled, tokens: list[int]) -> bool:
+    """Every token is allowed in turn by a fresh matcher of the grammar."""
+    matcher = compiled.matcher()
+    for t in tokens:
+        if not matcher.accepts(t):
+            return False
+        matcher.advance(t)
+    return True
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("method", METHODS)
+def test_constrained_output_with_speculation_is_target_onlys(target_hf, compiler, method, params):
+    compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    batch = prompts(4, seed=21)
+    want = make_engine(target_hf, None).generate(batch, params, grammar=compiled)
+    engine = make_engine(target_hf, method, 4, draft_hf=perturbed(target_hf, scale=0.3))
+    got = engine.generate(batch, params, grammar=compiled)
+    assert engine.stats.num_accepted_tokens > 0  # (model drafts draw within the grammar)
+    tokenizer = make_tiny_tokenizer()
+    for g, w in zip(got, want):
+        assert g.output_token_ids == w.output_token_ids and g.finish_reason == w.finish_reason
+        assert valid_prefix(compiled, g.output_token_ids)
+        if g.finish_reason == "stop":  # complete: it parses and validates
+            text = tokenizer.decode([t for t in g.output_token_ids if t not in EOS])
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert any(g.finish_reason == "stop" for g in got)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_forbidden_drafts_never_reach_the_verifier(target_hf, compiler, monkeypatch, method):
+    """Each draft the target verifies (greedy rows) is allowed by its position's mask, and
+    each verified position has its mask: n-gram drafts, which know no grammar, were cut at
+    their first forbidden token; a draft model's, drawn within the grammar, never are."""
+    compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    engine = make_engine(target_hf, method, 4, draft_hf=perturbed(target_hf, scale=0.6))
+    seen = {"drafts": 0, "cut": 0}
+    verify, propose = engine.target.verify, engine.proposer.propose
+
+    def counting_propose(requests):
+        out = propose(requests)
+        seen["drafted"] = [list(p.token_ids) for p in out]
+        return out
+
+    def checking_verify(slots, token_ids, proposals, sampling, **kw):
+        for proposal, mask in zip(proposals, kw["masks"]):
+            assert mask.shape[0] == len(proposal.token_ids) + 1
+            allowed = unpack_bitmask(mask, VOCAB)
+            for j, t in enumerate(proposal.token_ids):
+                assert allowed[j, t], "a forbidden draft reached verification"
+            seen["drafts"] += len(proposal.token_ids)
+        seen["cut"] += sum(len(d) - len(p.token_ids) for d, p in zip(seen["drafted"], proposals))
+        return verify(slots, token_ids, proposals, sampling, **kw)
+
+    monkeypatch.setattr(engine.proposer, "propose", counting_propose)
+    monkeypatch.setattr(engine.target, "verify", checking_verify)
+    engine.generate(prompts(8, seed=22), GREEDY, grammar=compiled)
+    assert seen["drafts"] > 0
+    assert seen["cut"] > 0 if method == "ngram" else seen["cut"] == 0
+
+
+def test_every_sample_of_n_follows_the_grammar(target_hf, compiler):
+    compiled = compiler.compile(GrammarSpec("regex", "[a-m]{2,12}"))
+    engine = make_engine(target_hf, "ngram", 4)
+    ids = engine.add_parallel(prompts(1, seed=6)[0], SEEDED, 3, grammar=compiled)
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.seq_id] += out.new_token_ids
+    tokenizer = make_tiny_tokenizer()
+    for seq_id in ids:
+        assert valid_prefix(compiled, tokens[seq_id])
+        text = tokenizer.decode([t for t in tokens[seq_id] if t not in EOS])
+        assert 2 <= len(text) <= 12 and set(text) <= set("abcdefghijklm"), text
+
+
+# -- the distribution: unseeded rows, where the rejection test reads the draft's q ------------
+REGEX = GrammarSpec("regex", "[a-m][a-z]*")  # most of a free draft's tokens are forbidden
+NUM_SAMPLES = 6000
+PROMPT = [5, 301, 45, 17, 5, 301]
+
+
+def constrained_joint(target_hf, compiled, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """P(t1, t2) of target-only sampling under the grammar: each position's distribution is
+    the target's (after the request's transform) with the grammar's disallowed tokens at 0."""
+    from specserve.engine.sampling import compute_probs
+
+    def probs(logits, masks):  # [N, V] -> masked, transformed p
+        n = logits.shape[0]
+        logits = logits.masked_fill(~unpack_bitmask(masks, VOCAB), float("-inf"))
+        return compute_probs(logits, torch.full((n,), params.temperature),
+                             torch.full((n,), params.top_k), torch.full((n,), params.top_p)).double()
+
+    matcher = compiled.matcher()
+    mask = allocate_bitmask(1, VOCAB)
+    matcher.fill_mask(mask, 0)
+    with torch.no_grad():
+        p1 = probs(target_hf(torch.tensor([prompt])).logits[0, -1:], mask)[0]  # [V]
+        support = p1.nonzero()[:, 0].tolist()
+        masks = allocate_bitmask(len(support), VOCAB)
+        for row, t in enumerate(support):
+            matcher.advance(t)
+            matcher.fill_mask(masks, row)
+            matcher.rollback(1)
+        p2 = probs(target_hf(torch.tensor([prompt + [t] for t in support])).logits[:, -1], masks)
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    joint[support] = p1[support, None] * p2
+    return (joint / joint.sum()).numpy()
+
+
+def pair_pvalue(samples: list[tuple[int, int]], joint: np.ndarray) -> float:
+    flat = np.array([a * VOCAB + b for a, b in samples])
+    expected = joint.ravel() * len(samples)
+    assert (expected[flat] > 0).all(), "a sampled pair is impossible under the grammar"
+    observed = np.bincount(flat, minlength=VOCAB * VOCAB)
+    big = expected >= 5
+    return stats.chisquare(np.append(observed[big], observed[~big].sum()),
+                           np.append(expected[big], expected[~big].sum())).pvalue
+
+
+def _sample(target_hf, compiled, method: str, draft: str = "free") -> tuple[list[tuple[int, int]], float]:
+    params = SamplingParams(temperature=1.0, max_tokens=3)
+    engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
+                         eos=EOS)
+    if draft == "free":  # most drafts leave the grammar: the cut is what is tested
+        engine.proposer.use_grammars(None)
+    done = engine.generate([PROMPT] * NUM_SAMPLES, params, grammar=compiled)
+    rate = engine.stats.acceptance_rate
+    assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
+    return [tuple(c.output_token_ids[:2]) for c in done], rate
+
+
+@pytest.mark.parametrize("draft", ["free", "within"])
+def test_unseeded_constrained_samples_have_the_constrained_distribution(target_hf, compiler, draft):
+    """6000 unseeded samples of the first two tokens from a draft model, under a grammar
+    that forbids most of a free draft's tokens (its q is dense: a forbidden draft stays in the
+    verify as a certain rejection, so the recovered token comes from the residual), and with
+    the draft drawing within the grammar (its q is the masked one); chi-square against the
+    exact constrained joint distribution, fails below p = 1e-3."""
+    torch.manual_seed(20261125)
+    compiled = compiler.compile(REGEX)
+    samples, _ = _sample(target_hf, compiled, "draft_model", draft)
+    assert pair_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
+                                                  SamplingParams(temperature=1.0))) > 1e-3
+
+
+def test_dropping_a_dense_drafts_forbidden_token_is_caught(target_hf, compiler, monkeypatch):
+    """The planted bug: cut a model draft's forbidden token as a one-hot one may be cut; the
+    recovered token then comes from p instead of the residual, and the same test fails."""
+    torch.manual_seed(20261125)
+    monkeypatch.setattr(spec_decode, "keeps_forbidden", lambda params, proposal: False)
+    compiled = compiler.compile(REGEX)
+    samples, _ = _sample(target_hf, compiled, "draft_model")
+    assert pair_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
+                                                  SamplingParams(temperature=1.0))) < 1e-6
