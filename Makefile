@@ -127,6 +127,9 @@ bench-tree: install ## EAGLE token trees vs chains: verify cost per tree size, b
 bench-wire: install ## Bytes per row and step between a unit's groups (TP = 2 target, draft actor), before and after issue 21 (results/bench-wire.json)
 	$(PY) load/bench_wire.py $(BENCH_ARGS)
 
+bench-grammar: install ## Structured outputs: the grammar's cost per verify step and per token end to end, embedded model (results/bench-grammar.json)
+	$(PY) load/bench_grammar.py $(BENCH_ARGS)
+
 bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)

@@ -17,7 +17,15 @@ them alike), medians:
   over K + 1 tokens at batch 1 after a chat prompt (a verify step's forward).
 
 Compile times (the schema, and ``json_object``; a fresh ``description`` each time defeats the
-compiler's cache) and the compiler's one-off setup are printed above the table.
+compiler's cache) and the compiler's one-off setup (its first compile reads the vocabulary)
+are printed above the table.
+
+**End to end** (``--engine``, on by default): the engine generating greedily for 16 chat
+prompts at once, target-only, with a JSON schema (the person schema of
+``tests/engine/test_structured_embedded.py``), against the same prompts free, each run to
+exactly the number of tokens its constrained run emitted (``ignore_eos``): the same tokens
+per row, so the difference per token is what the grammar costs a step (its masks, the cut,
+the matchers' advances). Rounds alternate the two.
 
     python load/bench_grammar.py           # --help
 
@@ -120,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=50, help="per round, of the tensor operations")
     ap.add_argument("--out", type=Path, default=Path("results/bench-grammar.json"))
+    ap.add_argument("--no-engine", dest="engine", action="store_false",
+                    help="skip the end-to-end comparison (docstring)")
     args = ap.parse_args(argv)
 
     cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 1,
@@ -129,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = worker.vocab_size
     t0 = time.perf_counter()
     compiler = GrammarCompiler(target.tokenizer, vocab, target.eos_token_ids)
+    compiler.compile(GrammarSpec("regex", "a"))  # the first compile reads the vocabulary
     setup_s = time.perf_counter() - t0
     compiles = {"schema": compile_ms(compiler, SCHEMA, 20),
                 "json_object": compile_ms(compiler, {"type": "object"}, 20)}
@@ -181,13 +192,56 @@ def main(argv: list[str] | None = None) -> int:
     overhead = medians[f"walk K={args.k}"] + medians[f"apply_mask [{args.k + 1}, V]"]
     print(f"grammar per verify step (walk K={args.k} + apply_mask): {1e6 * overhead:.0f} us, "
           f"{100 * overhead / step:.1f}% of the forward")
+    end_to_end = engine_overhead(args.rounds) if args.engine else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": machine_label(), "cpu_flags": cpu_flags(), "date": str(datetime.date.today()),
         "torch_threads": torch.get_num_threads(), "vocab": vocab, "k": args.k,
         "doc_tokens": len(doc), "compiler_setup_s": setup_s, "compile_ms": compiles,
-        "median_us": {name: 1e6 * s for name, s in medians.items()}}, indent=2) + "\n")
+        "median_us": {name: 1e6 * s for name, s in medians.items()},
+        "end_to_end": end_to_end}, indent=2) + "\n")
     return 0
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "city", "age"], "additionalProperties": False}
+PEOPLE = [f"Describe a person named {n} who lives in {c} as JSON with keys name, city and age."
+          for n, c in zip(["Kofi", "Lena", "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa"] * 2,
+                          ["Accra", "Bern", "Cusco", "Dakar", "Essen", "Faro", "Graz", "Hue"] * 2)]
+
+
+def engine_overhead(rounds: int) -> dict:
+    """Per-token time of constrained vs free greedy decoding, the same tokens per row."""
+    from specserve.config import SamplingParams
+    from specserve.engine.builder import build_engine
+
+    cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 16,
+                                       "max_model_len": 1024})
+    engine, loaded = build_engine(cfg)
+    grammar = GrammarCompiler(loaded.tokenizer, engine.target.vocab_size,
+                              loaded.eos_token_ids).compile(GrammarSpec.json_schema(PERSON))
+    prompts = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p}]) for p in PEOPLE]
+    greedy = SamplingParams(temperature=0, max_tokens=96)
+    lengths = [len(c.output_token_ids) for c in engine.generate(prompts, greedy, grammar=grammar)]
+    free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    times: dict[str, list[float]] = {"constrained": [], "free": []}
+    for r in range(rounds):
+        for name in rotated(list(times), r):
+            t0 = time.perf_counter()
+            done = (engine.generate(prompts, greedy, grammar=grammar) if name == "constrained"
+                    else engine.generate(prompts, free))
+            times[name].append(time.perf_counter() - t0)
+            assert [len(c.output_token_ids) for c in done] == lengths
+    tokens = sum(lengths)
+    per_token = {name: statistics.median(t) / tokens for name, t in times.items()}
+    overhead = per_token["constrained"] / per_token["free"] - 1
+    print(f"end to end: 16 rows, greedy, target-only, {tokens} tokens per run, {rounds} rounds: "
+          f"free {1e3 * per_token['free']:.2f} ms/token, JSON schema "
+          f"{1e3 * per_token['constrained']:.2f} ms/token: the grammar costs {100 * overhead:+.1f}%")
+    return {"rows": len(prompts), "tokens": tokens, "ms_per_token": {
+        name: 1e3 * s for name, s in per_token.items()}, "overhead": overhead}
 
 
 if __name__ == "__main__":

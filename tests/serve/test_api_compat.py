@@ -157,13 +157,10 @@ def test_stop_token_ids_are_honoured(ngram_app, model, tiny_models):
 
 # -- features we do not implement: a 400 that names them ----------------------------------------
 UNSUPPORTED = [
-    ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema"}),
-    ("logit_bias", {"50": 100}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("logit_bias", {"50": 100}),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
     ("presence_penalty", 0.5),
     ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 4),
-    ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["a", "b"]),
     ("guided_grammar", "root ::= 'a'"), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("use_beam_search", True), ("skip_special_tokens", False),
@@ -189,9 +186,16 @@ def test_openai_client_gets_the_refusal(client, model):
 
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert exc.value.status_code == 400 and exc.value.param == "response_format"
-    assert "response_format is not supported by this server" in exc.value.message
+                                       logit_bias={"50": 100})
+    assert exc.value.status_code == 400 and exc.value.param == "logit_bias"
+    assert "logit_bias is not supported by this server" in exc.value.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")])
+def test_completions_refuse_tools_by_name(ngram_app, model, field, value):
+    r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 2, field: value}, chat=False)
+    assert field in assert_error(r, 400, param=field)["message"]
 
 
 def test_fields_without_semantics_are_still_ignored(ngram_app, model):

@@ -84,12 +84,14 @@ NASTY: list[tuple[str, bytes, int | None]] = [
         {"role": "user", "content": "x"}]}).encode(), 400),
     ("wrong model", messages({"role": "user", "content": "x"}).replace(b"tiny-target", b"gpt-4"), 404),
     ("tools", chat("x", tools=[{"type": "function"}]), 400),
-    ("response_format json", chat("x", response_format={"type": "json_object"}), 400),
+    ("response_format xml", chat("x", response_format={"type": "xml"}), 400),
+    ("uncompilable schema", chat("x", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}), 400),
     ("logit_bias", chat("x", logit_bias={"5": 100}), 400),
     ("NaN presence_penalty", chat_raw(b'"presence_penalty": NaN'), 400),
     ("-Infinity temperature", chat_raw(b'"temperature": -Infinity'), 400),
     ("top_k -1.0", chat("x", top_k=-1.0), 400),  # -1 disables; a float is still not an int
-    ("n = 5", chat("x", n=5), 400),
+    ("n = 500", chat("x", n=500), 400),
     ("stream as string", chat("x", stream="true"), 400),
     ("speculation K too big", chat("x", speculation={"num_speculative_tokens": 10**6}), 400),
     ("prompt too long", chat("word " * 5000), 400),

@@ -71,6 +71,7 @@ from specserve.serve.protocol import (
     UnitRequest,
     error_body,
 )
+from specserve.serve.tools import ToolPlan, render_messages
 
 log = logging.getLogger(__name__)
 # openapi_url=None: the replica serves its own /openapi.json (below), with the request bodies
@@ -305,6 +306,11 @@ def _echoed(echo: tuple[str, list[int]] | None, prompt_logprobs: list | None,
                   *items]
 
 
+def _joined(items: list | None, more: list | None) -> list | None:
+    """Logprobs items of two chunks, in order (None: none asked for)."""
+    return more if items is None else items + (more or [])
+
+
 def _chunk(rid: str, model: str, created: int, chat: bool, delta, finish: str | None,
            logprobs: dict | None = None, index: int = 0) -> dict:
     if chat:
@@ -328,10 +334,12 @@ class _Choice:
 
 
 def _response(rid: str, model: str, chat: bool, choices: list[dict], usage: dict) -> dict:
-    """The whole response; ``choices``: each one's ``text``, ``finish`` and ``logprobs``."""
+    """The whole response; ``choices``: each one's ``text``, ``finish``, ``logprobs`` and
+    (chat) ``tool_calls``."""
     created = int(time.time())
     if chat:
-        body = [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+        body = [{"index": i, "message": {"role": "assistant", "content": c["text"],
+                                         **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
                  "finish_reason": c["finish"], "logprobs": c["logprobs"]}
                 for i, c in enumerate(choices)]
         obj = "chat.completion"
@@ -509,12 +517,14 @@ class OpenAIIngress:
         lease = self._admit(request)
         try:
             req = await self._parse(request, ChatCompletionRequest)
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            plan = req.tool_plan()
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan else None
+            messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
             try:
                 ids = encode_chat(self.tokenizer, messages)
             except InvalidRequestError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
-            return await self._run(req, ids, lease, rid, chat=True)
+            return await self._run(req, ids, lease, rid, chat=True, tools=plan)
         finally:
             lease.release()
 
@@ -587,8 +597,10 @@ class OpenAIIngress:
         return requested
 
     async def _run(self, req, prompt_ids: list[int], lease: Lease, rid: str, *,
-                   chat: bool, echo: tuple[str, list[int]] | None = None) -> Response:
-        """``echo``: the prompt's text and ids, returned before the output (completions)."""
+                   chat: bool, echo: tuple[str, list[int]] | None = None,
+                   tools: ToolPlan | None = None) -> Response:
+        """``echo``: the prompt's text and ids, returned before the output (completions);
+        ``tools``: the chat request's tools, whose calls are parsed out of each reply."""
         deadline = time.monotonic() + self.limits.request_timeout_s
         served = self.cfg.unit.engine.speculative.method
         asked = req.speculation.method if req.speculation else None
@@ -627,7 +639,8 @@ class OpenAIIngress:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             lease = lease.hand_over()
-            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease, echo, req.n)
+            body = self._sse(stream, chunks, rid, chat, include_usage, route, lease, echo, req.n,
+                             tools)
             # A client gone before the body starts never runs the generator's ``finally``:
             # free the slot and the lease when the generator is dropped.
             weakref.finalize(body, _close, stream, lease)
@@ -636,8 +649,11 @@ class OpenAIIngress:
         choices = []
         for choice in collected:
             prefix, items = _echoed(echo, choice.scored, choice.items)
-            choices.append({"text": prefix + "".join(choice.parts), "finish": choice.finish,
-                            "logprobs": _logprobs(self.tokenizer, items, chat)})
+            text, calls = prefix + "".join(choice.parts), []
+            if tools is not None:
+                text, calls = tools.parse(text)
+            choices.append({"text": text, "finish": "tool_calls" if calls else choice.finish,
+                            "logprobs": _logprobs(self.tokenizer, items, chat), "tool_calls": calls})
         return JSONResponse(_response(rid, self.model_name, chat, choices, usage), headers=headers)
 
     async def _grammar(self, req) -> GrammarSpec | None:
@@ -688,8 +704,11 @@ class OpenAIIngress:
 
     async def _sse(self, stream, chunks, rid: str, chat: bool, include_usage: bool,
                    route: str, lease: Lease, echo: tuple[str, list[int]] | None = None,
-                   n: int = 1) -> AsyncIterator[str]:
+                   n: int = 1, tools: ToolPlan | None = None) -> AsyncIterator[str]:
+        """The SSE body. With ``tools``, a choice's text is held until it finishes and then
+        sent as its content or its ``tool_calls`` (a call is parsed whole)."""
         created = int(time.time())
+        held: list[tuple[str, list | None]] = [("", None)] * n  # with tools: text, logprobs so far
         parts: list[str] = []  # kept only to log the output (limits.log_request_content)
         offsets = [0] * n  # per choice, completions' text_offset of its next token
         echoes = [echo] * n  # per choice, the prompt still to send before its text
@@ -704,13 +723,24 @@ class OpenAIIngress:
                 if echoes[i] is not None:  # the prompt goes out with the choice's first chunk
                     prefix, items = _echoed(echoes[i], chunk.prompt_logprobs, items)
                     text, echoes[i] = prefix + text, None
-                if text or chunk.finish_reason or items:
-                    delta = {"content": text} if chat else text
+                finish = chunk.finish_reason
+                delta = {"content": text} if chat else text
+                if tools is not None:
+                    text, items = held[i][0] + text, _joined(held[i][1], items)
+                    held[i] = (text, items)
+                    if finish is None:
+                        continue
+                    content, calls = tools.parse(text)
+                    delta = {"content": content}
+                    if calls:
+                        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                        finish = "tool_calls"
+                if text or finish or items:
                     logprobs = _logprobs(self.tokenizer, items, chat, offsets[i])
                     if logprobs is not None and not chat:
                         offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     yield _sse_line(_chunk(rid, self.model_name, created, chat, delta,
-                                           chunk.finish_reason, logprobs, index=i))
+                                           finish, logprobs, index=i))
                     if self.limits.log_request_content:
                         parts.append(text)
                 unfinished -= chunk.finish_reason is not None

@@ -43,6 +43,7 @@ from pydantic_core import PydanticCustomError
 from specserve.config import SamplingParams, SpecMethod
 from specserve.engine.grammar import GrammarSpec
 from specserve.errors import InvalidRequestError
+from specserve.serve.tools import ToolPlan
 
 UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
 
@@ -177,7 +178,7 @@ class _Request(_Lenient):
         None, description="Structured output: text (free), json_object (any JSON object) or "
                           "json_schema (the output follows the schema; keywords the grammar "
                           "library cannot enforce are a 400).")
-    tools: EmptyList | None = None
+    tools: EmptyList | None = None          # (chat requests take tools)
     tool_choice: NoneChoice | None = None
     functions: EmptyList | None = None
     function_call: NoneChoice | None = None
@@ -337,15 +338,72 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=1_000_000)
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (what a reply's ``tool_calls`` held)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls "
+                             "may omit it)")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict[str, Any] | None = Field(
+        None, description="A JSON schema of the arguments object (absent: no arguments).")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    tools: list[Tool] | None = Field(
+        None, max_length=128, description="Functions the model may call (serve/tools.py: the "
+                                          "Hermes format in the system message).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools: free text, <tool_call> blocks "
+                          "parsed), required (one or more calls, grammar-constrained) or a "
+                          "named function (its arguments, grammar-constrained).")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
     logprobs: bool = Field(False, description="Each output token's log-probability under the "
                                               "target (sampled requests: after temperature / "
@@ -357,7 +415,31 @@ class ChatCompletionRequest(_Request):
         """See :meth:`CompletionRequest.refusal`."""
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            return "tools: function names must be unique", "tools"
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            return "tool_choice needs tools", "tool_choice"
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return f"tool_choice names {choice.function.name!r}, which is not among the tools", \
+                "tool_choice"
+        if self.tool_plan() is not None and self.tool_plan().mode != "auto" and self._grammar_fields():
+            return ("tool_choice and " + self._grammar_fields()[0] + ": give one structured "
+                    "output, not several"), "tool_choice"
         return self._grammar_refusal()
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What the tools ask of the output (None: no tools in play)."""
+        choice = self.tool_choice
+        return ToolPlan.of([t.model_dump(exclude_none=True) for t in self.tools or ()],
+                           choice.model_dump() if isinstance(choice, NamedToolChoice) else choice)
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        plan = self.tool_plan()
+        if plan is not None and plan.mode != "auto":
+            return plan.grammar(), "tools"
+        return super().grammar()
 
     @property
     def num_logprobs(self) -> int | None:

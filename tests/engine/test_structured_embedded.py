@@ -1,0 +1,77 @@
+"""Structured outputs on the embedded SmolLM2-135M-Instruct (issue 22's acceptance check): 50
+held-out prompts in JSON mode and 50 with a JSON schema, greedy, with speculation off, with
+prompt lookup (ngram) and with the shipped EAGLE head. The three outputs are identical token
+for token; every output that completed parses (JSON mode) and validates (schema).
+
+The prompts were written once, before any output was seen, and are not tuned to the model:
+in JSON mode (any object) one of them sends the 135M model into a greedy repetition loop
+(``{"Lagos,": 2018, "Lagos,": 2018, ...``) that runs to ``max_tokens``; its output is then a
+valid prefix of a JSON object, as OpenAI documents for JSON mode cut by ``max_tokens``. The
+schema, whose strings and numbers are bounded, completes for all 50."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from specserve.config import EngineConfig, SamplingParams
+from specserve.engine.builder import build_engine
+from specserve.engine.grammar import GrammarCompiler, GrammarSpec
+from specserve.engine.tokenizer import encode_chat
+
+pytestmark = pytest.mark.slow
+
+NAMES = ["Alice", "Bob", "Chen", "Dana", "Emeka", "Fatima", "Goran", "Hana", "Ivan", "Jun"]
+CITIES = ["Paris", "Lagos", "Lima", "Osaka", "Oslo"]
+PROMPTS = [f"Describe a person named {n} who lives in {c} as JSON with keys name, city and age."
+           for n in NAMES for c in CITIES]
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40},
+    "city": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "city", "age"], "additionalProperties": False}
+GREEDY = SamplingParams(temperature=0, max_tokens=256)
+SPECULATION = {"off": {"method": None}, "ngram": {"method": "ngram"},
+               "eagle": {"method": "eagle", "draft": {"source": "embedded-eagle"}}}
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    """Per speculation setting and grammar, the 50 completions."""
+    done = {}
+    for name, speculative in SPECULATION.items():
+        cfg = EngineConfig.model_validate({"target": {"source": "embedded"}, "max_num_seqs": 16,
+                                           "max_model_len": 1024, "speculative": speculative})
+        engine, loaded = build_engine(cfg)
+        compiler = GrammarCompiler(loaded.tokenizer, engine.target.vocab_size, loaded.eos_token_ids)
+        prompts = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+        for kind, spec in (("json_object", GrammarSpec("json_object")),
+                           ("json_schema", GrammarSpec.json_schema(SCHEMA))):
+            done[name, kind] = engine.generate(prompts, GREEDY, grammar=compiler.compile(spec))
+        if name != "off":
+            done[name, "accepted"] = engine.stats.num_accepted_tokens
+    return done
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_greedy_structured_output_with_speculation_is_target_onlys(outputs, method, kind):
+    off, on = outputs["off", kind], outputs[method, kind]
+    assert [c.output_token_ids for c in on] == [c.output_token_ids for c in off]
+    assert outputs[method, "accepted"] > 0
+
+
+def test_json_mode_output_parses(outputs):
+    done = outputs["off", "json_object"]
+    complete = [c for c in done if c.finish_reason == "stop"]
+    for c in complete:
+        assert isinstance(json.loads(c.text), dict)
+    assert len(complete) >= 49, [c.text[:80] for c in done if c.finish_reason != "stop"]
+
+
+def test_json_schema_output_validates(outputs):
+    done = outputs["off", "json_schema"]
+    assert all(c.finish_reason == "stop" for c in done)
+    for c in done:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
