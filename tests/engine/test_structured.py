@@ -12,12 +12,11 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 from specserve.config import SamplingParams
 from specserve.engine import spec_decode
 from specserve.engine.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, unpack_bitmask
 
-from tests.engine.test_spec_decode import EOS, far_draft, make_engine, prompts
+from tests.engine.test_spec_decode import EOS, chi_square_pvalue, far_draft, make_engine, prompts
 from tests.models import VOCAB, perturbed, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
 
@@ -151,16 +150,6 @@ def constrained_joint(target_hf, compiled, prompt: list[int], params: SamplingPa
     return (joint / joint.sum()).numpy()
 
 
-def pair_pvalue(samples: list[tuple[int, int]], joint: np.ndarray) -> float:
-    flat = np.array([a * VOCAB + b for a, b in samples])
-    expected = joint.ravel() * len(samples)
-    assert (expected[flat] > 0).all(), "a sampled pair is impossible under the grammar"
-    observed = np.bincount(flat, minlength=VOCAB * VOCAB)
-    big = expected >= 5
-    return stats.chisquare(np.append(observed[big], observed[~big].sum()),
-                           np.append(expected[big], expected[~big].sum())).pvalue
-
-
 def _sample(target_hf, compiled, method: str, draft: str = "free") -> tuple[list[tuple[int, int]], float]:
     params = SamplingParams(temperature=1.0, max_tokens=3)
     engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
@@ -183,7 +172,7 @@ def test_unseeded_constrained_samples_have_the_constrained_distribution(target_h
     torch.manual_seed(20261125)
     compiled = compiler.compile(REGEX)
     samples, _ = _sample(target_hf, compiled, "draft_model", draft)
-    assert pair_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
+    assert chi_square_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
                                                   SamplingParams(temperature=1.0))) > 1e-3
 
 
@@ -194,5 +183,5 @@ def test_dropping_a_dense_drafts_forbidden_token_is_caught(target_hf, compiler, 
     monkeypatch.setattr(spec_decode, "keeps_forbidden", lambda params, proposal: False)
     compiled = compiler.compile(REGEX)
     samples, _ = _sample(target_hf, compiled, "draft_model")
-    assert pair_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
+    assert chi_square_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
                                                   SamplingParams(temperature=1.0))) < 1e-6
