@@ -185,3 +185,48 @@ def test_dropping_a_dense_drafts_forbidden_token_is_caught(target_hf, compiler, 
     samples, _ = _sample(target_hf, compiled, "draft_model")
     assert chi_square_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
                                                   SamplingParams(temperature=1.0))) < 1e-6
+
+
+def test_a_grammar_past_its_fuel_fails_its_request_alone(target_hf, compiler, monkeypatch):
+    """A mask that cannot be computed (llguidance out of fuel mid-generation) ends its request
+    with the error; the draft, which follows the same grammar, frees that row and keeps
+    drafting: the other request's output and speculation are untouched."""
+    from specserve.engine.grammar import Matcher
+    from specserve.errors import InvalidRequestError
+
+    bad = compiler.compile(GrammarSpec("regex", "[a-z]{1,30}"))
+    good = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    fill = Matcher.fill_mask
+
+    def out_of_fuel(self, bitmask, row):
+        if self.spec == bad.spec and self.num_tokens >= 2:
+            raise InvalidRequestError("the output grammar cannot be followed: out of fuel")
+        fill(self, bitmask, row)
+
+    monkeypatch.setattr(Matcher, "fill_mask", out_of_fuel)
+    batch = prompts(2, seed=30)
+    want = make_engine(target_hf, None).generate([batch[1]], GREEDY, grammar=good)[0]
+    engine = make_engine(target_hf, "draft_model", 4, draft_hf=perturbed(target_hf, scale=0.3))
+    propose, raised = engine.proposer.propose, []
+
+    def recording(requests):  # a remote draft that raises is a lost draft for every request
+        try:
+            return propose(requests)
+        except Exception as exc:
+            raised.append(exc)
+            raise
+
+    monkeypatch.setattr(engine.proposer, "propose", recording)
+    failing = engine.add_request(batch[0], GREEDY, grammar=bad)
+    fine = engine.add_request(batch[1], GREEDY, grammar=good)
+    errors, tokens = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error is not None:
+                errors[out.seq_id] = out.error
+            elif out.seq_id == fine:
+                tokens += out.new_token_ids
+    assert list(errors) == [failing] and "out of fuel" in str(errors[failing])
+    assert tokens == want.output_token_ids
+    assert not raised and engine.draft_available and engine.stats.num_accepted_tokens > 0
+    assert engine.target.num_free_slots == engine.target.num_slots

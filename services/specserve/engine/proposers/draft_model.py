@@ -117,7 +117,7 @@ class DraftModelProposer(Proposer):
                 rows = list(feeds)
                 logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
                                                           [feeds[i] for i in rows])
-                masks = self._masks(rows, matchers)
+                masks = self._masks(requests, rows, matchers, drafts)
                 tokens, row_q = self._sample([requests[i] for i in rows], logits,
                                              [len(requests[i].token_ids) + len(drafts[i]) for i in rows],
                                              masks)
@@ -157,15 +157,23 @@ class DraftModelProposer(Proposer):
             return None
         return matcher
 
-    def _masks(self, rows: list[int], matchers: dict[int, Matcher]) -> torch.Tensor | None:
-        """``[len(rows), W]`` packed masks of this draft position (all-allowed for free rows)."""
+    def _masks(self, requests: list[DraftRequest], rows: list[int], matchers: dict[int, Matcher],
+               drafts: list[list[int]]) -> torch.Tensor | None:
+        """``[len(rows), W]`` packed masks of this draft position (all-allowed for free rows).
+        A grammar too costly to follow here (past its fuel) frees its row, here only: the
+        coordinator's own mask fails that request alone, and the draft keeps drafting."""
         if not any(i in matchers for i in rows):
             return None
         masks = allocate_bitmask(len(rows), self.vocab_size)
         masks.fill_(-1)
         for j, i in enumerate(rows):
             if i in matchers:
-                matchers[i].fill_mask(masks, j)
+                try:
+                    matchers[i].fill_mask(masks, j)
+                except InvalidRequestError:
+                    matchers.pop(i).rollback(len(drafts[i]))
+                    self.matchers.pop(requests[i].seq_id, None)
+                    masks[j] = -1
         return masks
 
     # Rows feeding at most this many tokens (a step's catch-up: the accepted drafts and the

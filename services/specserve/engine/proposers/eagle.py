@@ -33,6 +33,7 @@ from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.tree_growth import TreeGrowth
 from specserve.engine.sampling import compute_probs
 from specserve.engine.verification import masked
+from specserve.errors import InvalidRequestError
 
 # speculative.eagle: its fields, bounds and defaults are the registry's (specserve.methods).
 EagleOptions = PROPOSER_OPTIONS["eagle"]
@@ -142,8 +143,12 @@ class EagleProposer(DraftModelProposer):
         for j, path in enumerate(paths):
             for token in path:  # (each was drawn under the mask: allowed)
                 matcher.advance(token)
-            matcher.fill_mask(masks, j)
-            matcher.rollback(len(path))
+            try:
+                matcher.fill_mask(masks, j)
+            except InvalidRequestError:  # past its fuel: this row's tree grows free (_masks)
+                masks[j] = -1
+            finally:
+                matcher.rollback(len(path))
         return masked(logprobs, masks)
 
     def _levels(self, r: DraftRequest) -> int:
