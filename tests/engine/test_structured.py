@@ -150,13 +150,14 @@ def constrained_joint(target_hf, compiled, prompt: list[int], params: SamplingPa
     return (joint / joint.sum()).numpy()
 
 
-def _sample(target_hf, compiled, method: str, draft: str = "free") -> tuple[list[tuple[int, int]], float]:
+def _sample(target_hf, compiled, method: str, draft: str = "free",
+            num_samples: int = NUM_SAMPLES) -> tuple[list[tuple[int, int]], float]:
     params = SamplingParams(temperature=1.0, max_tokens=3)
     engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
                          eos=EOS)
     if draft == "free":  # most drafts leave the grammar: the cut is what is tested
         engine.proposer.use_grammars(None)
-    done = engine.generate([PROMPT] * NUM_SAMPLES, params, grammar=compiled)
+    done = engine.generate([PROMPT] * num_samples, params, grammar=compiled)
     rate = engine.stats.acceptance_rate
     assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
     return [tuple(c.output_token_ids[:2]) for c in done], rate
@@ -169,7 +170,6 @@ def test_unseeded_constrained_samples_have_the_constrained_distribution(target_h
     verify as a certain rejection, so the recovered token comes from the residual), and with
     the draft drawing within the grammar (its q is the masked one); chi-square against the
     exact constrained joint distribution, fails below p = 1e-3."""
-    torch.manual_seed(20261125)
     compiled = compiler.compile(REGEX)
     samples, _ = _sample(target_hf, compiled, "draft_model", draft)
     assert chi_square_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
@@ -178,13 +178,15 @@ def test_unseeded_constrained_samples_have_the_constrained_distribution(target_h
 
 def test_dropping_a_dense_drafts_forbidden_token_is_caught(target_hf, compiler, monkeypatch):
     """The planted bug: cut a model draft's forbidden token as a one-hot one may be cut; the
-    recovered token then comes from p instead of the residual, and the same test fails."""
-    torch.manual_seed(20261125)
+    recovered token then comes from p instead of the residual, and the same test fails. The
+    bias is in the second token (the first's marginal fits: p 0.06 and 0.15 in two runs), and
+    at 6000 samples the pair's p ran from 1e-11 to 2e-6: too close to the bar for a test whose
+    draws are random by design (unseeded: OS entropy). Twice the samples square it."""
     monkeypatch.setattr(spec_decode, "keeps_forbidden", lambda params, proposal: False)
     compiled = compiler.compile(REGEX)
-    samples, _ = _sample(target_hf, compiled, "draft_model")
+    samples, _ = _sample(target_hf, compiled, "draft_model", num_samples=2 * NUM_SAMPLES)
     assert chi_square_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
-                                                  SamplingParams(temperature=1.0))) < 1e-6
+                                                  SamplingParams(temperature=1.0))) < 1e-3
 
 
 def test_a_grammar_past_its_fuel_fails_its_request_alone(target_hf, compiler, monkeypatch):
