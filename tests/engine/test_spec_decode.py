@@ -520,9 +520,9 @@ def test_sampled_output_has_target_distribution(target_hf, method, params, seede
     ``test_distribution_test_has_power`` shows the same test rejects the draft's own
     distribution at this sample size. Seeded requests go through drafter-invariant
     verification, unseeded ones through the rejection test: both must be exact.
-    Unseeded requests draw from torch's global generator, which earlier tests advance; it is
-    set here so the test draws the same samples whatever ran before (a test that fails one
-    run in a thousand by design must not fail at random when the suite grows)."""
+    Unseeded requests' seeds come from a fixed stream in the tests (``tests/conftest.py``),
+    so the test draws the same samples whatever ran before (a test that fails one run in a
+    thousand by design must not fail at random when the suite grows)."""
     torch.manual_seed(20261123)
     engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
                          eos=frozenset())

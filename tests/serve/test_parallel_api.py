@@ -16,7 +16,10 @@ from specserve.engine.tokenizer import encode_chat
 from tests.serve.test_api_compat import MESSAGES, PROMPT, post
 from tests.tiny import make_tiny_tokenizer
 
-SAMPLED = {"max_tokens": 12, "temperature": 0.9, "ignore_eos": True}
+# Speculation forced on (fixed K): the router's per-step K may find drafting does not pay on a
+# busy machine and draft nothing, and the first test checks that the choices speculate.
+SAMPLED = {"max_tokens": 12, "temperature": 0.9, "ignore_eos": True,
+           "speculation": {"enabled": True}}
 
 
 @pytest.fixture(scope="module")
