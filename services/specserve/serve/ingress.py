@@ -663,7 +663,7 @@ class OpenAIIngress:
         try:
             asked = req.grammar()
         except InvalidRequestError as exc:
-            field = req._grammar_fields()[0]
+            field = req.grammar_fields()[0]
             raise APIError(400, f"{field}: {exc}", param=field) from None
         if asked is None:
             return None

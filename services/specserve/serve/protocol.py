@@ -233,7 +233,7 @@ class _Request(_Lenient):
             return GrammarSpec("choice", tuple(self.guided_choice)), "guided_choice"
         return None
 
-    def _grammar_fields(self) -> list[str]:
+    def grammar_fields(self) -> list[str]:
         """The fields that ask for a structured output."""
         asked = [name for name in ("guided_json", "guided_regex", "guided_choice")
                  if getattr(self, name) is not None]
@@ -242,7 +242,7 @@ class _Request(_Lenient):
         return asked
 
     def _grammar_refusal(self) -> tuple[str, str] | None:
-        asked = self._grammar_fields()
+        asked = self.grammar_fields()
         if len(asked) > 1:
             return f"{' and '.join(asked)}: give one structured output, not several", asked[1]
         return None
@@ -424,8 +424,8 @@ class ChatCompletionRequest(_Request):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             return f"tool_choice names {choice.function.name!r}, which is not among the tools", \
                 "tool_choice"
-        if self.tool_plan() is not None and self.tool_plan().mode != "auto" and self._grammar_fields():
-            return ("tool_choice and " + self._grammar_fields()[0] + ": give one structured "
+        if self.tool_plan() is not None and self.tool_plan().mode != "auto" and self.grammar_fields():
+            return ("tool_choice and " + self.grammar_fields()[0] + ": give one structured "
                     "output, not several"), "tool_choice"
         return self._grammar_refusal()
 
