@@ -1,18 +1,23 @@
 """``kernels: compiled`` (the GPU path: bucketed static shapes under ``torch.compile``).
 
 No GPU here: CUDA graphs (``mode="reduce-overhead"``) and bfloat16 speed are measured on a
-lent GPU machine, never in CI. What runs on a CPU is the rest: dynamo must trace the layer
-stack as one graph per bucket (``backend="eager"``: dynamo's tracing without inductor's
-code generation, so these tests stay quick), inductor's CPU code must compute the same
-model, and padding must never touch a sequence's cache.
+lent GPU machine (``tests/gpu``), never in CI. What runs on a CPU is the rest: dynamo must
+trace the layer stack as one graph per bucket (``backend="eager"``: dynamo's tracing without
+inductor's code generation, so these tests stay quick; ``aot_eager`` adds the
+functionalization inductor sees), with the GPU's attention too (``attention="flex"``, run
+eagerly), inductor's CPU code must compute the same model, padding must never touch a
+sequence's cache, decodes must share the verify's bucket, and a warm-up must leave nothing
+to compile.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.compiled import BUCKET_TOKENS, bucket
+from specserve.engine.compiled import BUCKET_TOKENS, bucket, token_bucket
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
@@ -24,14 +29,20 @@ from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny
 from tests.tiny import make_tiny_tokenizer
 
 
-def compiled(hf, backend="eager", max_len: int = 256):
-    return runtime_of(hf, max_len).use_kernels("compiled", backend=backend)
+def compiled(hf, backend="eager", max_len: int = 256, **options):
+    return runtime_of(hf, max_len).use_kernels("compiled", backend=backend, **options)
 
 
 def test_bucket_is_the_next_power_of_two_up_to_the_slots():
     assert [bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
     assert bucket(5, limit=6) == 6 and bucket(1, limit=6) == 1
     assert bucket(BUCKET_TOKENS[-1]) == BUCKET_TOKENS[-1]
+
+
+def test_decodes_and_verifies_share_the_verify_bucket():
+    assert [token_bucket(n, verify_tokens=4) for n in (1, 2, 4, 5, 9)] == [4, 4, 4, 8, 16]
+    assert [token_bucket(n) for n in (1, 2, 3)] == [1, 2, 4]  # no verify width: as before
+    assert token_bucket(1, verify_tokens=20) == 1  # verifies too wide to compile
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -74,10 +85,11 @@ def test_one_graph_per_bucket_and_long_prefills_stay_eager():
     assert rt.static.buckets == {(1, 1), (1, 2), (1, 4), (4, 4), (2, 1)}
 
 
-def test_padding_writes_only_the_spare_slot():
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_padding_writes_only_the_spare_slot(attention):
     """Padding rows and tokens land in the spare slot: no sequence's keys change, in a slot
     outside the forward or past a row's own length."""
-    rt = compiled(tiny_hf_model("llama-gqa"))
+    rt = compiled(tiny_hf_model("llama-gqa"), attention=attention)
     cache = rt.make_cache(num_slots=4, max_seq_len=64)
     a, b, idle = (cache.allocate() for _ in range(3))
     for slot, n in ((a, 20), (b, 7), (idle, 11)):
@@ -117,3 +129,84 @@ def test_inductor_computes_the_same_model_and_speculation_keeps_greedy_output():
         outputs[method] = [c.output_token_ids for c in done]
     assert outputs["ngram"] == outputs[None]
     assert all(len(o) > 0 for o in outputs[None])
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("llama-gqa", "aot_eager"), ("mistral-window", "eager")])
+def test_flex_attention_matches_transformers_through_rollbacks(kind, backend):
+    """The GPU's attention (FlexAttention reading each row's own key blocks) traced in the
+    layer stack: after ragged prefills, verify-sized chunks with rejected drafts rolled back
+    give transformers' logits, one row crossing a 64-key block, the padding row of bucket
+    (4, 4) included; ``aot_eager`` functionalizes the in-place cache writes and the storage
+    view as inductor would."""
+    hf = tiny_hf_model(kind)
+    rt = compiled(hf, backend=backend, attention="flex")
+    cache = rt.make_cache(num_slots=4, max_seq_len=128)
+    seqs, starts = random_sequences((66, 26, 23)), [60, 20, 17]
+    slots = [cache.allocate() for _ in seqs][::-1]
+    rt(cache, slots, [s[:c] for s, c in zip(seqs, starts)])  # prefills: the library path
+    got = []
+    for at in (0, 3):
+        chunks = [s[c + at:c + at + 3] for s, c in zip(seqs, starts)]
+        rt(cache, slots, [[(t + 5) % VOCAB for t in chunk] for chunk in chunks])
+        for slot, c in zip(slots, starts):
+            cache.rollback(slot, c + at)
+        got.append(rt(cache, slots, chunks, [3, 3, 3]).split(3))
+    for row, (seq, c) in enumerate(zip(seqs, starts)):
+        ours = torch.cat([step[row] for step in got])
+        assert (ours - reference_logits(hf, seq[:c + 6])[c:]).abs().max() <= ATOL, row
+    assert rt.static.buckets == {(4, 4)}
+
+
+def test_a_decode_runs_in_the_verify_bucket():
+    """verify_tokens=5: a decode (T = 1) and a verify (T = 5) run in one bucket, (rows, 8),
+    one graph, and the decode's padding changes none of its logits."""
+    counter = CompileCounter()
+    hf = tiny_hf_model("llama-gqa")
+    rt = compiled(hf, backend=counter, attention="flex", verify_tokens=5)
+    cache = rt.make_cache(num_slots=2, max_seq_len=64)
+    seq = random_sequences((12,))[0]
+    slot = cache.allocate()
+    logits = [rt(cache, [slot], [seq[:6]], [6]), rt(cache, [slot], [seq[6:7]]),
+              rt(cache, [slot], [seq[7:12]], [5])]
+    assert rt.static.buckets == {(1, 8)} and counter.frame_count == 1
+    assert (torch.cat(logits) - reference_logits(hf, seq)).abs().max() <= ATOL
+
+
+def test_warm_up_compiles_every_bucket_and_leaves_the_cache_as_it_was(caplog):
+    """warm_up runs every (rows, tokens) bucket serving uses (rows 1, 2 and the 3 slots;
+    tokens the verify's 4) on free slots: afterwards a serving forward compiles nothing, the
+    cache's free slots and lengths are unchanged, and a bucket it did not cover warns."""
+    counter = CompileCounter()
+    rt = compiled(tiny_hf_model("llama-gqa"), backend=counter, attention="flex", verify_tokens=3)
+    cache = rt.make_cache(num_slots=3, max_seq_len=64)
+    busy = cache.allocate()
+    rt(cache, [busy], [list(range(3, 23))])  # a sequence in flight keeps its slot and keys
+    keys = cache.k[0][busy, :, :20].clone()
+    lengths, free = list(cache.lengths), cache.num_free_slots
+    with caplog.at_level(logging.INFO, logger="specserve.engine.compiled"):
+        report = rt.warm_up(cache)
+    assert [(b["rows"], b["tokens"]) for b in report["buckets"]] == [(1, 4), (2, 4), (3, 4)]
+    assert report["graphs"] >= counter.frame_count == 3 and report["cudagraph_skips"] == 0
+    assert report["kernels"] == "compiled" and report["prefills"] == []  # prefills: CUDA only
+    assert "compiled 3 rows x 4 tokens in" in caplog.text
+    assert cache.lengths == lengths and cache.num_free_slots == free
+    assert torch.equal(cache.k[0][busy, :, :20], keys)
+    slots = [busy, cache.allocate(), cache.allocate()]
+    rt(cache, slots[:1], [[7]])
+    rt(cache, slots[:2], [[7, 8], [9]], [2, 1])
+    rt(cache, slots, [[7]] * 3)
+    assert counter.frame_count == 3
+    with caplog.at_level(logging.WARNING, logger="specserve.engine.compiled"):
+        rt(cache, slots[:1], [list(range(3, 12))], [9])  # 9 tokens: bucket (1, 16)
+    assert "while serving" in caplog.text and counter.frame_count == 4
+
+
+@pytest.mark.parametrize(("kernels", "buckets"), [("invariant", []), ("library", [1, 2])])
+def test_warm_up_of_the_other_kernels(kernels, buckets):
+    """Nothing compiles per shape on the C kernels: one small forward, no buckets. The
+    library's FlexAttention pads rows to powers of two: one forward per row count."""
+    rt = runtime_of(tiny_hf_model("llama-gqa")).use_kernels(kernels, attention="flex")
+    cache = rt.make_cache(num_slots=2, max_seq_len=64)
+    report = rt.warm_up(cache)
+    assert [b["rows"] for b in report["buckets"]] == buckets and report["kernels"] == kernels
+    assert cache.num_free_slots == 2 and cache.lengths == [0, 0]

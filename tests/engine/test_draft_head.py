@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specserve.config import AdaptiveConfig, EngineConfig
+from specserve.config import AdaptiveConfig, EngineConfig, ModelConfig
 from specserve.engine.adaptive import Row, SpecLengthController
-from specserve.engine.builder import build_engine, check_draft_files
+from specserve.engine.builder import build_engine, check_draft_files, load_draft_proposer
 from specserve.engine.draft_head import (
     is_draft_dir,
     load_draft_head,
@@ -224,3 +224,35 @@ def test_features_do_not_pile_up_while_nothing_is_drafted(target_hf):
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
     assert most_waiting < EagleProposer.CATCH_UP_BACKLOG + 8
     assert engine.stats.num_accepted_tokens > 0  # drafting resumed after step 30
+
+
+def test_a_head_on_the_gpus_attention_drafts_as_the_default(target_hf):
+    """A head with the GPU's kernels (``library`` with FlexAttention, what it gets on CUDA)
+    computes the default's logits: a catch-up with the target's features, then a fed draft."""
+    seq = prompts(2)[0]
+    feats = _target_features(target_hf, seq)
+    outs = []
+    for head in (eagle_head_of(target_hf), eagle_head_of(target_hf).use_kernels("library", attention="flex")):
+        cache = head.make_cache(num_slots=2, max_seq_len=128)
+        slot = cache.allocate()
+        n = len(seq) - 2  # position t reads (x_{t+1}, f_t)
+        catch_up = head(cache, [slot], [seq[1:n + 1]], [3], features=feats[:n])
+        fed = head(cache, [slot], [seq[n + 1:n + 2]], features=feats[n:n + 1])
+        outs.append(torch.cat([catch_up, fed]))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_loaded_head_takes_the_kernels_of_its_config(target_hf, tmp_path):
+    """``kernels: auto`` gives a head what a target on its device gets (the C kernels on a
+    CPU; library with FlexAttention on CUDA), and the draft's config can name them."""
+    out = tmp_path / "eagle"
+    save_draft(eagle_head_of(target_hf), out, target_name="tiny", tokenizer=make_tiny_tokenizer(),
+               extra={})
+    target = runtime_of(target_hf)
+    head = load_draft_head(out, target, max_model_len=256)
+    assert head.kernels == "invariant" and all(layer.attn.invariant for layer in head.layers)
+    proposer = load_draft_proposer("eagle", ModelConfig(source=str(out), kernels="library"),
+                                   num_slots=2, max_model_len=256, target_runtime=target)
+    runtime = proposer.worker.runtime
+    assert runtime.kernels == "library" and runtime.attention == "sdpa"  # sdpa: a CPU
+    assert not any(layer.attn.invariant for layer in runtime.layers)

@@ -91,7 +91,8 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
         device = resolve_device(draft_cfg.device)
         head = load_draft_head(draft_cfg.source, target_runtime, target_cfg=target_cfg,
                                max_model_len=max_model_len, device=device,
-                               dtype=resolve_dtype(draft_cfg.dtype, device))
+                               dtype=resolve_dtype(draft_cfg.dtype, device),
+                               kernels=draft_cfg.kernels)
         if head.kind != spec.draft_kind:
             raise ConfigError(f"a {head.kind!r} draft cannot serve method {method}")
         runtime = head

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from specserve.engine.kernels import Linear
-from specserve.engine.model import LlamaRuntime, ModelArch, rms_norm
+from specserve.engine.model import LlamaRuntime, ModelArch, default_kernels, rms_norm
 from specserve.errors import ConfigError
 from specserve.methods import DRAFT_KINDS
 
@@ -185,9 +185,12 @@ def save_draft(head: DraftHead, out: Path, *, target_name: str, tokenizer, extra
 
 def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, target_cfg=None,
                     max_model_len: int, dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> DraftHead:
+                    device: torch.device | str = "cpu", kernels: str = "auto") -> DraftHead:
     """A saved draft, on the embeddings (and rope tables) of its target: ``target``, a runtime
-    already in memory, or ``target_cfg``, a ModelConfig whose embeddings alone are read."""
+    already in memory, or ``target_cfg``, a ModelConfig whose embeddings alone are read.
+    ``kernels``: the draft's ``ModelConfig.kernels``; ``auto`` picks what a target on that
+    device gets (:func:`~specserve.engine.model.default_kernels`: the C kernels on a CPU,
+    the library's with FlexAttention on CUDA), never the CPU fallbacks on a GPU."""
     from safetensors.torch import load_file
 
     path = draft_path(path)
@@ -216,4 +219,5 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
     if missing:
         raise ConfigError(f"draft {path}: weights missing: {', '.join(sorted(missing))}")
     dtype = dtype or embed.dtype
-    return head.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    head = head.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    return head.use_kernels(default_kernels(head.embed.weight.device) if kernels == "auto" else kernels)

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine import native
-from specserve.engine.compiled import StaticForward, StaticInputs
+from specserve.engine import block_attention, native
+from specserve.engine.block_attention import KeyBlocks
+from specserve.engine.compiled import StaticForward, StaticInputs, bucket, warm_up
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys, native_ready
 from specserve.engine.kv_cache import SlotKVCache
 from specserve.engine.tree_acceptance import validate_tree
@@ -134,7 +135,8 @@ class Attention(nn.Module):
         self.o = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
-        self.invariant = True   # row-invariant attention (kernels.attention); False: SDPA
+        self.invariant = True   # row-invariant attention (kernels.attention); False: library
+        self.attention = "sdpa"  # the library's attention: "sdpa" or "flex" (block_attention)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,6 +169,9 @@ class Attention(nn.Module):
             keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
             hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
             return attention(q, keys, values, hidden, self.head_dim ** -0.5)
+        if self.attention == "flex":  # each row's own keys, read in place
+            return block_attention.attend(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                          ctx.key_blocks(cache, window), self.head_dim ** -0.5)
         # library: the runtime before issue 17, exactly (keys up to the longest row, no mask
         # where every key is visible, as for a lone decode row)
         keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_used)
@@ -192,12 +197,15 @@ class Attention(nn.Module):
     def _attend_static(self, x: torch.Tensor, ctx: StaticInputs, cache: SlotKVCache,
                        window: bool) -> torch.Tensor:
         """The same at static shapes (:mod:`specserve.engine.compiled`): every token's key
-        and value written in place (padding to the spare slot), attention over each row's
-        whole slot with a mask."""
+        and value written in place (padding to the spare slot), then attention reading each
+        row's own key blocks (``flex``), or each row's whole slot with a mask (``sdpa``)."""
         q, k, v = self._qkv(x, ctx.cos, ctx.sin)  # [B, T, H, D], [B, T, Hk, D] twice
         keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, Hk, S, D]
         keys[ctx.write_slots, :, ctx.write_positions] = k
         values[ctx.write_slots, :, ctx.write_positions] = v
+        if ctx.keys is not None:
+            blocks = ctx.window_keys if window else ctx.keys
+            return block_attention.attend(q, keys, values, blocks, self.head_dim ** -0.5)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys[ctx.slots], values[ctx.slots],
             attn_mask=ctx.window_visible if window else ctx.visible,
@@ -275,6 +283,7 @@ class ForwardContext:
     # None: every row is a chain.
     tree: torch.Tensor | None = None
     tree_starts: torch.Tensor | None = None
+    lens: torch.Tensor | None = None  # [B] int64 on the CPU: each row's real new tokens
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
 
@@ -346,6 +355,25 @@ class ForwardContext:
             self._ranges[key] = start.to(torch.int32)
         return self._ranges[key]
 
+    def key_blocks(self, cache: SlotKVCache, window: bool) -> KeyBlocks:
+        """The key blocks each row reads in :mod:`~specserve.engine.block_attention` (made
+        once per forward and window kind). Rows are padded to a power of two with copies of
+        row 0 (their outputs are dropped): a compiled kernel then sees a handful of batch
+        sizes, not every one."""
+        key = ("blocks", window)
+        if key not in self._ranges:
+            b = len(self.slots)
+            rows = torch.cat([torch.arange(b), torch.zeros(bucket(b) - b, dtype=torch.long)])
+            last = self.positions[:, 0] + self.lens - 1                       # [B]
+            tree = None if self.tree is None else self.tree[rows]
+            starts = None if self.tree_starts is None else self.tree_starts[rows]
+            blocks = block_attention.key_blocks(
+                self.positions[rows], last[rows], torch.tensor(self.slots)[rows],
+                num_kv_heads=cache.k[0].shape[1], slot_len=cache.k[0].shape[2],
+                window=self.window if window else None, tree=tree, tree_starts=starts)
+            self._ranges[key] = blocks.to(self.valid.device)
+        return self._ranges[key]
+
     def hidden_keys(self, group: int, window: bool) -> torch.Tensor:
         """The attention mask for ``group`` query heads per key/value head (made once)."""
         key = (group, window)
@@ -371,23 +399,55 @@ class LlamaRuntime(nn.Module):
         self.register_buffer("rope_sin", rope_sin, persistent=False)
 
     KERNELS = ("invariant", "library", "compiled")
+    ATTENTIONS = ("flex", "sdpa")
+    kernels = "invariant"                # set by use_kernels
+    attention = "sdpa"                   # the library's and compiled path's attention
+    verify_tokens: int | None = None     # new tokens per row of a verify (K + 1)
+    decode_width: int | None = None      # library on CUDA: decodes and verifies padded to it
     static: StaticForward | None = None  # set by use_kernels("compiled")
 
-    def use_kernels(self, kernels: str, *, backend: str | None = "inductor") -> LlamaRuntime:
+    def use_kernels(self, kernels: str, *, backend: str | None = "inductor",
+                    attention: str | None = None, verify_tokens: int | None = None) -> LlamaRuntime:
         """``invariant``: :mod:`specserve.engine.kernels` (a token's logits do not depend on
         the rest of the forward; the C kernels on CPU). ``library``: ``F.linear`` and torch's
-        ``scaled_dot_product_attention``, the runtime before those kernels (kept for GPUs and
-        for side-by-side benchmarks). ``compiled``: the library's ops at bucketed static
-        shapes under ``torch.compile`` (``backend``), with CUDA graphs on a GPU
+        attention, the runtime before those kernels (kept for GPUs and for side-by-side
+        benchmarks). ``compiled``: the library's ops at bucketed static shapes under
+        ``torch.compile`` (``backend``), with CUDA graphs on a GPU
         (:mod:`specserve.engine.compiled`); prefill stays on ``library``. Call it after the
-        model is on its device; caches made afterwards have the spare slot it needs."""
+        model is on its device; caches made afterwards have the spare slot it needs.
+
+        ``attention`` (``library`` and ``compiled``): ``flex``, FlexAttention reading each
+        row's own key blocks (:mod:`specserve.engine.block_attention`), or ``sdpa``, torch's
+        ``scaled_dot_product_attention`` with a mask; default ``flex`` where the weights are
+        on CUDA, ``sdpa`` elsewhere (on a CPU the C kernels are the fast path, and the
+        library's benchmarks keep what they measured). ``verify_tokens``: new tokens per row
+        of a verify (the unit's K + 1), the one token shape decodes share on a GPU: the
+        compiled path's token bucket, and on CUDA the library's padded width for forwards of
+        at most that many tokens per row (``compiled.py``, "One token shape")."""
         if kernels not in self.KERNELS:
             raise ConfigError(f"kernels {kernels!r}: expected one of {', '.join(self.KERNELS)}")
+        cuda = self.embed.weight.device.type == "cuda"
+        attention = attention or ("flex" if cuda else "sdpa")
+        if attention not in self.ATTENTIONS:
+            raise ConfigError(f"attention {attention!r}: expected one of {', '.join(self.ATTENTIONS)}")
+        if verify_tokens is not None and verify_tokens < 1:
+            raise ConfigError(f"verify_tokens must be at least 1, got {verify_tokens}")
         for module in self.modules():
             if isinstance(module, (Linear, Attention, MLP, DecoderLayer)):
                 module.invariant = kernels == "invariant"
-        self.static = StaticForward(self, backend=backend) if kernels == "compiled" else None
+            if isinstance(module, Attention):
+                module.attention = attention
+        self.kernels, self.attention, self.verify_tokens = kernels, attention, verify_tokens
+        self.decode_width = verify_tokens if kernels == "library" and cuda else None
+        self.static = (StaticForward(self, backend=backend, verify_tokens=verify_tokens)
+                       if kernels == "compiled" else None)
         return self
+
+    def warm_up(self, cache: SlotKVCache) -> dict:
+        """A forward in every shape serving will use, on the cache's free slots (left free,
+        at their lengths), so compiles happen now and not inside a step; returns what was
+        compiled (:func:`specserve.engine.compiled.warm_up`)."""
+        return warm_up(self, cache)
 
     @property
     def max_positions(self) -> int:
@@ -483,6 +543,8 @@ class LlamaRuntime(nn.Module):
                                       f"of {cache.max_seq_len}")
         kv_used, kv_len = kv_len, -(-kv_len // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
         t = max(lens)
+        if self.decode_width is not None and t <= self.decode_width:
+            t = self.decode_width  # a decode's GEMMs take a verify's shape (use_kernels)
         tokens = torch.zeros(len(slots), t, dtype=torch.long)
         for i, ids in enumerate(token_ids):
             tokens[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
@@ -501,7 +563,7 @@ class LlamaRuntime(nn.Module):
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
             kv_used=kv_used, positions=positions, window=self._window(), tree=tree,
-            tree_starts=tree_starts)
+            tree_starts=tree_starts, lens=torch.tensor(lens))
         return ctx, tokens.to(device)
 
     def _trees(self, trees: list[list[int] | None], starts: list[int], lens: list[int],
@@ -578,6 +640,12 @@ def _logit_positions(token_ids: list[list[int]], num_logits: list[int],
         rows += [i] * n
         cols += range(len(ids) - n, len(ids))
     return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+
+
+def default_kernels(device: torch.device) -> str:
+    """``kernels: auto``: the C kernels (``invariant``) on a CPU; on CUDA, where they cannot
+    run, the library's (``library``, attention on FlexAttention)."""
+    return "library" if torch.device(device).type == "cuda" else "invariant"
 
 
 def rope_tables(hf_config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
