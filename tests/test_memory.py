@@ -234,7 +234,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(config_files, tmp_path, capsys, ar
     assert err.count("\n") == 1 and err.startswith("specserve: error: ") and message in err, err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures the CUDA caching allocator")
+@pytest.mark.gpu  # measures the CUDA caching allocator (make gpu-check)
 @pytest.mark.parametrize("phase", ["prefill", "verify"])
 def test_workspace_bounds_a_real_forward_on_cuda(phase):
     """The workspace estimate is at least the peak a forward allocates on a GPU (library

@@ -61,7 +61,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from llguidance import LLMatcher, LLParserLimits
+
+try:  # a hard dependency of the package, but the engine must import without it: a GPU
+    # machine without the wheel still runs everything that has no grammar (docs/GPU.md)
+    from llguidance import LLMatcher, LLParserLimits
+except ImportError:  # pragma: no cover - exercised where llguidance is not installed
+    LLMatcher = LLParserLimits = None
 
 from specserve.errors import ConfigError, InvalidRequestError
 
@@ -269,6 +274,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int], *,
                  cache_size: int = 64) -> None:
+        if LLMatcher is None:
+            raise ConfigError("structured outputs need the llguidance package (pip install llguidance)")
         eos = sorted(set(eos_token_ids))
         if not eos:
             raise ConfigError("structured outputs need the model's EOS token ids")
