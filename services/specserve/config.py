@@ -223,6 +223,12 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(8, ge=1, le=4096,
                               description="KV slots: sequences decoded together in one batch.")
 
+    @property
+    def verify_tokens(self) -> int:
+        """New tokens per row in a verify (K + 1; 1 target-only): the one token shape the
+        target's GPU kernels use for decodes and verifies alike (``engine/compiled.py``)."""
+        return self.speculative.num_speculative_tokens + 1 if self.speculative.method else 1
+
 
 class SpeculationPolicyConfig(_Strict):
     """The per-request speculation policy (``serve/policy.py``; every decision carries one of
@@ -307,6 +313,12 @@ class UnitConfig(_Strict):
         60.0, gt=0, le=3600,
         description="A target forward slower than this counts as a failed target group: its "
                     "requests end with 503 and the unit restarts the group.")
+    compile_timeout_s: float = Field(
+        1800.0, gt=0, le=7200,
+        description="After loading, each target rank runs a forward in every batch shape serving "
+                    "will use (kernels: compiled compiles and captures its CUDA graphs there, "
+                    "about 1 min per shape on a large model); slower than this fails the unit's "
+                    "start with a message naming this field. Nothing compiles while serving.")
     target_restart_attempts: int = Field(
         3, ge=1, le=100,
         description="Restarts of a failed target group in a row before the unit reports itself "

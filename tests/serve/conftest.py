@@ -57,21 +57,51 @@ def ray_cluster():
 
 def deploy(name: str, route_prefix: str, args: dict) -> str:
     """Deploy an app and wait until it answers; returns its base URL."""
+    return deploy_all({name: (route_prefix, args)})[name]
+
+
+def deploy_all(apps: dict[str, tuple[str, dict]]) -> dict[str, str]:
+    """Deploy ``{name: (route_prefix, args)}`` side by side and wait until each answers;
+    their base URLs by name. Serve starts the apps' replicas at once, so a module whose tests
+    each need an app of their own waits for about one deploy, not one each."""
     from ray import serve
 
     from deploy.app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix=route_prefix)
-    url = BASE + route_prefix.rstrip("/")
+    serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=route_prefix)
+                    for name, (route_prefix, args) in apps.items()])
+    urls = {name: BASE + route_prefix.rstrip("/") for name, (route_prefix, _) in apps.items()}
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{name} did not come up")
+    for name, url in urls.items():
+        while not _answers(url):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not come up")
+            time.sleep(0.5)
+    return urls
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def target_only_texts(target_hf, prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """What the target alone produces for each prompt, greedily, in this process (no Ray, no
+    HTTP): one batch, which gives each row the tokens it gets alone (the kernels are
+    row-invariant) for the cost of one engine instead of one per prompt."""
+    from specserve.config import SamplingParams
+    from specserve.engine.tokenizer import encode_prompt
+
+    from tests.engine.test_spec_decode import make_engine
+
+    prompts = list(dict.fromkeys(prompts))
+    tok = make_tiny_tokenizer()
+    engine = make_engine(target_hf, None, slots=len(prompts), max_len=256)
+    done = engine.generate([encode_prompt(tok, p) for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=max_tokens))
+    return {p: c.text for p, c in zip(prompts, done)}
 
 
 def unit_args(target_dir: str, **engine) -> dict:
@@ -98,6 +128,7 @@ def draft_app(ray_cluster, tiny_models) -> str:
         "method": "draft_model", "num_speculative_tokens": 3,
         "draft": {"source": tiny_models[1]}})
     args["unit"]["accelerator"] = "gpu"
+    args["unit"]["engine"]["target"]["device"] = "cpu"  # fake GPUs: the placement would say cuda
     args["unit"]["draft_retry_s"] = 0.2
     # Only a real fault may take the draft away: a busy machine must not time a step out.
     args["unit"]["draft_timeout_s"] = 120.0

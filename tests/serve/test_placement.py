@@ -11,7 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
+from specserve.config import UnitConfig
 from specserve.engine.tokenizer import encode_prompt
+from specserve.serve.placement import process_group_backend, target_device
 
 from tests.serve.conftest import deploy, unit_args
 from tests.serve.test_http import target_only_text
@@ -28,6 +30,7 @@ def split_app(ray_cluster, tiny_models) -> str:
                          # A draft step takes milliseconds; the default 10 s limit could still
                          # call a draft that a busy machine delayed dead, and the test needs it.
                          "draft_timeout_s": 120})
+    args["unit"]["engine"]["target"]["device"] = "cpu"  # fake GPUs: the placement would say cuda
     args["ingress_node_resource"] = "specserve_head"
     return deploy("split", "/split", args)
 
@@ -52,3 +55,16 @@ def test_split_placement_serves_with_its_draft(split_app, tiny_models):
     bundles = list(tables[-1]["bundles"].values())
     assert len(bundles) == 2 and all(b["specserve_target"] > 0 for b in bundles)
     assert not any("specserve_draft" in b for t in tables for b in t["bundles"].values())
+
+
+@pytest.mark.parametrize(("accelerator", "device", "placed", "backend"), [
+    ("gpu", "auto", "cuda", "nccl"), ("cpu", "auto", "cpu", "gloo"),
+    ("gpu", "cpu", "cpu", "gloo"), ("gpu", "cuda:1", "cuda:1", "nccl")])
+def test_the_placement_decides_every_ranks_device_and_backend(accelerator, device, placed, backend):
+    """One decision for the whole target group, made by the coordinator from the unit's
+    placement and sent to every rank: a rank never picks NCCL or gloo from its own view of
+    CUDA (ranks that saw different things would form no group and hang)."""
+    cfg = UnitConfig.model_validate({"engine": {"target": {"source": "embedded", "device": device}},
+                                     "accelerator": accelerator, "tensor_parallel_size": 2})
+    assert (target_device(cfg), process_group_backend(cfg)) == (placed, backend)
+

@@ -16,6 +16,7 @@ from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
+from specserve.errors import TargetUnavailable
 from specserve.serve.placement import unit_bundles
 from specserve.serve.target_group import TargetGroup
 
@@ -29,7 +30,8 @@ def groups(ray_cluster, tiny_models):
     started = {}
     for tp in (1, 2):
         cfg = UnitConfig.model_validate({
-            "engine": {"target": {"source": tiny_models[0]}, "max_model_len": 256, "max_num_seqs": 4},
+            "engine": {"target": {"source": tiny_models[0], "device": "cpu"},  # fake GPUs
+                       "max_model_len": 256, "max_num_seqs": 4},
             "tensor_parallel_size": tp, "accelerator": "gpu"})
         pg = placement_group(unit_bundles(cfg), strategy="STRICT_PACK")
         ray.get(pg.ready(), timeout=60)
@@ -43,9 +45,27 @@ def groups(ray_cluster, tiny_models):
 def test_ranks_form_one_gloo_group_in_gpu_bundles(groups):
     info = ray.get([r.describe.remote() for r in groups[2].ranks])
     assert [i["rank"] for i in info] == [0, 1]
-    assert all(i["world_size"] == 2 and i["backend"] == "gloo" for i in info)
+    assert all(i["world_size"] == 2 and i["backend"] == "gloo" and i["device"] == "cpu" for i in info)
     assert all(i["cuda_visible_devices"] not in (None, "") for i in info)  # each got a GPU bundle
     assert len({i["cuda_visible_devices"] for i in info}) == 2
+    assert groups[2].warm_up_report["kernels"] == "invariant"  # every rank warmed up before serving
+
+
+def test_a_warm_up_past_compile_timeout_fails_the_start_naming_it(ray_cluster, tiny_models):
+    """Every batch shape is compiled before a group serves, bounded by its own
+    ``compile_timeout_s``: a first compile inside a step would outlast
+    ``target_step_timeout_s`` and start a restart loop. Past it, the start fails with a
+    message naming the field (a timeout far below a Ray round trip: never met)."""
+    cfg = UnitConfig.model_validate({
+        "engine": {"target": {"source": tiny_models[0]}, "max_model_len": 256, "max_num_seqs": 2},
+        "compile_timeout_s": 1e-6})
+    pg = placement_group(unit_bundles(cfg), strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=60)
+    try:
+        with pytest.raises(TargetUnavailable, match="compile_timeout_s"):
+            TargetGroup(cfg, pg, first_bundle=1)
+    finally:
+        remove_placement_group(pg)  # its ranks go with it
 
 
 def test_tp2_logits_equal_tp1(groups):

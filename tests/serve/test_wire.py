@@ -50,7 +50,8 @@ class Unit:
         """``eos``: the stop ids (default the target's; the distribution tests stop on none,
         so every sample has its two tokens)."""
         self.cfg = UnitConfig.model_validate({
-            "engine": {"target": {"source": target_dir}, "max_model_len": 256,
+            "engine": {"target": {"source": target_dir, "device": "cpu"},  # fake GPUs
+                       "max_model_len": 256,
                        "max_num_seqs": slots,
                        "speculative": {"num_speculative_tokens": K, "adaptive": {"enabled": False},
                                        **draft}},

@@ -223,12 +223,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(cfg, *, max_model_len: int,
-               tp_group: torch.distributed.ProcessGroup | None = None) -> LoadedModel:
+               tp_group: torch.distributed.ProcessGroup | None = None,
+               verify_tokens: int | None = None) -> LoadedModel:
     """Load a :class:`~specserve.config.ModelConfig` into our runtime: the whole model, or
     with ``tp_group`` this rank's tensor-parallel shard of it (read as a shard: see
-    :mod:`specserve.engine.shard_loader`)."""
+    :mod:`specserve.engine.shard_loader`). ``verify_tokens``: new tokens per row of a
+    verify (``EngineConfig.verify_tokens``), the token shape the GPU kernels give decodes
+    too (``engine/compiled.py``); None: the kernels' default."""
     from transformers.utils import logging as hf_logging
 
+    from specserve.engine.model import default_kernels
     from specserve.engine.shard_loader import load_sharded
 
     src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)
@@ -243,9 +247,8 @@ def load_model(cfg, *, max_model_len: int,
                            dtype=resolve_dtype(cfg.dtype, device), device=device,
                            group=tp_group, desc=f"loading {src.name}", progress=progress)
     runtime.requires_grad_(False)
-    kernels = cfg.kernels if cfg.kernels != "auto" else ("library" if device.type == "cuda"
-                                                         else "invariant")
-    runtime.use_kernels(kernels)
+    kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device)
+    runtime.use_kernels(kernels, verify_tokens=verify_tokens)
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))
 
 

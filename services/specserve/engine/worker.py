@@ -79,6 +79,12 @@ class ModelWorker(SlotOwner):
     def max_seq_len(self) -> int:
         return self.cache.max_seq_len
 
+    def warm_up(self) -> dict:
+        """A forward in every shape serving will use, before the first request
+        (:meth:`LlamaRuntime.warm_up <specserve.engine.model.LlamaRuntime.warm_up>`): the
+        compiled kernels compile and capture here, not inside a step."""
+        return self.runtime.warm_up(self.cache)
+
     def keep(self, slot: int, positions: list[int], at: int) -> None:
         """A verified token tree's accepted path moves to ``at, at + 1, ...`` (the cache's
         :meth:`~specserve.engine.kv_cache.SlotKVCache.keep`)."""

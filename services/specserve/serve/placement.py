@@ -12,6 +12,23 @@ ACTOR_NAMESPACE = "specserve"  # named target ranks and draft actors (fault-inje
 NODE_SLIVER = 0.001  # of a node-marking custom resource: many actors fit, only there
 
 
+def target_device(cfg: UnitConfig) -> str:
+    """The device every target rank loads onto, decided once by the unit's placement:
+    ``auto`` is ``cuda`` in GPU bundles and ``cpu`` otherwise. Ranks never decide it from
+    their own view of CUDA: one rank seeing no GPU would take gloo while the others took
+    NCCL, and the group would hang (fake-GPU test clusters say ``device: cpu``)."""
+    device = cfg.engine.target.device
+    if device != "auto":
+        return device
+    return "cuda" if cfg.accelerator == "gpu" else "cpu"
+
+
+def process_group_backend(cfg: UnitConfig) -> str:
+    """The target group's ``torch.distributed`` backend, the same for every rank: NCCL for
+    ranks on GPUs, gloo for ranks on CPUs."""
+    return "nccl" if target_device(cfg).startswith("cuda") else "gloo"
+
+
 def in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
     """Actor options placing it in bundle ``index`` of the unit's placement group."""
     options = {"num_cpus": cfg.cpus_per_actor, "num_gpus": 1 if cfg.accelerator == "gpu" else 0}

@@ -22,6 +22,7 @@ own: a new process cannot rejoin the old NCCL / gloo group, so the group restart
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -36,8 +37,15 @@ from specserve.engine.loader import load_model
 from specserve.engine.proposers.base import Proposal
 from specserve.engine.worker import ModelWorker, SlotOwner, Verified
 from specserve.errors import TargetUnavailable
-from specserve.serve.placement import ACTOR_NAMESPACE, in_bundle
+from specserve.serve.placement import (
+    ACTOR_NAMESPACE,
+    in_bundle,
+    process_group_backend,
+    target_device,
+)
 from specserve.serve.wire import Traffic, host_only
+
+log = logging.getLogger(__name__)
 
 PG_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -68,24 +76,34 @@ class TargetRank:
         host = ray.util.get_node_ip_address()
         return host, _free_port(host)
 
-    def setup(self, engine: dict, host: str, port: int) -> dict:
-        """Join the process group, load this rank's shard, and (ranks > 0) start following."""
+    def setup(self, engine: dict, host: str, port: int, backend: str) -> dict:
+        """Join the process group (``backend``: the coordinator's choice, the same for every
+        rank) and load this rank's shard onto the device ``engine`` names."""
         cfg = EngineConfig.model_validate(engine)
         if self.world_size > 1:
             if host.startswith("127."):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                     world_size=self.world_size, timeout=PG_TIMEOUT)
         # Each rank reads only its shard of the checkpoint (engine/shard_loader.py).
         group = dist.group.WORLD if self.world_size > 1 else None
-        loaded = load_model(cfg.target, max_model_len=cfg.max_model_len, tp_group=group)
+        loaded = load_model(cfg.target, max_model_len=cfg.max_model_len, tp_group=group,
+                            verify_tokens=cfg.verify_tokens)
         runtime = loaded.runtime
         self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
-        if self.rank > 0:
-            threading.Thread(target=self._follow, name="tp-follower", daemon=True).start()
         return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
                 "eos_token_ids": sorted(loaded.eos_token_ids)}
+
+    def warm_up(self) -> dict:
+        """Every rank at once, after :meth:`setup`: run a forward in every shape serving will
+        use, so ``kernels: compiled`` compiles and captures its graphs now, under the unit's
+        ``compile_timeout_s``, and never inside a step bounded by ``target_step_timeout_s``
+        (the ranks run the same forwards, so their all-reduces pair up). Then ranks > 0 start
+        following rank 0. Returns this rank's report (``LlamaRuntime.warm_up``)."""
+        report = self.worker.warm_up()
+        if self.rank > 0:
+            threading.Thread(target=self._follow, name="tp-follower", daemon=True).start()
+        return report
 
     def verify(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
@@ -189,8 +207,30 @@ class TargetGroup(SlotOwner):
                                          **self._named(r)).remote(r, world) for r in range(world)]
         host, port = ray.get(self.ranks[0].rendezvous.remote())
         engine = cfg.engine.model_dump()
-        self.info = ray.get([r.setup.remote(engine, host, port) for r in self.ranks])[0]
+        engine["target"]["device"] = target_device(cfg)
+        backend = process_group_backend(cfg)
+        self.info = ray.get([r.setup.remote(engine, host, port, backend) for r in self.ranks])[0]
         self._watch = {r.watch.remote(): i for i, r in enumerate(self.ranks)}
+        self.warm_up_report = self._warm_up()
+
+    def _warm_up(self) -> dict:
+        """Every rank's :meth:`TargetRank.warm_up`, bounded by ``compile_timeout_s``; rank 0's
+        report. A graph that inductor would not capture (``cudagraph_skips``) is logged: it
+        runs, but at the launch-bound speed the compiled path exists to avoid."""
+        refs = [r.warm_up.remote() for r in self.ranks]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.compile_timeout_s)
+        if len(ready) < len(refs):
+            raise TargetUnavailable(f"the target's warm-up (compiling every batch shape) took "
+                                    f"longer than {self.cfg.compile_timeout_s:g} s "
+                                    "(compile_timeout_s)")
+        report = ray.get(refs)[0]
+        if report.get("cudagraph_skips"):
+            log.warning("the target's compiled forward skipped CUDA graphs %d times: it runs "
+                        "without them (report: %s)", report["cudagraph_skips"], report)
+        elif report.get("buckets"):
+            log.info("target warm-up: %d shapes in %.1f s", len(report["buckets"]),
+                     sum(b["seconds"] for b in report["buckets"]))
+        return report
 
     def _named(self, rank: int) -> dict:
         if not self.name:
