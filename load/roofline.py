@@ -55,22 +55,36 @@ def forward_costs(runtime, context: list[int], ts=(1, 2, 3, 4, 5, 6, 7, 8),
     """Median seconds of one forward of T new tokens after ``context``, in each of ``rows``
     sequences (batch 1 by default). The first three calls of each T are warm-up: a
     compiled runtime compiles, then records its CUDA graph."""
-    cache = runtime.make_cache(num_slots=rows, max_seq_len=len(context) + max(ts) + 1)
+    cache, slots = prefilled_cache(runtime, context, rows, max(ts))
+    return {t: forward_cost(runtime, cache, slots, context, t, reps)[0] for t in ts}
+
+
+def prefilled_cache(runtime, context: list[int], rows: int, max_new: int):
+    """A cache of ``rows`` slots, each holding ``context``, with room for ``max_new`` more
+    tokens; returns ``(cache, slots)``. One cache serves every T: a compiled runtime's CUDA
+    graphs keep the cache's addresses, so a new cache per T would record them again."""
+    cache = runtime.make_cache(num_slots=rows, max_seq_len=len(context) + max_new + 1)
     slots = [cache.allocate() for _ in range(rows)]
-    device = runtime.embed.weight.device
-    out = {}
     with torch.inference_mode():
         for slot in slots:
             runtime(cache, [slot], [context])
-        for t in ts:
-            times = []
-            for _ in range(reps + 3):
-                for slot in slots:
-                    cache.rollback(slot, len(context))
-                _sync(device)
-                start = time.perf_counter()
-                runtime(cache, slots, [context[:t]] * rows, [t] * rows)
-                _sync(device)
-                times.append(time.perf_counter() - start)
-            out[t] = statistics.median(times[3:])
-    return out
+    return cache, slots
+
+
+def forward_cost(runtime, cache, slots: list[int], context: list[int], t: int, reps: int,
+                 warmup: int = 3) -> tuple[float, float]:
+    """``(median seconds, first call's seconds)`` of a forward of ``t`` new tokens in every
+    slot after ``context`` (``prefilled_cache``'s). The first call is where a compiled
+    runtime compiles the shape's bucket; ``warmup`` calls are left out of the median."""
+    device = runtime.embed.weight.device
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + warmup):
+            for slot in slots:
+                cache.rollback(slot, len(context))
+            _sync(device)
+            start = time.perf_counter()
+            runtime(cache, slots, [context[:t]] * len(slots), [t] * len(slots))
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:]), times[0]

@@ -1,0 +1,194 @@
+"""``make gpu-check``'s harness (``load/gpu_check.py``, ``load/gpu/``) without a GPU.
+
+The dry run is the same entry point with ``--dry-run``: every step of ``all`` at the tiny
+shape on the CPU, each in its own subprocess, into a temporary folder; every file a phase
+promises must be there with its keys, and at most 8 of them (the lent machine's limit). A
+step killed at its timeout must be reported so and the next one run (the runner, with fake
+steps: a second dry run would double the test's time), and a missing module must skip only
+the steps that import it, with one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from load import gpu_check
+from load.gpu import preflight
+from load.gpu.runner import Step, Summary
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = {"env.json", "tests.xml", "identity.json", "bench.json", "memory.json", "profile.txt",
+         "log.txt", "summary.json"}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """``load/gpu_check.py --phase all --dry-run`` once for the module: (folder, exit code)."""
+    out = tmp_path_factory.mktemp("gpu")
+    proc = subprocess.run([sys.executable, "load/gpu_check.py", "--phase", "all", "--dry-run",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_dry_run_writes_every_file_and_no_more(dry_run):
+    assert {p.name for p in dry_run.iterdir()} == FILES  # 8: the lent machine's limit
+    summary = json.loads((dry_run / "summary.json").read_text())
+    assert summary["phase"] == "all" and summary["dry_run"] and summary["finished"]
+    assert [(s["step"], s["status"]) for s in summary["steps"]] == [
+        (name, "ok") for name in gpu_check.PHASES["all"]]
+    assert all(s["seconds"] > 0 and s["file"] in FILES for s in summary["steps"])
+    log = (dry_run / "log.txt").read_text()
+    for name in gpu_check.PHASES["all"]:
+        assert f"step {name}: start" in log and f"step {name}: ok" in log
+    assert re.search(r"^\d\d:\d\d:\d\d ", log, re.M)  # timestamped
+
+
+def test_env_names_the_machine(dry_run):
+    env = json.loads((dry_run / "env.json").read_text())
+    for key in ("gpu_name", "driver_version", "sm_count", "total_memory_bytes", "free_memory_bytes",
+                "torch_cuda", "python", "packages"):
+        assert key in env
+    assert env["device"] == "cpu" and env["read_bandwidth_bytes_per_s"] > 0
+    assert env["packages"]["torch"] and "triton" in env["packages"]
+
+
+def test_tests_xml_is_junit(dry_run):
+    root = ElementTree.parse(dry_run / "tests.xml").getroot()
+    suite = root if root.tag == "testsuite" else root[0]
+    assert int(suite.get("tests")) >= 2 and int(suite.get("failures")) == int(suite.get("errors")) == 0
+
+
+def test_identity_holds_on_the_cpu(dry_run):
+    """The C kernels are row-invariant, so there a token's logits are bit-identical alone, in
+    a verify and in a batch, and greedy speculation is exactly target-only."""
+    report = json.loads((dry_run / "identity.json").read_text())
+    assert set(report["kernels"]) == {"invariant", "library", "compiled"}
+    for entry in report["kernels"].values():
+        for way in ("verify_alone", "batch_decode", "batch_verify"):
+            assert set(entry["row_invariance"][way]) == {"max_abs_diff", "argmax_flips", "rows",
+                                                         "bit_identical"}
+        spec = entry["speculation"]
+        assert {"identical", "num_differ", "first_divergence", "acceptance_rate"} <= set(spec)
+        assert spec["acceptance_rate"] > 0  # n-gram drafts were accepted: a real comparison
+    invariant = report["kernels"]["invariant"]
+    assert all(c["bit_identical"] and c["max_abs_diff"] == 0 for c in invariant["row_invariance"].values()
+               if isinstance(c, dict))
+    assert invariant["speculation"]["identical"] and invariant["speculation"]["num_differ"] == 0
+    assert invariant["speculation"]["first_divergence"] is None
+
+
+def test_bench_memory_and_profile(dry_run):
+    bench = json.loads((dry_run / "bench.json").read_text())
+    assert bench["complete"] and bench["cudagraph_skips"] == 0
+    assert [(r["kernels"], r["rows"]) for r in bench["rows"]] == [
+        ("library", 1), ("library", 2), ("compiled", 1), ("compiled", 2)]
+    assert all(set(r["costs_s"]) == {"1", "5"} for r in bench["raw"])
+    assert all(r["buckets_s"] for r in bench["raw"] if r["kernels"] == "compiled")
+    memory = json.loads((dry_run / "memory.json").read_text())
+    for entry in memory["kernels"].values():
+        assert entry["estimate"]["total"] > 0 and set(entry["phases"]) == {"prefill", "verify"}
+        assert entry["within_estimate"] is None  # nothing to measure on a CPU
+    profile = (dry_run / "profile.txt").read_text()
+    assert "kernels: compiled" in profile and "Name" in profile
+
+
+def _fake(name: str, code: str, output: str, timeout_s: float = 60) -> Step:
+    return Step(name, [sys.executable, "-c", code], timeout_s, (), output)
+
+
+def test_a_step_past_its_timeout_is_killed_and_the_next_runs(tmp_path):
+    """The timeout override of one step, through the same loop a phase runs. The killed
+    step's partial file stays; its child process dies with it."""
+    sleeper = ("import json, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+               "'import time; time.sleep(60)']); open(sys.argv[1], 'w').write(str(p.pid)); "
+               "print('partial written', flush=True); time.sleep(60)")
+    steps = [Step("slow", [sys.executable, "-c", sleeper, str(tmp_path / "slow.txt")], 60, (), "slow.txt"),
+             _fake("next", f"open({str(tmp_path / 'next.txt')!r}, 'w').write('ran')", "next.txt")]
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--timeout", "slow=1.5"])
+    summary = Summary(tmp_path / "summary.json", {"phase": "test"}, steps)
+    start = time.monotonic()
+    gpu_check.run_phase(args, steps, summary, deadline=time.monotonic() + 60)
+    assert time.monotonic() - start < 20
+    outcomes = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    assert [(o["step"], o["status"]) for o in outcomes] == [("slow", "timeout"), ("next", "ok")]
+    assert "partial slow.txt kept" in outcomes[0]["reason"]
+    assert not _alive(int((tmp_path / "slow.txt").read_text()))
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a killed orphan may wait for a reaper that never comes here)."""
+    time.sleep(0.2)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_failed_step_says_why_in_one_line_and_the_budget_skips(tmp_path):
+    steps = [_fake("boom", "raise SystemExit('ValueError: the reason')", "boom.txt"),
+             _fake("late", "pass", None)]
+    args = gpu_check.parse_args(["--out", str(tmp_path)])
+    summary = Summary(tmp_path / "summary.json", {}, steps)
+    gpu_check.run_phase(args, steps[:1], summary, deadline=time.monotonic() + 60)
+    gpu_check.run_phase(args, steps[1:], summary, deadline=time.monotonic() + 5)  # < MIN_STEP_S
+    got = {o.step: o for o in summary.outcomes.values()}
+    assert got["boom"].status == "failed" and "ValueError: the reason" in got["boom"].reason
+    assert got["late"].status == "skipped" and "budget" in got["late"].reason
+
+
+def test_a_missing_module_skips_only_the_steps_that_need_it(tmp_path, caplog):
+    steps = [_fake("needs", "pass", None), _fake("free", "pass", None)]
+    steps[0] = Step("needs", steps[0].argv, 60, ("torch", "no_such_module_gpu_check"), None)
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--dry-run"])
+    summary = Summary(tmp_path / "summary.json", {}, steps)
+    with caplog.at_level("INFO", logger="gpu-check"):
+        assert gpu_check.check_first(args, steps, summary)
+    lines = [r.getMessage() for r in caplog.records if "missing" in r.getMessage()]
+    assert len(lines) == 1 and "no_such_module_gpu_check" in lines[0] and "make gpu-wheels" in lines[0]
+    assert summary.outcomes["needs"].status == "skipped" and summary.outcomes["free"].status == "pending"
+
+
+def test_no_cuda_stops_the_phase_in_one_line(tmp_path, caplog, monkeypatch):
+    steps = [_fake("a", "pass", None)]
+    monkeypatch.setattr(preflight, "cuda", lambda *a, **k: {"available": False, "torch": "2.x", "cuda": None})
+    args = gpu_check.parse_args(["--out", str(tmp_path)])
+    summary = Summary(tmp_path / "summary.json", {}, steps)
+    with caplog.at_level("INFO", logger="gpu-check"):
+        assert not gpu_check.check_first(args, steps, summary)
+    assert any("no CUDA device" in r.getMessage() for r in caplog.records)
+    assert summary.outcomes["a"].status == "skipped"
+
+
+def test_every_step_needs_what_its_modules_import():
+    """The preflight's lists name modules that exist here (a typo would skip a step forever)."""
+    table = gpu_check.step_table(Path("/tmp/x"), dry_run=False)
+    assert list(table) == list(gpu_check.PHASES["all"])
+    assert not preflight.missing([m for s in table.values() for m in s.needs])
+
+
+def test_the_carried_wheels_are_the_tested_versions():
+    """``make gpu-wheels`` pins what .venv has: the GPU machine runs what the suite tested."""
+    makefile = (ROOT / "Makefile").read_text()
+    pins = dict(re.findall(r"([a-z][a-z-]+)==([\w.]+)", makefile.split("GPU_WHEELS ?=")[1].split("\n\n")[0]))
+    assert {"pydantic", "pydantic-core", "llguidance", "typing-extensions"} <= set(pins)
+    assert {name: importlib.metadata.version(name) for name in pins} == pins
+
+
+def test_first_divergence_is_the_earliest_token_then_the_lowest_prompt():
+    from load.gpu.identity import first_divergence
+
+    same = [[1, 2, 3], [4, 5, 6]]
+    assert first_divergence(same, same) is None
+    assert first_divergence(same, [[1, 2, 9], [4, 7, 6]]) == {"prompt": 1, "token": 1, "off": 5, "on": 7}
+    assert first_divergence([[1, 2]], [[1, 2, 3]]) == {"prompt": 0, "token": 2, "off": -1, "on": 3}
