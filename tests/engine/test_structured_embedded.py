@@ -38,11 +38,17 @@ SPECULATION = {"off": {"method": None}, "ngram": {"method": "ngram"},
 
 @pytest.fixture(scope="module")
 def outputs():
-    """Per speculation setting and grammar, the 50 completions."""
+    """Per speculation setting and grammar, the 50 completions.
+
+    A slot per prompt, so each grammar's 50 prompts decode as one batch: a step reads the
+    weights once for all of them, not once per 16, and the kernels are row-invariant, so a
+    row's tokens do not depend on its batch. The chat prompts are about 50 tokens: 512
+    positions hold any of them and its 256 new tokens."""
     done = {}
     for name, speculative in SPECULATION.items():
-        cfg = EngineConfig.model_validate({"target": {"source": "embedded"}, "max_num_seqs": 16,
-                                           "max_model_len": 1024, "speculative": speculative})
+        cfg = EngineConfig.model_validate({"target": {"source": "embedded"},
+                                           "max_num_seqs": len(PROMPTS), "max_model_len": 512,
+                                           "speculative": speculative})
         engine, loaded = build_engine(cfg)
         compiler = GrammarCompiler(loaded.tokenizer, engine.target.vocab_size, loaded.eos_token_ids)
         prompts = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
@@ -51,6 +57,7 @@ def outputs():
             done[name, kind] = engine.generate(prompts, GREEDY, grammar=compiler.compile(spec))
         if name != "off":
             done[name, "accepted"] = engine.stats.num_accepted_tokens
+        del engine, loaded  # one engine's caches at a time
     return done
 
 

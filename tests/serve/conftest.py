@@ -80,6 +80,19 @@ def deploy_all(apps: dict[str, tuple[str, dict]]) -> dict[str, str]:
     return urls
 
 
+def deployed(apps: dict[str, tuple[str, dict]]):
+    """For a module fixture (``yield from deployed(...)``): :func:`deploy_all`'s URLs, and
+    every app deleted once the module is done with them."""
+    from ray import serve
+
+    urls = deploy_all(apps)
+    try:
+        yield urls
+    finally:
+        for name in urls:
+            serve.delete(name)
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=5).status_code == 200

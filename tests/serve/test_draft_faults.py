@@ -22,12 +22,10 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from specserve.engine.tokenizer import encode_prompt
 from specserve.serve.placement import ACTOR_NAMESPACE
 
-from tests.serve.conftest import deploy, unit_args
-from tests.serve.test_http import PROMPTS, read_sse, target_only_text
-from tests.tiny import make_tiny_tokenizer
+from tests.serve.conftest import deploy, target_only_texts, unit_args
+from tests.serve.test_http import PROMPTS, read_sse
 
 APP = "draftfaults"
 DRAFT_TIMEOUT_S = 4.0  # a tiny draft step takes milliseconds: only an injected fault reaches it
@@ -51,8 +49,7 @@ def app(ray_cluster, tiny_models):
 
 @pytest.fixture(scope="module")
 def expected(tiny_models) -> dict[str, str]:
-    tok = make_tiny_tokenizer()
-    return {p: target_only_text(tiny_models[2], encode_prompt(tok, p), MAX_TOKENS) for p in PROMPTS}
+    return target_only_texts(tiny_models[2], PROMPTS, MAX_TOKENS)
 
 
 def stats(url: str) -> dict:
@@ -121,19 +118,31 @@ def wait_for(condition, what: str, timeout_s: float = DEADLINE_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sample_steps(url: str, load: Load, window_s: float, start=None) -> list[tuple[float, int, bool]]:
-    """``(time, steps, draft_available)`` of the unit every 0.1 s over ``window_s`` while
-    ``load`` runs (after ``start()``)."""
+def sample_steps(url: str, load: Load, done, start=None) -> list[tuple[float, int, bool]]:
+    """``(time, steps, draft_available)`` of the unit every 0.1 s while ``load`` runs (after
+    ``start()``), until ``done(samples)``."""
     wait_for(lambda: stats(url)["running"] >= WORKERS - 1, "the load to be running")
     samples = []
     if start is not None:
         start()
-    end = time.monotonic() + window_s
-    while time.monotonic() < end:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done(samples):
+        assert time.monotonic() < deadline, "the samples never showed what they wait for"
         s = stats(url)
         samples.append((time.monotonic(), s["times"]["steps"], s["draft_available"]))
         time.sleep(0.1)
     return samples
+
+
+def lasted(window_s: float):
+    """A ``done`` for :func:`sample_steps`: once the samples span ``window_s``."""
+    return lambda samples: len(samples) > 1 and samples[-1][0] - samples[0][0] >= window_s
+
+
+def lost_and_back(samples: list[tuple[float, int, bool]]) -> bool:
+    """A ``done`` for :func:`sample_steps`: once the draft was lost and answers again."""
+    flags = [available for _, _, available in samples]
+    return False in flags and flags[-1]
 
 
 def rate(samples: list[tuple[float, int, bool]]) -> float:
@@ -146,7 +155,7 @@ def target_only_rate(url: str, model: str, expected: dict[str, str]) -> float:
     fault (so both rates see the same machine)."""
     load = Load(url, model, expected, {"enabled": False})
     try:
-        samples = sample_steps(url, load, FAULT_WINDOW_S / 2)
+        samples = sample_steps(url, load, lasted(FAULT_WINDOW_S / 2))
     finally:
         load.finish()
     assert not load.failures, load.failures[:3]
@@ -173,12 +182,10 @@ def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_
     before = wait_for(lambda: (s := stats(app))["draft_available"] and s, "the draft to be attached")
     load = Load(app, model, expected, None)
     try:
-        samples = sample_steps(app, load, FAULT_WINDOW_S + DRAFT_TIMEOUT_S,
-                               start=lambda: fault(draft_actor()))
-        during = stats(app)
-        assert during["draft_fallbacks"] > before["draft_fallbacks"]
+        samples = sample_steps(app, load, lost_and_back, start=lambda: fault(draft_actor()))
+        back = stats(app)
+        assert back["draft_fallbacks"] > before["draft_fallbacks"]
         # Speculation comes back (the draft answers probes again) while the load goes on.
-        back = wait_for(lambda: (s := stats(app))["draft_available"] and s, "the draft to be back")
         wait_for(lambda: stats(app)["spec"]["num_drafts"] > back["spec"]["num_drafts"],
                  "drafts after the draft came back")
     finally:
@@ -187,10 +194,10 @@ def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_
     assert load.done > 0
     # While the draft is lost, the unit steps target-only, at target-only speed.
     lost = [s for s in samples if not s[2]]
+    assert len(lost) >= 5, "the draft was lost too briefly to measure"
     print(f"{fault.__name__}: lost for {lost[-1][0] - lost[0][0]:.1f} s of "
           f"{samples[-1][0] - samples[0][0]:.1f}; {rate(lost):.1f} steps/s lost, "
           f"{rate(samples):.1f} over the window, {reference:.1f} target-only")
-    assert len(lost) >= 5, "the draft was lost too briefly to measure"
     assert rate(lost) >= 0.5 * reference, (rate(lost), reference)
     after = wait_for(lambda: (s := stats(app))["running"] == 0 and s, "the unit to be idle")
     assert after["free_slots"] == after["num_slots"] and after["target_restarts"] == 0

@@ -9,40 +9,78 @@ import time
 
 import httpx
 import pytest
-from ray import serve
 from specserve.engine.draft_head import save_draft
 
 from tests.models import eagle_head_of
-from tests.serve.conftest import deploy, unit_args
+from tests.serve.conftest import deployed, target_only_texts, unit_args
 from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import (  # noqa: F401
     PROMPTS,
     complete,
-    greedy_equals_target_only,
     model_name,
     read_sse,
 )
 from tests.tiny import make_tiny_tokenizer
 
+MAX_TOKENS = 32
+
 
 @pytest.fixture(scope="module")
-def eagle_app(ray_cluster, tiny_models, tmp_path_factory):
+def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
+    """Both apps of the module, deployed side by side on one draft directory:
+
+    - ``eagle``: chains, prompt lookup in front, TP = 2;
+    - ``eagle-tree``: the EAGLE head drafting token trees (issue 20): its options travel to
+      the draft actor, the cost model chooses the node budget (up to 6) per step.
+    """
     draft = tmp_path_factory.mktemp("eagle") / "draft"
     save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
                extra={})
-    args = unit_args(tiny_models[0], max_num_seqs=4, speculative={
+    chain = unit_args(tiny_models[0], max_num_seqs=4, speculative={
         "method": "eagle", "num_speculative_tokens": 3, "ngram_first": True,
         "draft": {"source": str(draft)}, "adaptive": {"enabled": False}})
-    args["unit"]["tensor_parallel_size"] = 2
-    # A draft step takes milliseconds; the default 10 s limit could still call a draft that
-    # a busy machine delayed dead, and these tests need it drafting.
-    args["unit"]["draft_timeout_s"] = 120
-    yield deploy("eagle", "/eagle", args)
-    serve.delete("eagle")
+    chain["unit"]["tensor_parallel_size"] = 2
+    tree = unit_args(tiny_models[0], max_num_seqs=4, speculative={
+        "method": "eagle", "num_speculative_tokens": 6, "draft": {"source": str(draft)},
+        "eagle": {"tree": True, "tree_topk": 3, "tree_depth": 4},
+        "adaptive": {"warmup_steps": 4, "probe_interval_steps": 4}})
+    for args in (chain, tree):
+        # A draft step takes milliseconds; the default 10 s limit could still call a draft
+        # that a busy machine delayed dead, and these tests need it drafting.
+        args["unit"]["draft_timeout_s"] = 120
+    yield from deployed({"eagle": ("/eagle", chain), "eagle-tree": ("/eagle-tree", tree)})
 
 
-def test_eagle_greedy_output_equals_target_only(eagle_app, tiny_models, model_name):  # noqa: F811
-    bodies = greedy_equals_target_only(eagle_app, model_name, tiny_models[2], PROMPTS[:4], 32, "eagle")
+@pytest.fixture(scope="module")
+def eagle_app(apps) -> str:
+    return apps["eagle"]
+
+
+@pytest.fixture(scope="module")
+def eagle_tree_app(apps) -> str:
+    return apps["eagle-tree"]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models) -> dict[str, str]:
+    return target_only_texts(tiny_models[2], PROMPTS[:4], MAX_TOKENS)
+
+
+def greedy_equals_target_only(url: str, model: str, expected: dict[str, str]) -> list[dict]:
+    """Each prompt served greedily over HTTP, speculated by EAGLE, must produce what the
+    target alone produces; returns the response bodies."""
+    bodies = []
+    for prompt, text in expected.items():
+        r = complete(url, model, prompt, MAX_TOKENS)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == text, prompt
+        assert r.headers["x-speculation"].startswith("on; reason=default; method=eagle")
+        bodies.append(r.json())
+    return bodies
+
+
+def test_eagle_greedy_output_equals_target_only(eagle_app, model_name, expected):  # noqa: F811
+    bodies = greedy_equals_target_only(eagle_app, model_name, expected)
     assert sum(b["usage"]["speculation"]["num_accepted_tokens"] for b in bodies) > 0
 
 
@@ -68,26 +106,10 @@ def test_eagle_unit_frees_every_slot(eagle_app, model_name):  # noqa: F811
     assert stats["spec"]["num_accepted_tokens"] > 0
 
 
-@pytest.fixture(scope="module")
-def eagle_tree_app(ray_cluster, tiny_models, tmp_path_factory):
-    """The EAGLE head drafting token trees (issue 20): its options travel to the draft actor,
-    the cost model chooses the node budget (up to 6) per step."""
-    draft = tmp_path_factory.mktemp("eagle-tree") / "draft"
-    save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
-               extra={})
-    args = unit_args(tiny_models[0], max_num_seqs=4, speculative={
-        "method": "eagle", "num_speculative_tokens": 6, "draft": {"source": str(draft)},
-        "eagle": {"tree": True, "tree_topk": 3, "tree_depth": 4},
-        "adaptive": {"warmup_steps": 4, "probe_interval_steps": 4}})
-    args["unit"]["draft_timeout_s"] = 120
-    yield deploy("eagle-tree", "/eagle-tree", args)
-    serve.delete("eagle-tree")
-
-
-def test_eagle_trees_through_serve(eagle_tree_app, tiny_models, model_name):  # noqa: F811
+def test_eagle_trees_through_serve(eagle_tree_app, model_name, expected):  # noqa: F811
     """Greedy output equals target-only's; the unit verified trees, counted them by size,
     accepted depth and sibling rank, and exports them on /metrics."""
-    greedy_equals_target_only(eagle_tree_app, model_name, tiny_models[2], PROMPTS[:4], 32, "eagle")
+    greedy_equals_target_only(eagle_tree_app, model_name, expected)
     stats = unit_stats(eagle_tree_app)
     spec = stats["spec"]
     assert stats["spec_tree_drafts"] > 0 and spec["num_accepted_tokens"] > 0

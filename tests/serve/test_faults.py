@@ -20,13 +20,11 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from specserve.engine.tokenizer import encode_prompt
 from specserve.serve.placement import ACTOR_NAMESPACE
 
-from tests.serve.conftest import deploy, unit_args
+from tests.serve.conftest import deploy, target_only_texts, unit_args
 from tests.serve.test_fallback import unit_stats
-from tests.serve.test_http import PROMPTS, target_only_text
-from tests.tiny import make_tiny_tokenizer
+from tests.serve.test_http import PROMPTS
 
 STEP_TIMEOUT_S = 30.0  # target_step_timeout_s: the bound on finding a dead rank
 END_WITHIN_S = STEP_TIMEOUT_S + 60.0  # a request in flight when a rank dies ends within this
@@ -124,7 +122,6 @@ def test_killing_the_draft_under_load_fails_no_request(draft_app, tiny_models):
     model = Path(tiny_models[0]).name
     unit = serve.get_deployment_handle("SpeculationUnit", app_name="draft")
     name = unit.draft_actor_name.remote().result()
-    tok = make_tiny_tokenizer()
     jobs = [(PROMPTS[i % len(PROMPTS)], i % 2 == 0) for i in range(16)]
     done: list[int] = []
 
@@ -151,7 +148,7 @@ def test_killing_the_draft_under_load_fails_no_request(draft_app, tiny_models):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, jobs))
     assert [status for status, _, _ in results] == [200] * len(jobs)
-    expected = {p: target_only_text(tiny_models[2], encode_prompt(tok, p), 60) for p, _ in jobs}
+    expected = target_only_texts(tiny_models[2], [p for p, _ in jobs], 60)
     for _, prompt, text in results:
         assert text == expected[prompt], prompt
     after = unit_stats(draft_app)

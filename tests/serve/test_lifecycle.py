@@ -26,7 +26,7 @@ import pytest
 from ray import serve
 from specserve.cli import drain
 
-from tests.serve.conftest import deploy, unit_args
+from tests.serve.conftest import deployed, unit_args
 from tests.serve.test_http import PROMPTS
 
 MAX_TOKENS = 120
@@ -38,6 +38,14 @@ def app_args(tiny_target: str) -> dict:
     args = unit_args(tiny_target, speculative={"method": "ngram"}, max_num_seqs=4)
     args["drain_timeout_s"] = 300  # far beyond what the held streams need, on any machine
     return args
+
+
+@pytest.fixture(scope="module")
+def apps(ray_cluster, tiny_models) -> dict[str, str]:
+    """An app for each test, deployed side by side (each test stops its own: a drained or
+    deleted app serves no other test); their URLs by name."""
+    names = ("drain", "stop-delete", "stop-redeploy")
+    yield from deployed({name: (f"/{name}", app_args(tiny_models[0])) for name in names})
 
 
 def stream_to_end(url: str, body: dict, started: threading.Event) -> dict:
@@ -91,34 +99,31 @@ def assert_complete(results: list[dict]) -> None:
         assert r["tokens"] == MAX_TOKENS, r
 
 
-def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(ray_cluster, tiny_models):
+def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny_models):
     model = Path(tiny_models[0]).name
-    url = deploy("drain", "/drain", app_args(tiny_models[0]))
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            streams, _ = start_streams(url, "drain", model, pool, stall_s=8.0)
-            drained = pool.submit(drain, "drain", 300.0)
-            deadline = time.monotonic() + WAIT_S
-            while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
-                assert time.monotonic() < deadline, "health never said draining"
-                time.sleep(0.02)
-            health = httpx.get(url + "/health", timeout=WAIT_S)
-            assert health.status_code == 503 and health.json() == {"status": "draining"}
-            r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
-                           json={"model": model, "prompt": "hi", "max_tokens": 4})
-            assert r.status_code == 503 and r.headers["retry-after"] == "1"
-            assert r.json()["error"]["code"] == "draining"
-            results = [f.result(timeout=300) for f in streams]
-            assert drained.result(timeout=300) == 0  # nothing was left running
-        assert_complete(results)
-        stats = httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
-        assert stats["free_slots"] == stats["num_slots"]
-    finally:
-        serve.delete("drain")
+    url = apps["drain"]
+    with ThreadPoolExecutor(4) as pool:
+        streams, _ = start_streams(url, "drain", model, pool, stall_s=8.0)
+        drained = pool.submit(drain, "drain", 300.0)
+        deadline = time.monotonic() + WAIT_S
+        while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
+            assert time.monotonic() < deadline, "health never said draining"
+            time.sleep(0.02)
+        health = httpx.get(url + "/health", timeout=WAIT_S)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
+                       json={"model": model, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "draining"
+        results = [f.result(timeout=300) for f in streams]
+        assert drained.result(timeout=300) == 0  # nothing was left running
+    assert_complete(results)
+    stats = httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
+    assert stats["free_slots"] == stats["num_slots"]
 
 
 @pytest.mark.parametrize("how", ["delete", "redeploy"])
-def test_serve_stop_lets_streams_that_began_finish(ray_cluster, tiny_models, how):
+def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, how):
     """``delete``: the app is removed; ``redeploy``: the same app with a new config, so Serve
     replaces every replica. Either way the old replicas drain their streams: the stop comes
     while they run (they are held), and they end complete."""
@@ -126,37 +131,34 @@ def test_serve_stop_lets_streams_that_began_finish(ray_cluster, tiny_models, how
 
     model = Path(tiny_models[0]).name
     name = f"stop-{how}"
-    url = deploy(name, f"/{name}", app_args(tiny_models[0]))
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            streams, held_until = start_streams(url, name, model, pool, stall_s=12.0)
-            if how == "delete":
-                serve.delete(name, _blocking=False)
-                wait_stopping(url)
-                assert not any(f.done() for f in streams), "the stop must come while streams run"
-                results = [f.result(timeout=300) for f in streams]
-            else:
-                new = app_args(tiny_models[0])
-                new["max_tokens_cap"] = 199  # any change: new replicas replace the old ones
+    url = apps[name]
+    with ThreadPoolExecutor(4) as pool:
+        streams, held_until = start_streams(url, name, model, pool, stall_s=12.0)
+        if how == "delete":
+            serve.delete(name, _blocking=False)
+            wait_stopping(url)
+            assert not any(f.done() for f in streams), "the stop must come while streams run"
+            results = [f.result(timeout=300) for f in streams]
+        else:
+            new = app_args(tiny_models[0])
+            new["max_tokens_cap"] = 199  # any change: new replicas replace the old ones
 
-                def redeploy() -> float:
-                    serve.run(build_app(new), name=name, route_prefix=f"/{name}")
-                    return time.monotonic()
+            def redeploy() -> float:
+                serve.run(build_app(new), name=name, route_prefix=f"/{name}")
+                return time.monotonic()
 
-                rollout = pool.submit(redeploy)
-                results = [f.result(timeout=300) for f in streams]
-                # The rollout ended only after the hold, so not before the old replicas'
-                # streams could end: it waited for them (and they ended complete, below).
-                assert rollout.result(timeout=300) >= held_until
-        assert_complete(results)
-        if how == "redeploy":  # and the new replicas serve
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
-                               json={"model": model, "prompt": "hi", "max_tokens": 200})
-                if r.status_code == 400 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert "at most 199" in r.json()["error"]["message"]
-    finally:
-        serve.delete(name)
+            rollout = pool.submit(redeploy)
+            results = [f.result(timeout=300) for f in streams]
+            # The rollout ended only after the hold, so not before the old replicas'
+            # streams could end: it waited for them (and they ended complete, below).
+            assert rollout.result(timeout=300) >= held_until
+    assert_complete(results)
+    if how == "redeploy":  # and the new replicas serve
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
+                           json={"model": model, "prompt": "hi", "max_tokens": 200})
+            if r.status_code == 400 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert "at most 199" in r.json()["error"]["message"]

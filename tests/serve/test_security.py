@@ -23,7 +23,7 @@ import openai
 import pytest
 from ray import serve
 
-from tests.serve.conftest import deploy, unit_args
+from tests.serve.conftest import deployed, unit_args
 from tests.serve.test_http import read_sse
 
 # One key per test: the limits are per key, so the tests cannot use up each other's budget.
@@ -61,21 +61,24 @@ def secure_args(tiny_target: str, keys: str, **limits) -> dict:
 
 
 @pytest.fixture(scope="module")
-def secure_app(ray_cluster, tiny_models, key_file):
-    """The app of every test but the timeout's: the default request timeout (600 s).
-    Deleted after the module."""
-    url = deploy("secure", "/secure", secure_args(tiny_models[0], key_file))
-    yield url
-    serve.delete("secure")
+def apps(ray_cluster, tiny_models, key_file) -> dict[str, str]:
+    """Both apps of the module, deployed side by side; deleted after it."""
+    yield from deployed({
+        "secure": ("/secure", secure_args(tiny_models[0], key_file)),
+        "secure-timeout": ("/secure-timeout",
+                           secure_args(tiny_models[0], key_file, request_timeout_s=TIMEOUT_S))})
 
 
-@pytest.fixture
-def timeout_app(ray_cluster, tiny_models, key_file):
+@pytest.fixture(scope="module")
+def secure_app(apps) -> str:
+    """The app of every test but the timeout's: the default request timeout (600 s)."""
+    return apps["secure"]
+
+
+@pytest.fixture(scope="module")
+def timeout_app(apps) -> str:
     """The same with a TIMEOUT_S request timeout; only the timeout test uses it."""
-    url = deploy("secure-timeout", "/secure-timeout",
-                 secure_args(tiny_models[0], key_file, request_timeout_s=TIMEOUT_S))
-    yield url
-    serve.delete("secure-timeout")
+    return apps["secure-timeout"]
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +175,7 @@ def test_concurrent_stream_limit_per_key(secure_app, model):
     The streams are still running when the other requests arrive whatever the machine's
     speed: the engine is held (HOLD_S) before they are sent, and a stream's 200 comes from
     the unit before its first token."""
-    body = {"model": model, "prompt": "a b c", "max_tokens": 150, "ignore_eos": True,
+    body = {"model": model, "prompt": "a b c", "max_tokens": 32, "ignore_eos": True,
             "stream": True, "speculation": {"enabled": False}}
     short = {**body, "stream": False, "max_tokens": 1}
     stall("secure", HOLD_S)
