@@ -12,11 +12,12 @@ import pytest
 from specserve.engine.draft_head import save_draft
 
 from tests.models import eagle_head_of
-from tests.serve.conftest import deployed, target_only_texts, unit_args
+from tests.serve.conftest import deployed, unit_args
 from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import (  # noqa: F401
     PROMPTS,
     complete,
+    greedy_equals_target_only,
     model_name,
     read_sse,
 )
@@ -61,26 +62,9 @@ def eagle_tree_app(apps) -> str:
     return apps["eagle-tree"]
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_models) -> dict[str, str]:
-    return target_only_texts(tiny_models[2], PROMPTS[:4], MAX_TOKENS)
-
-
-def greedy_equals_target_only(url: str, model: str, expected: dict[str, str]) -> list[dict]:
-    """Each prompt served greedily over HTTP, speculated by EAGLE, must produce what the
-    target alone produces; returns the response bodies."""
-    bodies = []
-    for prompt, text in expected.items():
-        r = complete(url, model, prompt, MAX_TOKENS)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == text, prompt
-        assert r.headers["x-speculation"].startswith("on; reason=default; method=eagle")
-        bodies.append(r.json())
-    return bodies
-
-
-def test_eagle_greedy_output_equals_target_only(eagle_app, model_name, expected):  # noqa: F811
-    bodies = greedy_equals_target_only(eagle_app, model_name, expected)
+def test_eagle_greedy_output_equals_target_only(eagle_app, tiny_models, model_name):  # noqa: F811
+    bodies = greedy_equals_target_only(eagle_app, model_name, tiny_models[2], PROMPTS[:4], MAX_TOKENS,
+                                       "eagle")
     assert sum(b["usage"]["speculation"]["num_accepted_tokens"] for b in bodies) > 0
 
 
@@ -106,10 +90,10 @@ def test_eagle_unit_frees_every_slot(eagle_app, model_name):  # noqa: F811
     assert stats["spec"]["num_accepted_tokens"] > 0
 
 
-def test_eagle_trees_through_serve(eagle_tree_app, model_name, expected):  # noqa: F811
+def test_eagle_trees_through_serve(eagle_tree_app, tiny_models, model_name):  # noqa: F811
     """Greedy output equals target-only's; the unit verified trees, counted them by size,
     accepted depth and sibling rank, and exports them on /metrics."""
-    greedy_equals_target_only(eagle_tree_app, model_name, expected)
+    greedy_equals_target_only(eagle_tree_app, model_name, tiny_models[2], PROMPTS[:4], MAX_TOKENS, "eagle")
     stats = unit_stats(eagle_tree_app)
     spec = stats["spec"]
     assert stats["spec_tree_drafts"] > 0 and spec["num_accepted_tokens"] > 0
