@@ -210,3 +210,28 @@ def test_warm_up_of_the_other_kernels(kernels, buckets):
     report = rt.warm_up(cache)
     assert [b["rows"] for b in report["buckets"]] == buckets and report["kernels"] == kernels
     assert cache.num_free_slots == 2 and cache.lengths == [0, 0]
+
+
+@pytest.mark.parametrize("kernels", ["invariant", "library"])
+def test_a_prefill_verifies_drafts_only_on_row_invariant_kernels(kernels):
+    """A prompt and drafts in one forward round the prompt's keys and values as the target-only
+    prefill does only where the kernels are row-invariant; elsewhere (every GPU) the prefill
+    runs alone and drafting starts at the next step (``SpecDecodeEngine._plan``). On an H200
+    that took greedy speculation's divergences from target-only from 6 of 16 outputs (from
+    their first tokens) to 1 (docs/BENCHMARKS.md, "GPU")."""
+    worker = ModelWorker(runtime_of(tiny_hf_model("llama-gqa")).use_kernels(kernels),
+                         num_slots=1, max_seq_len=128)
+    assert worker.row_invariant == (kernels == "invariant")
+    widths = []
+    forward = worker.forward
+
+    def recording(slots, token_ids, *args, **kwargs):
+        widths.append(len(token_ids[0]))
+        return forward(slots, token_ids, *args, **kwargs)
+
+    worker.forward = recording
+    engine = SpecDecodeEngine(worker, make_tiny_tokenizer(), eos_token_ids=EOS,
+                              proposer=NgramProposer(min_n=1, max_n=3), num_speculative_tokens=4)
+    prompt = [5, 6, 7, 8] * 3  # n-gram lookup drafts 5, 6, 7, 8 after it
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    assert widths[0] == len(prompt) + (4 if kernels == "invariant" else 0)

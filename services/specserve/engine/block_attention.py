@@ -188,6 +188,18 @@ def block_mask(blocks: KeyBlocks, num_queries: int, num_keys: int) -> BlockMask:
         seq_lengths=(num_queries, num_keys), compute_q_blocks=False)  # no backward
 
 
+def kernel_options(dtype: torch.dtype) -> dict:
+    """FlexAttention's tile sizes. ``BLOCK_N``, the kernels' key tile, must divide a key
+    block; some defaults (128 in bfloat16 on an H100) do not. In float32 the prefill kernel's
+    default query tile (``BLOCK_M`` 128 on an H100) finds no config that fits (inductor's
+    ``NoValidChoicesError``, measured on an H200); 64 does, for the prefill and the decoding
+    kernel alike (docs/BENCHMARKS.md, "GPU")."""
+    options = {"BLOCK_N": KEY_BLOCK}
+    if dtype == torch.float32:
+        options["BLOCK_M"] = 64
+    return options
+
+
 def flex_attend(q: torch.Tensor, key_storage: torch.Tensor, value_storage: torch.Tensor,
                 blocks: KeyBlocks, scale: float) -> torch.Tensor:
     """``[B, T, H * D]`` attention outputs of queries ``q`` ``[B, T, H, D]`` over a layer's
@@ -195,10 +207,9 @@ def flex_attend(q: torch.Tensor, key_storage: torch.Tensor, value_storage: torch
     b, t, h, d = q.shape
     keys, values = storage_view(key_storage), storage_view(value_storage)  # [1, Hk, L, D]
     mask = block_mask(blocks, t, keys.shape[2])
-    # BLOCK_N: the kernels' key tile must divide a key block; some defaults (128) do not.
     out = flex_attention(q.transpose(1, 2), keys, values, block_mask=mask, scale=scale,
                          enable_gqa=h != keys.shape[1],
-                         kernel_options={"BLOCK_N": KEY_BLOCK})        # [B, H, T, D]
+                         kernel_options=kernel_options(q.dtype))      # [B, H, T, D]
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 

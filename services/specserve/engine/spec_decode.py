@@ -347,8 +347,16 @@ class SpecDecodeEngine:
 
     def _plan(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """K per sequence for this step: its cap, or the controller's K for adaptive decoding
-        rows (rows still in prefill draft at the controller's current K); and the caps."""
+        rows (rows still in prefill draft at the controller's current K); and the caps.
+
+        A prefill row drafts (its prompt and drafts in one forward) only where the target is
+        row-invariant: elsewhere (``library`` and ``compiled`` kernels, every GPU) a prompt
+        run with drafts after it is a GEMM of other rows than the target-only prefill, and
+        its keys and values round otherwise, which flipped 6 of 16 greedy outputs against
+        target-only on an H200 (1 or 2 of 16, late, without it; docs/BENCHMARKS.md, "GPU")."""
         caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
+        if not self.target.row_invariant:
+            caps = [c if self.target.length(s.slot) > 0 else 0 for s, c in zip(seqs, caps)]
         decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
         ks = list(caps)
         if self.controller is not None:

@@ -79,6 +79,13 @@ class ModelWorker(SlotOwner):
     def max_seq_len(self) -> int:
         return self.cache.max_seq_len
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a token's logits are the same bits whatever else its forward holds (the
+        ``invariant`` kernels; :class:`~specserve.engine.spec_decode.SpecDecodeEngine`
+        drafts in a prefill only then)."""
+        return self.runtime.kernels == "invariant"
+
     def warm_up(self) -> dict:
         """A forward in every shape serving will use, before the first request
         (:meth:`LlamaRuntime.warm_up <specserve.engine.model.LlamaRuntime.warm_up>`): the

@@ -92,7 +92,8 @@ class TargetRank:
         runtime = loaded.runtime
         self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
         return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
-                "eos_token_ids": sorted(loaded.eos_token_ids)}
+                "eos_token_ids": sorted(loaded.eos_token_ids),
+                "row_invariant": self.worker.row_invariant}
 
     def warm_up(self) -> dict:
         """Every rank at once, after :meth:`setup`: run a forward in every shape serving will
@@ -254,6 +255,12 @@ class TargetGroup(SlotOwner):
     @property
     def vocab_size(self) -> int:
         return self.info["vocab_size"]
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether the ranks' kernels are row-invariant
+        (:attr:`~specserve.engine.worker.ModelWorker.row_invariant`)."""
+        return self.info["row_invariant"]
 
     def keep(self, slot: int, positions: list[int], at: int) -> None:
         """A tree's accepted path: the ranks move it with the slot's next forward."""
