@@ -430,3 +430,26 @@ void rope_and_store(float *qkv, const float *cos, const float *sin, float *k_cac
     }
   }
 }
+
+/* Exp(1) noise, N rows of V (sampling.exponential_noise's formula, which the torch path
+   computes op by op): entry j of row i is SplitMix64's finaliser of keys[i] + (j + 1) *
+   golden, its top 53 bits a uniform u in (0, 1), the noise -log(u) in double, then float.
+   The integer steps are the same bits anywhere; the log is libm's, whose double may differ
+   from torch's in the last place (so, rarely, the float too). Not row-invariance but speed:
+   one pass instead of a dozen [N, V] int64 tensors. */
+void exponential_noise_rows(const int64_t *keys, int N, int V, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (N > 1 && (long)N * V >= PARALLEL_MIN_WORK)
+  for (int i = 0; i < N; i++) {
+    uint64_t key = (uint64_t)keys[i];
+    float *o = out + (size_t)i * V;
+    for (int j = 0; j < V; j++) {
+      uint64_t z = key + (uint64_t)(j + 1) * 0x9E3779B97F4A7C15ULL;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+      z ^= z >> 31;
+      double u = ((double)(z >> 11) + 0.5) * 0x1p-53;
+      o[j] = (float)(-log(u));
+    }
+  }
+}

@@ -86,8 +86,9 @@ def _load() -> ctypes.CDLL:
     lib.rms_norm_rows.argtypes = [ptr] * 3 + [i32] * 2 + [f32, i32]
     lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
     lib.rope_and_store.argtypes = [ptr] * 8 + [i32] * 7
+    lib.exponential_noise_rows.argtypes = [ptr] + [i32] * 2 + [ptr, i32]
     for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
-               lib.rope_and_store):
+               lib.rope_and_store, lib.exponential_noise_rows):
         fn.restype = None
     return lib
 
@@ -205,3 +206,13 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
                             values.data_ptr(), slots.data_ptr(), starts.data_ptr(), lens.data_ptr(),
                             b, t, heads, kv_heads, keys.shape[2], d, torch.get_num_threads())
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[N, vocab]`` Exp(1) noise of int64 ``keys`` ``[N]``
+    (:func:`specserve.engine.sampling.exponential_noise`'s formula, in one pass)."""
+    keys = keys.contiguous()
+    out = torch.empty(keys.shape[0], vocab, dtype=torch.float32)
+    _built().exponential_noise_rows(keys.data_ptr(), keys.shape[0], vocab, out.data_ptr(),
+                                    torch.get_num_threads())
+    return out

@@ -190,9 +190,13 @@ def tree_accept_seeded(parents: Sequence[int], tokens: Sequence[int], target_pro
     vocab = target_probs.shape[1]
     depths = [0, *tree_depths(parents)]  # per row of p
 
+    noises: dict[int, torch.Tensor] = {}  # per depth: siblings share their position's draw
+
     def target_token(row: int) -> int:
-        noise = position_noise(seed, position + depths[row], vocab, device=target_probs.device)  # [V]
-        return int(sample_from(target_probs[row], noise))
+        depth = depths[row]
+        if depth not in noises:
+            noises[depth] = position_noise(seed, position + depth, vocab, device=target_probs.device)  # [V]
+        return int(sample_from(target_probs[row], noises[depth]))
 
     return tree_accept_matching(parents, tokens, target_token)
 

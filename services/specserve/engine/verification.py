@@ -45,9 +45,7 @@ from specserve.engine.sampling import (
     compute_probs,
     exponential_noise,
     noise_key,
-    position_noise,
     position_uniform,
-    sample_from,
     step_generator,
 )
 from specserve.engine.tree_acceptance import tree_accept_greedy, tree_accept_sampled, tree_accept_seeded
@@ -217,13 +215,14 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
     assert len(rows) == len(proposals) == len(logits)
     draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
     p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1])  # [B, K + 1, V]
-    noise = torch.ones_like(p)  # [B, K + 1, V]; positions never drawn are never emitted
-    for i, r in enumerate(rows):
-        # Draw up to the first disagreement only: the noise of later positions would be wasted.
-        for j in range(int(num_draft_tokens[i]) + 1):
-            noise[i, j] = position_noise(r.seed, r.position + j, noise.shape[-1], device=noise.device)
-            if j == num_draft_tokens[i] or int(sample_from(p[i, j], noise[i, j])) != draft_token_ids[i, j]:
-                break
+    # Every row's positions 0..num_draft_tokens in one draw (what follows a disagreement is
+    # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
+    counts = (num_draft_tokens + 1).tolist()
+    drawn = exponential_noise([noise_key(r.seed, r.position + j) for r, n in zip(rows, counts)
+                               for j in range(n)], p.shape[-1], p.device)  # [sum(counts), V]
+    noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
+    width = torch.arange(p.shape[1], device=p.device)[None, :]
+    noise[width < torch.tensor(counts, device=p.device)[:, None]] = drawn  # row-major, as drawn
     return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
 
 
