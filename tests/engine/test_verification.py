@@ -88,6 +88,22 @@ def test_sampled_row_without_drafts_samples_its_position():
     assert out.emitted(0) == [int(sample_from(p[0], position_noise(seed, position, V)))]
 
 
+def test_a_rows_p_is_the_same_alone_or_beside_top_k_and_top_p_rows():
+    """The transform runs on a batch's rows together (chains, and a step's sampled trees in
+    one call since issue 35): a row without top-k or top-p gets the bits it gets alone. Its
+    cumulative sum rounds to 1 before its tail here (one dominant token), which the top-p
+    cut once read as "mass reached" and zeroed the tail when a top-p row shared the call."""
+    x = torch.zeros(50_000)
+    x[0] = 30.0  # p(0) rounds to 1 in float32; every other token keeps about 1e-13
+    other = torch.linspace(-3, 3, 50_000)
+    one = torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1)
+    alone = compute_probs(x[None], *one)[0]
+    beside = compute_probs(torch.stack([x, other]), torch.ones(2), torch.tensor([0, 20]),
+                           torch.tensor([1.0, 0.9]))
+    assert bool((alone[1:] > 0).all()) and torch.equal(beside[0], alone)
+    assert int((beside[1] > 0).sum()) <= 20
+
+
 def test_verify_batch_verifies_each_kind_in_one_call():
     greedy = SamplingRow(SamplingParams(temperature=0.0), 1, 5)
     seeded = SamplingRow(SamplingParams(temperature=1.0, seed=2), 2, 5)

@@ -47,9 +47,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass *before* it
-    # already does. The first token always survives.
+    # already does. The first token always survives, and a row without top-p loses nothing
+    # (its cumulative sum may round to 1 before its tail: batched beside a top-p row, it
+    # must still be the row it is alone).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p[:, None]) & (ranks > 0)
+    drop = (mass_before >= top_p[:, None]) & (ranks > 0) & (top_p[:, None] < 1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
