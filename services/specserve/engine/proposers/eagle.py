@@ -108,14 +108,14 @@ class EagleProposer(DraftModelProposer):
         trees: dict[int, TreeGrowth] = {}
         levels: dict[int, int] = {}
         matchers = {i: m for i in rows if i not in silent and (m := self._matcher(requests[i]))}
-        for j, i in enumerate(rows):
-            if i not in silent:
-                root = self._logprobs(requests[i], logits[j:j + 1])
-                if i in matchers:
-                    root = self._within_grammar(root, matchers[i], [[]])
-                trees[i] = TreeGrowth(root[0], root_features[j:j + 1], topk=self.options.tree_topk,
-                                      budget=requests[i].k)
-                levels[i] = self._levels(requests[i])
+        roots = [(j, i) for j, i in enumerate(rows) if i not in silent]
+        scored = self._logprobs_of([requests[i] for _, i in roots], [logits[j:j + 1] for j, _ in roots])
+        for (j, i), root in zip(roots, scored):
+            if i in matchers:
+                root = self._within_grammar(root, matchers[i], [[]])
+            trees[i] = TreeGrowth(root[0], root_features[j:j + 1], topk=self.options.tree_topk,
+                                  budget=requests[i].k)
+            levels[i] = self._levels(requests[i])
         while growing := [i for i in trees if trees[i].depth < levels[i] and trees[i].frontier]:
             paths = {i: [_path(trees[i], n) for n in trees[i].frontier] for i in growing if i in matchers}
             fed = [trees[i].feed() for i in growing]
@@ -125,8 +125,8 @@ class EagleProposer(DraftModelProposer):
                 [tokens for tokens, _, _ in fed], counts,
                 features=torch.cat([f for _, features, _ in fed for f in features]),
                 return_hidden=True, trees=[parents for _, _, parents in fed])
-            for i, x, h in zip(growing, logits.split(counts), hidden.split(counts)):
-                x = self._logprobs(requests[i], x)
+            scored = self._logprobs_of([requests[i] for i in growing], list(logits.split(counts)))
+            for i, x, h in zip(growing, scored, hidden.split(counts)):
                 if i in matchers:
                     x = self._within_grammar(x, matchers[i], paths[i])
                 trees[i].expand(x, h.split(1))
@@ -157,16 +157,29 @@ class EagleProposer(DraftModelProposer):
         room = self.worker.max_seq_len - self.worker.length(self.slots[r.seq_id])
         return max(1, min(self.options.tree_depth, r.k, 1 + room // self.options.tree_topk))
 
-    def _logprobs(self, r: DraftRequest, logits: torch.Tensor) -> torch.Tensor:
-        """``[m, V]`` log-probabilities the tree is scored by: the draft's softmax for greedy
-        rows, its distribution after the request's temperature / top-k / top-p otherwise."""
-        logits = self._to_target_vocab(logits)
-        if r.temperature <= 0:
-            return torch.log_softmax(logits, dim=-1)
-        m, device = logits.shape[0], logits.device
-        return compute_probs(logits, torch.full((m,), r.temperature, device=device),
-                             torch.full((m,), r.top_k, device=device),
-                             torch.full((m,), r.top_p, device=device)).log()
+    def _logprobs_of(self, reqs: list[DraftRequest], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per row, the ``[m_i, V]`` log-probabilities its tree is scored by: the draft's
+        softmax for greedy rows, its distribution after the request's temperature / top-k /
+        top-p otherwise. The greedy rows in one softmax and the sampled ones in one transform:
+        both act on each logits row alone, so a row gets the values it gets by itself, for one
+        call instead of one per row and level."""
+        out: list[torch.Tensor | None] = [None] * len(reqs)
+        for picked in ([i for i, r in enumerate(reqs) if r.temperature <= 0],
+                       [i for i, r in enumerate(reqs) if r.temperature > 0]):
+            if not picked:
+                continue
+            counts = [logits[i].shape[0] for i in picked]
+            x = self._to_target_vocab(torch.cat([logits[i] for i in picked]))  # [sum(m_i), V]
+            if reqs[picked[0]].temperature <= 0:
+                scored = torch.log_softmax(x, dim=-1)
+            else:
+                temperature, top_k, top_p = (
+                    torch.tensor([v for i, n in zip(picked, counts) for v in [getattr(reqs[i], name)] * n],
+                                 device=x.device) for name in ("temperature", "top_k", "top_p"))
+                scored = compute_probs(x, temperature, top_k, top_p).log()
+            for i, rows in zip(picked, scored.split(counts)):
+                out[i] = rows
+        return out
 
     def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
