@@ -174,6 +174,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
         self._wake = threading.Event()
+        self._stall_ended = threading.Event()  # end_stall: a stall ends before its time
         self._stopped = False
         self._draft_was_available = engine.draft_available
         self.num_running = 0
@@ -257,8 +258,15 @@ class EngineLoop:
 
     def stall(self, seconds: float) -> None:
         """Fault injection: the engine thread sleeps ``seconds`` at its next turn, as a hung
-        target step would (tests of timeouts and of what waits behind a stuck unit)."""
+        target step would (tests of timeouts and of what waits behind a stuck unit), or
+        until :meth:`end_stall`."""
+        self._stall_ended.clear()
         self._submit(_Stall(seconds))
+
+    def end_stall(self) -> None:
+        """End the stall now (a test that has seen what it waited for); if the engine thread
+        has not begun it yet, it does not sleep at all."""
+        self._stall_ended.set()
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -305,7 +313,7 @@ class EngineLoop:
                 case _Add():
                     self._add(item)
                 case _Stall(seconds):
-                    time.sleep(seconds)
+                    self._stall_ended.wait(seconds)
                 case _Abort(seq_ids):
                     for seq_id in seq_ids:
                         self.num_aborted += self.engine.abort(seq_id)

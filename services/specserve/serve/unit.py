@@ -234,6 +234,10 @@ class SpeculationUnit:
         """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``."""
         self.core.stall(min(float(seconds), 60.0))
 
+    def end_stall(self) -> None:
+        """Fault injection: end a :meth:`stall` now."""
+        self.core.end_stall()
+
     def check_health(self) -> None:
         if not self.core._thread.is_alive():
             raise RuntimeError("the coordinator loop has stopped")
