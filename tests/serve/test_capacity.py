@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,10 +21,18 @@ def test_full_unit_queues_then_429(tight_app, tiny_models):
     model = Path(tiny_models[0]).name
     body = {"model": model, "prompt": "a b c", "max_tokens": 150, "temperature": 0.8,
             "ignore_eos": True, "speculation": {"enabled": False}}
-    serve.get_deployment_handle("SpeculationUnit", app_name="tight").stall.remote(HOLD_S).result()
+    unit = serve.get_deployment_handle("SpeculationUnit", app_name="tight")
+    unit.stall.remote(HOLD_S).result()
     with ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(lambda _: httpx.post(tight_app + "/v1/completions", json=body,
-                                                       timeout=300), range(6)))
+        sent = [pool.submit(httpx.post, tight_app + "/v1/completions", json=body, timeout=300)
+                for _ in range(6)]
+        # The refusals come back while the engine is held; once four have, the unit holds the
+        # other two, and the hold has done its work (it would end by itself after HOLD_S).
+        deadline = time.monotonic() + HOLD_S
+        while sum(f.done() for f in sent) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        unit.end_stall.remote().result()
+        responses = [f.result() for f in sent]
     ok = [r for r in responses if r.status_code == 200]
     busy = [r for r in responses if r.status_code == 429]
     assert len(ok) + len(busy) == 6, [(r.status_code, r.text[:200]) for r in responses]

@@ -88,7 +88,8 @@ def test_decision_flips_with_load_and_back(router_app, tiny_models):
     assert usage["enabled"] and usage["k_mode"] == "adaptive" and usage["reason"] == "default"
 
     before = decided(router_app)
-    serve.get_deployment_handle("SpeculationUnit", app_name="router").stall.remote(HOLD_S).result()
+    unit = serve.get_deployment_handle("SpeculationUnit", app_name="router")
+    unit.stall.remote(HOLD_S).result()
     load = Background(router_app, model, 8)   # 8 in the unit: >= the threshold of 3
     try:
         wait_decided(router_app, before + 8)  # all in; held, so none can have finished
@@ -98,6 +99,7 @@ def test_decision_flips_with_load_and_back(router_app, tiny_models):
         forced = ask(router_app, model, speculation={"enabled": True})  # an override still wins
         assert forced.headers["x-speculation"].startswith("on; reason=client_override")
     finally:
+        unit.end_stall.remote().result()  # seen what the hold was for (it ends by itself too)
         load.stop()
     wait_idle(router_app)
     time.sleep(0.6)  # at least the dwell time since the last flip (a slower machine: longer)
