@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine import spec_decode, verification
+from specserve.engine import sampling, spec_decode
 from specserve.engine.proposers.base import Proposal, TopK
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
@@ -101,7 +101,7 @@ def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):
         slot = worker.allocate()
         worker.verify([slot], [[5, 6, 7]], [Proposal([])], [sampled])  # fine as built
         worker.rollback(slot, 0)
-        monkeypatch.setattr(verification, "_per_logit_row",
+        monkeypatch.setattr(sampling, "_per_logit_row",
                             lambda values, counts, device: torch.tensor(
                                 [v for v, n in zip(values, counts) for _ in range(n)]))
         with pytest.raises(DeviceMix, match="same device"):

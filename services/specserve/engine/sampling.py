@@ -16,6 +16,7 @@ many steps came before, or what else is in the batch. Seeded requests rely on it
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -36,6 +37,25 @@ def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         logits = _top_k_top_p(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def compute_probs_rows(logits: list[torch.Tensor], params: Sequence) -> list[torch.Tensor]:
+    """:func:`compute_probs` of several rows' logits (``[m_i, V]`` each), row ``i`` under
+    ``params[i]``'s ``temperature``, ``top_k`` and ``top_p`` (request parameters or a
+    draft request), all in one call: the transform acts on each logits row alone, so a row
+    gets the values it gets by itself, without one sort per row."""
+    counts = [x.shape[0] for x in logits]
+    device = logits[0].device
+    probs = compute_probs(torch.cat(logits),
+                          _per_logit_row([p.temperature for p in params], counts, device),
+                          _per_logit_row([p.top_k for p in params], counts, device),
+                          _per_logit_row([p.top_p for p in params], counts, device))  # [sum(m_i), V]
+    return list(probs.split(counts))
+
+
+def _per_logit_row(values: list, counts: list[int], device: torch.device) -> torch.Tensor:
+    """``[sum(counts)]`` on ``device``: each row's value repeated once per logits row of it."""
+    return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)], device=device)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -113,9 +133,10 @@ def exponential_noise(keys: list[int], vocab: int, device: torch.device | str = 
     the C kernels (:mod:`specserve.engine.native`) the same formula runs in one pass there,
     about 8x faster; its ``log`` is libm's, so a rare entry may differ from this path's in
     the last place too. Either way a process computes every row with one of them."""
+    keys = [_int64(k) for k in keys]
     if torch.device(device).type == "cpu" and native.library() is not None:
-        return native.exponential_noise(torch.tensor([_int64(k) for k in keys], dtype=torch.int64), vocab)
-    key = torch.tensor([_int64(k) for k in keys], dtype=torch.int64, device=device)[:, None]
+        return native.exponential_noise(torch.tensor(keys, dtype=torch.int64), vocab)
+    key = torch.tensor(keys, dtype=torch.int64, device=device)[:, None]
     index = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)[None, :]
     z = key + index * _GOLDEN  # [N, V]; int64 products wrap, as uint64 ones would
     z = (z ^ _shr(z, 30)) * _M1

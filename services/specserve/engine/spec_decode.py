@@ -354,10 +354,10 @@ class SpecDecodeEngine:
         run with drafts after it is a GEMM of other rows than the target-only prefill, and
         its keys and values round otherwise, which flipped 6 of 16 greedy outputs against
         target-only on an H200 (1 or 2 of 16, late, without it; docs/BENCHMARKS.md, "GPU")."""
+        decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
         caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
         if not self.target.row_invariant:
-            caps = [c if self.target.length(s.slot) > 0 else 0 for s, c in zip(seqs, caps)]
-        decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
+            caps = [c if i in decoding else 0 for i, c in enumerate(caps)]
         ks = list(caps)
         if self.controller is not None:
             ks = [min(c, self.controller.k) if s.adaptive else c for s, c in zip(seqs, caps)]

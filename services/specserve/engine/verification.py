@@ -43,6 +43,7 @@ from specserve.engine.rejection_sampler import (
 )
 from specserve.engine.sampling import (
     compute_probs,
+    compute_probs_rows,
     exponential_noise,
     noise_key,
     position_uniform,
@@ -91,8 +92,8 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
     trees = [i for i, proposal in enumerate(proposals) if proposal.parents is not None]
     chains = [i for i in range(len(rows)) if proposals[i].parents is None]
     sampled = [i for i in trees if not rows[i].params.greedy]  # their p in one transform
-    probs = dict(zip(sampled, row_probs([rows[i].params for i in sampled],
-                                        [logits[i] for i in sampled]))) if sampled else {}
+    probs = dict(zip(sampled, compute_probs_rows([logits[i] for i in sampled],
+                                                 [rows[i].params for i in sampled]))) if sampled else {}
     for i in trees:
         results[i] = (verify_tree(rows[i], proposals[i], logits[i], probs.get(i)), 0)
     greedy = [i for i in chains if rows[i].params.greedy]
@@ -173,17 +174,15 @@ def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list
 
 
 def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor,
-                p: torch.Tensor | None = None) -> RejectionOutput:
+                p: torch.Tensor | None) -> RejectionOutput:
     """One row whose drafts form a tree; logits: ``[N + 1, V]`` (or argmax ids, greedy), row
-    0 after the row's last token, row i + 1 after node i; ``p``: a sampled row's transformed
-    ``[N + 1, V]`` where the caller made it (:func:`row_probs`). Returns a one-row output
-    whose ``paths`` holds the accepted nodes."""
+    0 after the row's last token, row i + 1 after node i; ``p``: a sampled row's ``[N + 1, V]``
+    after its transform (None for a greedy row). Returns a one-row output whose ``paths``
+    holds the accepted nodes."""
     parents, tokens = proposal.parents, proposal.token_ids
     if row.params.greedy:
         out = tree_accept_greedy(parents, tokens, logits)
     else:
-        if p is None:
-            p = row_probs([row.params], [logits])[0]  # [N + 1, V]
         if row.params.seed is not None:
             out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
         else:
@@ -275,25 +274,7 @@ def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
     """
     assert len(params) == len(logits)
     assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
-    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0) for x in row_probs(params, logits)])
-
-
-def row_probs(params: list[SamplingParams], logits: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each row's p (``[rows_i, V]``) after its temperature / top-k / top-p, all rows in one
-    :func:`~specserve.engine.sampling.compute_probs` call (row by row, it would sort each
-    row's logits on its own; the transform is per logits row either way)."""
-    counts = [x.shape[0] for x in logits]
-    device = logits[0].device
-    probs = compute_probs(torch.cat(logits),
-                          _per_logit_row([s.temperature for s in params], counts, device),
-                          _per_logit_row([s.top_k for s in params], counts, device),
-                          _per_logit_row([s.top_p for s in params], counts, device))  # [sum(rows_i), V]
-    return list(probs.split(counts))
-
-
-def _per_logit_row(values: list, counts: list[int], device: torch.device) -> torch.Tensor:
-    """``[sum(counts)]`` on ``device``: each row's value repeated once per logits row of it."""
-    return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)], device=device)
+    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0) for x in compute_probs_rows(logits, params)])
 
 
 def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:

@@ -31,7 +31,7 @@ from specserve.engine.grammar import allocate_bitmask
 from specserve.engine.proposers.base import DraftRequest, Proposal
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.tree_growth import TreeGrowth
-from specserve.engine.sampling import compute_probs
+from specserve.engine.sampling import compute_probs_rows
 from specserve.engine.verification import masked
 from specserve.errors import InvalidRequestError
 
@@ -168,16 +168,12 @@ class EagleProposer(DraftModelProposer):
                        [i for i, r in enumerate(reqs) if r.temperature > 0]):
             if not picked:
                 continue
-            counts = [logits[i].shape[0] for i in picked]
-            x = self._to_target_vocab(torch.cat([logits[i] for i in picked]))  # [sum(m_i), V]
+            x = [self._to_target_vocab(logits[i]) for i in picked]
             if reqs[picked[0]].temperature <= 0:
-                scored = torch.log_softmax(x, dim=-1)
+                scored = torch.log_softmax(torch.cat(x), dim=-1).split([len(r) for r in x])
             else:
-                temperature, top_k, top_p = (
-                    torch.tensor([v for i, n in zip(picked, counts) for v in [getattr(reqs[i], name)] * n],
-                                 device=x.device) for name in ("temperature", "top_k", "top_p"))
-                scored = compute_probs(x, temperature, top_k, top_p).log()
-            for i, rows in zip(picked, scored.split(counts)):
+                scored = [p.log() for p in compute_probs_rows(x, [reqs[i] for i in picked])]
+            for i, rows in zip(picked, scored):
                 out[i] = rows
         return out
 
