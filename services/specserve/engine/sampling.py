@@ -131,8 +131,9 @@ def exponential_noise(keys: list[int], vocab: int, device: torch.device | str = 
     numbers on the host and copies none to the device, and the bits are the same on the CPU
     and the GPU (the final ``log`` may differ in the last place between them). On a CPU with
     the C kernels (:mod:`specserve.engine.native`) the same formula runs in one pass there,
-    2.6x faster on a 2-core EPYC (1.6 ms for 768 x 512 entries); its ``log`` is libm's, so a rare entry may differ from this path's in
-    the last place too. Either way a process computes every row with one of them."""
+    2.6x faster on a 2-core EPYC (1.6 ms for 768 x 512 entries); its ``log`` is libm's, so a
+    rare entry may differ from this path's in the last place too. Either way a process
+    computes every row with one of them."""
     keys = [_int64(k) for k in keys]
     if torch.device(device).type == "cpu" and native.library() is not None:
         return native.exponential_noise(torch.tensor(keys, dtype=torch.int64), vocab)
