@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray import serve
@@ -55,15 +56,19 @@ class SpeculationUnit:
         context = serve.get_replica_context()
         self.unit_id = context.replica_id.unique_id
         self.draft_name = f"draft-{self.unit_id}"
-        # The target first: the draft drafts over the target's vocabulary (its own may be
-        # padded differently, draft_model.py).
-        self.target = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
-                                        name=f"target-{self.unit_id}")
-        self.draft = (DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
-                                        target_vocab_size=self.target.vocab_size,
-                                        eos_token_ids=self.target.info["eos_token_ids"])
-                      if cfg.has_draft_group else None)
-        tokenizer = load_tokenizer(resolve(cfg.engine.target.source, cfg.engine.target.cache_dir))
+        # The tokenizer loads (a second or two, mostly imports) while the ranks start in
+        # their own processes. The target before the draft: the draft drafts over the
+        # target's vocabulary (its own may be padded differently, draft_model.py).
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(load_tokenizer, resolve(cfg.engine.target.source,
+                                                            cfg.engine.target.cache_dir))
+            self.target = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
+                                      name=f"target-{self.unit_id}")
+            self.draft = (DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
+                                            target_vocab_size=self.target.vocab_size,
+                                            eos_token_ids=self.target.info["eos_token_ids"])
+                          if cfg.has_draft_group else None)
+            tokenizer = tokenizer.result()
         eos = self.target.info["eos_token_ids"]
         self.grammars = GrammarCompiler(tokenizer, self.target.vocab_size, eos)  # structured outputs
         self.engine = assemble_engine(self.target, tokenizer,
