@@ -42,9 +42,11 @@ def app_args(tiny_target: str) -> dict:
 
 @pytest.fixture(scope="module")
 def apps(ray_cluster, tiny_models) -> dict[str, str]:
-    """An app for each test, deployed side by side (each test stops its own: a drained or
-    deleted app serves no other test); their URLs by name."""
-    names = ("drain", "stop-delete", "stop-redeploy")
+    """Two apps, deployed side by side; their URLs by name. ``stop-delete`` is deleted by its
+    test; ``stop-redeploy`` is redeployed by its test, and its new replicas are then the ones
+    the drain test drains (a drained or deleted app serves nothing after: the drain test is
+    the module's last)."""
+    names = ("stop-delete", "stop-redeploy")
     yield from deployed({name: (f"/{name}", app_args(tiny_models[0])) for name in names})
 
 
@@ -84,6 +86,11 @@ def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor, stal
     return futures, held_until
 
 
+def end_stall(app: str) -> None:
+    """The held engine steps again (the streams run on to their ends)."""
+    serve.get_deployment_handle("SpeculationUnit", app_name=app).end_stall.remote().result()
+
+
 def wait_stopping(url: str) -> None:
     """Until Serve no longer routes to the app at ``url``: it has taken the deleted app's
     route down and is stopping its replicas."""
@@ -97,29 +104,6 @@ def assert_complete(results: list[dict]) -> None:
     for r in results:
         assert r["done"] and not r["errors"] and r["finish"] == "length", r
         assert r["tokens"] == MAX_TOKENS, r
-
-
-def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny_models):
-    model = Path(tiny_models[0]).name
-    url = apps["drain"]
-    with ThreadPoolExecutor(4) as pool:
-        streams, _ = start_streams(url, "drain", model, pool, stall_s=8.0)
-        drained = pool.submit(drain, "drain", 300.0)
-        deadline = time.monotonic() + WAIT_S
-        while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
-            assert time.monotonic() < deadline, "health never said draining"
-            time.sleep(0.02)
-        health = httpx.get(url + "/health", timeout=WAIT_S)
-        assert health.status_code == 503 and health.json() == {"status": "draining"}
-        r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
-                       json={"model": model, "prompt": "hi", "max_tokens": 4})
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "draining"
-        results = [f.result(timeout=300) for f in streams]
-        assert drained.result(timeout=300) == 0  # nothing was left running
-    assert_complete(results)
-    stats = httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
-    assert stats["free_slots"] == stats["num_slots"]
 
 
 @pytest.mark.parametrize("how", ["delete", "redeploy"])
@@ -162,3 +146,28 @@ def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, how):
                 break
             time.sleep(0.5)
         assert "at most 199" in r.json()["error"]["message"]
+
+
+def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny_models):
+    model = Path(tiny_models[0]).name
+    url = apps["stop-redeploy"]  # its replicas since the redeploy test (apps)
+    with ThreadPoolExecutor(4) as pool:
+        streams, _ = start_streams(url, "stop-redeploy", model, pool, stall_s=WAIT_S)
+        drained = pool.submit(drain, "stop-redeploy", 300.0)
+        deadline = time.monotonic() + WAIT_S
+        while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
+            assert time.monotonic() < deadline, "health never said draining"
+            time.sleep(0.02)
+        health = httpx.get(url + "/health", timeout=WAIT_S)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        r = httpx.post(url + "/v1/completions", timeout=WAIT_S,
+                       json={"model": model, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "draining"
+        assert not any(f.done() for f in streams), "the drain must come while streams run"
+        end_stall("stop-redeploy")
+        results = [f.result(timeout=300) for f in streams]
+        assert drained.result(timeout=300) == 0  # nothing was left running
+    assert_complete(results)
+    stats = httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
+    assert stats["free_slots"] == stats["num_slots"]
