@@ -65,22 +65,6 @@ def worker_group(nodeid: str) -> str:
     return "ray" if module.startswith("tests/serve/") else module
 
 
-# Ray starts its worker processes (replicas, ranks, drafts) this much nicer than the node
-# (``RAY_worker_niceness``'s default).
-RAY_WORKER_NICENESS = 15
-
-
-@pytest.fixture(autouse=True)
-def _yield_to_ray_workers(request):
-    """Under `make test`, the worker running tests outside the Ray group runs at the Ray
-    workers' niceness: at 0 beside them it would take about 28 times their share of a core,
-    and the Serve tests, the longer half, would wait on their replicas and ranks."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and worker_group(request.node.nodeid) != "ray":
-        niceness = os.nice(0)
-        if niceness < RAY_WORKER_NICENESS:
-            os.nice(RAY_WORKER_NICENESS - niceness)
-
-
 @pytest.hookimpl(optionalhook=True)  # xdist's hook; the GPU machine runs pytest without xdist
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with :func:`worker_group` as the scope (its own ``loadgroup``
