@@ -59,10 +59,18 @@ def worker_group(nodeid: str) -> str:
     """Which worker group runs a test under `make test` (two xdist workers). The tests of
     tests/serve share one local Ray cluster and its Serve apps (some reach theirs by name,
     through ``request.getfixturevalue``), so they are one group, run by one worker in file
-    order; every other module is a group of its own (its module fixtures built once), run by
-    the other worker meanwhile. No test outside tests/serve starts Ray."""
+    order. The tests of Ray actors without Serve (``ACTOR_TESTS``) are a group of their own:
+    where they run beside the Serve tests, their worker starts a Ray cluster of its own (on
+    ports of its own), and they take about two minutes off the Serve worker, the longer one.
+    Every other module is a group of its own (its module fixtures built once). No test
+    outside tests/serve starts Ray."""
     module = nodeid.split("::")[0]
+    if module in ACTOR_TESTS:
+        return "ray-actors"
     return "ray" if module.startswith("tests/serve/") else module
+
+
+ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook; the GPU machine runs pytest without xdist

@@ -17,7 +17,10 @@ import pytest
 from tests.models import perturbed, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
 
-PORT = int(os.environ.get("SPECSERVE_TEST_PORT", "18321"))
+# Ports of their own for each xdist worker (`make test`): the Ray group's worker and, where
+# the Ray-actor tests run beside it, theirs each start a local Ray cluster (tests/conftest.py).
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+PORT = int(os.environ.get("SPECSERVE_TEST_PORT", "18321")) + 10 * WORKER
 RAY_METRICS_PORT = PORT + 1
 BASE = f"http://127.0.0.1:{PORT}"
 
@@ -39,20 +42,29 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def local_ray():
+    """The local Ray cluster alone: what tests of Ray actors without Serve need."""
     import ray
-    from ray import serve
-    from specserve.serve.local import start_local_ray, start_serve
+    from specserve.serve.local import start_local_ray
 
     # The node also advertises the resources the Helm chart's worker groups do, so a unit
     # configured for a cluster (target and draft on separate groups) can be placed here.
     start_local_ray(num_cpus=8, num_gpus=8, metrics_export_port=RAY_METRICS_PORT,
                     resources={"specserve_head": 1000, "specserve_target": 1000,
                                "specserve_draft": 1000})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(local_ray):
+    """The local Ray cluster with Serve on ``PORT``."""
+    from ray import serve
+    from specserve.serve.local import start_serve
+
     start_serve("127.0.0.1", PORT)
     yield
     serve.shutdown()
-    ray.shutdown()
 
 
 def deploy(name: str, route_prefix: str, args: dict) -> str:

@@ -26,7 +26,7 @@ from tests.tiny import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def groups(ray_cluster, tiny_models):
+def groups(local_ray, tiny_models):
     started = {}
     for tp in (1, 2):
         cfg = UnitConfig.model_validate({
@@ -51,7 +51,7 @@ def test_ranks_form_one_gloo_group_in_gpu_bundles(groups):
     assert groups[2].warm_up_report["kernels"] == "invariant"  # every rank warmed up before serving
 
 
-def test_a_warm_up_past_compile_timeout_fails_the_start_naming_it(ray_cluster, tiny_models):
+def test_a_warm_up_past_compile_timeout_fails_the_start_naming_it(local_ray, tiny_models):
     """Every batch shape is compiled before a group serves, bounded by its own
     ``compile_timeout_s``: a first compile inside a step would outlast
     ``target_step_timeout_s`` and start a restart loop. Past it, the start fails with a

@@ -99,7 +99,7 @@ def _unit_config(method: str, tp: int) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def units(ray_cluster, tiny_models, draft_dirs):
+def units(local_ray, tiny_models, draft_dirs):
     """``units(method, tp)``: that configuration's :class:`Unit`, started on first use and
     shared until a test asks for another configuration, which closes it first: one unit
     alive at a time (the fake GPUs are shared with the session's apps). The tests below
