@@ -43,6 +43,12 @@ def app(ray_cluster, tiny_models):
         "adaptive": {"enabled": False}})  # draft every step: the faults must be met
     args["unit"].update({"draft_timeout_s": DRAFT_TIMEOUT_S, "draft_retry_s": 0.2,
                          "draft_retry_max_s": 2.0})
+    # Placed like the session's draft app, on fake GPU bundles with CPU tensors, so its draft
+    # is not niced: a niced draft restarts under SCHED_IDLE, which a busy machine (`make
+    # test`'s other worker) starves for up to 30 s before each kill's draft is back.
+    # test_draft_priority.py tests that loading.
+    args["unit"]["accelerator"] = "gpu"
+    args["unit"]["engine"]["target"]["device"] = "cpu"
     url = deploy(APP, "/" + APP, args)
     yield url
     serve.delete(APP)
