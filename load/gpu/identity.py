@@ -9,9 +9,15 @@ greedy speculation's output exactly the target's own? Per kernels setting.
    difference is the kernels' rounding, not the model.
 2. **Greedy speculation on vs off.** ``num_prompts`` prompts, ``max_tokens`` new tokens each,
    batched through :class:`~specserve.engine.spec_decode.SpecDecodeEngine` built as serving
-   builds it (``assemble_engine``), target-only and with n-gram drafts (random-weight greedy
-   output loops, so n-gram drafts get accepted). Identical or not, how many sequences differ,
-   and the earliest divergence (by token index, then prompt).
+   builds it (``assemble_engine``), target-only twice and with n-gram drafts (the tiny
+   model's greedy output loops, so there n-gram drafts get accepted; the 8B shape's random
+   output does not: drafts are made and rejected). Identical or not, how many sequences
+   differ, the earliest divergence (by token index, then prompt), the drafts made and
+   accepted, and whether target-only repeats itself exactly (``off_repeats``: false would
+   mean the kernels are not deterministic, and no comparison could be exact).
+
+The weights are random from a fixed seed (:data:`SEED`), so two windows compare the same
+model.
 
 The model (docs/GPU.md): on a GPU, Llama-3-8B's layers but 4 of them (``llama3-8b-4l``) in
 bfloat16: every GEMM and attention shape of the real model, so the same kernel choices and
@@ -41,6 +47,7 @@ from load.gpu.runtime import cudagraph_skips, free_cuda, use_kernels, warm_up
 log = logging.getLogger(__name__)
 
 FILE = "identity.json"
+SEED = 0  # the random weights'
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,8 @@ def speculation_identity(worker: ModelWorker, prompts: list[list[int]], s: Setti
     params = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, ignore_eos=True)
     runs = {}
     for name, spec in (("off", SpeculativeConfig(method=None)),
-                       ("on", SpeculativeConfig(method="ngram", num_speculative_tokens=s.k))):
+                       ("on", SpeculativeConfig(method="ngram", num_speculative_tokens=s.k)),
+                       ("off again", SpeculativeConfig(method=None))):
         engine = assemble_engine(worker, IdText(), frozenset(), spec)
         start = time.perf_counter()
         outputs = [c.output_token_ids for c in engine.generate(prompts, params)]
@@ -144,6 +152,8 @@ def speculation_identity(worker: ModelWorker, prompts: list[list[int]], s: Setti
     return {"identical": off == on, "num_differ": sum(a != b for a, b in zip(off, on)),
             "first_divergence": first_divergence(off, on), "num_prompts": len(prompts),
             "max_tokens": s.max_tokens, "k": s.k, "seconds_off": off_s, "seconds_on": on_s,
+            "off_repeats": runs["off again"][0] == off,
+            "draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
             "acceptance_rate": stats.acceptance_rate,
             "mean_acceptance_length": stats.mean_acceptance_length}
 
@@ -170,6 +180,7 @@ def run(out: Path, dry_run: bool) -> None:
     s = DRY if dry_run else GPU
     prompts = make_prompts(max(s.num_prompts, s.rows), SHAPES[s.shape]["vocab_size"])
     max_len = max(map(len, prompts)) + s.max_tokens + s.k + 2
+    torch.manual_seed(SEED)
     runtime = random_runtime(s.shape, getattr(torch, s.dtype), s.device, max_len=max_len)
     report = {"settings": asdict(s), "max_len": max_len, "kernels": {}}
     for kernels in s.kernels:

@@ -172,6 +172,31 @@ def test_a_decode_runs_in_the_verify_bucket():
     assert (torch.cat(logits) - reference_logits(hf, seq)).abs().max() <= ATOL
 
 
+@pytest.mark.parametrize("kernels", ["compiled", "library"])
+def test_decodes_and_verifies_run_the_lm_head_at_one_shape(kernels):
+    """The final norm and LM head of a decode (one logit per row) and of a verify (K + 1)
+    run over the same rows as the layers did: a GEMM's kernel follows its M on a GPU, so a
+    token's logits would otherwise round by how many others asked for theirs. ``library``
+    pads to its width on CUDA only (``decode_width``), set here as CUDA sets it. A prefill
+    past the buckets runs the asked rows only. Logits and EAGLE's hidden states unchanged."""
+    hf = tiny_hf_model("llama-gqa")
+    rt = runtime_of(hf, 256).use_kernels(kernels, backend="eager", verify_tokens=5)
+    if kernels == "library":
+        rt.decode_width = 5
+    head_rows = []
+    rt.lm_head.register_forward_pre_hook(lambda _, args: head_rows.append(args[0].shape[0]))
+    cache = rt.make_cache(num_slots=2, max_seq_len=64)
+    seq = random_sequences((27,))[0]
+    slot = cache.allocate()
+    logits = [rt(cache, [slot], [seq[:20]], [20]), rt(cache, [slot], [seq[20:21]])]
+    verified, hidden = rt(cache, [slot], [seq[21:26]], [5], return_hidden=True)
+    width = 8 if kernels == "compiled" else 5
+    assert head_rows == [20, width, width]
+    assert (torch.cat([*logits, verified]) - reference_logits(hf, seq[:26])).abs().max() <= ATOL
+    assert hidden.shape == (5, hf.config.hidden_size)
+    assert (rt.logits(hidden) - verified).abs().max() <= ATOL
+
+
 def test_warm_up_compiles_every_bucket_and_leaves_the_cache_as_it_was(caplog):
     """warm_up runs every (rows, tokens) bucket serving uses (rows 1, 2 and the 3 slots;
     tokens the verify's 4) on free slots: afterwards a serving forward compiles nothing, the

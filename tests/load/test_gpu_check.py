@@ -80,6 +80,7 @@ def test_identity_holds_on_the_cpu(dry_run):
         spec = entry["speculation"]
         assert {"identical", "num_differ", "first_divergence", "acceptance_rate"} <= set(spec)
         assert spec["acceptance_rate"] > 0  # n-gram drafts were accepted: a real comparison
+        assert spec["off_repeats"] and spec["accepted_tokens"] <= spec["draft_tokens"]
     invariant = report["kernels"]["invariant"]
     assert all(c["bit_identical"] and c["max_abs_diff"] == 0 for c in invariant["row_invariance"].values()
                if isinstance(c, dict))

@@ -38,7 +38,8 @@ the CPU's way: ``kernels.py``): a GEMM's tiling, split and reduction order follo
 so the design is to give decodes and verifies the *same* shapes. Every decode and verify
 (T <= bucket(K + 1)) runs at the verify's token bucket, so a decode row and a verify row of
 one row bucket go through the same compiled graph: the same GEMM shapes (M = rows x
-bucket(K + 1)), the same kernels, one row's outputs computed as any other row's. A decode
+bucket(K + 1)), the same kernels, one row's outputs computed as any other row's; the final
+norm and LM head too, over the whole bucket (``LlamaRuntime._head_shape``). A decode
 pays the verify's width; on a memory-bound GPU that is nearly free, the premise of
 speculation itself. Rows stay bucketed to powers of two. (The library path on CUDA pads a
 decode's tokens to K + 1 for the same reason; ``LlamaRuntime.use_kernels``.)
@@ -47,7 +48,8 @@ What it does not promise: invariance across row buckets. A step with 3 rows and 
 run different graphs (rows 4 vs 8), whose GEMMs may tile differently; and FlexAttention's
 decoding kernel splits a row's keys across thread blocks by the row's block count when the
 batch is small, so a verify whose last draft enters a new 64-key block can sum a token's
-attention in another order than its decode. Both can flip a near tie. How often is measured
+attention in another order than its decode. Both can flip a near tie (forcing one split did
+not make an H200's outputs identical: docs/BENCHMARKS.md, "Second window"). How often is measured
 on a GPU (``tests/gpu``, ``make gpu-check``), not promised here (README, "Precision"). On a
 CPU the same code runs under inductor (``attention: sdpa``) or dynamo alone, which is how the
 tests check it; the C kernels are faster there.

@@ -80,6 +80,8 @@ class DraftHead(LlamaRuntime):
     :meth:`train_forward` is the same computation over whole sequences, for training.
     """
 
+    fixed_head = False  # its logits only propose: their rounding never changes an output
+
     def __init__(self, arch: ModelArch, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
                  kind: str, draft_vocab: torch.Tensor) -> None:
         assert kind in DRAFT_KINDS and not arch.tie_word_embeddings

@@ -405,6 +405,7 @@ class LlamaRuntime(nn.Module):
     verify_tokens: int | None = None     # new tokens per row of a verify (K + 1)
     decode_width: int | None = None      # library on CUDA: decodes and verifies padded to it
     static: StaticForward | None = None  # set by use_kernels("compiled")
+    fixed_head = True                    # decodes' and verifies' LM head at one shape (_head_shape)
 
     def use_kernels(self, kernels: str, *, backend: str | None = "inductor",
                     attention: str | None = None, verify_tokens: int | None = None) -> LlamaRuntime:
@@ -513,6 +514,9 @@ class LlamaRuntime(nn.Module):
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = _logit_positions(token_ids, num_logits, x.device)
+        head = self._head_shape(ctx, cache.num_slots, *x.shape[:2])
+        if head is not None:
+            return self._padded_head(x, head, rows, cols, ctx.valid, return_hidden)
         if not return_hidden:
             return self.logits(rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps))
         hidden = rms_norm(x[ctx.valid], self.norm, self.arch.rms_norm_eps)  # [sum(len), hidden]
@@ -529,6 +533,36 @@ class LlamaRuntime(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits of final hidden states ``[N, hidden]``."""
         return self.lm_head(hidden).float()
+
+    def _head_shape(self, ctx: ForwardContext, num_slots: int, b: int, t: int) -> tuple[int, int] | None:
+        """The ``(rows, tokens)`` a decode's or verify's final norm and LM head run at where
+        the kernels are not row-invariant (``library`` on CUDA, ``compiled``): the shape its
+        layers ran at (the compiled bucket; the library's padded width), so a token's logits
+        do not depend on how many others asked for theirs. A decode asks one per row and a
+        verify K + 1, and cuBLAS picks the LM head's kernel by that count (the last shape a
+        decode and a verify did not share; docs/BENCHMARKS.md, "Second window").
+        None (the asked positions only): the ``invariant`` kernels, prefills, trees, and a
+        draft head (:attr:`fixed_head`)."""
+        if not self.fixed_head or ctx.tree is not None:
+            return None
+        if self.static is not None and self.static.takes(t):
+            return self.static.bucket_of(b, t, num_slots)
+        if self.decode_width is not None and t == self.decode_width:
+            return b, t
+        return None
+
+    def _padded_head(self, x: torch.Tensor, shape: tuple[int, int], rows: torch.Tensor,
+                     cols: torch.Tensor, valid: torch.Tensor, return_hidden: bool):
+        """:meth:`forward`'s outputs with the final norm and LM head run over every position of
+        ``shape`` (:meth:`_head_shape`; padding is zeros, whose rows nothing reads)."""
+        b, t, size = x.shape
+        padded = x.new_zeros(*shape, size)                                    # [R, W, hidden]
+        padded[:b, :t] = x
+        normed = rms_norm(padded, self.norm, self.arch.rms_norm_eps)
+        logits = self.lm_head(normed.flatten(0, 1))[rows * shape[1] + cols].float()
+        if not return_hidden:
+            return logits
+        return logits, normed[:b, :t][valid]
 
     def _prepare(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
                  trees: list[list[int] | None] | None = None) -> tuple[ForwardContext, torch.Tensor]:
