@@ -164,7 +164,8 @@ def test_native_attention_for_a_query_does_not_depend_on_other_queries_or_rows(h
     def run(slots: list[int], starts: list[int], t: int, q_rows: torch.Tensor, window=None):
         positions = torch.tensor(starts)[:, None] + torch.arange(t)[None]
         lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
-        return native.attention(q_rows, keys, values, torch.tensor(slots), lo.to(torch.int32),
+        table = torch.tensor(slots, dtype=torch.int32)[:, None]  # a slot: one block
+        return native.attention(q_rows, keys, values, table, lo.to(torch.int32),
                                 (positions + 1).to(torch.int32), scale)
 
     for j in range(9):

@@ -150,7 +150,8 @@ def test_native_tree_attention_equals_the_chain_of_each_nodes_path(heads):
         for j, parent in enumerate(parents):
             masks[0, j] = (masks[0, parent] if j else 0) | (1 << j)
         pos = torch.arange(start, start + n, dtype=torch.int32)[None]
-        out = native.attention(q, keys, values, torch.tensor([0]), torch.zeros_like(pos), pos + 1,
+        out = native.attention(q, keys, values, torch.tensor([[0]], dtype=torch.int32),
+                               torch.zeros_like(pos), pos + 1,
                                d ** -0.5, masks, torch.tensor([start], dtype=torch.int32))
         for j in range(n):
             path = path_of(parents, j)  # lay the path out as a chain in slot 1
@@ -159,7 +160,7 @@ def test_native_tree_attention_equals_the_chain_of_each_nodes_path(heads):
                 keys[1, :, start + m] = keys[0, :, start + node]
                 values[1, :, start + m] = values[0, :, start + node]
             end = torch.tensor([[start + len(path)]], dtype=torch.int32)
-            alone = native.attention(q[:, j:j + 1], keys, values, torch.tensor([1]),
+            alone = native.attention(q[:, j:j + 1], keys, values, torch.tensor([[1]], dtype=torch.int32),
                                      torch.zeros_like(end), end, d ** -0.5)
             assert torch.equal(out[0, j], alone[0, 0]), (start, j, path)
 

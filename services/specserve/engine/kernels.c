@@ -233,9 +233,10 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
   }
 }
 
-/* p[r][j] = scale * q[r] . k[j] for the nq (<= 4) queries q[r] and keys j0 <= j < j1, each
-   pair with dot()'s arithmetic: 4 queries x 4 keys at a time share loads and one hsum16. */
-static void scores(const float *const *q, int nq, const float *k, int D, int j0, int j1,
+/* p[r][j] = scale * q[r] . k[j] for the nq (<= 4) queries q[r] and keys j0 <= j < j1 (key j's
+   D floats at k[j]: wherever its block put it), each pair with dot()'s arithmetic: 4 queries
+   x 4 keys at a time share loads and one hsum16. */
+static void scores(const float *const *q, int nq, const float *const *k, int D, int j0, int j1,
                    float scale, float *const *p) {
   int j = j0;
   if (nq == 4 && D % VL == 0) {
@@ -245,7 +246,7 @@ static void scores(const float *const *q, int nq, const float *k, int D, int j0,
         for (int c = 0; c < 4; c++) acc[r][c] = (vf){0};
       for (int d = 0; d < D; d += VL) {
         vf ks[4];
-        for (int c = 0; c < 4; c++) ks[c] = load(k + (size_t)(j + c) * D + d);
+        for (int c = 0; c < 4; c++) ks[c] = load(k[j + c] + d);
         for (int r = 0; r < 4; r++) {
           vf qv = load(q[r] + d);
           for (int c = 0; c < 4; c++) acc[r][c] = fmadd(qv, ks[c], acc[r][c]);
@@ -258,16 +259,16 @@ static void scores(const float *const *q, int nq, const float *k, int D, int j0,
     }
   }
   for (; j < j1; j++)
-    for (int r = 0; r < nq; r++) p[r][j] = dot(q[r], k + (size_t)j * D, D) * scale;
+    for (int r = 0; r < nq; r++) p[r][j] = dot(q[r], k[j], D) * scale;
 }
 
 /* out = softmax(p[j0..j1)) @ v[j0..j1): the maximum, exp and its sum VL keys at a time from
    j0 (lanes past j1 computed and left out), then the weighted values in key order. p holds
    j1 - j0 + VL floats from j0. With `keys`, p[j0 + m] is the score of key keys[m] (a token
    tree's query: its visible keys gathered in order), and its value row is read from there;
-   the arithmetic is the same as for keys that were contiguous. */
-static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const float *v, int D,
-                           float *out, vf *acc) {
+   the arithmetic is the same as for keys that were contiguous. Value j's D floats: v[j]. */
+static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const float *const *v,
+                           int D, float *out, vf *acc) {
   vi lane;
   for (int i = 0; i < VL; i++) lane[i] = i;
   float top = -INFINITY;
@@ -283,7 +284,7 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
   for (int c = 0; c < dv; c++) acc[c] = (vf){0};
   for (int d = dv * VL; d < D; d++) out[d] = 0.0f;
   for (int j = j0; j < j1; j++) {
-    const float *vj = v + (size_t)(keys ? keys[j - j0] : j) * D;
+    const float *vj = v[keys ? keys[j - j0] : j];
     vf pj = (vf){0} + p[j];
     for (int c = 0; c < dv; c++) acc[c] = fmadd(pj, load(vj + c * VL), acc[c]);
     for (int d = dv * VL; d < D; d++) out[d] += p[j] * vj[d];
@@ -293,9 +294,12 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
 }
 
 /* out[b, t, h, :] = softmax(scale * q[b, t, h] . keys) @ values over the keys [lo, hi) of
-   the query (b, t), read from the cache storage of slot[b] and key/value head h / (H / Hk).
+   the query (b, t), read from the cache storage through row b's block table and key/value
+   head h / (H / Hk): position j is at offset j % BS of block table[b * W + j / BS].
    q: B * T tokens of H heads of D floats, q_stride floats apart (the q heads of the fused
-   projection's rows); k, v: [slots, Hk, S, D]; lo, hi: [B * T]; out: [B, T, H, D].
+   projection's rows); k, v: [blocks, Hk, BS, D]; table: [B, W]; lo, hi: [B * T] (at most
+   W * BS); out: [B, T, H, D]. A slot cache is the case W = 1, BS = its slot length.
+   Where a key lives changes no arithmetic: the same keys give the same bits.
    The T * (H / Hk) query rows of one (b, key/value head) go 4 at a time (sharing key loads);
    a query's arithmetic is the same in any group (see scores and softmax_values).
    Token trees (tree non-NULL): query (b, t) of a row with start[b] >= 0 reads the keys
@@ -304,10 +308,11 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
    start[b] = -1 is a chain. Its visible keys are gathered in order, so
    a node computes exactly what the same token computes in a chain of its path. */
 void attention_rows(const float *q, int q_stride, const float *k, const float *v,
-                    const int64_t *slot, const int32_t *lo, const int32_t *hi,
+                    const int32_t *table, int W, const int32_t *lo, const int32_t *hi,
                     const uint64_t *tree, const int32_t *start, float *out,
-                    int B, int T, int H, int Hk, int S, int D, float scale, int threads) {
+                    int B, int T, int H, int Hk, int BS, int D, float scale, int threads) {
   int group = H / Hk, rows = T * group, blocks = (rows + 3) / 4, n = B * Hk * blocks;
+  int S = W * BS;
   size_t stride = (size_t)S + VL;
   long work = 0;
   for (int bt = 0; bt < B * T; bt++) work += (long)(hi[bt] - lo[bt]) * H * D;
@@ -315,12 +320,12 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
   {
     float *p = malloc(sizeof(float) * 4 * stride);
     int32_t *keys = tree ? malloc(sizeof(int32_t) * (size_t)S) : NULL;
+    const float **krow = malloc(sizeof(float *) * (size_t)S), **vrow = malloc(sizeof(float *) * (size_t)S);
     vf *acc = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(D / VL + 1));
 #pragma omp for schedule(static)
     for (int item = 0; item < n; item++) {
       int block = item % blocks, kh = item / blocks % Hk, b = item / blocks / Hk;
       int first = block * 4, nq = rows - first < 4 ? rows - first : 4;
-      size_t head = ((size_t)slot[b] * Hk + kh) * S;
       const float *qs[4];
       float *ps[4], *os[4];
       int j0[4], j1[4], bts[4], lowest = S, highest = 0;
@@ -335,10 +340,18 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
         lowest = j0[r] < lowest ? j0[r] : lowest;
         highest = j1[r] > highest ? j1[r] : highest;
       }
-      scores(qs, nq, k + head * D, D, lowest, highest, scale, ps);
+      for (int j = lowest; j < highest;) {  /* each key's row, a block at a time */
+        int off = j % BS;
+        size_t at = (((size_t)table[(size_t)b * W + j / BS] * Hk + kh) * BS + off) * D;
+        for (; off < BS && j < highest; off++, j++, at += D) {
+          krow[j] = k + at;
+          vrow[j] = v + at;
+        }
+      }
+      scores(qs, nq, krow, D, lowest, highest, scale, ps);
       for (int r = 0; r < nq; r++) {
         if (!tree || start[b] < 0) {  /* a chain (start -1: a chain row beside trees) */
-          softmax_values(ps[r], j0[r], j1[r], NULL, v + head * D, D, os[r], acc);
+          softmax_values(ps[r], j0[r], j1[r], NULL, vrow, D, os[r], acc);
           continue;
         }
         int n = 0, first_new = start[b];  /* gather the visible keys' scores to j0 + m */
@@ -347,9 +360,11 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
         for (int i = 0; i < 64 && first_new + i < j1[r]; i++)
           if (bits >> i & 1) keys[n++] = first_new + i;
         for (int m = 0; m < n; m++) ps[r][j0[r] + m] = ps[r][keys[m]];
-        softmax_values(ps[r], j0[r], j0[r] + n, keys, v + head * D, D, os[r], acc);
+        softmax_values(ps[r], j0[r], j0[r] + n, keys, vrow, D, os[r], acc);
       }
     }
+    free(krow);
+    free(vrow);
     free(keys);
     free(acc);
     free(p);
@@ -400,11 +415,12 @@ void silu_mul_rows(const float *gate_up, float *out, int M, int n, int threads) 
 
 /* The fused projection's rows [q heads | k heads | v heads] (H + 2 Hk heads of D floats per
    token, B * T tokens): rotate-half RoPE on the q and k heads in place (cos, sin: [B * T, D]),
-   then the k and v heads of each row's first lens[b] tokens stored at (slot[b], head,
-   start[b] + t) of the cache storage [slots, Hk, S, D]. */
+   then the k and v heads of each row's first lens[b] tokens stored at position start[b] + t
+   of the cache storage [blocks, Hk, BS, D] through row b's block table [B, W] (as in
+   attention_rows). */
 void rope_and_store(float *qkv, const float *cos, const float *sin, float *k_cache,
-                    float *v_cache, const int64_t *slot, const int32_t *start,
-                    const int32_t *lens, int B, int T, int H, int Hk, int S, int D,
+                    float *v_cache, const int32_t *table, int W, const int32_t *start,
+                    const int32_t *lens, int B, int T, int H, int Hk, int BS, int D,
                     int threads) {
   int heads = H + 2 * Hk, half = D / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) \
@@ -424,7 +440,7 @@ void rope_and_store(float *qkv, const float *cos, const float *sin, float *k_cac
     if (t >= lens[b]) continue;
     size_t pos = (size_t)start[b] + t;
     for (int h = 0; h < Hk; h++) {
-      size_t at = (((size_t)slot[b] * Hk + h) * S + pos) * D;
+      size_t at = (((size_t)table[(size_t)b * W + pos / BS] * Hk + h) * BS + pos % BS) * D;
       __builtin_memcpy(k_cache + at, row + (size_t)(H + h) * D, sizeof(float) * D);
       __builtin_memcpy(v_cache + at, row + (size_t)(H + Hk + h) * D, sizeof(float) * D);
     }

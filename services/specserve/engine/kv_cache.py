@@ -101,6 +101,14 @@ class SlotKVCache(SlotTable):
         self.spare_slot = num_slots if spare else None
 
     # -- tensor access used by the model runtime ------------------------------------------------
+    def reserve(self, slots: list[int], ends: list[int]) -> None:
+        """Room for positions up to ``ends`` (a slot has its whole length already)."""
+
+    def block_table(self, slots: list[int]) -> torch.Tensor:
+        """``[B, 1]`` int32: a slot is one block of the whole slot length, for the kernels
+        that read through block tables (:class:`PagedKVCache` has real ones)."""
+        return torch.tensor(slots, dtype=torch.int32)[:, None]
+
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values. ``slots``/``positions``: ``[N]``; ``k``/``v``: ``[N, H, D]``."""
@@ -139,3 +147,112 @@ class SlotKVCache(SlotTable):
                     self.v[layer][first:first + len(slots), :, :kv_len])
         index = torch.tensor(slots, device=self.k[layer].device)
         return self.k[layer][index, :, :kv_len], self.v[layer][index, :, :kv_len]
+
+
+class PagedKVCache:
+    """Keys and values in blocks of ``block_size`` positions (issue 34): per layer a pool
+    ``k[layer]``, ``v[layer]`` of shape ``[num_blocks, num_kv_heads, block_size, head_dim]``,
+    and each sequence's block table (:class:`~specserve.engine.kv_manager.KVManager`, which
+    also caches full blocks of committed tokens by prefix). The same interface as
+    :class:`SlotKVCache`: a sequence is a slot, ``lengths[slot]`` its positions. A forward
+    reserves its blocks first (:meth:`reserve`); the kernels read through
+    :meth:`block_table`, so where a block lies changes no arithmetic, and a block taken from
+    the prefix cache holds the bits a fresh prefill would write (row-invariant kernels).
+    """
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_slots: int,
+                 num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 prefix_caching: bool = True) -> None:
+        from specserve.engine.kv_manager import KVManager
+
+        self.manager = KVManager(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
+                                 max_seq_len=max_seq_len, prefix_caching=prefix_caching)
+        self.lengths = self.manager.lengths  # the runtime advances it after a forward
+        self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
+        self.spare_slot = None
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    # -- sequences ------------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        return self.manager.num_free_slots
+
+    def allocate(self, *, salt: str | None = None, cache: bool = True) -> int:
+        return self.manager.allocate(salt=salt, cache=cache)
+
+    def free(self, slot: int) -> None:
+        self.manager.free(slot)
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.manager.rollback(slot, length)
+
+    def match(self, slot: int, tokens: list[int]) -> int:
+        """A new sequence starts with the longest cached prefix of ``tokens``; returns its
+        length (:meth:`KVManager.match`)."""
+        return self.manager.match(slot, tokens)
+
+    def commit(self, slot: int, tokens: list[int]) -> int:
+        """Cache the full blocks of the sequence's committed ``tokens`` (:meth:`KVManager.commit`)."""
+        return self.manager.commit(slot, tokens)
+
+    def fork(self, src: int, dst: int, length: int) -> None:
+        """``dst`` starts as ``src``'s first ``length`` positions: full blocks shared, a partly
+        filled last block copied."""
+        copy = self.manager.fork(src, dst, length)
+        if copy is not None:
+            for storage in (*self.k, *self.v):
+                storage[copy[1]] = storage[copy[0]]
+
+    def keep(self, slot: int, positions: list[int], at: int) -> None:
+        """:meth:`SlotKVCache.keep` through the block table."""
+        assert all(p >= at + i for i, p in enumerate(positions)) and positions == sorted(positions)
+        if positions != list(range(at, at + len(positions))):
+            src_b, src_o = self._locate([slot] * len(positions), positions)
+            dst_b, dst_o = self._locate([slot] * len(positions), range(at, at + len(positions)))
+            for storage in (*self.k, *self.v):
+                storage[dst_b, :, dst_o] = storage[src_b, :, src_o]  # the read copies first
+        self.rollback(slot, at + len(positions))
+
+    # -- tensor access used by the model runtime ------------------------------------------------
+    def reserve(self, slots: list[int], ends: list[int]) -> None:
+        """Blocks for every row's positions up to ``ends``, before a forward writes them
+        (:class:`~specserve.errors.CapacityError` when the pool is short)."""
+        for slot, end in zip(slots, ends):
+            if self.lengths[slot] < self.manager.writable_from(slot):
+                raise ValueError(f"slot {slot} would write into a shared block")
+            self.manager.reserve(slot, end)
+
+    def block_table(self, slots: list[int], width: int | None = None) -> torch.Tensor:
+        """``[B, W]`` int32: the rows' block tables, padded with their last block."""
+        return torch.tensor(self.manager.table_rows(slots, width), dtype=torch.int32)
+
+    def _locate(self, slots, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block and offset of each ``(slot, position)`` pair: two ``[N]`` int64 tensors."""
+        tables, bs = self.manager.tables, self.block_size
+        blocks = [tables[s][p // bs] for s, p in zip(slots, positions)]
+        device = self.k[0].device
+        offsets = [p % bs for p in positions]
+        return torch.tensor(blocks, device=device), torch.tensor(offsets, device=device)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values. ``slots``/``positions``: ``[N]``; ``k``/``v``: ``[N, H, D]``."""
+        blocks, offsets = self._locate(slots.tolist(), positions.tolist())
+        self.k[layer][blocks, :, offsets] = k
+        self.v[layer][blocks, :, offsets] = v
+
+    def gather(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` up to ``kv_len``: two ``[B, H, kv_len, D]`` copies
+        (positions past a row's blocks repeat its last block: masked by every reader)."""
+        width = -(-kv_len // self.block_size)
+        table = self.block_table(slots, width).to(self.k[layer].device).long()    # [B, W]
+
+        def rows(storage: torch.Tensor) -> torch.Tensor:
+            b, w = table.shape
+            blocks = storage[table.view(-1)].view(b, w, *storage.shape[1:])     # [B, W, H, BS, D]
+            return blocks.transpose(1, 2).reshape(b, storage.shape[1], -1, storage.shape[3])[:, :, :kv_len]
+
+        return rows(self.k[layer]), rows(self.v[layer])

@@ -200,10 +200,12 @@ class KVManager:
 
     # -- what the storage reads ------------------------------------------------------------------
     def table_rows(self, slots: list[int], width: int | None = None) -> list[list[int]]:
-        """The block tables of ``slots``, each padded with its last block (or 0) to ``width``
-        (default: the longest): the rows of the block-table tensor a forward reads."""
-        width = width or max((len(self.tables[s]) for s in slots), default=0)
-        return [t + [t[-1] if t else 0] * (width - len(t)) for t in (self.tables[s] for s in slots)]
+        """The block tables of ``slots``, each cut or padded with its last block (or 0) to
+        ``width`` blocks (default: the longest): the rows of the block-table tensor a forward
+        reads (padding is past every key a row reads)."""
+        width = width or max((len(self.tables[s]) for s in slots), default=1)
+        return [(t + [t[-1] if t else 0] * (width - len(t)))[:width]
+                for t in (self.tables[s] for s in slots)]
 
     def check(self) -> None:
         """Assert the invariants: every held block counted once per table holding it."""

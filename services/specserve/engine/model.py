@@ -188,10 +188,10 @@ class Attention(nn.Module):
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
         keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.slot_index,
+        native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.table,
                               ctx.row_starts, ctx.row_lens)
         q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
-        return native.attention(q, keys, values, ctx.slot_index, ctx.key_start(window),
+        return native.attention(q, keys, values, ctx.table, ctx.key_start(window),
                                 ctx.key_end, d ** -0.5, ctx.tree, ctx.tree_starts)
 
     def _attend_static(self, x: torch.Tensor, ctx: StaticInputs, cache: SlotKVCache,
@@ -284,15 +284,9 @@ class ForwardContext:
     tree: torch.Tensor | None = None
     tree_starts: torch.Tensor | None = None
     lens: torch.Tensor | None = None  # [B] int64 on the CPU: each row's real new tokens
+    table: torch.Tensor | None = None  # [B, W] int32: each row's block table (the C kernels)
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
-
-    @property
-    def slot_index(self) -> torch.Tensor:
-        """``[B]`` int64 slots, for the native attention."""
-        if "slots" not in self._ranges:
-            self._ranges["slots"] = torch.tensor(self.slots, dtype=torch.int64)
-        return self._ranges["slots"]
 
     @property
     def key_end(self) -> torch.Tensor:
@@ -575,6 +569,7 @@ class LlamaRuntime(nn.Module):
         if kv_len > cache.max_seq_len:
             raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
                                       f"of {cache.max_seq_len}")
+        cache.reserve(slots, [s + n for s, n in zip(starts, lens)])  # a paged cache's blocks
         kv_used, kv_len = kv_len, -(-kv_len // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
         t = max(lens)
         if self.decode_width is not None and t <= self.decode_width:
@@ -597,7 +592,7 @@ class LlamaRuntime(nn.Module):
             slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
             write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
             kv_used=kv_used, positions=positions, window=self._window(), tree=tree,
-            tree_starts=tree_starts, lens=torch.tensor(lens))
+            tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots))
         return ctx, tokens.to(device)
 
     def _trees(self, trees: list[list[int] | None], starts: list[int], lens: list[int],

@@ -82,10 +82,10 @@ def _load() -> ctypes.CDLL:
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.linear_rows.argtypes = [ptr] * 4 + [i32] * 4
     lib.linear_rows.restype = None
-    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 8 + [i32] * 6 + [f32, i32]
+    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 3 + [i32] + [ptr] * 5 + [i32] * 6 + [f32, i32]
     lib.rms_norm_rows.argtypes = [ptr] * 3 + [i32] * 2 + [f32, i32]
     lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
-    lib.rope_and_store.argtypes = [ptr] * 8 + [i32] * 7
+    lib.rope_and_store.argtypes = [ptr] * 6 + [i32] + [ptr] * 2 + [i32] * 7
     lib.exponential_noise_rows.argtypes = [ptr] + [i32] * 2 + [ptr, i32]
     for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
                lib.rope_and_store, lib.exponential_noise_rows):
@@ -150,12 +150,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
               lo: torch.Tensor, hi: torch.Tensor, scale: float, tree: torch.Tensor | None = None,
               starts: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, T, H, D]`` (each token's heads contiguous; tokens may be
     further apart, as the q part of a fused projection is) over the cache storage ``keys`` /
-    ``values`` ``[num_slots, Hk, S, D]`` of ``slots`` ``[B]`` (int64); query ``(b, t)``
+    ``values`` ``[blocks, Hk, BS, D]``, row ``b``'s positions in the blocks ``table[b]``
+    (``[B, W]`` int32: position ``j`` at offset ``j % BS`` of block ``table[b, j // BS]``; a
+    slot cache passes its slots as ``[B, 1]``, a block being a whole slot); query ``(b, t)``
     reads keys ``lo[b, t] <= j < hi[b, t]`` (int32, at least one). Returns ``[B, T, H * D]``.
 
     Token trees: with ``tree`` ``[B, T]`` (int64 bitmasks) and ``starts`` ``[B]`` (int32, the
@@ -166,8 +168,12 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: 
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != t * q.stride(1):
         q = q.contiguous()
     out = torch.empty(b, t, h * d, dtype=torch.float32)
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
+    # the kernel trusts the table: a key past its blocks would be read from anywhere
+    assert int(hi.max()) <= table.shape[1] * keys.shape[2], "keys past the block table"
     _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
-                            slots.data_ptr(), lo.data_ptr(), hi.data_ptr(), _ptr(tree), _ptr(starts),
+                            table.data_ptr(), table.shape[1], lo.data_ptr(), hi.data_ptr(),
+                            _ptr(tree), _ptr(starts),
                             out.data_ptr(), b, t, h,
                             keys.shape[1], keys.shape[2], d, scale, torch.get_num_threads())
     return out
@@ -194,17 +200,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                   kv_heads: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                   kv_heads: int, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                    starts: torch.Tensor, lens: torch.Tensor) -> None:
     """In place on the fused projection ``qkv`` ``[B, T, (heads + 2 kv_heads) * D]``
     (contiguous): rotate-half RoPE on its q and k heads (``cos`` / ``sin``: ``[B, T, 1, D]``),
     then store the k and v heads of row ``b``'s first ``lens[b]`` tokens at positions
-    ``starts[b]..`` of slot ``slots[b]`` in the cache storage ``keys`` / ``values``."""
+    ``starts[b]..`` of row ``b`` in the cache storage ``keys`` / ``values`` through its
+    block table (``table``: as :func:`attention`'s)."""
     b, t, _ = qkv.shape
     d = keys.shape[3]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
+    assert int((starts + lens).max()) <= table.shape[1] * keys.shape[2], "writes past the block table"
     _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                            values.data_ptr(), slots.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+                            values.data_ptr(), table.data_ptr(), table.shape[1], starts.data_ptr(),
+                            lens.data_ptr(),
                             b, t, heads, kv_heads, keys.shape[2], d, torch.get_num_threads())
 
 

@@ -1,0 +1,135 @@
+"""The paged KV cache under the model (``PagedKVCache``, issue 34): the same logits bit for bit
+as the slot cache, whether a prompt was prefilled whole, in chunks, or partly from the prefix
+cache, and through forks, rollbacks and token-tree compaction. On the row-invariant kernels a
+token's keys and values depend only on the tokens up to it, and the C attention reads keys
+through the block table with the same arithmetic wherever they lie: so these are equalities,
+not tolerances. The torch paths (``library``, the kernels' torch fallback) read through
+``gather``: equal to the slot cache's too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specserve.engine.kv_cache import PagedKVCache
+
+from tests.models import random_sequences, runtime_of, tiny_hf_model
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf_model("llama-gqa", seed=3, logit_scale=3.0)
+
+
+def paged(rt, num_blocks: int = 64, num_slots: int = 4, **kwargs) -> PagedKVCache:
+    attn = rt.layers[0].attn
+    return PagedKVCache(num_layers=len(rt.layers), num_blocks=num_blocks, block_size=BS,
+                        num_slots=num_slots, num_kv_heads=attn.num_kv_heads, max_seq_len=256,
+                        head_dim=attn.head_dim, **kwargs)
+
+
+def steps(rt, cache, prompts, chunks=None):
+    """Prefill ``prompts`` (in ``chunks`` of those sizes, else whole; from what the cache
+    already holds), then 3 greedy decodes, a verify of 4 drafts rolled back to 2, and 2
+    decodes; every forward's logits, concatenated."""
+    slots = [cache.allocate() for _ in prompts]
+    out = []
+    for slot, prompt in zip(slots, prompts):
+        done = cache.match(slot, prompt) if hasattr(cache, "match") else 0
+        cache_len = done
+        for size in chunks or [len(prompt)]:
+            piece = prompt[cache_len:cache_len + size]
+            if piece:
+                out.append(rt(cache, [slot], [piece]))
+                cache_len += len(piece)
+        assert cache_len == len(prompt)
+    last = [int(o.argmax()) for o in out[-len(prompts):]] if not chunks else \
+        [int(out[-1].argmax())] * len(prompts)
+    for i in range(7):
+        if i == 3:  # a verify: drafts 1..4, two kept
+            logits = rt(cache, slots, [[t, 1, 2, 3, 4] for t in last], [5] * len(slots))
+            for slot in slots:
+                cache.rollback(slot, cache.lengths[slot] - 2)
+            last = [int(x) for x in logits.view(len(slots), 5, -1)[:, 2].argmax(-1)]
+        else:
+            logits = rt(cache, slots, [[t] for t in last])
+            last = [int(x) for x in logits.argmax(-1)]
+        out.append(logits)
+    return torch.cat(out), slots
+
+
+@pytest.mark.parametrize("kernels", ["invariant", "torch", "library"])
+def test_paged_logits_are_the_slot_caches_bit_for_bit(hf, kernels, monkeypatch):
+    """Three rows of 21, 40 and 5 tokens (blocks part-filled, and a row past two blocks)."""
+    rt = runtime_of(hf).use_kernels("library" if kernels == "library" else "invariant")
+    if kernels == "torch":  # the invariant kernels' torch fallback: reads through gather
+        monkeypatch.setattr("specserve.engine.model.native_ready", lambda x: False)
+    prompts = random_sequences((21, 40, 5), seed=1)
+    slot_out, _ = steps(rt, rt.make_cache(num_slots=4, max_seq_len=256), prompts)
+    paged_out, _ = steps(rt, paged(rt), prompts)
+    assert torch.equal(paged_out, slot_out)
+
+
+def test_a_prefix_hit_and_any_chunking_give_a_fresh_prefills_bits(hf):
+    """Turn 1 (40 tokens) is served and freed; turn 2 (its 40 and 29 more) finds 32 of them
+    cached (two full blocks) and prefills the rest, whole or in chunks of 7 and 13: every
+    logit equals a fresh cache's whole prefill."""
+    rt = runtime_of(hf)
+    turn1, more = random_sequences((40, 29), seed=2)
+    turn2 = turn1 + more
+    fresh, _ = steps(rt, paged(rt), [turn2])
+    for chunks in (None, [7, 13, 7, 13, 7, 13, 9]):
+        cache = paged(rt)
+        _, (slot,) = steps(rt, cache, [turn1])
+        cache.commit(slot, turn1)
+        cache.free(slot)
+        hit, (slot,) = steps(rt, cache, [turn2], chunks=chunks)
+        assert cache.manager.stats.hits == 32
+        want = fresh if chunks is None else _chunked_reference(rt, turn2, chunks)
+        assert torch.equal(hit, want)
+
+
+def _chunked_reference(rt, prompt, chunks):
+    """The same chunks on a fresh slot cache, after a first one of the 32 cached positions
+    (whose logits the hit never computed)."""
+    out, _ = steps(rt, rt.make_cache(num_slots=4, max_seq_len=256), [prompt],
+                   chunks=[32, *chunks])
+    return out[1:]
+
+
+def test_a_fork_shares_the_prompt_and_copies_its_last_block(hf):
+    """``n > 1``: two samples forked after a 37-token prompt decode on as two fresh
+    sequences would; the prompt's two full blocks are shared, its third copied."""
+    rt = runtime_of(hf)
+    prompt = random_sequences((37,), seed=4)[0]
+    cache = paged(rt)
+    a = cache.allocate()
+    rt(cache, [a], [prompt])
+    b = cache.allocate()
+    cache.fork(a, b, len(prompt))
+    assert cache.manager.tables[b][:2] == cache.manager.tables[a][:2]
+    forked = rt(cache, [a, b], [[7, 8], [9, 10]], [2, 2])
+    ref = rt.make_cache(num_slots=4, max_seq_len=256)
+    x, y = ref.allocate(), ref.allocate()
+    rt(ref, [x, y], [prompt, prompt])
+    assert torch.equal(forked, rt(ref, [x, y], [[7, 8], [9, 10]], [2, 2]))
+    cache.free(a)
+    cache.free(b)
+    cache.manager.check()
+
+
+def test_a_tree_verify_keeps_its_path_through_the_block_table(hf):
+    """A token tree verified across a block boundary, its kept path compacted (``keep``):
+    the next decode's logits are the slot cache's."""
+    rt = runtime_of(hf)
+    prompt = random_sequences((14,), seed=5)[0]
+    parents = [-1, 0, 0, 1, 2, 4]  # tokens 1 and 2 both follow 0, 3 follows 1, 4 follows 2
+    out = []
+    for cache in (rt.make_cache(num_slots=4, max_seq_len=256), paged(rt)):
+        slot = cache.allocate()
+        rt(cache, [slot], [prompt])
+        tree = rt(cache, [slot], [[5, 6, 7, 8, 9, 10]], [6], trees=[parents])
+        cache.keep(slot, [14, 16, 18, 19], at=14)  # the path 0 -> 2 -> 4 -> 5
+        out.append(torch.cat([tree, rt(cache, [slot], [[11]])]))
+    assert torch.equal(out[0], out[1])
