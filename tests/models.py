@@ -58,8 +58,8 @@ def runtime_of(hf_model, max_len: int = 256) -> LlamaRuntime:
     return build_runtime(hf_model.config, hf_model.state_dict(), max_len=max_len).requires_grad_(False)
 
 
-def worker_of(hf_model, num_slots: int = 8, max_len: int = 256) -> ModelWorker:
-    return ModelWorker(runtime_of(hf_model, max_len), num_slots=num_slots, max_seq_len=max_len)
+def worker_of(hf_model, num_slots: int = 8, max_len: int = 256, kv=None) -> ModelWorker:
+    return ModelWorker(runtime_of(hf_model, max_len), num_slots=num_slots, max_seq_len=max_len, kv=kv)
 
 
 def perturbed(hf_model, scale: float, seed: int = 1):

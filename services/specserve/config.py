@@ -212,6 +212,24 @@ SpeculativeConfig = create_model(
        for method, model in PROPOSER_OPTIONS.items()})
 
 
+class KVCacheConfig(_Strict):
+    """How the target keeps keys and values (issue 34; ``engine/kv_cache.py``)."""
+
+    layout: Literal["slots", "paged"] = Field(
+        "slots", description="slots: each sequence reserves max_model_len positions. paged: "
+                             "blocks of block_size positions, a block table per sequence, and "
+                             "prefix caching (the in-process engine only, so far: a unit's "
+                             "target group still runs slots).")
+    block_size: int = Field(16, ge=1, le=1024, description="paged: positions per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=1, le=16_777_216,
+        description="paged: blocks in the pool. None: as many as the slot layout's memory "
+                    "(max_num_seqs x max_model_len positions).")
+    prefix_caching: bool = Field(
+        True, description="paged: full blocks of committed tokens stay cached (LRU) and a new "
+                          "request reuses its longest cached prefix, prefilling only the rest.")
+
+
 class EngineConfig(_Strict):
     """A target, an optional proposer, and the cache they share."""
 
@@ -222,6 +240,8 @@ class EngineConfig(_Strict):
                                description="Context length: prompt plus output, in tokens.")
     max_num_seqs: int = Field(8, ge=1, le=4096,
                               description="KV slots: sequences decoded together in one batch.")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig,
+                                    description="The target's KV cache layout.")
 
     @property
     def verify_tokens(self) -> int:

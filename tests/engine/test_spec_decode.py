@@ -55,7 +55,7 @@ class RandomK(SpecLengthController):
 
 def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slots: int = 8,
                 eos=EOS, max_len: int = 256,
-                controller: SpecLengthController | None = None) -> SpecDecodeEngine:
+                controller: SpecLengthController | None = None, kv=None) -> SpecDecodeEngine:
     proposer = None
     if method == "ngram":
         proposer = NgramProposer(min_n=1, max_n=3)
@@ -82,7 +82,7 @@ def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slo
     elif method == "decoder_head":  # train-draft's kind decoder, with a reduced vocabulary
         proposer = DraftModelProposer(ModelWorker(decoder_head_of(target_hf, max_len=max_len),
                                                   num_slots=slots, max_seq_len=max_len))
-    return SpecDecodeEngine(worker_of(target_hf, slots, max_len), make_tiny_tokenizer(),
+    return SpecDecodeEngine(worker_of(target_hf, slots, max_len, kv), make_tiny_tokenizer(),
                             eos_token_ids=eos, proposer=proposer, num_speculative_tokens=k,
                             controller=controller)
 

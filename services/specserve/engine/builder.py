@@ -125,7 +125,8 @@ def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
     check_draft_files(cfg)
     spec = cfg.speculative
     target = load_model(cfg.target, max_model_len=cfg.max_model_len)
-    worker = ModelWorker(target.runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
+    worker = ModelWorker(target.runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len,
+                         kv=cfg.kv_cache)
     draft = None
     if spec.method is not None and PROPOSERS[spec.method].draft_model:
         draft = load_draft_proposer(spec.method, spec.draft, target_runtime=target.runtime,

@@ -34,7 +34,7 @@ from specserve.engine import block_attention, native
 from specserve.engine.block_attention import KeyBlocks
 from specserve.engine.compiled import StaticForward, StaticInputs, bucket, warm_up
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys, native_ready
-from specserve.engine.kv_cache import SlotKVCache
+from specserve.engine.kv_cache import PagedKVCache, SlotKVCache
 from specserve.engine.tree_acceptance import validate_tree
 from specserve.errors import ConfigError, InvalidRequestError
 
@@ -447,6 +447,23 @@ class LlamaRuntime(nn.Module):
     @property
     def max_positions(self) -> int:
         return self.rope_cos.shape[0]
+
+    def make_paged_cache(self, num_slots: int, max_seq_len: int, *, block_size: int,
+                         num_blocks: int, prefix_caching: bool = True) -> PagedKVCache:
+        """A paged cache shaped for this model (:class:`PagedKVCache`). The C kernels and the
+        library's torch attention read it; the compiled path and FlexAttention do not yet."""
+        if self.static is not None or (self.kernels == "library" and self.attention == "flex"):
+            raise ConfigError("kv_cache layout 'paged' runs on the invariant and library (sdpa) "
+                              "kernels so far, not on 'compiled' or FlexAttention")
+        if max_seq_len > self.max_positions:
+            raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
+                              "positions this runtime was built for")
+        attn = self.layers[0].attn
+        return PagedKVCache(num_layers=len(self.layers), num_blocks=num_blocks,
+                            block_size=block_size, num_slots=num_slots,
+                            num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
+                            head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
+                            device=self.embed.weight.device, prefix_caching=prefix_caching)
 
     def make_cache(self, num_slots: int, max_seq_len: int) -> SlotKVCache:
         """A cache shaped for this model (local KV heads under tensor parallelism)."""

@@ -43,6 +43,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
     num_emitted_tokens: int = 0        # output tokens already reported by step()
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
     k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
     hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
     # per output token, with params.logprobs: (its logprob, [(token, logprob), ...] top ones)

@@ -303,11 +303,26 @@ class SpecDecodeEngine:
                 return
             seq = self.waiting.popleft()
             seq.slot = self.target.allocate()
+            seq.num_cached_tokens = self._match(seq)
             for sibling in siblings:
                 sibling.slot = self.target.allocate()
             self.running[seq.seq_id] = seq
             if seq.num_speculative_tokens > 0 and self.draft_available:
                 self._attach(seq)
+
+    def _match(self, seq: Sequence) -> int:
+        """The prompt tokens ``seq`` finds in the target's prefix cache (its slot starts with
+        them; the engine prefills the rest). None for a request that wants every prompt
+        position's logprobs, nor (so far) where the proposer reads target features: those of
+        cached positions are not kept."""
+        if seq.params.prompt_logprobs is not None or self.needs_hidden:
+            return 0
+        return self.target.match(seq.slot, seq.token_ids[:seq.prompt_len])
+
+    def _prefilled(self, seq: Sequence) -> bool:
+        """Whether the target holds ``seq``'s whole prompt (a decoding row). A prefix-cache
+        hit holds part of it: that row still prefills."""
+        return self.target.length(seq.slot) >= seq.prompt_len
 
     def _fork(self, first: Sequence, start: int, hidden: torch.Tensor | None) -> None:
         """``first`` has verified its prompt: its samples start from copies of its caches over
@@ -354,7 +369,7 @@ class SpecDecodeEngine:
         run with drafts after it is a GEMM of other rows than the target-only prefill, and
         its keys and values round otherwise, which flipped 6 of 16 greedy outputs against
         target-only on an H200 (1 or 2 of 16, late, without it; docs/BENCHMARKS.md, "GPU")."""
-        decoding = [i for i, s in enumerate(seqs) if self.target.length(s.slot) > 0]
+        decoding = [i for i, s in enumerate(seqs) if self._prefilled(s)]
         caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
         if not self.target.row_invariant:
             caps = [c if i in decoding else 0 for i, c in enumerate(caps)]
@@ -511,7 +526,7 @@ class SpecDecodeEngine:
                  for i, p in enumerate(proposals)]
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
-            key = 0 if self.target.length(s.slot) > 0 else len(inputs[i])  # 0: decode rows
+            key = 0 if self._prefilled(s) else len(inputs[i])  # 0: decode rows
             groups.setdefault(key, []).append(i)
         if 0 in groups:
             groups[0], long_rows = split_padded(groups[0], [len(x) for x in inputs])
@@ -569,15 +584,17 @@ class SpecDecodeEngine:
                               max_model_len=self.max_model_len)
         if verdict.logprobs is not None:  # those of the tokens the stop checks let through
             seq.logprobs += verdict.logprobs[:len(seq.token_ids) - num_before]
+        if verdict.path is not None:  # a tree: its accepted path moves next to the root
+            self.target.keep(seq.slot, [num_before + n for n in verdict.path], num_before)
+        # Everything before the last emitted token is final; that token is fed next step.
+        # Rolled back first even when the sequence ends: the cache then holds committed
+        # tokens only, which the prefix cache may keep (never a rejected draft's keys).
+        self.target.rollback(seq.slot, num_before + num_accepted_tokens)
+        self.target.commit(seq.slot, seq.token_ids)
         if seq.finish_reason:
             self._release(seq)
-        else:
-            if verdict.path is not None:  # a tree: its accepted path moves next to the root
-                self.target.keep(seq.slot, [num_before + n for n in verdict.path], num_before)
-            # Everything before the last emitted token is final; that token is fed next step.
-            self.target.rollback(seq.slot, num_before + num_accepted_tokens)
-            if seq.draft_attached:
-                self._proposer_call(self.proposer.commit, seq.seq_id, num_before + num_accepted_tokens)
+        elif seq.draft_attached:
+            self._proposer_call(self.proposer.commit, seq.seq_id, num_before + num_accepted_tokens)
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
         logprobs = (seq.logprobs[seq.num_emitted_tokens:] if seq.params.logprobs is not None
                     else None)

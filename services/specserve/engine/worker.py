@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specserve.config import SamplingParams
+from specserve.config import KVCacheConfig, SamplingParams
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.malloc import keep_freed_memory
 from specserve.engine.model import LlamaRuntime
@@ -62,14 +62,34 @@ class SlotOwner:
     def num_slots(self) -> int:
         return self.table.num_slots
 
+    def match(self, slot: int, tokens: list[int]) -> int:
+        """A new sequence in ``slot`` starts with the longest cached prefix of its prompt
+        ``tokens``; returns its length (0 without a prefix cache: the slot layout)."""
+        match = getattr(self.table, "match", None)
+        return match(slot, tokens) if match is not None else 0
+
+    def commit(self, slot: int, tokens: list[int]) -> None:
+        """``tokens``, the sequence's committed tokens, may be cached (a paged cache's full
+        blocks; nothing in the slot layout)."""
+        commit = getattr(self.table, "commit", None)
+        if commit is not None:
+            commit(slot, tokens)
+
 
 class ModelWorker(SlotOwner):
     """Owns a :class:`LlamaRuntime` and a :class:`SlotKVCache` shaped for it."""
 
-    def __init__(self, runtime: LlamaRuntime, *, num_slots: int, max_seq_len: int) -> None:
+    def __init__(self, runtime: LlamaRuntime, *, num_slots: int, max_seq_len: int,
+                 kv: KVCacheConfig | None = None) -> None:
         keep_freed_memory()
         self.runtime = runtime
-        self.cache = self.table = runtime.make_cache(num_slots, max_seq_len)
+        if kv is not None and kv.layout == "paged":
+            num_blocks = kv.num_blocks or num_slots * -(-max_seq_len // kv.block_size)
+            self.cache = self.table = runtime.make_paged_cache(
+                num_slots, max_seq_len, block_size=kv.block_size, num_blocks=num_blocks,
+                prefix_caching=kv.prefix_caching)
+        else:
+            self.cache = self.table = runtime.make_cache(num_slots, max_seq_len)
 
     @property
     def vocab_size(self) -> int:
