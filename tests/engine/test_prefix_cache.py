@@ -1,10 +1,14 @@
-"""Prefix caching through the engine (issue 34, the in-process engine on ``kv_cache.layout:
-paged``): a conversation's second turn finds its first turn's blocks and prefills only the
-rest, and every output, greedy and seeded, is the target-only slot-cache engine's token for
-token, for each proposer. Seeded draws depend on (seed, position) only, so a cached prefix
-cannot move them; the kernels are row-invariant, so a cached block holds a fresh prefill's
-bits. EAGLE reads the target's features, which the cache does not keep yet: its requests
-do not look prefixes up (no hit), and stay exact."""
+"""The prompt through the engine (issue 34): prefix caching (the in-process engine on
+``kv_cache.layout: paged``) and chunked prefill (``max_num_batched_tokens``, any layout).
+
+A conversation's second turn finds its first turn's blocks and prefills only the rest; a
+long prompt is prefilled a chunk per step while the running streams keep decoding. Every
+output, greedy and seeded, is the target-only engine's (slot cache, prompts whole) token for
+token, for each proposer: seeded draws depend on (seed, position) only, so neither a cached
+prefix nor a chunk boundary can move them, and the kernels are row-invariant, so a cached
+block or a chunk's keys hold a whole fresh prefill's bits. EAGLE reads the target's
+features, which the prefix cache does not keep yet: its requests do not look prefixes up
+(no hit), and stay exact; chunks pass it their features."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import pytest
 from specserve.config import KVCacheConfig, SamplingParams
 
 from tests.engine.test_spec_decode import make_engine, prompts
-from tests.models import perturbed, tiny_hf_model
+from tests.models import perturbed, random_sequences, tiny_hf_model
+
+METHODS = [None, "ngram", "draft_model", "suffix", "eagle"]
 
 PAGED = KVCacheConfig(layout="paged", block_size=16)
 PARAMS = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=20),
@@ -44,7 +50,7 @@ def reference(target_hf):
     return turns(make_engine(target_hf, None))
 
 
-@pytest.mark.parametrize("method", [None, "ngram", "draft_model", "suffix", "eagle"])
+@pytest.mark.parametrize("method", METHODS)
 def test_second_turns_hit_the_cache_and_keep_target_onlys_output(target_hf, close_draft_hf,
                                                                   reference, method):
     engine = make_engine(target_hf, method, draft_hf=close_draft_hf, kv=PAGED)
@@ -56,3 +62,43 @@ def test_second_turns_hit_the_cache_and_keep_target_onlys_output(target_hf, clos
         assert stats.hits >= 3 * 16, stats  # each second turn found at least a block
     engine.target.cache.manager.check()
     assert engine.target.num_free_slots == engine.target.num_slots
+
+
+LONG = random_sequences((70, 45, 9), seed=8)  # 70 and 45 tokens: chunked under a budget of 16
+
+
+@pytest.fixture(scope="module")
+def whole(target_hf):
+    """Target-only, slot cache, every prompt whole."""
+    return [c.output_token_ids for c in make_engine(target_hf, None).generate(LONG, PARAMS)]
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+@pytest.mark.parametrize("method", METHODS)
+def test_chunked_prefill_keeps_target_onlys_output(target_hf, close_draft_hf, whole, method, layout):
+    engine = make_engine(target_hf, method, draft_hf=close_draft_hf,
+                         kv=PAGED if layout == "paged" else None)
+    engine.max_num_batched_tokens = 16
+    assert [c.output_token_ids for c in engine.generate(LONG, PARAMS)] == whole
+    assert engine.num_prefill_chunks >= 6
+    assert engine.num_prefill_tokens == sum(map(len, LONG))
+
+
+def test_a_long_prompt_never_stops_a_running_stream(target_hf):
+    """While a 150-token prompt is prefilled a chunk per step, the running stream gets a
+    token every step; without a budget the prompt takes one step, which no chunk spares."""
+    engine = make_engine(target_hf, "ngram")
+    engine.max_num_batched_tokens = 32
+    running = engine.add_request(prompts(1, seed=9)[0], SamplingParams(temperature=0, max_tokens=60))
+    for _ in range(3):
+        engine.step()
+    long = engine.add_request(random_sequences((150,), seed=10)[0],
+                              SamplingParams(temperature=0, max_tokens=4))
+    steps = 0
+    while True:
+        outputs = {o.seq_id: o for o in engine.step()}
+        steps += 1
+        assert outputs[running].new_token_ids, f"step {steps}: the running stream got no token"
+        if long in outputs and outputs[long].new_token_ids:
+            break
+    assert steps >= 150 // 32 and engine.num_prefill_chunks == steps - 1

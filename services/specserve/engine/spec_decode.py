@@ -54,6 +54,7 @@ from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.grammar import CompiledGrammar, GrammarCompiler
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.sampling import random_seed
+from specserve.engine.scheduler import BudgetRow, plan_step
 from specserve.engine.sequence import Completion, Sequence, StepOutput
 from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
@@ -75,8 +76,10 @@ class SpecDecodeEngine:
 
     def __init__(self, target: ModelWorker, tokenizer, *, eos_token_ids: frozenset[int],
                  proposer: Proposer | None = None, num_speculative_tokens: int = 4,
-                 controller: SpecLengthController | None = None) -> None:
+                 controller: SpecLengthController | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
         assert num_speculative_tokens >= 1
+        self.max_num_batched_tokens = max_num_batched_tokens  # chunked prefill (scheduler.py)
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -102,6 +105,7 @@ class SpecDecodeEngine:
         self.num_tree_drafts = 0  # verified drafts that were token trees (Proposal.parents)
         self.forks: dict[int, list[Sequence]] = {}  # a request's first sample -> its others
         self.num_prefill_tokens = 0  # prompt tokens the target computed in prefill rows
+        self.num_prefill_chunks = 0  # forwards that prefilled part of a prompt (scheduler.py)
         self.num_forked_tokens = 0   # prompt tokens copied from a first sample instead (n > 1)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
@@ -207,7 +211,8 @@ class SpecDecodeEngine:
         if not seqs:
             return []
         try:
-            return self._step(seqs)
+            seqs = self._prefill_chunks(seqs)
+            return self._step(seqs) if seqs else []
         except TargetUnavailable:
             raise
         except Exception:  # noqa: BLE001  whose fault? Each row alone tells (module docstring)
@@ -257,6 +262,33 @@ class SpecDecodeEngine:
         return [StepOutput(s.seq_id, [], "", "error", s.stats, error=error, index=s.index)
                 for s in failed]
 
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The step's token budget (:func:`~specserve.engine.scheduler.plan_step`): prefill
+        a chunk of the prompts that do not fit it (a forward that writes their keys and
+        values, and the target's features where the proposer reads them); returns the rows
+        that verify this step. Rows left waiting keep their caches as they are."""
+        if self.max_num_batched_tokens is None:
+            return seqs
+        rows = [BudgetRow(True, 1 + (s.num_speculative_tokens if s.draft_attached else 0))
+                if self._prefilled(s)
+                else BudgetRow(False, len(s.token_ids) - self.target.length(s.slot))
+                for s in seqs]
+        plan = plan_step(rows, self.max_num_batched_tokens)
+        for i, n in plan.chunks:
+            seq = seqs[i]
+            start = self.target.length(seq.slot)
+            ids = seq.token_ids[start:start + n]
+            if self.needs_hidden and seq.draft_attached:
+                _, hidden = self.target.forward([seq.slot], [ids], [1], argmax_only=True,
+                                                return_hidden=True)
+                seq.hidden.append(hidden)
+            else:
+                self.target.forward([seq.slot], [ids], [1], argmax_only=True)
+            self.target.commit(seq.slot, seq.token_ids)
+            self.num_prefill_tokens += n
+            self.num_prefill_chunks += 1
+        return [seqs[i] for i in plan.verify]
+
     def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """Plan, draft, verify, sample: nothing of a sequence changes until every row has its
         result, so a failure up to there leaves only caches to restore. Then each row
@@ -269,7 +301,8 @@ class SpecDecodeEngine:
         starts = [self.target.length(s.slot) for s in seqs]
         verdicts, hidden, sample_s = self._verify(seqs, proposals, masks)
         t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
-        self.num_prefill_tokens += sum(len(s.token_ids) for s, start in zip(seqs, starts) if start == 0)
+        self.num_prefill_tokens += sum(len(s.token_ids) - start for s, start in zip(seqs, starts)
+                                       if start < s.prompt_len)
         for i, seq in enumerate(seqs):  # before advancing: that may end and free the first
             if seq.seq_id in self.forks:
                 self._fork(seq, starts[i], hidden[i] if hidden is not None else None)

@@ -73,7 +73,8 @@ class SpeculationUnit:
         self.grammars = GrammarCompiler(tokenizer, self.target.vocab_size, eos)  # structured outputs
         self.engine = assemble_engine(self.target, tokenizer,
                                       frozenset(self.target.info["eos_token_ids"]), spec,
-                                      draft=self.draft)
+                                      draft=self.draft,
+                                      max_num_batched_tokens=cfg.engine.max_num_batched_tokens)
         self.policy = SpeculationPolicy(cfg.router, method=spec.method,
                                         default_k=spec.num_speculative_tokens,
                                         adaptive=self.engine.controller is not None,
