@@ -229,6 +229,10 @@ class KVCacheConfig(_Strict):
         True, description="paged: full blocks of committed tokens stay cached (LRU) and a new "
                           "request reuses its longest cached prefix, prefilling only the rest.")
 
+    def pool_blocks(self, max_num_seqs: int, max_model_len: int) -> int:
+        """paged: the pool's blocks (``num_blocks``, or the slot layout's memory)."""
+        return self.num_blocks or max_num_seqs * -(-max_model_len // self.block_size)
+
 
 class EngineConfig(_Strict):
     """A target, an optional proposer, and the cache they share."""

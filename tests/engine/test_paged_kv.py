@@ -133,3 +133,18 @@ def test_a_tree_verify_keeps_its_path_through_the_block_table(hf):
         cache.keep(slot, [14, 16, 18, 19], at=14)  # the path 0 -> 2 -> 4 -> 5
         out.append(torch.cat([tree, rt(cache, [slot], [[11]])]))
     assert torch.equal(out[0], out[1])
+
+
+def test_padding_queries_read_nothing_past_a_rows_blocks(hf):
+    """A one-token row beside a five-token one is padded to five queries; at a block's end
+    its padding would sit past the blocks it holds. Padding queries read up to the row's
+    last real token (found by the TP ranks, which hold no spare blocks)."""
+    rt = runtime_of(hf)
+    outs = []
+    for cache in (rt.make_cache(num_slots=4, max_seq_len=256), paged(rt)):
+        a, b = cache.allocate(), cache.allocate()
+        first, second = random_sequences((63, 10), seed=6)
+        rt(cache, [a], [first])
+        rt(cache, [b], [second])
+        outs.append(rt(cache, [a, b], [[5], [1, 2, 3, 4, 5]], [1, 5]))  # a: positions 63..67
+    assert len(cache.manager.tables[a]) == 4 and torch.equal(outs[0], outs[1])

@@ -144,8 +144,12 @@ def unit_args(target_dir: str, **engine) -> dict:
 
 @pytest.fixture(scope="session")
 def ngram_app(ray_cluster, tiny_models) -> str:
+    """The app most API tests use, on the paged KV cache with prefix caching and chunks of 32
+    tokens: every test that compares its outputs with the target alone's checks both too."""
     return deploy("ngram", "/", unit_args(tiny_models[0],
-                                          speculative={"method": "ngram", "num_speculative_tokens": 4}))
+                                          speculative={"method": "ngram", "num_speculative_tokens": 4},
+                                          kv_cache={"layout": "paged", "block_size": 16},
+                                          max_num_batched_tokens=32))
 
 
 @pytest.fixture(scope="session")

@@ -223,3 +223,5 @@ def test_nothing_is_left_behind(ngram_app):
             break
         time.sleep(0.3)
     assert stats["free_slots"] == stats["num_slots"] and stats["waiting"] == 0
+    kv = stats["kv_cache"]  # the n-gram app pages: no block held once every slot is free
+    assert kv["layout"] == "paged" and kv["blocks_free"] == kv["blocks_total"], kv

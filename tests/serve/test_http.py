@@ -79,6 +79,24 @@ def test_chat_greedy_equals_target_only(ngram_app, tiny_models, model_name):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": expected}
 
 
+def test_a_second_turn_finds_its_prefix_cached_and_answers_as_the_target_alone(
+        ngram_app, tiny_models, model_name):
+    """The n-gram app pages its KV cache with prefix caching (``tests/serve/conftest.py``): a
+    request that repeats an earlier one's prompt and answer and adds to them reports the full
+    blocks it found (OpenAI's ``usage.prompt_tokens_details.cached_tokens``) and answers what
+    the target alone answers; a first request reports none."""
+    first = "The quick brown fox jumps over the lazy dog, " * 4
+    r1 = complete(ngram_app, model_name, first, 16)
+    assert r1.status_code == 200, r1.text
+    assert r1.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = first + r1.json()["choices"][0]["text"] + " and then it slept."
+    r2 = complete(ngram_app, model_name, second, 16)
+    assert r2.status_code == 200, r2.text
+    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 32 and cached % 16 == 0 and cached < r2.json()["usage"]["prompt_tokens"]
+    assert r2.json()["choices"][0]["text"] == target_only_texts(tiny_models[2], [second], 16)[second]
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_equals_non_streamed(ngram_app, model_name, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"

@@ -116,3 +116,49 @@ def test_tp2_returns_tp1_hidden_states_and_feeds_eagle(groups, tiny_models):
                               num_speculative_tokens=3)
     assert [c.output_token_ids for c in engine.generate(prompts(4, seed=9), params)] == expected
     assert engine.stats.num_accepted_tokens > 0 and groups[2].num_free_slots == 4
+
+
+@pytest.fixture(scope="module")
+def paged_group(local_ray, tiny_models):
+    """TP = 2 on ``kv_cache.layout: paged``: the coordinator owns the block tables and the
+    prefix cache, and both ranks follow them."""
+    cfg = UnitConfig.model_validate({
+        "engine": {"target": {"source": tiny_models[0], "device": "cpu"},  # fake GPUs
+                   "max_model_len": 256, "max_num_seqs": 4,
+                   "kv_cache": {"layout": "paged", "block_size": 16}},
+        "tensor_parallel_size": 2, "accelerator": "gpu"})
+    pg = placement_group(unit_bundles(cfg), strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=60)
+    group = TargetGroup(cfg, pg, first_bundle=1)
+    yield group
+    group.shutdown()
+    remove_placement_group(pg)
+
+
+def _conversation(group) -> list[list[int]]:
+    """Two turns of two conversations (greedy, and seeded sampled) and a request of n = 2
+    (its samples fork the prompt's blocks), chunked prefill on: every output, in order."""
+    engine = SpecDecodeEngine(group, make_tiny_tokenizer(), eos_token_ids=frozenset({2}),
+                              proposer=NgramProposer(), num_speculative_tokens=4,
+                              max_num_batched_tokens=16)
+    params = [SamplingParams(temperature=0, max_tokens=24),
+              SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5)]
+    first = prompts(2, seed=7)
+    done = engine.generate(first, params)
+    second = [p + c.output_token_ids + list(range(40, 49)) for p, c in zip(first, done)]
+    out = [c.output_token_ids for c in done] + \
+        [c.output_token_ids for c in engine.generate(second, params)]
+    ids = engine.add_parallel(second[0] + [50, 51, 52], params[1], 2)
+    samples = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            samples[o.seq_id] += o.new_token_ids
+    return out + [samples[i] for i in ids]
+
+
+def test_paged_tp2_follows_the_coordinators_tables_and_prefix_cache(groups, paged_group):
+    assert _conversation(paged_group) == _conversation(groups[2])
+    stats = paged_group.table.stats
+    assert stats.hits >= 2 * 16 and stats.forks == 1, stats
+    assert paged_group.num_free_slots == 4
+    paged_group.table.check()

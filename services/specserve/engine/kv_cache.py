@@ -203,8 +203,21 @@ class PagedKVCache:
         filled last block copied."""
         copy = self.manager.fork(src, dst, length)
         if copy is not None:
-            for storage in (*self.k, *self.v):
-                storage[copy[1]] = storage[copy[0]]
+            self.copy_block(*copy)
+
+    def follow(self, slot: int, length: int, table: list[int]) -> None:
+        """A tensor-parallel rank's cache follows the coordinator's
+        (:class:`~specserve.serve.target_group.TargetGroup`), which owns allocation, prefix
+        matching and caching: ``slot`` holds ``length`` positions in blocks ``table``, already
+        reserved there (this cache's own pool is never drawn on)."""
+        self.manager.tables[slot] = list(table)
+        self.lengths[slot] = length
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` becomes a copy of block ``src`` in every layer (a fork's partly filled
+        last block, decided by the coordinator)."""
+        for storage in (*self.k, *self.v):
+            storage[dst] = storage[src]
 
     def keep(self, slot: int, positions: list[int], at: int) -> None:
         """:meth:`SlotKVCache.keep` through the block table."""
@@ -223,7 +236,7 @@ class PagedKVCache:
         for slot, end in zip(slots, ends):
             if self.lengths[slot] < self.manager.writable_from(slot):
                 raise ValueError(f"slot {slot} would write into a shared block")
-            self.manager.reserve(slot, end)
+            self.manager.reserve(slot, end)  # a follower's table covers it: no block taken
 
     def block_table(self, slots: list[int], width: int | None = None) -> torch.Tensor:
         """``[B, W]`` int32: the rows' block tables, padded with their last block."""

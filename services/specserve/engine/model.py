@@ -289,10 +289,20 @@ class ForwardContext:
     _ranges: dict = field(default_factory=dict)
 
     @property
+    def query_last(self) -> torch.Tensor:
+        """``[B, T]``: each query's position, a padding query's capped at its row's last real
+        token (its output is never read, and a paged row holds blocks for its real tokens
+        only: nothing past them may be read)."""
+        if "last" not in self._ranges:
+            last = self.positions[:, :1] + self.lens[:, None].to(self.positions.device) - 1
+            self._ranges["last"] = torch.minimum(self.positions, last)
+        return self._ranges["last"]
+
+    @property
     def key_end(self) -> torch.Tensor:
         """``[B, T]`` int32: each query reads keys before ``position + 1``."""
         if "end" not in self._ranges:
-            self._ranges["end"] = (self.positions + 1).to(torch.int32)
+            self._ranges["end"] = (self.query_last + 1).to(torch.int32)
         return self._ranges["end"]
 
     @property
@@ -345,7 +355,7 @@ class ForwardContext:
         if key not in self._ranges:
             start = torch.zeros_like(self.positions)
             if window:
-                start = (self.positions - self.window + 1).clamp(min=0)
+                start = (self.query_last - self.window + 1).clamp(min=0)
             self._ranges[key] = start.to(torch.int32)
         return self._ranges[key]
 

@@ -170,7 +170,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: 
     out = torch.empty(b, t, h * d, dtype=torch.float32)
     assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
     # the kernel trusts the table: a key past its blocks would be read from anywhere
-    assert int(hi.max()) <= table.shape[1] * keys.shape[2], "keys past the block table"
+    assert int(hi.max()) <= table.shape[1] * keys.shape[2], \
+        f"keys up to {int(hi.max())} past the block table ({table.shape[1]} x {keys.shape[2]})"
     _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
                             table.data_ptr(), table.shape[1], lo.data_ptr(), hi.data_ptr(),
                             _ptr(tree), _ptr(starts),
@@ -211,7 +212,8 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     d = keys.shape[3]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
-    assert int((starts + lens).max()) <= table.shape[1] * keys.shape[2], "writes past the block table"
+    assert int((starts + lens).max()) <= table.shape[1] * keys.shape[2], \
+        f"writes up to {int((starts + lens).max())} past the block table ({table.shape[1]} x {keys.shape[2]})"
     _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
                             values.data_ptr(), table.data_ptr(), table.shape[1], starts.data_ptr(),
                             lens.data_ptr(),

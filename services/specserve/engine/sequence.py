@@ -101,6 +101,7 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stats: SpecStats
     k_counts: dict[int, int] | None = None  # on the last output: decode steps per K drafted
+    num_cached_tokens: int | None = None    # on the last output: prompt tokens the cache had
     mean_speculation_length: float = 0.0    # on the last output: mean K over decode steps
     error: Exception | None = None          # finish_reason "error": why this request failed
     logprobs: list | None = None            # with params.logprobs: new_token_ids' (Sequence.logprobs)

@@ -302,7 +302,7 @@ class SpecDecodeEngine:
         verdicts, hidden, sample_s = self._verify(seqs, proposals, masks)
         t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
         self.num_prefill_tokens += sum(len(s.token_ids) - start for s, start in zip(seqs, starts)
-                                       if start < s.prompt_len)
+                                       if start < s.prompt_len and s.index == 0)  # not forks
         for i, seq in enumerate(seqs):  # before advancing: that may end and free the first
             if seq.seq_id in self.forks:
                 self._fork(seq, starts[i], hidden[i] if hidden is not None else None)
@@ -637,6 +637,7 @@ class SpecDecodeEngine:
                          logprobs=logprobs, prompt_logprobs=verdict.prompt_logprobs, index=seq.index)
         if seq.finish_reason is not None:
             out.k_counts, out.mean_speculation_length = dict(seq.k_counts), seq.mean_speculation_length
+            out.num_cached_tokens = seq.num_cached_tokens
         return out
 
     def _release(self, seq: Sequence) -> None:

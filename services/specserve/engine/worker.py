@@ -84,10 +84,9 @@ class ModelWorker(SlotOwner):
         keep_freed_memory()
         self.runtime = runtime
         if kv is not None and kv.layout == "paged":
-            num_blocks = kv.num_blocks or num_slots * -(-max_seq_len // kv.block_size)
             self.cache = self.table = runtime.make_paged_cache(
-                num_slots, max_seq_len, block_size=kv.block_size, num_blocks=num_blocks,
-                prefix_caching=kv.prefix_caching)
+                num_slots, max_seq_len, block_size=kv.block_size,
+                num_blocks=kv.pool_blocks(num_slots, max_seq_len), prefix_caching=kv.prefix_caching)
         else:
             self.cache = self.table = runtime.make_cache(num_slots, max_seq_len)
 

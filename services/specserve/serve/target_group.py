@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from specserve.config import EngineConfig, SamplingParams, UnitConfig
 from specserve.engine.kv_cache import SlotTable
+from specserve.engine.kv_manager import KVManager
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.base import Proposal
 from specserve.engine.worker import ModelWorker, SlotOwner, Verified
@@ -59,6 +60,19 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _table(cfg: UnitConfig) -> SlotTable | KVManager:
+    """The coordinator's bookkeeping of the ranks' caches: lengths per slot, or with a paged
+    cache the block tables too, and the prefix cache (the ranks follow: :meth:`TargetRank._prepare`)."""
+    engine = cfg.engine
+    kv = engine.kv_cache
+    if kv.layout != "paged":
+        return SlotTable(engine.max_num_seqs)
+    return KVManager(num_blocks=kv.pool_blocks(engine.max_num_seqs, engine.max_model_len),
+                     block_size=kv.block_size,
+                     num_slots=engine.max_num_seqs, max_seq_len=engine.max_model_len,
+                     prefix_caching=kv.prefix_caching)
 
 
 @ray.remote(concurrency_groups={"watch": 1})
@@ -90,7 +104,8 @@ class TargetRank:
         loaded = load_model(cfg.target, max_model_len=cfg.max_model_len, tp_group=group,
                             verify_tokens=cfg.verify_tokens)
         runtime = loaded.runtime
-        self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len)
+        self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len,
+                                  kv=cfg.kv_cache)
         return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
                 "eos_token_ids": sorted(loaded.eos_token_ids),
                 "row_invariant": self.worker.row_invariant}
@@ -109,14 +124,16 @@ class TargetRank:
     def verify(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
                trees: list | None = None, moves: list | None = None,
-               forks: list | None = None, masks: list | None = None) -> Verified:
+               forks: list | None = None, masks: list | None = None,
+               tables: list | None = None) -> Verified:
         """Rank 0: broadcast the forward, run this rank's shard and the rejection sampler;
         return the rows' verdicts (CPU hidden states of kept tokens with ``return_hidden``).
         ``sampling``: slot -> (params, seed) for the sequences new since the last call (this
-        rank keeps them per slot)."""
+        rank keeps them per slot). ``tables``: a paged cache's block tables of ``slots``, and
+        then ``forks`` are block copies ``(src_block, dst_block)`` (:meth:`_prepare`)."""
         self.sampling.update(sampling)
         batch = (slots, starts, token_ids, [len(p.token_ids) + 1 for p in proposals], trees, moves,
-                 forks)
+                 forks, tables)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         self._prepare(batch)
@@ -127,8 +144,8 @@ class TargetRank:
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                 num_logits: list[int], argmax_only: bool = False,
                 return_hidden: bool = False, trees: list | None = None,
-                moves: list | None = None, forks: list | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                moves: list | None = None, forks: list | None = None,
+                tables: list | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
         (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
         states, which every rank has in full after the last all-reduce). ``moves``: the
@@ -136,25 +153,32 @@ class TargetRank:
         its pending slot copies ``(src, dst, length)`` (``n > 1``), applied before the batch
         (like rollback, they ride on the next forward). For tests and tools: serving
         verifies (:meth:`verify`), and logits stay here."""
-        batch = (slots, starts, token_ids, num_logits, trees, moves, forks)
+        batch = (slots, starts, token_ids, num_logits, trees, moves, forks, tables)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         out = self._run(batch, argmax_only, return_hidden)
         return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
 
     def _prepare(self, batch) -> None:
-        slots, starts, _, _, _, moves, forks = batch
-        for src, dst, length in forks or ():  # first: a fork's source may be in the batch
-            self.worker.fork(src, dst, length)
+        slots, starts, _, _, _, moves, forks, tables = batch
+        cache = self.worker.cache
+        for fork in forks or ():  # first: a fork's source may be in the batch
+            if tables is None:
+                self.worker.fork(*fork)      # (src, dst, length) slots
+            else:
+                cache.copy_block(*fork)      # (src_block, dst_block): the coordinator's tables
         for slot, positions, at in moves or ():
             self.worker.keep(slot, positions, at)
-        for slot, start in zip(slots, starts):  # the coordinator's lengths: rollback for free
-            self.worker.rollback(slot, start)
+        for i, (slot, start) in enumerate(zip(slots, starts)):  # the coordinator's lengths
+            if tables is None:
+                self.worker.rollback(slot, start)  # rollback for free
+            else:
+                cache.follow(slot, start, tables[i])
 
     def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
         """Every rank's forward of a batch (rank 0's verify runs the same one: the followers
         need not know what rank 0 does with its logits)."""
-        slots, _, token_ids, num_logits, trees, _, _ = batch
+        slots, _, token_ids, num_logits, trees, _, _, _ = batch
         self._prepare(batch)
         return self.worker.forward(slots, token_ids, num_logits, argmax_only,
                                    return_hidden=return_hidden, trees=trees)
@@ -191,7 +215,8 @@ class TargetGroup(SlotOwner):
 
     def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
         self.cfg, self.pg, self.first_bundle, self.name = cfg, pg, first_bundle, name
-        self.table = SlotTable(cfg.engine.max_num_seqs)
+        self.table = _table(cfg)
+        self.paged = isinstance(self.table, KVManager)
         self.max_seq_len = cfg.engine.max_model_len
         self.step_timeout_s = cfg.target_step_timeout_s
         self.generation = 0   # restarts so far
@@ -249,6 +274,8 @@ class TargetGroup(SlotOwner):
         self._moves.clear()
         self._forks.clear()
         self._sampling.clear()
+        if self.paged:  # the new ranks' blocks hold nothing: no prefix is cached any more
+            self.table.pool.reset_cache()
         self.generation += 1
         self._launch()
 
@@ -269,9 +296,21 @@ class TargetGroup(SlotOwner):
 
     def fork(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst`` starts as a copy of ``src``'s first ``length`` positions: every rank
-        copies its shard with the next forward (before it, so ``src`` may be in it)."""
-        self.table.fork(src, dst, length)
-        self._forks.append((src, dst, length))
+        copies its shard with the next forward (before it, so ``src`` may be in it). Paged:
+        ``dst`` shares ``src``'s full blocks, and the ranks copy only a partly filled one."""
+        copy = self.table.fork(src, dst, length)
+        if not self.paged:
+            self._forks.append((src, dst, length))
+        elif copy is not None:
+            self._forks.append(copy)
+
+    def _tables(self, slots: list[int], token_ids: list[list[int]]) -> list[list[int]] | None:
+        """Paged: blocks for every row's new tokens, and the rows' block tables for the ranks."""
+        if not self.paged:
+            return None
+        for slot, ids in zip(slots, token_ids):
+            self.table.reserve(slot, self.table.lengths[slot] + len(ids))
+        return self.table.table_rows(slots)
 
     def free(self, slot: int) -> None:
         self._moves.pop(slot, None)
@@ -289,10 +328,12 @@ class TargetGroup(SlotOwner):
             if self._sampling.get(slot) != row:
                 new[slot] = self._sampling[slot] = row
         starts = [self.table.lengths[s] for s in slots]
+        tables = self._tables(slots, token_ids)
         moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
         forks, self._forks = self._forks, []
         result = self._call(self.ranks[0].verify.remote(slots, starts, token_ids, proposals, new,
-                                                        return_hidden, trees, moves, forks, masks))
+                                                        return_hidden, trees, moves, forks, masks,
+                                                        tables))
         self.received.add(result)
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)
@@ -304,11 +345,12 @@ class TargetGroup(SlotOwner):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits from rank 0 (tests and tools; serving calls :meth:`verify`)."""
         starts = [self.table.lengths[s] for s in slots]
+        tables = self._tables(slots, token_ids)
         moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
         forks, self._forks = self._forks, []
         logits = self._call(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits,
                                                          argmax_only, return_hidden, trees, moves,
-                                                         forks))
+                                                         forks, tables))
         for slot, ids in zip(slots, token_ids):
             self.table.lengths[slot] += len(ids)
         return logits

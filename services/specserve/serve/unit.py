@@ -181,6 +181,18 @@ class SpeculationUnit:
         ctl = self.engine.controller
         return round(ctl.estimated_speedup, 4) if ctl is not None and ctl.calibrated else None
 
+    def _kv_stats(self) -> dict:
+        """The target's KV layout and, paged, its blocks and prefix cache (tokens looked up
+        and found cached, as vLLM counts its prefix cache queries and hits)."""
+        table = self.target.table
+        if not hasattr(table, "pool"):
+            return {"layout": "slots"}
+        pool = table.pool
+        return {"layout": "paged", "block_size": table.block_size, "blocks_total": pool.num_blocks,
+                "blocks_free": pool.num_free, "blocks_cached": pool.num_cached,
+                "prefix_cache_queries": table.stats.queries, "prefix_cache_hits": table.stats.hits,
+                "evictions": pool.evictions}
+
     def record_routing_stats(self) -> dict:
         return {"load": self.core.load, "free_slots": self.engine.target.num_free_slots}
 
@@ -192,6 +204,8 @@ class SpeculationUnit:
                 "requests_aborted": self.core.num_aborted,
                 "prefill_tokens": self.engine.num_prefill_tokens,
                 "prefill_tokens_shared": self.engine.num_forked_tokens,
+                "prefill_chunks": self.engine.num_prefill_chunks,
+                "kv_cache": self._kv_stats(),
                 "free_slots": self.engine.target.num_free_slots,
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft_available,
@@ -331,8 +345,10 @@ def _usage(prompt_tokens: int, choices: list[_Choice], decision: Decision,
             k_counts[k] = k_counts.get(k, 0) + count
     steps = sum(k_counts.values())
     mean_k = sum(k * count for k, count in k_counts.items()) / steps if steps else 0.0
+    cached = max((c.last.num_cached_tokens or 0) for c in choices)  # n > 1: the first's prefill
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's: prefix-cache hits
             "speculation": {"enabled": decision.enabled, "reason": decision.reason,
                             "method": decision.method,
                             "num_speculative_tokens": decision.num_speculative_tokens,
