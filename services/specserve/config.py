@@ -55,6 +55,11 @@ class SamplingParams(_Strict):
         None, ge=0, le=2**63 - 1,
         description="Seed of this request's draws; same seed, same output, with or without "
                     "speculation, at any K, alone or in a batch.")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="Prefix caching (a paged KV cache): this request shares cached prefixes only "
+                    "with requests of the same salt (vLLM's cache_salt: one per tenant keeps "
+                    "tenants from timing each other's prompts). It changes no output.")
     stop: tuple[str, ...] = Field(
         (), max_length=16, description="Strings that end generation; not included in the text.")
     stop_token_ids: tuple[int, ...] = Field(

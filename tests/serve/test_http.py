@@ -95,6 +95,10 @@ def test_a_second_turn_finds_its_prefix_cached_and_answers_as_the_target_alone(
     cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 32 and cached % 16 == 0 and cached < r2.json()["usage"]["prompt_tokens"]
     assert r2.json()["choices"][0]["text"] == target_only_texts(tiny_models[2], [second], 16)[second]
+    salted = [complete(ngram_app, model_name, second, 16, cache_salt="tenant-b") for _ in range(2)]
+    hits = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in salted]
+    assert hits[0] == 0 and hits[1] >= cached  # another tenant's cache: its own blocks only
+    assert {r.json()["choices"][0]["text"] for r in salted} == {r2.json()["choices"][0]["text"]}
 
 
 @pytest.mark.parametrize("chat", [False, True])

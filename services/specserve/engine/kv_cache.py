@@ -189,10 +189,10 @@ class PagedKVCache:
     def rollback(self, slot: int, length: int) -> None:
         self.manager.rollback(slot, length)
 
-    def match(self, slot: int, tokens: list[int]) -> int:
-        """A new sequence starts with the longest cached prefix of ``tokens``; returns its
-        length (:meth:`KVManager.match`)."""
-        return self.manager.match(slot, tokens)
+    def match(self, slot: int, tokens: list[int], salt: str | None = None) -> int:
+        """A new sequence starts with the longest cached prefix of ``tokens`` (among those of
+        the same ``salt``); returns its length (:meth:`KVManager.match`)."""
+        return self.manager.match(slot, tokens, salt)
 
     def commit(self, slot: int, tokens: list[int]) -> int:
         """Cache the full blocks of the sequence's committed ``tokens`` (:meth:`KVManager.commit`)."""

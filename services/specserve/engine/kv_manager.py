@@ -132,12 +132,14 @@ class KVManager:
         return self._shared[slot] * self.block_size
 
     # -- sharing ---------------------------------------------------------------------------------
-    def match(self, slot: int, tokens: list[int]) -> int:
+    def match(self, slot: int, tokens: list[int], salt: str | None = None) -> int:
         """A new sequence (no blocks yet) starts with the longest cached prefix of its prompt
         ``tokens``, all but its last token at most; returns the positions it need not compute
-        (a multiple of ``block_size``)."""
+        (a multiple of ``block_size``). ``salt``: as :meth:`allocate`'s (it replaces it)."""
         assert not self.tables[slot] and self.lengths[slot] == 0, "match a new sequence only"
         chain = self._chains[slot]
+        if salt is not None:
+            chain.salt = salt
         self.stats.queries += len(tokens)
         if not chain.caching:
             return 0

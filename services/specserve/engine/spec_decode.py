@@ -350,7 +350,7 @@ class SpecDecodeEngine:
         cached positions are not kept."""
         if seq.params.prompt_logprobs is not None or self.needs_hidden:
             return 0
-        return self.target.match(seq.slot, seq.token_ids[:seq.prompt_len])
+        return self.target.match(seq.slot, seq.token_ids[:seq.prompt_len], seq.params.cache_salt)
 
     def _prefilled(self, seq: Sequence) -> bool:
         """Whether the target holds ``seq``'s whole prompt (a decoding row). A prefix-cache

@@ -62,11 +62,12 @@ class SlotOwner:
     def num_slots(self) -> int:
         return self.table.num_slots
 
-    def match(self, slot: int, tokens: list[int]) -> int:
+    def match(self, slot: int, tokens: list[int], salt: str | None = None) -> int:
         """A new sequence in ``slot`` starts with the longest cached prefix of its prompt
-        ``tokens``; returns its length (0 without a prefix cache: the slot layout)."""
+        ``tokens`` among those cached with the same ``salt``; returns its length (0 without
+        a prefix cache: the slot layout)."""
         match = getattr(self.table, "match", None)
-        return match(slot, tokens) if match is not None else 0
+        return match(slot, tokens, salt) if match is not None else 0
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         """``tokens``, the sequence's committed tokens, may be cached (a paged cache's full

@@ -155,6 +155,10 @@ class _Request(_Lenient):
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
     speculation: SpeculationOptions | None = None
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="vLLM extension: cached prompt prefixes are shared only between requests "
+                    "with the same salt (none: with every request without one).")
 
     # -- accepted only with the value that asks for nothing (see the module docstring) --------
     n: int = Field(1, ge=1, le=128, description="Choices to sample from the prompt, which is "
@@ -283,7 +287,8 @@ class _Request(_Lenient):
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop=tuple(self.stop_list),
                               stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs)
+                              logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
+                              cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_Request):
