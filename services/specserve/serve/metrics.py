@@ -193,6 +193,8 @@ _GAUGES = {
     "speculation_length_current": "The K the coordinator drafts for adaptive requests now.",
     "concurrency_gate_open": "1 while the router speculates new requests, 0 in high_concurrency.",
     "target_available": "1 while the target group serves, 0 while it is restarted after a failure.",
+    "kv_blocks_total": "KV blocks of a paged target (kv_cache.layout paged; 0 with slots).",
+    "kv_blocks_free": "KV blocks no sequence holds (cached prefixes among them, reusable).",
 }
 _COUNTERS = {
     "spec_decode_num_drafts": "Verified drafts (one per sequence per step that drafted).",
@@ -205,6 +207,11 @@ _COUNTERS = {
     "prefill_tokens_shared": "Prompt tokens copied from a request's first choice to its others "
                              "(n > 1) instead of being computed again.",
     "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
+    "prefill_chunks": "Forwards that prefilled a chunk of a prompt (max_num_batched_tokens).",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (vLLM's "
+                            "prefix_cache_queries).",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache, not computed (hit rate: "
+                         "rate(hits) / rate(queries)).",
 }
 
 # The spec_decode counters per drafting proposer (a hybrid's first and model parts), in the

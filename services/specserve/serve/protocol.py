@@ -576,6 +576,11 @@ class UnitSnapshot:
     prefill_tokens_shared: int
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     k_counts: dict[int, int]                      # K -> decoding rows that drafted it
+    prefill_chunks: int = 0            # forwards that prefilled part of a prompt
+    kv_blocks_total: int = 0           # a paged target's KV blocks (0: the slot layout)
+    kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0         # ... found there (not computed)
     proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()
     # per drafting proposer (a hybrid's parts): (drafts, draft tokens, accepted tokens)
     by_proposer: dict[str, tuple[int, int, int]] = field(default_factory=dict)

@@ -138,7 +138,7 @@ class SpeculationUnit:
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
         engine, ctl = self.engine, self.engine.controller
-        spec = engine.stats
+        spec, kv = engine.stats, self._kv_stats()
         return UnitSnapshot(
             method=self.method or "none",
             num_requests_running=self.core.num_running,
@@ -161,6 +161,10 @@ class SpeculationUnit:
             requests_aborted=self.core.num_aborted,
             prefill_tokens=engine.num_prefill_tokens,
             prefill_tokens_shared=engine.num_forked_tokens,
+            prefill_chunks=engine.num_prefill_chunks,
+            kv_blocks_total=kv.get("blocks_total", 0), kv_blocks_free=kv.get("blocks_free", 0),
+            prefix_cache_queries=kv.get("prefix_cache_queries", 0),
+            prefix_cache_hits=kv.get("prefix_cache_hits", 0),
             router_decisions=dict(self.decisions),
             k_counts=dict(engine.k_counts),
             proposer_state=engine.proposer.state() if engine.proposer is not None else {},
