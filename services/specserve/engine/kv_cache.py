@@ -1,20 +1,25 @@
-"""Slot-based KV cache.
+"""The KV caches: slots, and paged blocks.
 
-Each sequence owns one *slot*: a row of preallocated key/value storage in every layer, and a
-*length*, the number of leading positions whose keys and values are valid. A forward pass
-appends at ``length`` and moves it forward; rollback after a rejected draft is simply setting
-the length back (the stale entries beyond it are overwritten by the next forward).
+**Slots** (:class:`SlotKVCache`, ``kv_cache.layout: slots``): each sequence owns one *slot*, a
+row of preallocated key/value storage in every layer, and a *length*, the number of leading
+positions whose keys and values are valid. A forward pass appends at ``length`` and moves it
+forward; rollback after a rejected draft is simply setting the length back (the stale entries
+beyond it are overwritten by the next forward). Every slot holds ``max_seq_len`` positions.
 
-This is deliberately the simplest cache that supports ragged batches and O(1) rollback. On a
-GPU a paged cache (vLLM's block tables) wastes less memory for mixed lengths; the interface
-here (allocate / free / length / rollback) is what the coordinator depends on, so a paged
-implementation can replace it without touching the speculation logic.
+**Paged** (:class:`PagedKVCache`, ``layout: paged``, issue 34): the same interface (a
+sequence is still a slot, ``lengths[slot]`` its positions), the storage a pool of blocks of
+``block_size`` positions, each sequence's blocks listed by its block table
+(:mod:`~specserve.engine.kv_manager`), so memory follows the tokens held, and full blocks of
+committed tokens stay cached for the next request with the same prefix
+(:mod:`~specserve.engine.block_pool`). The kernels read both through block tables (a slot is
+one block the length of the slot), with the same arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specserve.engine.kv_manager import KVManager
 from specserve.errors import CapacityError
 
 
@@ -164,8 +169,6 @@ class PagedKVCache:
                  num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  prefix_caching: bool = True) -> None:
-        from specserve.engine.kv_manager import KVManager
-
         self.manager = KVManager(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                                  max_seq_len=max_seq_len, prefix_caching=prefix_caching)
         self.lengths = self.manager.lengths  # the runtime advances it after a forward
