@@ -102,3 +102,17 @@ def test_a_long_prompt_never_stops_a_running_stream(target_hf):
         if long in outputs and outputs[long].new_token_ids:
             break
     assert steps >= 150 // 32 and engine.num_prefill_chunks == steps - 1
+
+
+def test_a_prompt_to_score_is_never_chunked(target_hf):
+    """``prompt_logprobs`` scores every prompt position in the prefill's forward: such a
+    prompt is prefilled whole whatever the budget, and scores as without one."""
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    prompt = random_sequences((70,), seed=11)[0]
+    runs = []
+    for budget in (None, 16):
+        engine = make_engine(target_hf, "ngram")
+        engine.max_num_batched_tokens = budget
+        [done] = engine.generate([prompt], params)
+        runs.append((done.prompt_logprobs, done.output_token_ids, engine.num_prefill_chunks))
+    assert runs[0] == runs[1] and len(runs[1][0]) == len(prompt) - 1 and runs[1][2] == 0

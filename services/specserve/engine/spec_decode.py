@@ -271,7 +271,8 @@ class SpecDecodeEngine:
             return seqs
         rows = [BudgetRow(True, 1 + (s.num_speculative_tokens if s.draft_attached else 0))
                 if self._prefilled(s)
-                else BudgetRow(False, len(s.token_ids) - self.target.length(s.slot))
+                else BudgetRow(s.params.prompt_logprobs is not None,  # scored whole, never chunked
+                               len(s.token_ids) - self.target.length(s.slot))
                 for s in seqs]
         plan = plan_step(rows, self.max_num_batched_tokens)
         for i, n in plan.chunks:
