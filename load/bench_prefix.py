@@ -5,7 +5,7 @@ on a local Ray cluster and Serve on 127.0.0.1 (the capacity part needs neither):
 
 1. **stall** (HTTP): a stream runs while a
    ~1,800-token prompt arrives; the stream's largest gap between chunks against its median,
-   with chunked prefill (``max_num_batched_tokens`` 256, the default) and without (None).
+   with chunked prefill (``chunked_prefill_size`` 256, the default) and without (None).
    Aim: the largest gap at most 2 x the median plus one chunk's forward.
 2. **turns** (HTTP): a 6-turn conversation over a ~1,400-token document, time to first token
    per turn, on a unit of the slot layout (every turn prefills everything) and one of
@@ -112,7 +112,7 @@ def turns(tokenizer, doc_tokens: int) -> dict:
 
 def app_args(*, layout: str = "slots", budget: int | None = CHUNK) -> dict:
     engine = {"speculative": {"method": "ngram"}, "max_num_seqs": 2, "max_model_len": 2048,
-              "max_num_batched_tokens": budget, "kv_cache": {"layout": layout}}
+              "chunked_prefill_size": budget, "kv_cache": {"layout": layout}}
     return {"unit": {"engine": engine}, "max_tokens_cap": 4096,
             "auth": {"enabled": False}}  # a loopback benchmark
 

@@ -251,14 +251,14 @@ class EngineConfig(_Strict):
                               description="KV slots: sequences decoded together in one batch.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig,
                                     description="The target's KV cache layout.")
-    max_num_batched_tokens: int | None = Field(
+    chunked_prefill_size: int | None = Field(
         256, ge=16, le=1_048_576,
-        description="Chunked prefill: a step's token budget. Decoding rows (each its verify: "
-                    "last token and drafts) come first; the rest goes to prompts still "
-                    "prefilling, and a prompt that does not fit is prefilled in chunks over "
-                    "several steps, so it holds running streams for one chunk at a time. "
-                    "Larger: faster long prompts, longer pauses for the others (on a GPU, "
-                    "thousands). None: every prompt whole in one step.")
+        description="Chunked prefill: prompt tokens a step prefills at most (SGLang's name). "
+                    "Decoding rows always run; prompts share this budget in arrival order, and "
+                    "one that does not fit is prefilled in chunks over several steps, so it "
+                    "holds running streams for one chunk at a time. Larger: faster long "
+                    "prompts, longer pauses for the others (on a GPU, thousands). None: every "
+                    "prompt whole in one step.")
 
     @property
     def verify_tokens(self) -> int:

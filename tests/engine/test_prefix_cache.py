@@ -1,5 +1,5 @@
 """The prompt through the engine (issue 34): prefix caching (the in-process engine on
-``kv_cache.layout: paged``) and chunked prefill (``max_num_batched_tokens``, any layout).
+``kv_cache.layout: paged``) and chunked prefill (``chunked_prefill_size``, any layout).
 
 A conversation's second turn finds its first turn's blocks and prefills only the rest; a
 long prompt is prefilled a chunk per step while the running streams keep decoding. Every
@@ -78,7 +78,7 @@ def whole(target_hf):
 def test_chunked_prefill_keeps_target_onlys_output(target_hf, close_draft_hf, whole, method, layout):
     engine = make_engine(target_hf, method, draft_hf=close_draft_hf,
                          kv=PAGED if layout == "paged" else None)
-    engine.max_num_batched_tokens = 16
+    engine.chunked_prefill_size = 16
     assert [c.output_token_ids for c in engine.generate(LONG, PARAMS)] == whole
     assert engine.num_prefill_chunks >= 6
     assert engine.num_prefill_tokens == sum(map(len, LONG))
@@ -88,7 +88,7 @@ def test_a_long_prompt_never_stops_a_running_stream(target_hf):
     """While a 150-token prompt is prefilled a chunk per step, the running stream gets a
     token every step; without a budget the prompt takes one step, which no chunk spares."""
     engine = make_engine(target_hf, "ngram")
-    engine.max_num_batched_tokens = 32
+    engine.chunked_prefill_size = 32
     running = engine.add_request(prompts(1, seed=9)[0], SamplingParams(temperature=0, max_tokens=60))
     for _ in range(3):
         engine.step()
@@ -112,7 +112,7 @@ def test_a_prompt_to_score_is_never_chunked(target_hf):
     runs = []
     for budget in (None, 16):
         engine = make_engine(target_hf, "ngram")
-        engine.max_num_batched_tokens = budget
+        engine.chunked_prefill_size = budget
         [done] = engine.generate([prompt], params)
         runs.append((done.prompt_logprobs, done.output_token_ids, engine.num_prefill_chunks))
     assert runs[0] == runs[1] and len(runs[1][0]) == len(prompt) - 1 and runs[1][2] == 0

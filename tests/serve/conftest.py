@@ -134,9 +134,11 @@ def target_only_texts(target_hf, prompts: list[str], max_tokens: int) -> dict[st
 def unit_args(target_dir: str, **engine) -> dict:
     """A unit on the tiny model. Tests send short outputs and random-weight models accept
     little, so the short-output and low-acceptance rules are off (``test_policy.py`` and
-    ``test_router.py`` test them)."""
+    ``test_router.py`` test them). Prompts whole (``chunked_prefill_size`` None): bursts of
+    many requests start in one step, as the tests' timings were made for; chunking is tested
+    in the engine (``tests/engine/test_prefix_cache.py``) and over HTTP on ``ngram_app``."""
     return {"unit": {"engine": {"target": {"source": target_dir}, "max_model_len": 256,
-                                "max_num_seqs": 8, **engine},
+                                "max_num_seqs": 8, "chunked_prefill_size": None, **engine},
                      "max_queue_len": 16,
                      "router": {"short_output_tokens": 0, "low_acceptance_threshold": 0.0}},
             "max_tokens_cap": 200, "auth": {"enabled": False}}
@@ -149,7 +151,7 @@ def ngram_app(ray_cluster, tiny_models) -> str:
     return deploy("ngram", "/", unit_args(tiny_models[0],
                                           speculative={"method": "ngram", "num_speculative_tokens": 4},
                                           kv_cache={"layout": "paged", "block_size": 16},
-                                          max_num_batched_tokens=32))
+                                          chunked_prefill_size=32))
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,7 @@ def _conversation(group) -> list[list[int]]:
     (its samples fork the prompt's blocks), chunked prefill on: every output, in order."""
     engine = SpecDecodeEngine(group, make_tiny_tokenizer(), eos_token_ids=frozenset({2}),
                               proposer=NgramProposer(), num_speculative_tokens=4,
-                              max_num_batched_tokens=16)
+                              chunked_prefill_size=16)
     params = [SamplingParams(temperature=0, max_tokens=24),
               SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5)]
     first = prompts(2, seed=7)

@@ -56,7 +56,7 @@ class Unit:
         self.cfg = UnitConfig.model_validate({
             "engine": {"target": {"source": target_dir, "device": "cpu"},  # fake GPUs
                        "max_model_len": 256,
-                       "max_num_seqs": slots,
+                       "max_num_seqs": slots, "chunked_prefill_size": None,  # bursts start at once
                        "speculative": {"num_speculative_tokens": K, "adaptive": {"enabled": False},
                                        **draft}},
             "tensor_parallel_size": tp, "accelerator": "gpu", "draft_timeout_s": 300})

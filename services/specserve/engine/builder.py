@@ -112,7 +112,7 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
 
 def assemble_engine(target, tokenizer, eos_token_ids: frozenset[int], spec: SpeculativeConfig,
                     draft: Proposer | None = None, *,
-                    max_num_batched_tokens: int | None = None) -> SpecDecodeEngine:
+                    chunked_prefill_size: int | None = None) -> SpecDecodeEngine:
     """The engine over a target (an in-process ``ModelWorker`` or a unit's target group),
     with the proposer and K controller ``spec`` asks for (``draft``: see :func:`build_proposer`)
     and a step's token budget (chunked prefill; None: prompts whole)."""
@@ -120,7 +120,7 @@ def assemble_engine(target, tokenizer, eos_token_ids: frozenset[int], spec: Spec
                             proposer=build_proposer(spec, draft),
                             num_speculative_tokens=spec.num_speculative_tokens,
                             controller=build_controller(spec),
-                            max_num_batched_tokens=max_num_batched_tokens)
+                            chunked_prefill_size=chunked_prefill_size)
 
 
 def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
@@ -136,7 +136,7 @@ def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
                                     num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
                                     options=spec.method_options)
     return assemble_engine(worker, target.tokenizer, target.eos_token_ids, spec, draft,
-                           max_num_batched_tokens=cfg.max_num_batched_tokens), target
+                           chunked_prefill_size=cfg.chunked_prefill_size), target
 
 
 def build_controller(spec: SpeculativeConfig) -> SpecLengthController | None:

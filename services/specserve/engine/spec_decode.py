@@ -77,9 +77,9 @@ class SpecDecodeEngine:
     def __init__(self, target: ModelWorker, tokenizer, *, eos_token_ids: frozenset[int],
                  proposer: Proposer | None = None, num_speculative_tokens: int = 4,
                  controller: SpecLengthController | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 chunked_prefill_size: int | None = None) -> None:
         assert num_speculative_tokens >= 1
-        self.max_num_batched_tokens = max_num_batched_tokens  # chunked prefill (scheduler.py)
+        self.chunked_prefill_size = chunked_prefill_size  # chunked prefill (scheduler.py)
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -263,18 +263,17 @@ class SpecDecodeEngine:
                 for s in failed]
 
     def _prefill_chunks(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The step's token budget (:func:`~specserve.engine.scheduler.plan_step`): prefill
+        """The step's prefill budget (:func:`~specserve.engine.scheduler.plan_step`): prefill
         a chunk of the prompts that do not fit it (a forward that writes their keys and
         values, and the target's features where the proposer reads them); returns the rows
         that verify this step. Rows left waiting keep their caches as they are."""
-        if self.max_num_batched_tokens is None:
+        if self.chunked_prefill_size is None:
             return seqs
-        rows = [BudgetRow(True, 1 + (s.num_speculative_tokens if s.draft_attached else 0))
-                if self._prefilled(s)
+        rows = [BudgetRow(True, 0) if self._prefilled(s)
                 else BudgetRow(s.params.prompt_logprobs is not None,  # scored whole, never chunked
                                len(s.token_ids) - self.target.length(s.slot))
                 for s in seqs]
-        plan = plan_step(rows, self.max_num_batched_tokens)
+        plan = plan_step(rows, self.chunked_prefill_size)
         for i, n in plan.chunks:
             seq = seqs[i]
             start = self.target.length(seq.slot)

@@ -74,7 +74,7 @@ class SpeculationUnit:
         self.engine = assemble_engine(self.target, tokenizer,
                                       frozenset(self.target.info["eos_token_ids"]), spec,
                                       draft=self.draft,
-                                      max_num_batched_tokens=cfg.engine.max_num_batched_tokens)
+                                      chunked_prefill_size=cfg.engine.chunked_prefill_size)
         self.policy = SpeculationPolicy(cfg.router, method=spec.method,
                                         default_k=spec.num_speculative_tokens,
                                         adaptive=self.engine.controller is not None,
