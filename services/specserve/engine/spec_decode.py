@@ -353,9 +353,10 @@ class SpecDecodeEngine:
         return self.target.match(seq.slot, seq.token_ids[:seq.prompt_len], seq.params.cache_salt)
 
     def _prefilled(self, seq: Sequence) -> bool:
-        """Whether the target holds ``seq``'s whole prompt (a decoding row). A prefix-cache
-        hit holds part of it: that row still prefills."""
-        return self.target.length(seq.slot) >= seq.prompt_len
+        """Whether ``seq`` feeds one token this step (a decoding row: the target holds all
+        but its last token; so does a fork of ``n > 1``). A prefix-cache hit or a chunked
+        prompt with more of it to compute still prefills."""
+        return len(seq.token_ids) - self.target.length(seq.slot) <= 1
 
     def _fork(self, first: Sequence, start: int, hidden: torch.Tensor | None) -> None:
         """``first`` has verified its prompt: its samples start from copies of its caches over
