@@ -63,6 +63,15 @@ class SlotTable:
             raise ValueError(f"cannot roll slot {slot} from {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
 
+    def match(self, slot: int, tokens: list[int], salt: str | None = None) -> int:
+        """Positions of ``tokens`` a new sequence finds cached: none, slots cache no prefix
+        (:meth:`KVManager.match <specserve.engine.kv_manager.KVManager.match>` does)."""
+        return 0
+
+    def commit(self, slot: int, tokens: list[int]) -> int:
+        """Slots cache nothing (:meth:`KVManager.commit <specserve.engine.kv_manager.KVManager.commit>`)."""
+        return 0
+
     def fork(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst`` starts as a copy of ``src``'s first ``length`` positions, whatever it
         held: n sequences sampled from one prompt share its prefill (``n > 1``)."""

@@ -269,7 +269,7 @@ class SpecDecodeEngine:
         that verify this step. Rows left waiting keep their caches as they are."""
         if self.chunked_prefill_size is None:
             return seqs
-        rows = [BudgetRow(True, 0) if self._prefilled(s)
+        rows = [BudgetRow(True, 0) if self._decoding(s)
                 else BudgetRow(s.params.prompt_logprobs is not None,  # scored whole, never chunked
                                len(s.token_ids) - self.target.length(s.slot))
                 for s in seqs]
@@ -345,14 +345,14 @@ class SpecDecodeEngine:
 
     def _match(self, seq: Sequence) -> int:
         """The prompt tokens ``seq`` finds in the target's prefix cache (its slot starts with
-        them; the engine prefills the rest). None for a request that wants every prompt
-        position's logprobs, nor (so far) where the proposer reads target features: those of
+        them; the engine prefills the rest). Zero for a request that wants every prompt
+        position's logprobs, and (so far) where the proposer reads target features: those of
         cached positions are not kept."""
         if seq.params.prompt_logprobs is not None or self.needs_hidden:
             return 0
         return self.target.match(seq.slot, seq.token_ids[:seq.prompt_len], seq.params.cache_salt)
 
-    def _prefilled(self, seq: Sequence) -> bool:
+    def _decoding(self, seq: Sequence) -> bool:
         """Whether ``seq`` feeds one token this step (a decoding row: the target holds all
         but its last token; so does a fork of ``n > 1``). A prefix-cache hit or a chunked
         prompt with more of it to compute still prefills."""
@@ -403,7 +403,7 @@ class SpecDecodeEngine:
         run with drafts after it is a GEMM of other rows than the target-only prefill, and
         its keys and values round otherwise, which flipped 6 of 16 greedy outputs against
         target-only on an H200 (1 or 2 of 16, late, without it; docs/BENCHMARKS.md, "GPU")."""
-        decoding = [i for i, s in enumerate(seqs) if self._prefilled(s)]
+        decoding = [i for i, s in enumerate(seqs) if self._decoding(s)]
         caps = [self._draft_len(s) if s.draft_attached else 0 for s in seqs]
         if not self.target.row_invariant:
             caps = [c if i in decoding else 0 for i, c in enumerate(caps)]
@@ -560,7 +560,7 @@ class SpecDecodeEngine:
                  for i, p in enumerate(proposals)]
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
-            key = 0 if self._prefilled(s) else len(inputs[i])  # 0: decode rows
+            key = 0 if self._decoding(s) else len(inputs[i])  # 0: decode rows
             groups.setdefault(key, []).append(i)
         if 0 in groups:
             groups[0], long_rows = split_padded(groups[0], [len(x) for x in inputs])

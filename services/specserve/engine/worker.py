@@ -66,15 +66,12 @@ class SlotOwner:
         """A new sequence in ``slot`` starts with the longest cached prefix of its prompt
         ``tokens`` among those cached with the same ``salt``; returns its length (0 without
         a prefix cache: the slot layout)."""
-        match = getattr(self.table, "match", None)
-        return match(slot, tokens, salt) if match is not None else 0
+        return self.table.match(slot, tokens, salt)
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         """``tokens``, the sequence's committed tokens, may be cached (a paged cache's full
         blocks; nothing in the slot layout)."""
-        commit = getattr(self.table, "commit", None)
-        if commit is not None:
-            commit(slot, tokens)
+        self.table.commit(slot, tokens)
 
 
 class ModelWorker(SlotOwner):
