@@ -1,9 +1,9 @@
 """Serve application builder: ``build_app(args) -> Application``.
 
 Validates the whole configuration with the same pydantic models the CLI and the Helm chart
-use, then binds the units (with their placement group bundles and least-load request router)
-to the ingress. Used by ``serve run deploy.app:build_app``, ``serve deploy`` with
-``deploy/serve_config.yaml``, ``specserve serve`` and ``make serve``.
+use, then binds the units (with their placement group bundles and request router: prefix
+affinity, least load) to the ingress. Used by ``serve run deploy.app:build_app``, ``serve
+deploy`` with ``deploy/serve_config.yaml``, ``specserve serve`` and ``make serve``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from specserve.config import AppConfig
 from specserve.engine.builder import check_draft_files
 from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.placement import unit_bundles
-from specserve.serve.request_router import LeastLoadedUnitRouter
+from specserve.serve.request_router import UnitRouter
 from specserve.serve.unit import SpeculationUnit
 
 ROUTING_STATS_PERIOD_S = 0.5
@@ -38,7 +38,8 @@ def build_app(args: dict) -> Application:
         placement_group_bundles=unit_bundles(cfg.unit),
         placement_group_strategy="STRICT_PACK",
         request_router_config=RequestRouterConfig(
-            request_router_class=LeastLoadedUnitRouter,
+            request_router_class=UnitRouter,
+            request_router_kwargs=_router_kwargs(cfg),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         health_check_period_s=10,
         **_drain(cfg.drain_timeout_s),
@@ -48,6 +49,14 @@ def build_app(args: dict) -> Application:
         ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)},
         **_drain(cfg.drain_timeout_s))
     return ingress.bind(unit=unit, config=cfg.model_dump())
+
+
+def _router_kwargs(cfg: AppConfig) -> dict:
+    """Prefix affinity where the units cache prefixes (paged KV with prefix caching)."""
+    kv = cfg.unit.engine.kv_cache
+    return {"prefix_affinity": (cfg.routing.prefix_affinity and kv.layout == "paged"
+                                and kv.prefix_caching),
+            "block_size": kv.block_size, "max_imbalance": cfg.routing.max_imbalance}
 
 
 def _drain(timeout_s: float) -> dict:

@@ -223,8 +223,8 @@ class KVCacheConfig(_Strict):
     layout: Literal["slots", "paged"] = Field(
         "slots", description="slots: each sequence reserves max_model_len positions. paged: "
                              "blocks of block_size positions, a block table per sequence, and "
-                             "prefix caching (the in-process engine only, so far: a unit's "
-                             "target group still runs slots).")
+                             "prefix caching (the target's cache; kernels native and "
+                             "library, not compiled or flex yet).")
     block_size: int = Field(16, ge=1, le=1024, description="paged: positions per KV block.")
     num_blocks: int | None = Field(
         None, ge=1, le=16_777_216,
@@ -456,11 +456,28 @@ class LimitsConfig(_Strict):
         return self
 
 
+class RoutingConfig(_Strict):
+    """Which unit a request goes to (``serve/request_router.py``)."""
+
+    prefix_affinity: bool = Field(
+        True, description="With kv_cache.layout paged and prefix_caching: send a request to the "
+                          "unit that was sent the longest prefix of its prompt (a "
+                          "conversation's later turns to the unit that holds its earlier ones), "
+                          "unless that unit is busier than the least-loaded one by more than "
+                          "max_imbalance. Off: always the least-loaded unit.")
+    max_imbalance: int = Field(
+        4, ge=0, le=100_000,
+        description="Requests in flight by which the unit holding a prefix may exceed the "
+                    "least-loaded unit and still get it: a hot prefix spreads beyond this.")
+
+
 class AppConfig(_Strict):
     """The Serve application: an OpenAI-compatible ingress in front of N units."""
 
     unit: UnitConfig = Field(default_factory=UnitConfig, description="What every unit runs.")
     num_units: int = Field(1, ge=1, le=1024, description="Unit replicas (each a whole placement group).")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig,
+                                   description="Which unit a request goes to.")
     served_model_name: str | None = Field(
         None, min_length=1, max_length=256,
         description="The model id clients send; default the target's name.")
