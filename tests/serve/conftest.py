@@ -107,6 +107,13 @@ def deployed(apps: dict[str, tuple[str, dict]]):
             serve.delete(name)
 
 
+def deployed_one(name: str, args: dict):
+    """For a module fixture: one app at ``/name``, its URL, deleted once the module is done
+    (an idle app costs the shared machine a few percent of a core while it stays)."""
+    for urls in deployed({name: ("/" + name, args)}):
+        yield urls[name]
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=5).status_code == 200
@@ -169,22 +176,3 @@ def draft_app(ray_cluster, tiny_models) -> str:
     # drafting; these tests need drafts to kill the draft actor under.
     args["unit"]["engine"]["speculative"]["adaptive"] = {"enabled": False}
     return deploy("draft", "/draft", args)
-
-
-@pytest.fixture(scope="session")
-def tight_app(ray_cluster, tiny_models) -> str:
-    """One slot and one queue place: the third concurrent request must get 429."""
-    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=1)
-    args["unit"]["max_queue_len"] = 1
-    return deploy("tight", "/tight", args)
-
-
-@pytest.fixture(scope="session")
-def router_app(ray_cluster, tiny_models) -> str:
-    """Low router thresholds so a test can cross them: off at 3 requests in flight, back on
-    at 1 or fewer, half a second of dwell; outputs below 16 tokens are short. Two slots, so
-    background requests queue and the load lasts a few seconds even on the tiny model."""
-    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
-    args["unit"]["router"].update({"short_output_tokens": 16, "high_concurrency_threshold": 3,
-                                   "high_concurrency_resume": 1, "min_dwell_s": 0.5})
-    return deploy("router", "/router", args)

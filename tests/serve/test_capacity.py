@@ -7,10 +7,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from ray import serve
+
+from tests.serve.conftest import deployed_one, unit_args
 
 # How long the unit's engine is held while the six requests arrive (a few HTTP round trips).
 HOLD_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def tight_app(ray_cluster, tiny_models):
+    """One slot and one queue place: the third concurrent request must get 429."""
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=1)
+    args["unit"]["max_queue_len"] = 1
+    yield from deployed_one("tight", args)
 
 
 def test_full_unit_queues_then_429(tight_app, tiny_models):

@@ -15,13 +15,13 @@ from specserve.config import UnitConfig
 from specserve.engine.tokenizer import encode_prompt
 from specserve.serve.placement import process_group_backend, target_device
 
-from tests.serve.conftest import deploy, unit_args
+from tests.serve.conftest import deployed_one, unit_args
 from tests.serve.test_http import target_only_text
 from tests.tiny import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def split_app(ray_cluster, tiny_models) -> str:
+def split_app(ray_cluster, tiny_models):
     args = unit_args(tiny_models[0], speculative={
         "method": "draft_model", "num_speculative_tokens": 3, "draft": {"source": tiny_models[1]},
         "adaptive": {"enabled": False}})
@@ -32,7 +32,7 @@ def split_app(ray_cluster, tiny_models) -> str:
                          "draft_timeout_s": 120})
     args["unit"]["engine"]["target"]["device"] = "cpu"  # fake GPUs: the placement would say cuda
     args["ingress_node_resource"] = "specserve_head"
-    return deploy("split", "/split", args)
+    yield from deployed_one("split", args)
 
 
 def test_split_placement_serves_with_its_draft(split_app, tiny_models):

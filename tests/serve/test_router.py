@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+
+from tests.serve.conftest import deployed_one, unit_args
 
 # How long the engine is held while the background arrives and one request is decided.
 HOLD_S = 10.0
@@ -78,6 +81,17 @@ def wait_idle(url: str, timeout: float = WAIT_S) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"the unit did not drain: {s}")
+
+
+@pytest.fixture(scope="module")
+def router_app(ray_cluster, tiny_models):
+    """Low router thresholds so a test can cross them: off at 3 requests in flight, back on
+    at 1 or fewer, half a second of dwell; outputs below 16 tokens are short. Two slots, so
+    background requests queue and the load lasts a few seconds even on the tiny model."""
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
+    args["unit"]["router"].update({"short_output_tokens": 16, "high_concurrency_threshold": 3,
+                                   "high_concurrency_resume": 1, "min_dwell_s": 0.5})
+    yield from deployed_one("router", args)
 
 
 def test_decision_flips_with_load_and_back(router_app, tiny_models):

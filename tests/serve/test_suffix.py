@@ -8,13 +8,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import deploy, unit_args
+from tests.serve.conftest import deployed_one, unit_args
 from tests.serve.test_http import PROMPTS, greedy_equals_target_only
 
 
 @pytest.fixture(scope="module")
-def suffix_app(ray_cluster, tiny_models) -> str:
-    return deploy("suffix", "/suffix", unit_args(tiny_models[0], speculative={
+def suffix_app(ray_cluster, tiny_models):
+    yield from deployed_one("suffix", unit_args(tiny_models[0], speculative={
         "method": "suffix", "num_speculative_tokens": 8, "suffix": {"max_cached_responses": 4},
         # K fixed: on a random tiny model the cost model could choose K = 0 (test_policy.py and
         # the benchmarks cover adaptive K); this test is about the path and the cache.
@@ -61,8 +61,8 @@ def test_greedy_output_is_the_targets_and_the_cache_learns_what_it_served(
 
 
 @pytest.fixture(scope="module")
-def suffix_tree_app(ray_cluster, tiny_models) -> str:
-    return deploy("suffix-tree", "/suffix-tree", unit_args(tiny_models[0], speculative={
+def suffix_tree_app(ray_cluster, tiny_models):
+    yield from deployed_one("suffix-tree", unit_args(tiny_models[0], speculative={
         "method": "suffix", "num_speculative_tokens": 8,
         "suffix": {"tree": True, "min_token_prob": 0.01}, "adaptive": {"enabled": False}}))
 

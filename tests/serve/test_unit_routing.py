@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from specserve.serve.request_router import PrefixAffinity, UnitRouter
 
-from tests.serve.conftest import deployed, unit_args
+from tests.serve.conftest import deployed_one, unit_args
 
 DEPLOYMENT = DeploymentID(name="SpeculationUnit", app_name="routing")
 
@@ -127,7 +127,7 @@ def test_what_the_router_remembers_is_bounded():
 def two_units(ray_cluster, tiny_models):
     args = unit_args(tiny_models[0], kv_cache={"layout": "paged", "block_size": 16})
     args["num_units"] = 2
-    yield from deployed({"two": ("/two", args)})
+    yield from deployed_one("two", args)
 
 
 def admitted_by_unit(url: str) -> dict[str, float]:
@@ -139,7 +139,7 @@ def admitted_by_unit(url: str) -> dict[str, float]:
 
 
 def test_two_units_turns_land_on_their_prefix_and_fresh_prompts_spread(two_units, tiny_models):
-    url, model = two_units["two"], Path(tiny_models[0]).name
+    url, model = two_units, Path(tiny_models[0]).name
 
     def complete(prompt: str) -> dict:
         r = httpx.post(url + "/v1/completions", timeout=300, json={
