@@ -11,8 +11,12 @@ on a local Ray cluster and Serve on 127.0.0.1 (the capacity part needs neither):
    per turn, on a unit of the slot layout (every turn prefills everything) and one of
    ``kv_cache.layout: paged`` with prefix caching (a turn prefills its new messages).
    Aim: the later turns' mean at most 0.25 x the first turn's.
-3. **capacity** (bookkeeping, no forward): 256-token sequences that fit in the KV memory of
-   ``max_num_seqs`` 8 x ``max_model_len`` 2048: slots against blocks of 16. Aim: 4x.
+3. **capacity** (in-process, a tiny random model: the count does not depend on the model): 96
+   requests of 128 + 128 tokens through the engine with the KV memory of ``max_num_seqs`` 8 x
+   ``max_model_len`` 2048: 8 slots, against a pool of blocks of 16 with 96 sequence slots
+   (admission and preemption by blocks). The most tokens held in KV at once (in 256-token
+   sequences' worth), the most sequences running, preemptions, and whether both runs gave
+   the same tokens. Aim: 4x as many sequences' worth at once.
 """
 
 from __future__ import annotations
@@ -60,21 +64,44 @@ def document(tokenizer, n: int) -> str:
 
 # -- 3. capacity --------------------------------------------------------------------------------
 def capacity() -> dict:
-    from specserve.engine.kv_manager import KVManager
-    from specserve.errors import CapacityError
+    import torch
+    from specserve.config import KVCacheConfig, SamplingParams, SpeculativeConfig
+    from specserve.engine.builder import assemble_engine
+    from specserve.engine.worker import ModelWorker
 
-    slots, max_len, block, seq_len = 8, 2048, 16, 256
-    manager = KVManager(num_blocks=slots * max_len // block, block_size=block, num_slots=4096,
-                        max_seq_len=max_len)
-    fit = 0
-    try:
-        while True:
-            manager.reserve(manager.allocate(), seq_len + 1)  # its last token's next position
-            fit += 1
-    except CapacityError:
-        pass
-    return {"slots": slots, "paged": fit, "ratio": round(fit / slots, 2),
-            "memory_positions": slots * max_len, "block_size": block, "sequence_tokens": seq_len}
+    from load.bench_gpu import random_runtime
+    from load.gpu.identity import IdText
+
+    slots, max_len, block, prompt_len, output_len, requests = 8, 2048, 16, 128, 128, 96
+    torch.manual_seed(0)
+    runtime = random_runtime("tiny", torch.float32, "cpu", max_len)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (prompt_len,), generator=gen).tolist() for _ in range(requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    runs = {}
+    for name, num_slots, kv in (
+            ("slots", slots, None),
+            ("paged", requests, KVCacheConfig(layout="paged", block_size=block,
+                                              num_blocks=slots * max_len // block))):
+        worker = ModelWorker(runtime, num_slots=num_slots, max_seq_len=max_len, kv=kv)
+        engine = assemble_engine(worker, IdText(), frozenset(), SpeculativeConfig(method=None),
+                                 chunked_prefill_size=CHUNK)
+        ids = [engine.add_request(p, params) for p in prompts]
+        out, peak, full, start = {}, 0, 0, time.perf_counter()
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.seq_id, []).extend(o.new_token_ids)
+            peak = max(peak, len(engine.running))
+            full = max(full, sum(worker.length(s.slot) for s in engine.running.values()))
+        runs[name] = {"most_running": peak, "most_kv_tokens": full,
+                      "sequences_worth": round(full / (prompt_len + output_len), 1),
+                      "preemptions": engine.num_preemptions,
+                      "seconds": round(time.perf_counter() - start, 2),
+                      "tokens": [out[i] for i in ids]}
+    same = runs["slots"].pop("tokens") == runs["paged"].pop("tokens")
+    return {"memory_positions": slots * max_len, "block_size": block, "requests": requests,
+            "sequence_tokens": prompt_len + output_len, **runs, "same_tokens": same,
+            "ratio": round(runs["paged"]["most_kv_tokens"] / runs["slots"]["most_kv_tokens"], 2)}
 
 
 # -- 2. turns -----------------------------------------------------------------------------------

@@ -55,16 +55,20 @@ def _reproducible_unseeded_requests(monkeypatch):
     monkeypatch.setattr(spec_decode, "random_seed", lambda: stream.getrandbits(62))
 
 
-ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py")
+# Ray tests that use none of the session's apps: the actor tests without Serve, and the
+# two-unit routing test (its own app; it balances the two workers, issue 35).
+ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py",
+               "tests/serve/test_unit_routing.py")
 
 
 def worker_group(nodeid: str) -> str:
     """Which worker group runs a test under `make test` (two xdist workers). The tests of
     tests/serve share one local Ray cluster and its Serve apps (some reach theirs by name,
     through ``request.getfixturevalue``), so they are one group, run by one worker in file
-    order. The tests of Ray actors without Serve (``ACTOR_TESTS``) are a group of their own:
-    where they run beside the Serve tests, their worker starts a Ray cluster of its own (on
-    ports of its own), and they take about two minutes off the Serve worker, the longer one.
+    order. The Ray tests that use none of the session apps (``ACTOR_TESTS``) are a group of
+    their own: where they run beside the Serve tests, their worker starts a Ray cluster (and
+    Serve, for the routing test) of its own on ports of its own, and they take about four
+    minutes off the Serve worker, the longer one.
     Every other module is a group of its own (its module fixtures built once). No test
     outside tests/serve starts Ray."""
     module = nodeid.split("::")[0]

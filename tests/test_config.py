@@ -78,3 +78,19 @@ def test_a_model_free_proposer_in_front_of_a_model_is_speculative_first():
             continue
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.model_validate(bad)
+
+
+@pytest.mark.parametrize("kv, ok", [
+    ({"layout": "paged", "block_size": 16, "num_blocks": 127}, False),  # 2032 < 2048 positions
+    ({"layout": "paged", "block_size": 16, "num_blocks": 128}, True),   # one sequence at most
+    ({"layout": "paged"}, True),                                         # the slots' memory
+    ({"layout": "slots", "num_blocks": 1}, True),                        # not paged: unused
+])
+def test_a_paged_pool_must_hold_one_sequence_of_max_model_len(kv, ok):
+    """Preemption frees room for the oldest sequences down to one, which must then fit."""
+    args = {"unit": {"engine": {"max_model_len": 2048, "kv_cache": kv}}}
+    if ok:
+        AppConfig.model_validate(args)
+        return
+    with pytest.raises(ValidationError, match="one sequence of max_model_len"):
+        AppConfig.model_validate(args)

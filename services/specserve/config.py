@@ -229,7 +229,9 @@ class KVCacheConfig(_Strict):
     num_blocks: int | None = Field(
         None, ge=1, le=16_777_216,
         description="paged: blocks in the pool. None: as many as the slot layout's memory "
-                    "(max_num_seqs x max_model_len positions).")
+                    "(max_num_seqs x max_model_len positions). Fewer: sequences share it by "
+                    "the tokens they hold, and when it runs short the newest are preempted "
+                    "(recomputed later); it must hold one sequence of max_model_len.")
     prefix_caching: bool = Field(
         True, description="paged: full blocks of committed tokens stay cached (LRU) and a new "
                           "request reuses its longest cached prefix, prefilling only the rest.")
@@ -259,6 +261,15 @@ class EngineConfig(_Strict):
                     "holds running streams for one chunk at a time. Larger: faster long "
                     "prompts, longer pauses for the others (on a GPU, thousands). None: every "
                     "prompt whole in one step.")
+
+    @model_validator(mode="after")
+    def _one_sequence_fits(self) -> EngineConfig:
+        kv = self.kv_cache
+        if kv.layout == "paged" and (kv.num_blocks or 1 << 62) * kv.block_size < self.max_model_len:
+            raise ValueError(f"kv_cache.num_blocks ({kv.num_blocks}) x block_size ({kv.block_size}) "
+                             f"holds fewer positions than one sequence of max_model_len "
+                             f"({self.max_model_len}) needs")
+        return self
 
     @property
     def verify_tokens(self) -> int:

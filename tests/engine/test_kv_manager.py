@@ -8,7 +8,7 @@ import doctest
 import random
 
 import pytest
-from specserve.engine import block_pool
+from specserve.engine import block_pool, scheduler
 from specserve.engine.kv_manager import KVManager
 from specserve.errors import CapacityError
 
@@ -32,6 +32,7 @@ def run(m: KVManager, tokens: list[int], *, salt: str | None = None, cache: bool
 
 def test_the_doctests_hold():
     assert doctest.testmod(block_pool).failed == 0
+    assert doctest.testmod(scheduler).failed == 0
 
 
 def test_a_later_turn_reuses_the_full_blocks_of_the_earlier_one():
@@ -186,3 +187,17 @@ def test_random_workloads_keep_every_count_true():
                 if m.pool.ref_counts[block] > 1 or m.pool.hashes[block] is not None:
                     assert (i + 1) * BS <= m.writable_from(slot), (slot, i)
     assert m.stats.hits > 100 and m.stats.forks > 10 and m.pool.evictions > 10, m.stats
+
+
+def test_the_shortfall_counts_new_blocks_against_free_ones_cached_included():
+    """What the scheduler asks before a step (``SpecDecodeEngine._schedule``): the blocks that
+    rows growing to given lengths need beyond those they hold, against the free ones; a
+    cached block no sequence holds is free (taking it evicts it)."""
+    m = KVManager(num_blocks=6, block_size=4, num_slots=3, max_seq_len=16)
+    old, _ = run(m, list(range(9)))        # 3 blocks, 2 of them full and cached
+    m.free(old)                            # all 6 free again, 2 of them cached
+    a, _ = run(m, [50] * 5)                # 2 blocks: 4 free
+    assert m.kv_shortfall([(a, 8)]) == 0                 # its 2 blocks hold 8 positions
+    assert m.kv_shortfall([(a, 12), (-1, 9)]) == 0       # 1 + 3 of the 4 free
+    assert m.kv_shortfall([(a, 12), (-1, 9)], extra_blocks=2) == 2
+    assert m.kv_shortfall([(-1, 100)]) == 0              # capped at max_seq_len: 4 blocks

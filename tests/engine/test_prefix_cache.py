@@ -116,3 +116,57 @@ def test_a_prompt_to_score_is_never_chunked(target_hf):
         [done] = engine.generate([prompt], params)
         runs.append((done.prompt_logprobs, done.output_token_ids, engine.num_prefill_chunks))
     assert runs[0] == runs[1] and len(runs[1][0]) == len(prompt) - 1 and runs[1][2] == 0
+
+
+# Preemption (scheduler.py): 12 blocks of 8 positions hold one sequence of max_len 96, while
+# four sequences grow to about 70 positions each (9 blocks): the newest wait and recompute.
+TIGHT = KVCacheConfig(layout="paged", block_size=8, num_blocks=12)
+CROWD = random_sequences((20, 14, 26, 9), seed=12)
+CROWD_PARAMS = [SamplingParams(temperature=0, max_tokens=48),
+                SamplingParams(temperature=0.8, top_k=20, max_tokens=52, seed=5),
+                SamplingParams(temperature=0, max_tokens=40),
+                SamplingParams(temperature=0.9, max_tokens=56, seed=6)]
+
+
+def crowd(engine, chunk: int | None = 16) -> list[list[int]]:
+    engine.chunked_prefill_size = chunk
+    return [c.output_token_ids for c in engine.generate(CROWD, CROWD_PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def uncrowded(target_hf):
+    """Target-only, a slot per sequence: nothing preempted."""
+    return crowd(make_engine(target_hf, None, max_len=96, eos=frozenset()))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_preempted_sequences_recompute_and_keep_target_onlys_output(target_hf, close_draft_hf,
+                                                                    uncrowded, method):
+    engine = make_engine(target_hf, method, draft_hf=close_draft_hf, max_len=96, eos=frozenset(),
+                         kv=TIGHT)
+    assert crowd(engine) == uncrowded
+    assert engine.num_preemptions >= 2
+    manager = engine.target.cache.manager
+    manager.check()
+    assert engine.target.num_free_slots == engine.target.num_slots
+    assert manager.pool.num_free == manager.pool.num_blocks
+
+
+def test_the_preemption_test_catches_a_sequence_that_resumes_without_recomputing(
+        target_hf, uncrowded, monkeypatch):
+    """Planted bug: a preempted sequence admitted again takes fresh blocks as if they held its
+    tokens' keys and values (resumed, not recomputed); the test above fails on it. (Prompts
+    whole: admission then leaves room for the whole sequence, which the bug takes.)"""
+    engine = make_engine(target_hf, None, max_len=96, eos=frozenset(), kv=TIGHT)
+    match = engine._match
+
+    def resume(seq):
+        if not seq.num_preemptions:
+            return match(seq)
+        cache = engine.target.cache
+        cache.reserve([seq.slot], [len(seq.token_ids) - 1])
+        cache.lengths[seq.slot] = len(seq.token_ids) - 1
+        return len(seq.token_ids) - 1
+
+    monkeypatch.setattr(engine, "_match", resume)
+    assert crowd(engine, None) != uncrowded and engine.num_preemptions >= 2

@@ -1,5 +1,5 @@
 """One local Ray cluster and Serve instance for the whole test session (on 127.0.0.1); under
-`make test`, a second Ray cluster without Serve where the Ray-actor tests run on the other
+`make test`, a second Ray cluster where the tests that use no session app run on the other
 worker (``local_ray``; tests/conftest.py's ``worker_group``).
 
 Ray gets 8 *fake* GPUs (the draft and split apps take 2 each, the TP test 3) so the units' placement

@@ -63,6 +63,13 @@ class SlotTable:
             raise ValueError(f"cannot roll slot {slot} from {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
 
+    paged = False  # a slot holds max_seq_len positions from its allocation: nothing to run out of
+
+    def kv_shortfall(self, needs: list[tuple[int, int]], extra_blocks: int = 0) -> int:
+        """Slots hold their whole length: never short (:meth:`KVManager.kv_shortfall
+        <specserve.engine.kv_manager.KVManager.kv_shortfall>`)."""
+        return 0
+
     def match(self, slot: int, tokens: list[int], salt: str | None = None) -> int:
         """Positions of ``tokens`` a new sequence finds cached: none, slots cache no prefix
         (:meth:`KVManager.match <specserve.engine.kv_manager.KVManager.match>` does)."""
@@ -200,6 +207,12 @@ class PagedKVCache:
 
     def rollback(self, slot: int, length: int) -> None:
         self.manager.rollback(slot, length)
+
+    paged = True
+
+    def kv_shortfall(self, needs: list[tuple[int, int]], extra_blocks: int = 0) -> int:
+        """:meth:`KVManager.kv_shortfall`."""
+        return self.manager.kv_shortfall(needs, extra_blocks)
 
     def match(self, slot: int, tokens: list[int], salt: str | None = None) -> int:
         """A new sequence starts with the longest cached prefix of ``tokens`` (among those of

@@ -90,9 +90,20 @@ class KVManager:
         self._free_slots.sort(reverse=True)
 
     # -- lengths and blocks ----------------------------------------------------------------------
+    paged = True
+
     def blocks_needed(self, slot: int, length: int) -> int:
-        """New blocks slot ``slot`` needs to hold ``length`` positions."""
-        return max(0, -(-length // self.block_size) - len(self.tables[slot]))
+        """New blocks slot ``slot`` needs to hold ``length`` positions (-1: an unadmitted
+        sequence, which holds none)."""
+        held = len(self.tables[slot]) if slot >= 0 else 0
+        return max(0, -(-min(length, self.max_seq_len) // self.block_size) - held)
+
+    def kv_shortfall(self, needs: list[tuple[int, int]], extra_blocks: int = 0) -> int:
+        """Blocks missing for every ``(slot, positions)`` of ``needs`` to hold that many, plus
+        ``extra_blocks``: beyond the free ones (cached blocks no sequence holds count as
+        free: taking one evicts it). 0: they fit (the scheduler preempts otherwise)."""
+        want = extra_blocks + sum(self.blocks_needed(slot, length) for slot, length in needs)
+        return max(0, want - self.pool.num_free)
 
     def reserve(self, slot: int, length: int) -> list[int]:
         """Blocks for positions up to ``length`` (a forward about to write them); returns the

@@ -1,4 +1,4 @@
-"""A step's prefill budget: chunked prefill (issue 34).
+"""A step's prefill budget (chunked prefill) and preemption (issue 34).
 
 Without a budget a step takes every prompt whole, so one long prompt holds every running
 stream of the unit for its whole prefill (7 s for 1,400 tokens on the project's CPU). With
@@ -16,6 +16,17 @@ Chunk boundaries depend on the budget and the arrival order, not on speculation;
 chunked prefill yields the same bits as a whole one on the row-invariant kernels
 (``tests/engine/test_paged_kv.py``); on a GPU, where shapes change rounding, it is one more
 thing identity there does not promise.
+
+**Preemption.** A paged cache may hold fewer blocks than every running sequence at its full
+length (that is what it is for: concurrency by the tokens held, not by ``max_model_len``).
+A step whose rows would need more blocks than are free preempts the newest rows
+(:func:`newest_preemptable`) until the rest fit, as vLLM does: a preempted sequence gives its
+blocks back and waits at the head of the queue, and when it is admitted again it recomputes
+its KV from its tokens (prompt and output so far; its full blocks are likely still in the
+prefix cache). Its output does not change: sampling is counter-based (a position's draw
+depends on the seed and the position only) and the kernels are row-invariant. A request is
+admitted only while the pool has the blocks its first step needs beside the running rows',
+so a new request waits rather than push a running one out.
 """
 
 from __future__ import annotations
@@ -67,3 +78,14 @@ def plan_step(rows: list[BudgetRow], budget: int | None) -> StepPlan:
             plan.chunks.append((i, left))
             left = 0
     return plan
+
+
+def newest_preemptable(preemptable: list[bool]) -> int | None:
+    """The row to preempt: the newest (last admitted) that may be, never the only row left.
+
+    >>> newest_preemptable([True, True, False]), newest_preemptable([True])
+    (1, None)
+    """
+    if len(preemptable) < 2:
+        return None
+    return next((i for i in range(len(preemptable) - 1, -1, -1) if preemptable[i]), None)

@@ -44,6 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0        # output tokens already reported by step()
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache (not computed)
+    num_preemptions: int = 0           # times it gave its KV blocks back to wait (scheduler.py)
     k_counts: dict[int, int] = field(default_factory=dict)  # decode steps per K asked
     hidden: list[torch.Tensor] = field(default_factory=list)  # target features not yet sent
     # per output token, with params.logprobs: (its logprob, [(token, logprob), ...] top ones)

@@ -54,7 +54,7 @@ from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.grammar import CompiledGrammar, GrammarCompiler
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.sampling import random_seed
-from specserve.engine.scheduler import BudgetRow, plan_step
+from specserve.engine.scheduler import BudgetRow, StepPlan, newest_preemptable, plan_step
 from specserve.engine.sequence import Completion, Sequence, StepOutput
 from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
@@ -107,6 +107,7 @@ class SpecDecodeEngine:
         self.num_prefill_tokens = 0  # prompt tokens the target computed in prefill rows
         self.num_prefill_chunks = 0  # forwards that prefilled part of a prompt (scheduler.py)
         self.num_forked_tokens = 0   # prompt tokens copied from a first sample instead (n > 1)
+        self.num_preemptions = 0     # sequences sent back to wait for KV blocks (scheduler.py)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
         self.fault_token: int | None = None
@@ -211,7 +212,8 @@ class SpecDecodeEngine:
         if not seqs:
             return []
         try:
-            seqs = self._prefill_chunks(seqs)
+            seqs, plan = self._schedule(seqs)
+            seqs = self._prefill_chunks(seqs, plan)
             return self._step(seqs) if seqs else []
         except TargetUnavailable:
             raise
@@ -262,18 +264,57 @@ class SpecDecodeEngine:
         return [StepOutput(s.seq_id, [], "", "error", s.stats, error=error, index=s.index)
                 for s in failed]
 
-    def _prefill_chunks(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The step's prefill budget (:func:`~specserve.engine.scheduler.plan_step`): prefill
-        a chunk of the prompts that do not fit it (a forward that writes their keys and
-        values, and the target's features where the proposer reads them); returns the rows
-        that verify this step. Rows left waiting keep their caches as they are."""
-        if self.chunked_prefill_size is None:
-            return seqs
+    def _schedule(self, seqs: list[Sequence]) -> tuple[list[Sequence], StepPlan]:
+        """The step's rows and plan (:meth:`_budget`). Where a paged cache lacks the blocks
+        they need, the newest rows are preempted (:meth:`_preempt`) until it does not; the
+        last row always runs (the pool holds a sequence of ``max_model_len``)."""
+        plan = self._budget(seqs)
+        while self.target.paged and self.target.kv_shortfall(*self._kv_needs(seqs, plan)):
+            victim = newest_preemptable([s.params.prompt_logprobs is None or not s.output_token_ids
+                                         for s in seqs])  # prompt scores already sent: not again
+            if victim is None:
+                break
+            self._preempt(seqs.pop(victim))
+            plan = self._budget(seqs)
+        return seqs, plan
+
+    def _budget(self, seqs: list[Sequence]) -> StepPlan:
+        """The step's prefill budget (:func:`~specserve.engine.scheduler.plan_step`)."""
         rows = [BudgetRow(True, 0) if self._decoding(s)
                 else BudgetRow(s.params.prompt_logprobs is not None,  # scored whole, never chunked
-                               len(s.token_ids) - self.target.length(s.slot))
+                               len(s.token_ids) - self._held(s))
                 for s in seqs]
-        plan = plan_step(rows, self.chunked_prefill_size)
+        return plan_step(rows, self.chunked_prefill_size)
+
+    def _kv_needs(self, seqs: list[Sequence], plan: StepPlan) -> tuple[list[tuple[int, int]], int]:
+        """Per row the plan runs, its slot and the positions it holds after this step's
+        forward, drafts included (-1: a sequence not admitted yet); and the blocks its
+        pending forks copy (one each, a partly filled block)."""
+        needs = [(seqs[i].slot, self._held(seqs[i]) + n) for i, n in plan.chunks]
+        needs += [(seqs[i].slot, len(seqs[i].token_ids) + self._draft_len(seqs[i]))
+                  for i in plan.verify]
+        return needs, sum(len(self.forks.get(seqs[i].seq_id, ())) for i in plan.verify)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """``seq`` gives its KV blocks back (and its samples not forked yet, their slots) and
+        waits at the head of the queue; admitted again, it recomputes its KV from its tokens
+        (``scheduler.py``)."""
+        del self.running[seq.seq_id]
+        for s in (seq, *self.forks.get(seq.seq_id, ())):
+            self.target.free(s.slot)
+            s.slot = -1
+        if seq.draft_attached:
+            seq.draft_attached = False
+            self._proposer_call(self.proposer.finish, seq.seq_id)
+        seq.hidden = []
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _prefill_chunks(self, seqs: list[Sequence], plan: StepPlan) -> list[Sequence]:
+        """Prefill the plan's chunks (a forward that writes their keys and values, and the
+        target's features where the proposer reads them); returns the rows that verify this
+        step. Rows left waiting keep their caches as they are."""
         for i, n in plan.chunks:
             seq = seqs[i]
             start = self.target.length(seq.slot)
@@ -328,35 +369,49 @@ class SpecDecodeEngine:
             return self._fail(seq, exc)
 
     def _admit(self) -> None:
-        """Waiting requests in order, while slots are free: a request of ``n`` samples
-        takes its ``n`` slots at once (its first prefills; the others wait in them)."""
-        while self.waiting:
-            siblings = self.forks.get(self.waiting[0].seq_id, [])
-            if self.target.num_free_slots < 1 + len(siblings):
-                return
+        """Waiting requests in order, while slots are free and (a paged cache) the blocks
+        their first step needs beside the running rows': a request of ``n`` samples takes
+        its ``n`` slots at once (its first prefills; the others wait in them)."""
+        while self.waiting and self._room_for(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.slot = self.target.allocate()
-            seq.num_cached_tokens = self._match(seq)
-            for sibling in siblings:
+            cached = self._match(seq)
+            if not seq.num_preemptions:  # usage reports the prompt's hit, not a recompute's
+                seq.num_cached_tokens = cached
+            for sibling in self.forks.get(seq.seq_id, []):
                 sibling.slot = self.target.allocate()
             self.running[seq.seq_id] = seq
             if seq.num_speculative_tokens > 0 and self.draft_available:
                 self._attach(seq)
 
+    def _room_for(self, seq: Sequence) -> bool:
+        """Slots for ``seq`` and its samples, and (a paged cache) the blocks its first step
+        needs beside the running rows'."""
+        if self.target.num_free_slots < 1 + len(self.forks.get(seq.seq_id, ())):
+            return False
+        if not self.target.paged or not self.running:  # alone it fits (KVCacheConfig's check)
+            return True
+        rows = [*self.running.values(), seq]
+        return not self.target.kv_shortfall(*self._kv_needs(rows, self._budget(rows)))
+
     def _match(self, seq: Sequence) -> int:
-        """The prompt tokens ``seq`` finds in the target's prefix cache (its slot starts with
-        them; the engine prefills the rest). Zero for a request that wants every prompt
-        position's logprobs, and (so far) where the proposer reads target features: those of
-        cached positions are not kept."""
+        """The tokens ``seq`` finds in the target's prefix cache (its slot starts with them;
+        the engine prefills the rest): of its prompt, or of its prompt and output after a
+        preemption. Zero for a request that wants every prompt position's logprobs, and (so
+        far) where the proposer reads target features: those of cached positions are not kept."""
         if seq.params.prompt_logprobs is not None or self.needs_hidden:
             return 0
-        return self.target.match(seq.slot, seq.token_ids[:seq.prompt_len], seq.params.cache_salt)
+        return self.target.match(seq.slot, seq.token_ids, seq.params.cache_salt)
+
+    def _held(self, seq: Sequence) -> int:
+        """Positions the target holds for ``seq`` (none before it is admitted)."""
+        return self.target.length(seq.slot) if seq.slot >= 0 else 0
 
     def _decoding(self, seq: Sequence) -> bool:
         """Whether ``seq`` feeds one token this step (a decoding row: the target holds all
         but its last token; so does a fork of ``n > 1``). A prefix-cache hit or a chunked
         prompt with more of it to compute still prefills."""
-        return len(seq.token_ids) - self.target.length(seq.slot) <= 1
+        return len(seq.token_ids) - self._held(seq) <= 1
 
     def _fork(self, first: Sequence, start: int, hidden: torch.Tensor | None) -> None:
         """``first`` has verified its prompt: its samples start from copies of its caches over

@@ -68,6 +68,16 @@ class SlotOwner:
         a prefix cache: the slot layout)."""
         return self.table.match(slot, tokens, salt)
 
+    @property
+    def paged(self) -> bool:
+        """Whether the cache is paged: capacity in blocks, :meth:`kv_shortfall` meaningful."""
+        return self.table.paged
+
+    def kv_shortfall(self, needs: list[tuple[int, int]], extra_blocks: int = 0) -> int:
+        """KV blocks missing for every ``(slot, positions)`` of ``needs`` to hold that many
+        (slot -1: a sequence not admitted yet) plus ``extra_blocks``; 0 when they fit."""
+        return self.table.kv_shortfall(needs, extra_blocks)
+
     def commit(self, slot: int, tokens: list[int]) -> None:
         """``tokens``, the sequence's committed tokens, may be cached (a paged cache's full
         blocks; nothing in the slot layout)."""

@@ -208,6 +208,7 @@ _COUNTERS = {
                              "(n > 1) instead of being computed again.",
     "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
     "prefill_chunks": "Forwards that prefilled a chunk of a prompt (chunked_prefill_size).",
+    "preemptions": "Sequences sent back to wait because the paged KV pool ran short (recomputed later).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (vLLM's "
                             "prefix_cache_queries).",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache, not computed (hit rate: "

@@ -577,6 +577,7 @@ class UnitSnapshot:
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     k_counts: dict[int, int]                      # K -> decoding rows that drafted it
     prefill_chunks: int = 0            # forwards that prefilled part of a prompt
+    preemptions: int = 0               # sequences sent back to wait for KV blocks
     kv_blocks_total: int = 0           # a paged target's KV blocks (0: the slot layout)
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache

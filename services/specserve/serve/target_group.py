@@ -216,7 +216,6 @@ class TargetGroup(SlotOwner):
     def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
         self.cfg, self.pg, self.first_bundle, self.name = cfg, pg, first_bundle, name
         self.table = _table(cfg)
-        self.paged = isinstance(self.table, KVManager)
         self.max_seq_len = cfg.engine.max_model_len
         self.step_timeout_s = cfg.target_step_timeout_s
         self.generation = 0   # restarts so far
