@@ -81,12 +81,21 @@ def worker_group(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with :func:`worker_group` as the scope (its own ``loadgroup``
     marks do not reach the scheduler under pytest 9). Scopes go out largest first, so the
-    Ray group starts at once on one worker."""
+    Ray group starts at once on one worker; but the Ray-actor group goes out last: where it
+    lands beside the Ray group its worker starts a second Ray cluster, whose daemons cost the
+    machine about a tenth of a core for as long as they live, which is then until the suite
+    ends, not from its first minutes (and where the Ray group's worker takes it, no second
+    cluster starts at all)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return worker_group(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if "ray-actors" in self.workqueue and len(self.workqueue) > 1:
+                self.workqueue.move_to_end("ray-actors")
+            super()._assign_work_unit(node)
 
     return ByGroup(config, log)
 

@@ -10,6 +10,7 @@ the workspace needs CUDA and is skipped without it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from specserve.memory import (
     estimate_memory,
     format_estimate,
     kv_cache_bytes,
+    largest_kv_blocks,
     largest_num_seqs,
     workspace_bytes,
 )
@@ -272,3 +274,41 @@ def test_the_doctests_hold():
     from specserve import memory
 
     assert doctest.testmod(memory).failed == 0
+
+
+def test_a_paged_pool_is_its_blocks_and_names_its_own_fix(capsys, config_files):
+    """Paged (issue 34): the pool's tensors are ``num_blocks x block_size`` positions, whatever
+    ``max_num_seqs``; by default the slots' memory; the fix a GPU too small gets is fewer
+    blocks, and the CLI prints the blocks and the most that fit."""
+    from specserve.engine.kv_cache import PagedKVCache
+
+    shape = ModelShape.from_config(LLAMA_32_1B)
+    two_layers = ModelShape(**{**vars(shape), "num_layers": 2})
+    cache = PagedKVCache(num_layers=2, num_blocks=10, block_size=16, num_slots=3, num_kv_heads=8,
+                         max_seq_len=MAX_LEN, head_dim=64, dtype=torch.bfloat16)
+    load = Workload(max_model_len=MAX_LEN, max_num_seqs=3, dtype="bfloat16", paged=True,
+                    kv_blocks=10, block_size=16)
+    assert kv_cache_bytes(two_layers, load) == sum(t.nbytes for t in cache.k + cache.v)
+    assert kv_cache_bytes(two_layers, replace(load, max_num_seqs=300)) == kv_cache_bytes(two_layers, load)
+    cfg = EngineConfig.model_validate({"max_model_len": 8192, "max_num_seqs": 24,
+                                       "kv_cache": {"layout": "paged"}})
+    assert Workload.of(cfg).pool_blocks == 24 * 8192 // 16  # the slots' memory
+    seventy = ModelShape.from_config(LLAMA_31_70B)
+    default = estimate(seventy, Workload(8192, 24, 4, 4, paged=True))
+    assert default.kv_cache == estimate(seventy, Workload(8192, 24, 4, 4)).kv_cache == 15 * GIB
+    half = Workload(8192, 64, 4, 4, paged=True, kv_blocks=6144)  # 12 sequences' worth, 64 slots
+    assert estimate(seventy, half).kv_cache == 15 * GIB // 2
+    most = largest_kv_blocks(seventy, half, GPU_80GB)
+    assert estimate(seventy, replace(half, kv_blocks=most)).fits(GPU_80GB)
+    assert not estimate(seventy, replace(half, kv_blocks=most + 1)).fits(GPU_80GB)
+    with pytest.raises(ConfigError, match=rf"lower kv_cache.num_blocks to {most - 1}|"
+                                          rf"lower kv_cache.num_blocks to \d+ or less"):
+        check_fits(seventy, replace(half, kv_blocks=4 * most), free_bytes=int(78.5 * GIB),
+                   total_bytes=GPU_80GB)
+    target, _ = config_files
+    assert main(["memory-estimate", "--config", target, "--tp", "4", "--max-model-len", "8192",
+                 "--max-num-seqs", "64", "-k", "4", "--kv-layout", "paged", "--kv-blocks", "6144",
+                 "--gpu-memory-gib", "79"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache              7.50 GiB  6144 blocks of 16: 12.0 x max_model_len" in out
+    assert "largest kv_cache.num_blocks that fits: " in out

@@ -221,10 +221,31 @@ def serving() -> _Dashboard:
                [q(f"sum by (source) (rate(specserve:unit_received_bytes_total{{{UNIT}}}[{RATE}]))",
                   "from {{source}}", "A")],
                (12, 32, 12, 8), "Bps"),
+        RowPanel(title="The prompt: KV blocks, prefix cache, chunked prefill",
+                 gridPos=GridPos(h=1, w=24, x=0, y=40)),
+        series("Prefix cache hit rate",
+               [q(f"sum by (unit) (rate(specserve:prefix_cache_hits_total{{{UNIT}}}[{RATE}])) / "
+                  f"sum by (unit) (rate(specserve:prefix_cache_queries_total{{{UNIT}}}[{RATE}]))",
+                  "{{unit}}", "A")],
+               (0, 41, 8, 8), "percentunit", "Prompt tokens found cached over prompt tokens looked "
+                                             "up (kv_cache.layout paged; empty with slots)."),
+        series("KV blocks in use",
+               [q(f"1 - sum by (unit) (specserve:kv_blocks_free{{{UNIT}}}) / "
+                  f"sum by (unit) (specserve:kv_blocks_total{{{UNIT}}})", "{{unit}}", "A")],
+               (8, 41, 8, 8), "percentunit", "Blocks held by sequences over the pool; cached "
+                                             "prefixes no sequence holds count as free."),
+        series("Prefill chunks and preemptions",
+               [q(f"sum by (unit) (rate(specserve:prefill_chunks_total{{{UNIT}}}[{RATE}]))",
+                  "chunks/s {{unit}}", "A"),
+                q(f"sum by (unit) (rate(specserve:preemptions_total{{{UNIT}}}[{RATE}]))",
+                  "preemptions/s {{unit}}", "B")],
+               (16, 41, 8, 8), "short", "Chunks: prompts longer than a step's budget "
+                                        "(chunked_prefill_size). Preemptions: sequences sent back "
+                                        "to wait because the KV pool ran short."),
     ]
     return dashboard("specserve / Serving", "specserve-serving",
-                     "Requests, tokens/s, latency percentiles, running / waiting, free slots, errors.",
-                     panels)
+                     "Requests, tokens/s, latency percentiles, running / waiting, free slots, "
+                     "errors, KV blocks and the prefix cache.", panels)
 
 
 DASHBOARDS = {"speculation.json": speculation, "serving.json": serving}

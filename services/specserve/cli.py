@@ -291,7 +291,7 @@ def cmd_train_draft(args) -> int:
 
 
 def _memory_parser(sub) -> None:
-    from specserve.config import EngineConfig, ModelConfig, SpeculativeConfig, UnitConfig
+    from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig, UnitConfig
 
     p = sub.add_parser("memory-estimate", help="GPU memory per rank of a target (and its draft), "
                                                "from config.json (docs/MEMORY.md)")
@@ -305,6 +305,14 @@ def _memory_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=_default(EngineConfig, "max_num_seqs"))
     p.add_argument("-k", "--num-speculative-tokens", type=int, dest="k",
                    default=_default(SpeculativeConfig, "num_speculative_tokens"))
+    p.add_argument("--kv-layout", default=_default(KVCacheConfig, "layout"),
+                   choices=_choices(KVCacheConfig, "layout"),
+                   help="the target's KV cache: a slot per sequence, or a paged pool of blocks")
+    p.add_argument("--block-size", type=int, default=_default(KVCacheConfig, "block_size"),
+                   help="paged: positions per block")
+    p.add_argument("--kv-blocks", type=int,
+                   help="paged: blocks in the pool (default: the slots' memory, "
+                        "max_num_seqs x max_model_len)")
     p.add_argument("--prefill-rows", type=int, default=1,
                    help="prompts of full length prefilled in one forward (same-length prompts share one)")
     p.add_argument("--gpu-memory-gib", type=float,
@@ -336,10 +344,20 @@ def cmd_memory_estimate(args) -> int:
     from dataclasses import replace
 
     from specserve.config import EngineConfig
-    from specserve.memory import GIB, ModelShape, Workload, estimate, format_estimate, largest_num_seqs
+    from specserve.memory import (
+        GIB,
+        ModelShape,
+        Workload,
+        estimate,
+        format_estimate,
+        largest_kv_blocks,
+        largest_num_seqs,
+    )
 
-    EngineConfig.model_validate({"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                                 "speculative": {"num_speculative_tokens": args.k}})  # the same bounds
+    kv = {"layout": args.kv_layout, "block_size": args.block_size, "num_blocks": args.kv_blocks}
+    cfg = EngineConfig.model_validate({"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                                       "speculative": {"num_speculative_tokens": args.k},
+                                       "kv_cache": kv})  # the same bounds and checks
     gpus = [args.gpu_memory_gib, args.draft_gpu_memory_gib or args.gpu_memory_gib]
     roles = [("target", args.config, args.tp, False, gpus[0])]
     if args.draft_config:
@@ -348,17 +366,22 @@ def cmd_memory_estimate(args) -> int:
     for role, path, tp, draft, gib in roles:
         gpu = gib * GIB if gib else None
         shape = ModelShape.from_config(_read_model_config(path))
+        kv = cfg.draft_kv_cache if draft else cfg.kv_cache
+        paged = kv is not None and kv.layout == "paged"
         load = Workload(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         num_speculative_tokens=args.k, tp=tp, dtype=args.dtype, draft=draft,
-                        prefill_rows=args.prefill_rows)
+                        prefill_rows=args.prefill_rows, paged=paged,
+                        kv_blocks=kv.num_blocks if paged else None, block_size=args.block_size)
         est = estimate(shape, load)
         dtype = "auto = bfloat16" if args.dtype == "auto" else args.dtype
         print(f"{role} {path}: tp {tp}, {dtype}, max_model_len {args.max_model_len}, "
               f"max_num_seqs {args.max_num_seqs}, K {args.k}; per GPU:")
-        print(format_estimate(est, gpu_memory_bytes=gpu))
+        print(format_estimate(est, gpu_memory_bytes=gpu, load=load))
         if gpu is not None:
             most = replace(load, max_num_seqs=_bound(EngineConfig, "max_num_seqs", "le"))
             print(f"  largest max_num_seqs that fits: {largest_num_seqs(shape, most, gpu)}")
+            if load.paged and load.kv_blocks is not None and not draft:
+                print(f"  largest kv_cache.num_blocks that fits: {largest_kv_blocks(shape, load, gpu)}")
             fits = fits and est.fits(gpu)
     return 0 if fits else 1
 

@@ -272,6 +272,19 @@ class EngineConfig(_Strict):
         return self
 
     @property
+    def draft_kv_cache(self) -> KVCacheConfig | None:
+        """A model draft's cache (draft model, EAGLE head): paged like the target's, its pool
+        the target's blocks plus room for each sequence's drafts ahead of it, no prefix
+        caching (a draft prefills what it lacks itself); None (slots) with a slot target."""
+        kv = self.kv_cache
+        if kv.layout != "paged":
+            return None
+        ahead = -(-(self.speculative.num_speculative_tokens + 1) // kv.block_size) + 1
+        return KVCacheConfig(layout="paged", block_size=kv.block_size, prefix_caching=False,
+                             num_blocks=kv.pool_blocks(self.max_num_seqs, self.max_model_len)
+                             + self.max_num_seqs * ahead)
+
+    @property
     def verify_tokens(self) -> int:
         """New tokens per row in a verify (K + 1; 1 target-only): the one token shape the
         target's GPU kernels use for decodes and verifies alike (``engine/compiled.py``)."""

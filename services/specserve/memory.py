@@ -11,10 +11,14 @@ and KV bytes against a real runtime's tensors, at TP 1 and TP 2):
   elsewhere, the same bytes) and the rope tables ``2 x min(max_model_len, max_positions) x
   head_dim``. For Llama-3.1-70B the embeddings and LM head alone are 2 x 128256 x 8192 x 2 B
   = 3.9 GiB on *every* rank;
-- **KV cache**: :class:`~specserve.engine.kv_cache.SlotKVCache` keeps every slot at full
-  length, no paging: ``2 (k, v) x layers x slots x kv_heads / tp x positions x head_dim x
-  dtype bytes``, positions rounded up to whole blocks of :data:`KV_BLOCK`, and one spare slot
-  with ``kernels: compiled``;
+- **KV cache**: ``2 (k, v) x layers x kv_heads / tp x head_dim x dtype bytes`` per position,
+  times the positions the cache allocates. The slot layout
+  (:class:`~specserve.engine.kv_cache.SlotKVCache`) keeps every slot at full length:
+  ``slots x max_model_len``, rounded up to whole blocks of :data:`KV_BLOCK`, and one spare slot
+  with ``kernels: compiled``. The paged layout (:class:`~specserve.engine.kv_cache.PagedKVCache`)
+  allocates its pool: ``kv_cache.num_blocks x block_size`` (by default the slots' positions);
+  sequences share it by the tokens they hold, so a pool below ``max_num_seqs x max_model_len``
+  serves as many sequences as their actual lengths fit (the scheduler preempts beyond);
 - **workspace**: the transient tensors of the largest forward, computed from its shapes (see
   :func:`forward_workspace`), the larger of a prefill of ``prefill_rows`` prompts of full length and
   a verify of every slot at full context;
@@ -142,14 +146,25 @@ class Workload:
     draft: bool = False       # a draft: one logit row per sequence (a target: K + 1)
     prefill_rows: int = 1     # prompts of full length prefilled in one forward
     spare_slot: bool = False  # kernels: compiled (a static-shape forward's padding slot)
+    paged: bool = False       # kv_cache.layout paged: a pool of blocks
+    kv_blocks: int | None = None  # paged: the pool's blocks (None: the slots' positions)
+    block_size: int = 16          # paged: positions per block
+
+    @property
+    def pool_blocks(self) -> int:
+        """A paged pool's blocks (``kv_cache.num_blocks``, or the slot layout's memory)."""
+        return self.kv_blocks or self.max_num_seqs * -(-self.max_model_len // self.block_size)
 
     @classmethod
     def of(cls, engine, *, tp: int = 1, draft: bool = False) -> Workload:
         """The workload of an :class:`~specserve.config.EngineConfig`'s target (or draft)."""
         model = engine.speculative.draft if draft else engine.target
+        kv = engine.draft_kv_cache if draft else engine.kv_cache
+        paged = {} if kv is None or kv.layout != "paged" else {
+            "paged": True, "kv_blocks": kv.num_blocks, "block_size": kv.block_size}
         return cls(max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
                    num_speculative_tokens=engine.speculative.num_speculative_tokens, tp=tp,
-                   dtype=model.dtype, draft=draft, spare_slot=model.kernels == "compiled")
+                   dtype=model.dtype, draft=draft, spare_slot=model.kernels == "compiled", **paged)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -173,11 +188,14 @@ def weight_bytes(shape: ModelShape, tp: int, nbytes: int, max_len: int) -> tuple
 
 
 def kv_cache_bytes(shape: ModelShape, load: Workload) -> int:
-    """The :class:`~specserve.engine.kv_cache.SlotKVCache` tensors of one rank."""
+    """One rank's KV tensors: a :class:`~specserve.engine.kv_cache.SlotKVCache`'s, or a
+    paged pool's (:class:`~specserve.engine.kv_cache.PagedKVCache`)."""
+    per_position = (2 * shape.num_layers * (shape.num_kv_heads // load.tp) * shape.head_dim
+                    * dtype_bytes(load.dtype))
+    if load.paged:
+        return per_position * load.pool_blocks * load.block_size
     positions = -(-load.max_model_len // KV_BLOCK) * KV_BLOCK
-    slots = load.max_num_seqs + load.spare_slot
-    return (2 * shape.num_layers * slots * (shape.num_kv_heads // load.tp) * positions
-            * shape.head_dim * dtype_bytes(load.dtype))
+    return per_position * (load.max_num_seqs + load.spare_slot) * positions
 
 
 def forward_workspace(shape: ModelShape, tp: int, nbytes: int, *, rows: int, new_tokens: int,
@@ -278,6 +296,19 @@ def largest_num_seqs(shape: ModelShape, load: Workload, gpu_memory_bytes: float)
     return low
 
 
+def largest_kv_blocks(shape: ModelShape, load: Workload, gpu_memory_bytes: float) -> int:
+    """A paged pool's most blocks at which ``load`` still fits (0: none)."""
+    low, high = 0, max(1, int(gpu_memory_bytes // max(1, kv_cache_bytes(
+        shape, replace(load, paged=True, kv_blocks=1)))))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if estimate(shape, replace(load, paged=True, kv_blocks=mid)).fits(gpu_memory_bytes):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def check_fits(shape: ModelShape, load: Workload, *, free_bytes: int, total_bytes: int) -> MemoryEstimate:
     """Refuse, with the fix named, a ``load`` that will not fit this GPU: its estimate must
     be within :data:`MAX_UTILIZATION` of ``total_bytes``, and what it has yet to allocate
@@ -290,6 +321,10 @@ def check_fits(shape: ModelShape, load: Workload, *, free_bytes: int, total_byte
     seqs = largest_num_seqs(shape, load, budget)
     fix = (f"lower max_num_seqs to {seqs} or less, or max_model_len" if seqs
            else "use a larger tensor_parallel_size, a shorter max_model_len or a larger GPU")
+    if load.paged and load.kv_blocks is not None:
+        blocks = largest_kv_blocks(shape, load, budget)
+        fix = (f"lower kv_cache.num_blocks to {blocks} or less" if blocks * load.block_size
+               >= load.max_model_len else fix)
     raise ConfigError(
         f"this GPU cannot hold the {'draft' if load.draft else 'target'} as configured: about "
         f"{est.total / GIB:.1f} GiB per GPU ({format_estimate(est, oneline=True)}), "
@@ -318,7 +353,7 @@ PARTS = (  # (field, label, what it is) in the order a table prints them
 
 
 def format_estimate(est: MemoryEstimate, *, gpu_memory_bytes: float | None = None,
-                    oneline: bool = False) -> str:
+                    oneline: bool = False, load: Workload | None = None) -> str:
     """A table, one line per part, or with ``oneline`` the parts on one line (GiB).
 
     >>> print(format_estimate(MemoryEstimate(GIB, 0, 2 * GIB, 0, GIB), oneline=True))
@@ -327,7 +362,11 @@ def format_estimate(est: MemoryEstimate, *, gpu_memory_bytes: float | None = Non
     if oneline:
         parts = " + ".join(f"{label} {getattr(est, name) / GIB:.1f}" for name, label, _ in PARTS)
         return f"{parts} = {est.total / GIB:.1f} GiB"
-    lines = [f"  {label:<19}{getattr(est, name) / GIB:7.2f} GiB  {why}" for name, label, why in PARTS]
+    whys = {name: why for name, _, why in PARTS}
+    if load is not None and load.paged:
+        whys["kv_cache"] = (f"{load.pool_blocks} blocks of {load.block_size}: "
+                            f"{load.pool_blocks * load.block_size / load.max_model_len:.1f} x max_model_len")
+    lines = [f"  {label:<19}{getattr(est, name) / GIB:7.2f} GiB  {whys[name]}" for name, label, _ in PARTS]
     lines.append(f"  {'total':<19}{est.total / GIB:7.2f} GiB" + _verdict(est, gpu_memory_bytes))
     return "\n".join(lines)
 

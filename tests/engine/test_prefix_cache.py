@@ -13,14 +13,16 @@ features, which the prefix cache does not keep yet: its requests do not look pre
 from __future__ import annotations
 
 import pytest
-from specserve.config import KVCacheConfig, SamplingParams
+from specserve.config import EngineConfig, KVCacheConfig, SamplingParams
 
 from tests.engine.test_spec_decode import make_engine, prompts
 from tests.models import perturbed, random_sequences, tiny_hf_model
 
 METHODS = [None, "ngram", "draft_model", "suffix", "eagle"]
+MODEL_DRAFTS = ("draft_model", "eagle")
 
 PAGED = KVCacheConfig(layout="paged", block_size=16)
+DRAFT_PAGED = KVCacheConfig(layout="paged", block_size=16, prefix_caching=False)  # a draft's
 PARAMS = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=20),
           SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=11)]
 
@@ -53,7 +55,7 @@ def reference(target_hf):
 @pytest.mark.parametrize("method", METHODS)
 def test_second_turns_hit_the_cache_and_keep_target_onlys_output(target_hf, close_draft_hf,
                                                                   reference, method):
-    engine = make_engine(target_hf, method, draft_hf=close_draft_hf, kv=PAGED)
+    engine = make_engine(target_hf, method, draft_hf=close_draft_hf, kv=PAGED, draft_kv=DRAFT_PAGED)
     assert turns(engine) == reference
     stats = engine.target.cache.manager.stats
     if method == "eagle":
@@ -121,6 +123,10 @@ def test_a_prompt_to_score_is_never_chunked(target_hf):
 # Preemption (scheduler.py): 12 blocks of 8 positions hold one sequence of max_len 96, while
 # four sequences grow to about 70 positions each (9 blocks): the newest wait and recompute.
 TIGHT = KVCacheConfig(layout="paged", block_size=8, num_blocks=12)
+# A model draft's pool as a unit sizes it: the target's blocks and each slot's drafts ahead.
+DRAFT_TIGHT = EngineConfig.model_validate({"max_model_len": 96, "max_num_seqs": 8,
+                                           "kv_cache": TIGHT.model_dump(),
+                                           "speculative": {"num_speculative_tokens": 4}}).draft_kv_cache
 CROWD = random_sequences((20, 14, 26, 9), seed=12)
 CROWD_PARAMS = [SamplingParams(temperature=0, max_tokens=48),
                 SamplingParams(temperature=0.8, top_k=20, max_tokens=52, seed=5),
@@ -143,13 +149,16 @@ def uncrowded(target_hf):
 def test_preempted_sequences_recompute_and_keep_target_onlys_output(target_hf, close_draft_hf,
                                                                     uncrowded, method):
     engine = make_engine(target_hf, method, draft_hf=close_draft_hf, max_len=96, eos=frozenset(),
-                         kv=TIGHT)
+                         kv=TIGHT, draft_kv=DRAFT_TIGHT)
     assert crowd(engine) == uncrowded
     assert engine.num_preemptions >= 2
-    manager = engine.target.cache.manager
-    manager.check()
-    assert engine.target.num_free_slots == engine.target.num_slots
-    assert manager.pool.num_free == manager.pool.num_blocks
+    workers = [engine.target] + ([engine.proposer.worker] if hasattr(engine.proposer, "worker") else [])
+    assert DRAFT_TIGHT.num_blocks == 12 + 8 * 2 and len(workers) == 1 + (method in MODEL_DRAFTS)
+    for worker in workers:  # the target's pool, and a model draft's (paged too), all given back
+        manager = worker.cache.manager
+        manager.check()
+        assert worker.num_free_slots == worker.num_slots
+        assert manager.pool.num_free == manager.pool.num_blocks
 
 
 def test_the_preemption_test_catches_a_sequence_that_resumes_without_recomputing(

@@ -55,7 +55,9 @@ class RandomK(SpecLengthController):
 
 def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slots: int = 8,
                 eos=EOS, max_len: int = 256,
-                controller: SpecLengthController | None = None, kv=None) -> SpecDecodeEngine:
+                controller: SpecLengthController | None = None, kv=None,
+                draft_kv=None) -> SpecDecodeEngine:
+    """``kv``: the target's cache layout (None: slots); ``draft_kv``: a model draft's."""
     proposer = None
     if method == "ngram":
         proposer = NgramProposer(min_n=1, max_n=3)
@@ -66,22 +68,23 @@ def make_engine(target_hf, method: str | None, k: int = 4, *, draft_hf=None, slo
     elif method == "suffix-tree+eagle":  # trees where suffix is confident, EAGLE chains elsewhere
         proposer = HybridProposer(SuffixProposer(SuffixOptions(tree=True, min_token_prob=0.01)),
                                   EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
-                                                            num_slots=slots, max_seq_len=max_len)))
+                                                            num_slots=slots, max_seq_len=max_len,
+                                                            kv=draft_kv)))
     elif method == "eagle-tree":  # EAGLE-2 dynamic trees of the head's likeliest nodes
         proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
-                                             num_slots=slots, max_seq_len=max_len),
+                                             num_slots=slots, max_seq_len=max_len, kv=draft_kv),
                                  EagleOptions(tree=True, tree_topk=3, tree_depth=4))
     elif method == "suffix+eagle":  # suffix decoding first, the EAGLE head for the other rows
         proposer = HybridProposer(SuffixProposer(), EagleProposer(ModelWorker(
-            eagle_head_of(target_hf, max_len=max_len), num_slots=slots, max_seq_len=max_len)))
+            eagle_head_of(target_hf, max_len=max_len), num_slots=slots, max_seq_len=max_len, kv=draft_kv)))
     elif method == "draft_model":
-        proposer = DraftModelProposer(worker_of(draft_hf, slots, max_len))
+        proposer = DraftModelProposer(worker_of(draft_hf, slots, max_len, draft_kv))
     elif method == "eagle":  # a head reading the target's features (train-draft's kind eagle)
         proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf, max_len=max_len),
-                                             num_slots=slots, max_seq_len=max_len))
+                                             num_slots=slots, max_seq_len=max_len, kv=draft_kv))
     elif method == "decoder_head":  # train-draft's kind decoder, with a reduced vocabulary
         proposer = DraftModelProposer(ModelWorker(decoder_head_of(target_hf, max_len=max_len),
-                                                  num_slots=slots, max_seq_len=max_len))
+                                                  num_slots=slots, max_seq_len=max_len, kv=draft_kv))
     return SpecDecodeEngine(worker_of(target_hf, slots, max_len, kv), make_tiny_tokenizer(),
                             eos_token_ids=eos, proposer=proposer, num_speculative_tokens=k,
                             controller=controller)

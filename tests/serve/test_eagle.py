@@ -30,7 +30,7 @@ MAX_TOKENS = 32
 def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
     """Both apps of the module, deployed side by side on one draft directory:
 
-    - ``eagle``: chains, prompt lookup in front, TP = 2;
+    - ``eagle``: chains, prompt lookup in front, TP = 2, paged KV caches;
     - ``eagle-tree``: the EAGLE head drafting token trees (issue 20): its options travel to
       the draft actor, the cost model chooses the node budget (up to 6) per step.
     """
@@ -41,6 +41,9 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
         "method": "eagle", "num_speculative_tokens": 3, "ngram_first": True,
         "draft": {"source": str(draft)}, "adaptive": {"enabled": False}})
     chain["unit"]["tensor_parallel_size"] = 2
+    # Paged: the ranks follow the coordinator's block tables, and the draft actor's EAGLE
+    # head pages its own cache (EngineConfig.draft_kv_cache).
+    chain["unit"]["engine"]["kv_cache"] = {"layout": "paged", "block_size": 16}
     tree = unit_args(tiny_models[0], max_num_seqs=4, speculative={
         "method": "eagle", "num_speculative_tokens": 6, "draft": {"source": str(draft)},
         "eagle": {"tree": True, "tree_topk": 3, "tree_depth": 4},

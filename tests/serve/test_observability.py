@@ -50,8 +50,10 @@ def prometheus_bin() -> str:
 
 @pytest.fixture(scope="module")
 def obs_app(ray_cluster, tiny_models) -> str:
-    """n-gram, adaptive K, two slots and one queue place: enough to make 429s on purpose."""
-    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
+    """n-gram, adaptive K, two slots and one queue place: enough to make 429s on purpose. A
+    paged KV cache, so the prefix cache's and the blocks' series carry values."""
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2,
+                     kv_cache={"layout": "paged"})
     args["unit"]["max_queue_len"] = 1
     yield deploy("obs", "/obs", args)
     serve.delete("obs")

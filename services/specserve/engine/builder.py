@@ -9,7 +9,7 @@ they run before an engine loads a model, and once before Ray starts (``deploy/ap
 
 from __future__ import annotations
 
-from specserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig
 from specserve.engine.adaptive import SpecLengthController
 from specserve.engine.draft_head import draft_path, is_draft_dir, load_draft_head, read_draft_meta
 from specserve.engine.loader import (
@@ -79,13 +79,15 @@ def build_proposer(spec: SpeculativeConfig, draft: Proposer | None = None) -> Pr
 
 def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, max_model_len: int,
                         target_runtime=None, target_cfg: ModelConfig | None = None,
-                        target_vocab_size: int | None = None, options: dict | None = None) -> Proposer:
+                        target_vocab_size: int | None = None, options: dict | None = None,
+                        kv: KVCacheConfig | None = None) -> Proposer:
     """The proposer of a model method: a plain draft model, or a draft from ``train-draft``
     (a directory with ``draft.json``) on the target's embeddings, taken from
     ``target_runtime`` when the target is in this process, else read via ``target_cfg``.
     ``target_vocab_size`` (default: ``target_runtime``'s): the ids the target verifies; a
     plain draft with more or fewer embedding rows drafts over exactly those. ``options``:
-    the method's ``speculative.<method>`` settings (``SpeculativeConfig.method_options``)."""
+    the method's ``speculative.<method>`` settings (``SpeculativeConfig.method_options``);
+    ``kv``: the draft's cache layout (``EngineConfig.draft_kv_cache``; None: slots)."""
     spec = PROPOSERS[method]
     if is_draft_dir(draft_cfg.source):
         device = resolve_device(draft_cfg.device)
@@ -105,7 +107,7 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
     # differ in padding, which the proposer maps (draft_model.py).
     if target_vocab_size is None and target_runtime is not None:
         target_vocab_size = target_runtime.arch.vocab_size
-    worker = ModelWorker(runtime, num_slots=num_slots, max_seq_len=max_model_len)
+    worker = ModelWorker(runtime, num_slots=num_slots, max_seq_len=max_model_len, kv=kv)
     return proposer_class(method).from_draft(worker, target_vocab_size=target_vocab_size,
                                              options=options)
 
@@ -134,7 +136,7 @@ def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
     if spec.method is not None and PROPOSERS[spec.method].draft_model:
         draft = load_draft_proposer(spec.method, spec.draft, target_runtime=target.runtime,
                                     num_slots=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-                                    options=spec.method_options)
+                                    options=spec.method_options, kv=cfg.draft_kv_cache)
     return assemble_engine(worker, target.tokenizer, target.eos_token_ids, spec, draft,
                            chunked_prefill_size=cfg.chunked_prefill_size), target
 

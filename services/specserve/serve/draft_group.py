@@ -65,7 +65,8 @@ class DraftGroup(Proposer):
             engine.speculative.method, engine.speculative.draft.model_dump(),
             engine.target.model_dump(), engine.max_model_len, engine.max_num_seqs, target_vocab_size,
             options=engine.speculative.method_options, niced=cfg.accelerator == "cpu",
-            eos_token_ids=eos_token_ids)
+            eos_token_ids=eos_token_ids,
+            kv=engine.draft_kv_cache.model_dump() if engine.draft_kv_cache else None)
         proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
         if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
             raise RuntimeError("the draft group did not start")

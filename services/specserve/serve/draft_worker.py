@@ -120,7 +120,7 @@ class DraftWorker:
     def __init__(self, method: str, draft: dict, target: dict, max_model_len: int,
                  num_slots: int, target_vocab_size: int | None = None, *,
                  options: dict | None = None, niced: bool = False,
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, kv: dict | None = None) -> None:
         loading = contextlib.nullcontext()
         if niced:  # before the heavy imports below: they are most of a restart's CPU
             os.nice(DRAFT_NICENESS)
@@ -129,7 +129,7 @@ class DraftWorker:
         with loading:
             import torch
 
-            from specserve.config import ModelConfig
+            from specserve.config import KVCacheConfig, ModelConfig
             from specserve.engine.builder import load_draft_proposer
 
             torch.set_num_threads(os.cpu_count() or 1)  # the loop runs draft and target in turn
@@ -137,7 +137,7 @@ class DraftWorker:
                 method, ModelConfig.model_validate(draft),
                 target_cfg=ModelConfig.model_validate(target), num_slots=num_slots,
                 max_model_len=max_model_len, target_vocab_size=target_vocab_size,
-                options=options)
+                options=options, kv=KVCacheConfig.model_validate(kv) if kv else None)
             if eos_token_ids and target_vocab_size:  # drafts follow structured outputs' grammars
                 from specserve.engine.grammar import GrammarCompiler
                 from specserve.engine.loader import load_tokenizer, resolve
