@@ -63,7 +63,7 @@ serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local 
 	$(VENV)/bin/specserve serve --config deploy/serve_config.yaml --host 127.0.0.1 --port $(or $(PORT),8000)
 
 test: install ## Run the test suite (the command CI runs) on TEST_WORKERS workers; prints the 25 slowest tests
-	$(PY) -m pytest -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 dashboards: install ## Regenerate services/specserve/grafana/*.json from deploy/grafana/dashboards.py
 	$(PY) deploy/grafana/dashboards.py

@@ -20,11 +20,19 @@ import os
 import random
 import threading
 
-import httpx
-import pytest
-import requests
-import specserve.serve.local  # noqa: F401  (before ray: local Ray advertises 127.0.0.1)
-import torch
+# Before torch (and every process this one starts: the Ray workers, the GPU check's steps)
+# loads OpenMP. Its default wait policy spins a finished thread on its core until the next
+# parallel region; under `make test` two workers and their Ray actors share two cores, and a
+# 2-thread engine beside a busy process ran 3.3x slower spinning than sleeping (0.69 against
+# 2.25 s, docs/RELIABILITY.md, session 21). Alone it is a third faster spinning: a server
+# keeps the default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import requests  # noqa: E402
+import specserve.serve.local  # noqa: E402,F401  (before ray: local Ray advertises 127.0.0.1)
+import torch  # noqa: E402
 
 from tests.leaks import leaks, sse_errors
 
