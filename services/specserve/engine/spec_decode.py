@@ -269,7 +269,7 @@ class SpecDecodeEngine:
         they need, the newest rows are preempted (:meth:`_preempt`) until it does not; the
         last row always runs (the pool holds a sequence of ``max_model_len``)."""
         plan = self._budget(seqs)
-        while self.target.paged and self.target.kv_shortfall(*self._kv_needs(seqs, plan)):
+        while self._short_of_blocks(seqs, plan):
             victim = newest_preemptable([s.params.prompt_logprobs is None or not s.output_token_ids
                                          for s in seqs])  # prompt scores already sent: not again
             if victim is None:
@@ -285,6 +285,10 @@ class SpecDecodeEngine:
                                len(s.token_ids) - self._held(s))
                 for s in seqs]
         return plan_step(rows, self.chunked_prefill_size)
+
+    def _short_of_blocks(self, seqs: list[Sequence], plan: StepPlan) -> bool:
+        """Whether a paged cache lacks the blocks ``plan``'s forwards need (:meth:`_kv_needs`)."""
+        return self.target.paged and self.target.kv_shortfall(*self._kv_needs(seqs, plan)) > 0
 
     def _kv_needs(self, seqs: list[Sequence], plan: StepPlan) -> tuple[list[tuple[int, int]], int]:
         """Per row the plan runs, its slot and the positions it holds after this step's
@@ -392,7 +396,7 @@ class SpecDecodeEngine:
         if not self.target.paged or not self.running:  # alone it fits (KVCacheConfig's check)
             return True
         rows = [*self.running.values(), seq]
-        return not self.target.kv_shortfall(*self._kv_needs(rows, self._budget(rows)))
+        return not self._short_of_blocks(rows, self._budget(rows))
 
     def _match(self, seq: Sequence) -> int:
         """The tokens ``seq`` finds in the target's prefix cache (its slot starts with them;
