@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from specserve.config import KVCacheConfig
 from specserve.errors import ConfigError
 
 GIB = 1 << 30
@@ -152,8 +153,10 @@ class Workload:
 
     @property
     def pool_blocks(self) -> int:
-        """A paged pool's blocks (``kv_cache.num_blocks``, or the slot layout's memory)."""
-        return self.kv_blocks or self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        """A paged pool's blocks (:meth:`KVCacheConfig.pool_blocks
+        <specserve.config.KVCacheConfig.pool_blocks>`, the engine's own count)."""
+        kv = KVCacheConfig(layout="paged", block_size=self.block_size, num_blocks=self.kv_blocks)
+        return kv.pool_blocks(self.max_num_seqs, self.max_model_len)
 
     @classmethod
     def of(cls, engine, *, tp: int = 1, draft: bool = False) -> Workload:
