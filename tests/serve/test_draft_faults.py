@@ -25,7 +25,7 @@ import ray
 from ray import serve
 from specserve.serve.placement import ACTOR_NAMESPACE
 
-from tests.serve.conftest import deploy, target_only_texts, unit_args
+from tests.serve.conftest import deployed_one, target_only_texts, unit_args
 from tests.serve.test_http import PROMPTS, read_sse
 
 APP = "draftfaults"
@@ -49,9 +49,7 @@ def app(ray_cluster, tiny_models):
     # test_draft_priority.py tests that loading.
     args["unit"]["accelerator"] = "gpu"
     args["unit"]["engine"]["target"]["device"] = "cpu"
-    url = deploy(APP, "/" + APP, args)
-    yield url
-    serve.delete(APP)
+    yield from deployed_one(APP, args)
 
 
 @pytest.fixture(scope="module")

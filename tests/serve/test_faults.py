@@ -22,7 +22,7 @@ import ray
 from ray import serve
 from specserve.serve.placement import ACTOR_NAMESPACE
 
-from tests.serve.conftest import deploy, target_only_texts, unit_args
+from tests.serve.conftest import deployed_one, target_only_texts, unit_args
 from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import PROMPTS
 
@@ -35,9 +35,7 @@ RECOVER_WITHIN_S = 120.0
 def faults_app(ray_cluster, tiny_models):
     args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=4)
     args["unit"].update({"tensor_parallel_size": 2, "target_step_timeout_s": STEP_TIMEOUT_S})
-    url = deploy("faults", "/faults", args)
-    yield url
-    serve.delete("faults")
+    yield from deployed_one("faults", args)
 
 
 def long_body(model: str, prompt: str, stream: bool) -> dict:

@@ -27,7 +27,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from tests.serve.conftest import BASE, RAY_METRICS_PORT, deploy, unit_args
+from tests.serve.conftest import BASE, RAY_METRICS_PORT, deployed_one, unit_args
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_PORT = 18390
@@ -55,8 +55,7 @@ def obs_app(ray_cluster, tiny_models) -> str:
     args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2,
                      kv_cache={"layout": "paged"})
     args["unit"]["max_queue_len"] = 1
-    yield deploy("obs", "/obs", args)
-    serve.delete("obs")
+    yield from deployed_one("obs", args)
 
 
 @pytest.fixture(scope="module")

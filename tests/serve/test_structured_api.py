@@ -14,10 +14,9 @@ import jsonschema
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
-from ray import serve
 
 from tests.models import perturbed, tiny_hf_model
-from tests.serve.conftest import deploy, save_tiny, unit_args
+from tests.serve.conftest import deployed_one, save_tiny, unit_args
 from tests.serve.test_api_compat import MESSAGES, post
 
 SCHEMA = {"type": "object", "properties": {
@@ -50,8 +49,7 @@ def tools_app(ray_cluster, tmp_path_factory, model):
     args = unit_args(target_dir, max_model_len=1024, speculative={
         "method": "draft_model", "num_speculative_tokens": 3, "draft": {"source": draft_dir}})
     args["served_model_name"] = model  # the session apps' name, so the tests read alike
-    yield deploy("tools", "/tools", args)
-    serve.delete("tools")
+    yield from deployed_one("tools", args)
 
 
 def _chat(url: str, model: str, **extra) -> dict:
