@@ -3,6 +3,8 @@ hub ids; and the refusals that must happen before anything is loaded."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from pydantic import ValidationError
 from specserve.config import EngineConfig, SamplingParams
@@ -113,3 +115,34 @@ def test_embedded_default_is_cached_as_safetensors():
     assert src.name == EMBEDDED_NAME
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
     assert resolve("embedded") == src  # the second time it is the same cache entry
+
+
+def test_a_gguf_copy_is_found_by_content_whatever_its_path_and_mtime(tmp_path):
+    """A reinstall puts the same GGUF at a new path with a new mtime: its dequantized copy is
+    the one the first made (before, each reinstall dequantized again: 540 MB more each time,
+    and half a minute). Another content is another copy. (The files here are not GGUF:
+    dequantizing one would raise, so finding the copy proves nothing was dequantized.)"""
+    import os
+    import shutil
+
+    from specserve.engine.loader import _dequantized
+
+    cache = tmp_path / "cache"
+    first = tmp_path / "venv-a" / "model.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    copy = cache / "models" / f"model-{hashlib.sha256(first.read_bytes()).hexdigest()[:12]}"
+    copy.mkdir(parents=True)
+    (copy / "config.json").write_text("{}")
+    again = tmp_path / "venv-b" / "model.gguf"
+    again.parent.mkdir()
+    shutil.copyfile(first, again)
+    os.utime(again, ns=(1, 1))
+    assert _dequantized(first, cache) == copy and _dequantized(again, cache) == copy
+    assert len(list((cache / "models" / ".digests").iterdir())) == 2  # hashed once per file
+    other = tmp_path / "venv-c" / "model.gguf"
+    other.parent.mkdir()
+    other.write_bytes(first.read_bytes()[:-1] + b"x")
+    with pytest.raises(Exception):  # not found: it would be dequantized, and is not a GGUF
+        _dequantized(other, cache)
+    assert not [p for p in (cache / "models").iterdir() if p.name.startswith(".tmp-")]

