@@ -18,7 +18,7 @@ import re
 import shutil
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import httpx
@@ -100,12 +100,18 @@ def overflow(url: str, model: str) -> list[int]:
     """A burst of 8 long requests at a unit with room for 3: some are served, the rest get
     429. The engine is held before they are sent, so the first three are still in the unit
     when the others arrive, however fast the machine."""
-    serve.get_deployment_handle("SpeculationUnit", app_name="obs").stall.remote(HOLD_S).result()
+    unit = serve.get_deployment_handle("SpeculationUnit", app_name="obs")
+    unit.stall.remote(HOLD_S).result()
     burst = {"model": model, "temperature": 0, "prompt": "a b c", "max_tokens": 40,
              "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:
-        codes = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=burst,
-                                                   timeout=300).status_code, range(8)))
+        sent = [pool.submit(lambda: httpx.post(url + "/v1/completions", json=burst,
+                                               timeout=300).status_code) for _ in range(8)]
+        for done in as_completed(sent):  # a 429 came while the engine was held: what the
+            if done.result() == 429:     # hold was for (it ends by itself too)
+                unit.end_stall.remote().result()
+                break
+        codes = [f.result() for f in sent]
     assert 429 in codes and 200 in codes, codes
     return codes
 

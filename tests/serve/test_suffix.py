@@ -8,17 +8,32 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import deployed_one, unit_args
+from tests.serve.conftest import deployed, unit_args
 from tests.serve.test_http import PROMPTS, greedy_equals_target_only
 
 
 @pytest.fixture(scope="module")
-def suffix_app(ray_cluster, tiny_models):
-    yield from deployed_one("suffix", unit_args(tiny_models[0], speculative={
+def apps(ray_cluster, tiny_models) -> dict[str, str]:
+    """Both apps of the module, deployed side by side (one wait, not two); K fixed: on a
+    random tiny model the cost model could choose K = 0 (test_policy.py and the benchmarks
+    cover adaptive K); these tests are about the path and the cache."""
+    chain = unit_args(tiny_models[0], speculative={
         "method": "suffix", "num_speculative_tokens": 8, "suffix": {"max_cached_responses": 4},
-        # K fixed: on a random tiny model the cost model could choose K = 0 (test_policy.py and
-        # the benchmarks cover adaptive K); this test is about the path and the cache.
-        "adaptive": {"enabled": False}}))
+        "adaptive": {"enabled": False}})
+    tree = unit_args(tiny_models[0], speculative={
+        "method": "suffix", "num_speculative_tokens": 8,
+        "suffix": {"tree": True, "min_token_prob": 0.01}, "adaptive": {"enabled": False}})
+    yield from deployed({"suffix": ("/suffix", chain), "suffix-tree": ("/suffix-tree", tree)})
+
+
+@pytest.fixture(scope="module")
+def suffix_app(apps) -> str:
+    return apps["suffix"]
+
+
+@pytest.fixture(scope="module")
+def suffix_tree_app(apps) -> str:
+    return apps["suffix-tree"]
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +73,6 @@ def test_greedy_output_is_the_targets_and_the_cache_learns_what_it_served(
     drafted = {s.labels["proposer"]: s.value for s in families["specserve:proposer_num_draft_tokens"].samples
                if s.labels["method"] == "suffix" and s.name.endswith("_total")}
     assert set(drafted) == {"suffix"} and drafted["suffix"] > 0
-
-
-@pytest.fixture(scope="module")
-def suffix_tree_app(ray_cluster, tiny_models):
-    yield from deployed_one("suffix-tree", unit_args(tiny_models[0], speculative={
-        "method": "suffix", "num_speculative_tokens": 8,
-        "suffix": {"tree": True, "min_token_prob": 0.01}, "adaptive": {"enabled": False}}))
 
 
 def test_token_trees_through_the_target_group(suffix_tree_app, tiny_models, model_name):
