@@ -1,7 +1,7 @@
 """An EAGLE draft served over real HTTP: a draft directory from ``save_draft`` (the format
 ``train-draft`` writes), the draft actor reading only the target's embeddings from its files,
 features travelling from target rank 0 through the coordinator to the draft actor every step,
-prompt lookup in front (``ngram_first``), TP = 2."""
+prompt lookup in front (``ngram_first``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ MAX_TOKENS = 32
 def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
     """Both apps of the module, deployed side by side on one draft directory:
 
-    - ``eagle``: chains, prompt lookup in front, TP = 2, paged KV caches;
+    - ``eagle``: chains, prompt lookup in front, paged KV caches;
     - ``eagle-tree``: the EAGLE head drafting token trees (issue 20): its options travel to
       the draft actor, the cost model chooses the node budget (up to 6) per step.
     """
@@ -40,9 +40,10 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
     chain = unit_args(tiny_models[0], max_num_seqs=4, speculative={
         "method": "eagle", "num_speculative_tokens": 3, "ngram_first": True,
         "draft": {"source": str(draft)}, "adaptive": {"enabled": False}})
-    chain["unit"]["tensor_parallel_size"] = 2
-    # Paged: the ranks follow the coordinator's block tables, and the draft actor's EAGLE
-    # head pages its own cache (EngineConfig.draft_kv_cache).
+    # Paged: the rank follows the coordinator's block tables, and the draft actor's EAGLE
+    # head pages its own cache (EngineConfig.draft_kv_cache). One rank (issue 35): EAGLE at
+    # TP = 2 runs through the groups in test_wire.py and paged TP = 2 in test_tp.py; over
+    # Serve, TP changes nothing but one more process to start.
     chain["unit"]["engine"]["kv_cache"] = {"layout": "paged", "block_size": 16}
     tree = unit_args(tiny_models[0], max_num_seqs=4, speculative={
         "method": "eagle", "num_speculative_tokens": 6, "draft": {"source": str(draft)},
