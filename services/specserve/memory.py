@@ -45,6 +45,7 @@ Worked example (Llama-3.2-1B-shaped numbers, one GPU):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 from specserve.config import KVCacheConfig
@@ -287,25 +288,25 @@ def estimate_memory(config: dict, **workload) -> MemoryEstimate:
 
 
 def largest_num_seqs(shape: ModelShape, load: Workload, gpu_memory_bytes: float) -> int:
-    """The most ``max_num_seqs`` at which ``load`` still fits (0: not even one). The total
-    grows with the slot count, so a bisection finds it."""
-    low, high = 0, load.max_num_seqs
-    while low < high:
-        mid = (low + high + 1) // 2
-        if estimate(shape, replace(load, max_num_seqs=mid)).fits(gpu_memory_bytes):
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    """The most ``max_num_seqs`` at which ``load`` still fits (0: not even one)."""
+    return _largest(lambda n: estimate(shape, replace(load, max_num_seqs=n)).fits(gpu_memory_bytes),
+                    load.max_num_seqs)
 
 
 def largest_kv_blocks(shape: ModelShape, load: Workload, gpu_memory_bytes: float) -> int:
     """A paged pool's most blocks at which ``load`` still fits (0: none)."""
-    low, high = 0, max(1, int(gpu_memory_bytes // max(1, kv_cache_bytes(
-        shape, replace(load, paged=True, kv_blocks=1)))))
+    one = kv_cache_bytes(shape, replace(load, paged=True, kv_blocks=1))
+    return _largest(lambda n: estimate(shape, replace(load, paged=True, kv_blocks=n)).fits(gpu_memory_bytes),
+                    max(1, int(gpu_memory_bytes // max(1, one))))
+
+
+def _largest(fits: Callable[[int], bool], high: int) -> int:
+    """The largest ``n`` in ``0..high`` with ``fits(n)`` (0 where none does). The total grows
+    with ``n``, so a bisection finds it."""
+    low = 0
     while low < high:
         mid = (low + high + 1) // 2
-        if estimate(shape, replace(load, paged=True, kv_blocks=mid)).fits(gpu_memory_bytes):
+        if fits(mid):
             low = mid
         else:
             high = mid - 1
