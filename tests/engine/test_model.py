@@ -110,3 +110,46 @@ def test_smollm2_matches_transformers(smollm2):
     cache.rollback(sa, 30)
     got = rt(cache, [sa], [x[30:]], [10])
     assert (got - reference_logits(hf, x)[30:]).abs().max() <= ATOL_SMOLLM2
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "mistral-window"])
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_row_groups_in_one_pass_are_the_bits_of_separate_forwards(kind, layout):
+    """A prompt's chunk, a prefill's tail and decode/verify rows of a step in one forward
+    (``groups``: the linears over every group's tokens at once, attention per group) give each
+    token the bits of its group's own forward: logits, final hidden states and the keys and
+    values stored. On the library kernels the groups run one after the other."""
+    hf = tiny_hf_model(kind)
+    histories = random_sequences((30, 9, 17, 60), seed=4)
+    inputs = [histories[0][20:], histories[1][6:], histories[2][12:15], histories[3][:48]]
+    starts = [20, 6, 12, 0]
+    asked = [10, 3, 1, 0]  # a verify, a verify, a decode-length tail, a chunk (no logits)
+    for kernels in ("invariant", "library"):
+        caches, outs = [], []
+        for grouped in (True, False):
+            rt = runtime_of(hf).use_kernels(kernels)
+            cache = (rt.make_paged_cache(4, 128, block_size=16, num_blocks=40) if layout == "paged"
+                     else rt.make_cache(num_slots=4, max_seq_len=128))
+            slots = [cache.allocate() for _ in range(4)]
+            for slot, history, start in zip(slots, histories, starts):
+                if start:
+                    rt(cache, [slot], [history[:start]])
+            if grouped:
+                outs.append(rt(cache, slots, inputs, asked, return_hidden=True, groups=[2, 1, 1]))
+            else:
+                parts = [rt(cache, slots[a:b], inputs[a:b], asked[a:b], return_hidden=True)
+                         for a, b in ((0, 2), (2, 3), (3, 4))]
+                outs.append(tuple(torch.cat(x) for x in zip(*parts)))
+            caches.append((cache, slots))
+        (logits, hidden), (ref_logits, ref_hidden) = outs
+        assert logits.shape == (sum(asked), VOCAB) and hidden.shape[0] == sum(map(len, inputs))
+        assert torch.equal(logits, ref_logits) and torch.equal(hidden, ref_hidden), kernels
+        (cache, slots), (ref_cache, ref_slots) = caches
+        for slot, ref_slot, start, ids in zip(slots, ref_slots, starts, inputs):
+            n = start + len(ids)
+            assert cache.lengths[slot] == ref_cache.lengths[ref_slot] == n
+            for layer in range(hf.config.num_hidden_layers):
+                k, v = cache.gather(layer, [slot], 64)
+                ref_k, ref_v = ref_cache.gather(layer, [ref_slot], 64)
+                assert torch.equal(k[..., :n, :], ref_k[..., :n, :]), (kernels, slot, layer)
+                assert torch.equal(v[..., :n, :], ref_v[..., :n, :]), (kernels, slot, layer)

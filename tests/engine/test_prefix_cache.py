@@ -88,15 +88,21 @@ def test_chunked_prefill_keeps_target_onlys_output(target_hf, close_draft_hf, wh
 
 def test_a_long_prompt_never_stops_a_running_stream(target_hf):
     """While a 150-token prompt is prefilled a chunk per step, the running stream gets a
-    token every step; without a budget the prompt takes one step, which no chunk spares."""
+    token every step, and the chunk rides in the stream's own forward: one target forward a
+    step, so the stream waits for one chunk's forward, not a chunk's and then its own. (Without
+    a budget the prompt takes one step, which no chunk spares.)"""
     engine = make_engine(target_hf, "ngram")
     engine.chunked_prefill_size = 32
+    forwards = []
+    forward = engine.target.forward
+    engine.target.forward = lambda *args, **kwargs: forwards.append(len(args[0])) or forward(*args, **kwargs)
     running = engine.add_request(prompts(1, seed=9)[0], SamplingParams(temperature=0, max_tokens=60))
     for _ in range(3):
         engine.step()
     long = engine.add_request(random_sequences((150,), seed=10)[0],
                               SamplingParams(temperature=0, max_tokens=4))
     steps = 0
+    del forwards[:]
     while True:
         outputs = {o.seq_id: o for o in engine.step()}
         steps += 1
@@ -104,6 +110,37 @@ def test_a_long_prompt_never_stops_a_running_stream(target_hf):
         if long in outputs and outputs[long].new_token_ids:
             break
     assert steps >= 150 // 32 and engine.num_prefill_chunks == steps - 1
+    assert forwards == [2] * steps, forwards  # the stream and the prompt, in one forward a step
+
+
+def test_a_failed_step_with_a_chunk_steps_every_row_alone_the_chunk_too(target_hf, whole):
+    """A step whose one forward (verifying rows and a prompt's chunk) fails: each row is
+    stepped alone, the chunk prefilled alone (not its whole prompt at once), and nothing is
+    lost: the outputs are still target-only's."""
+    engine = make_engine(target_hf, "ngram")
+    engine.chunked_prefill_size = 16
+    events = []  # ("failed", [chunk sizes]), ("verify", rows, chunks), ("forward", [tokens per row])
+    verify, forward = engine.target.verify, engine.target.forward
+
+    def failing_verify(slots, *args, **kwargs):
+        chunks = kwargs.get("chunks", ())
+        if chunks and not any(e[0] == "failed" for e in events):
+            events.append(("failed", [len(ids) for _, ids in chunks]))
+            raise RuntimeError("planted: a step with a chunk fails once")
+        events.append(("verify", len(slots), len(chunks)))
+        return verify(slots, *args, **kwargs)
+
+    def logged_forward(slots, ids, *args, **kwargs):
+        events.append(("forward", [len(x) for x in ids]))
+        return forward(slots, ids, *args, **kwargs)
+
+    engine.target.verify, engine.target.forward = failing_verify, logged_forward
+    assert [c.output_token_ids for c in engine.generate(LONG, PARAMS)] == whole
+    at, failed = next((i, e) for i, e in enumerate(events) if e[0] == "failed")
+    alone = events[at + 1:at + 5]  # the failed step's rows alone (a verify logs its forward too)
+    assert len(failed[1]) == 1 and ("forward", failed[1]) in alone, (failed, alone)
+    assert all(e[0] != "verify" or e[1:] == (1, 0) for e in alone), alone
+    assert engine.num_prefill_tokens == sum(map(len, LONG))
 
 
 def test_a_prompt_to_score_is_never_chunked(target_hf):

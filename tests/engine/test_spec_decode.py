@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import random
+from itertools import accumulate
 
 import numpy as np
 import pytest
@@ -391,15 +392,21 @@ def test_after_every_tree_step_the_cache_is_a_fresh_prefills(target_hf, method):
 
 
 def test_a_long_row_is_verified_apart_from_the_short_ones(target_hf, close_draft_hf):
-    """One row drafting 8 among seven drafting nothing: its verify is a forward of its own, so
-    the others are not padded to its 9 tokens; output stays target-only's."""
+    """One row drafting 8 among seven drafting nothing: its verify is a row group of its own
+    (``LlamaRuntime.forward``'s ``groups``), so the others are not padded to its 9 tokens;
+    output stays target-only's."""
     batch = prompts(8, seed=6)
     reference = make_engine(target_hf, None).generate(batch, GREEDY)
     engine = make_engine(target_hf, "draft_model", 8, draft_hf=close_draft_hf)
-    calls = []
+    calls = []  # each forward's row groups, as the rows' new token counts
+
+    def split(lengths: list[int], groups: list[int] | None) -> list[list[int]]:
+        bounds = list(accumulate(groups or [len(lengths)], initial=0))
+        return [lengths[a:b] for a, b in zip(bounds, bounds[1:])]
+
     forward = engine.target.forward
-    engine.target.forward = lambda slots, ids, *a, **kw: calls.append([len(x) for x in ids]) or forward(
-        slots, ids, *a, **kw)
+    engine.target.forward = lambda slots, ids, *a, **kw: calls.extend(
+        split([len(x) for x in ids], kw.get("groups"))) or forward(slots, ids, *a, **kw)
     ids = [engine.add_request(p, GREEDY, num_speculative_tokens=8 if i == 0 else 0)
            for i, p in enumerate(batch)]
     seqs = {s.seq_id: s for s in engine.waiting}

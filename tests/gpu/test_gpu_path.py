@@ -66,6 +66,30 @@ def test_compiled_matches_library_in_bfloat16(hf):
     assert (compiled.argmax(-1) == library.argmax(-1)).float().mean() >= 0.75
 
 
+def test_row_groups_run_each_group_at_its_own_shape(hf):
+    """``LlamaRuntime.forward``'s ``groups`` on CUDA (a step's verifying rows and a prompt's
+    chunk in one call): each group runs as the forward it would be alone (the compiled
+    bucket for the verifies, the library's prefill for the chunk), so logits and hidden
+    states are the separate forwards' bits."""
+    seqs = random_sequences((40, 31, 60), seed=2)
+    rows = [seqs[0][20:24], seqs[1][20:21], seqs[2][:32]]
+    outs = []
+    for grouped in (True, False):
+        rt = gpu_runtime(hf, "compiled", verify_tokens=4)
+        cache = rt.make_cache(num_slots=3, max_seq_len=128)
+        slots = [cache.allocate() for _ in seqs]
+        rt(cache, slots[:2], [s[:20] for s in seqs[:2]])
+        if grouped:
+            outs.append(rt(cache, slots, rows, [4, 1, 0], return_hidden=True, groups=[2, 1]))
+        else:
+            parts = [rt(cache, slots[:2], rows[:2], [4, 1], return_hidden=True),
+                     rt(cache, slots[2:], rows[2:], [0], return_hidden=True)]
+            outs.append(tuple(torch.cat(x) for x in zip(*parts)))
+    (logits, hidden), (ref_logits, ref_hidden) = outs
+    assert logits.shape[0] == 5 and hidden.shape[0] == 37
+    assert torch.equal(logits, ref_logits) and torch.equal(hidden, ref_hidden)
+
+
 def test_padding_writes_only_the_spare_slot(hf):
     """tests/engine/test_compiled.py's check on CUDA: padding rows and tokens of bucket
     (2, 4) land in the spare slot; no sequence's keys change outside its new tokens."""

@@ -25,6 +25,7 @@ Layout choices, for speed on the hot path:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 
 import torch
 import torch.nn.functional as F
@@ -154,10 +155,28 @@ class Attention(nn.Module):
         window = self.sliding_window is not None
         if isinstance(ctx, StaticInputs):
             attend = self._attend_static
+        elif isinstance(ctx, PackedContext):
+            attend = self._attend_packed
         else:
             attend = self._attend_native if self.invariant and native_ready(x) else self._attend
         out = self.o(attend(x, ctx, cache, window))
         return self.all_reduce(out) if self.all_reduce is not None else out
+
+    def _attend_packed(self, x: torch.Tensor, ctx: PackedContext, cache: SlotKVCache,
+                       window: bool) -> torch.Tensor:
+        """``[1, N, H * D]``: each group's attention in its own ``[B, T]`` layout over its span
+        of the packed tokens ``x`` (``[1, N, hidden]``); on the C kernels one projection for
+        every group's tokens (:meth:`LlamaRuntime.forward`, ``groups``)."""
+        native_path = self.invariant and native_ready(x)
+        qkv = self.qkv(x)[0] if native_path else None  # [N, (H + 2 Hk) D]
+        outs = []
+        for group, (a, b) in zip(ctx.groups, ctx.spans):
+            shape = group.valid.shape  # (B, T) of the group
+            if native_path:
+                outs.append(self._native(qkv[a:b].view(*shape, -1), group, cache, window))
+            else:
+                outs.append(self._attend(x[0, a:b].view(*shape, -1), group, cache, window))
+        return torch.cat([out.reshape(-1, out.shape[-1]) for out in outs])[None]
 
     def _attend(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
                 window: bool) -> torch.Tensor:
@@ -184,9 +203,13 @@ class Attention(nn.Module):
                        window: bool) -> torch.Tensor:
         """The same on the C kernels: RoPE and the cache write in one call on the fused
         projection, attention reading the q heads in place and the cache storage directly."""
-        bsz, t, _ = x.shape
+        return self._native(self.qkv(x), ctx, cache, window)
+
+    def _native(self, qkv: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                window: bool) -> torch.Tensor:
+        """:meth:`_attend_native` after the projection: ``qkv`` ``[B, T, (H + 2 Hk) D]``."""
+        bsz, t, _ = qkv.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x)
         keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]
         native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.table,
                               ctx.row_starts, ctx.row_lens)
@@ -386,6 +409,15 @@ class ForwardContext:
         return self._hidden[key]
 
 
+@dataclass
+class PackedContext:
+    """Several row groups in one pass (:meth:`LlamaRuntime.forward`, ``groups``): each
+    group's context in its own ``[B, T]`` layout, and its span of the packed tokens."""
+
+    groups: list[ForwardContext]
+    spans: list[tuple[int, int]]  # [start, end) of each group's B x T tokens in the pack
+
+
 class LlamaRuntime(nn.Module):
     """A Llama-family decoder whose forward runs on a :class:`SlotKVCache`."""
 
@@ -495,13 +527,23 @@ class LlamaRuntime(nn.Module):
     def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
                 num_logits: list[int] | None = None, *,
                 features: torch.Tensor | None = None, return_hidden: bool = False,
-                trees: list[list[int] | None] | None = None
+                trees: list[list[int] | None] | None = None, groups: list[int] | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
 
         Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
-        its last ``num_logits[i]`` new tokens (default 1). Each slot's length advances by its
-        number of new tokens; callers roll back what the rejection sampler did not keep.
+        its last ``num_logits[i]`` new tokens (default 1; 0 for a row whose logits nobody
+        reads, a prompt's chunk). Each slot's length advances by its number of new tokens;
+        callers roll back what the rejection sampler did not keep.
+
+        ``groups``: the rows as consecutive groups of these sizes (default: one group). A
+        forward pads its rows to the longest, so a prompt's chunk of 256 tokens beside decode
+        rows of 5 would make each of them 256 wide; in groups, each is padded to its own
+        group's longest row. On the ``invariant`` kernels the groups share one pass through
+        the layers (every linear over all groups' tokens at once, attention group by group:
+        :class:`PackedContext`), and a token's bits are those of its group run alone (the
+        kernels are row-invariant). The other kernels run each group as a forward of its own,
+        at the shapes it has alone: their bits depend on the shape.
 
         ``return_hidden``: also return the final hidden state (after the last norm, what the
         LM head reads) of *every* new token, ``[sum(len(ids)), hidden]`` in row order: the
@@ -525,6 +567,11 @@ class LlamaRuntime(nn.Module):
         """
         num_logits = num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
+        if groups is not None and len(groups) > 1:
+            if sum(groups) != len(slots) or min(groups) < 1:
+                raise ValueError(f"groups {groups} do not split {len(slots)} rows")
+            return self._forward_groups(cache, slots, token_ids, num_logits, features,
+                                        return_hidden, trees, groups)
         ctx, tokens = self._prepare(cache, slots, token_ids, trees)
         x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
         if self.static is not None and ctx.tree is None and self.static.takes(x.shape[1]):
@@ -544,6 +591,46 @@ class LlamaRuntime(nn.Module):
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
         return self.logits(hidden[index[rows, cols]]), hidden
+
+    def _forward_groups(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
+                        num_logits: list[int], features: torch.Tensor | None, return_hidden: bool,
+                        trees: list[list[int] | None] | None, groups: list[int]
+                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` of rows in ``groups`` (its docstring): outputs in row order."""
+        spans = list(pairwise(accumulate(groups, initial=0)))  # each group's rows
+        feats: list[torch.Tensor | None] = [None] * len(spans)
+        if features is not None:
+            feats = list(features.split([sum(map(len, token_ids[a:b])) for a, b in spans]))
+        part = (lambda a, b: None) if trees is None else (lambda a, b: trees[a:b])
+        if self.kernels != "invariant":
+            outs = [self.forward(cache, slots[a:b], token_ids[a:b], num_logits[a:b], features=f,
+                                 return_hidden=return_hidden, trees=part(a, b))
+                    for (a, b), f in zip(spans, feats)]
+            if not return_hidden:
+                return torch.cat(outs)
+            return torch.cat([out[0] for out in outs]), torch.cat([out[1] for out in outs])
+        prepared = [self._prepare(cache, slots[a:b], token_ids[a:b], part(a, b)) for a, b in spans]
+        x = torch.cat([self._inputs(tokens, ctx, f).flatten(0, 1)
+                       for (ctx, tokens), f in zip(prepared, feats)])[None]  # [1, N, hidden]
+        packed = PackedContext([ctx for ctx, _ in prepared],
+                               list(pairwise(accumulate((ctx.valid.numel() for ctx, _ in prepared),
+                                                        initial=0))))
+        for layer in self.layers:
+            x = layer(x, packed, cache)
+        for slot, ids in zip(slots, token_ids):
+            cache.lengths[slot] += len(ids)
+        where = []  # each row's new tokens in the pack, rows in order
+        for (a, b), ctx, (first, _) in zip(spans, packed.groups, packed.spans):
+            t = ctx.valid.shape[1]
+            where += [range(first + j * t, first + j * t + len(ids))
+                      for j, ids in enumerate(token_ids[a:b])]
+        asked = [i for r, n in zip(where, num_logits) for i in r[len(r) - n:]]
+        if not return_hidden:
+            return self.logits(rms_norm(x[0, asked], self.norm, self.arch.rms_norm_eps))
+        hidden = rms_norm(x[0, [i for r in where for i in r]], self.norm, self.arch.rms_norm_eps)
+        ends = list(accumulate(map(len, where)))
+        rows = [i for end, n in zip(ends, num_logits) for i in range(end - n, end)]
+        return self.logits(hidden[rows]), hidden
 
     def _inputs(self, tokens: torch.Tensor, ctx: ForwardContext,
                 features: torch.Tensor | None) -> torch.Tensor:
@@ -691,11 +778,12 @@ def _logit_positions(token_ids: list[list[int]], num_logits: list[int],
     """(row, column) indices of the last ``num_logits[i]`` new tokens of each row."""
     rows, cols = [], []
     for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
-        if not 1 <= n <= len(ids):
+        if not 0 <= n <= len(ids):
             raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
         rows += [i] * n
         cols += range(len(ids) - n, len(ids))
-    return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))
 
 
 def default_kernels(device: torch.device) -> str:

@@ -5,12 +5,14 @@ stream of the unit for its whole prefill (7 s for 1,400 tokens on the project's 
 ``chunked_prefill_size`` (SGLang's name) a step prefills at most that many prompt tokens:
 rows that are decoding always verify; rows still prefilling share the budget in arrival
 order: a prompt whose rest fits verifies this step (its last token samples, as before); the
-first that does not fit takes what is left as a **chunk** (a forward that only writes its
-keys and values) and continues next step; those after it wait. So a running stream waits at
-most one chunk's forward longer than a decode, and a burst of short prompts starts a budget's
-worth a step. (vLLM's ``max_num_batched_tokens`` counts the decoding rows' tokens in the same
-budget; on a CPU, where a budget must stay small for the pause to, that starved prompts
-behind a few hundred decoding rows.)
+first that does not fit takes what is left as a **chunk** (rows that only write their keys
+and values) and continues next step; those after it wait. The chunk runs in the step's one
+forward beside the verifying rows (a row group of its own: ``LlamaRuntime.forward``), so a
+running stream waits one forward holding a chunk, not a chunk's forward and then its own;
+and a burst of short prompts starts a budget's worth a step. (vLLM's
+``max_num_batched_tokens`` counts the decoding rows' tokens in the same budget; on a CPU,
+where a budget must stay small for the pause to, that starved prompts behind a few hundred
+decoding rows.)
 
 Chunk boundaries depend on the budget and the arrival order, not on speculation; and a
 chunked prefill yields the same bits as a whole one on the row-invariant kernels

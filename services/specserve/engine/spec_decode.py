@@ -36,8 +36,9 @@ prompt is computed once (``num_prefill_tokens``; ``num_forked_tokens`` counts wh
 
 Invariant between steps: a running sequence's target cache holds all of its tokens but the
 last (``length == len(token_ids) - 1``); a new sequence's cache is empty and its first forward
-is the prefill. Prefill rows run in forwards of their own so a long prompt never pads the
-decode rows to its length.
+is the prefill. A step is one target forward: the rows in groups, each padded to its own
+longest row (``LlamaRuntime.forward``'s ``groups``), so a prompt's prefill or chunk never
+pads the decode rows to its length, and a running stream never waits for a second forward.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class SpecDecodeEngine:
         self.num_tree_drafts = 0  # verified drafts that were token trees (Proposal.parents)
         self.forks: dict[int, list[Sequence]] = {}  # a request's first sample -> its others
         self.num_prefill_tokens = 0  # prompt tokens the target computed in prefill rows
-        self.num_prefill_chunks = 0  # forwards that prefilled part of a prompt (scheduler.py)
+        self.num_prefill_chunks = 0  # chunks prefilled (part of a prompt; scheduler.py)
         self.num_forked_tokens = 0   # prompt tokens copied from a first sample instead (n > 1)
         self.num_preemptions = 0     # sequences sent back to wait for KV blocks (scheduler.py)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
@@ -211,24 +212,35 @@ class SpecDecodeEngine:
         seqs = list(self.running.values())
         if not seqs:
             return []
+        chunks: list[tuple[Sequence, int]] = []
         try:
             seqs, plan = self._schedule(seqs)
-            seqs = self._prefill_chunks(seqs, plan)
-            return self._step(seqs) if seqs else []
+            chunks = [(seqs[i], n) for i, n in plan.chunks]
+            rows = [seqs[i] for i in plan.verify]
+            if not rows:  # nothing to verify: the chunks alone
+                self._prefill_chunks(chunks)
+                return []
+            return self._step(rows, chunks)
         except TargetUnavailable:
             raise
         except Exception:  # noqa: BLE001  whose fault? Each row alone tells (module docstring)
             log.exception("a step of %d rows failed; stepping each row alone", len(seqs))
-            return self._step_alone(seqs)
+            return self._step_alone(seqs, chunks)
 
-    def _step_alone(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """After a failed step: restore the caches, then step every row on its own; a row
-        that fails alone fails, with its error."""
+    def _step_alone(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()
+                    ) -> list[StepOutput]:
+        """After a failed step: restore the caches, then step every row on its own (a row
+        that was prefilling a chunk, that chunk); a row that fails alone fails, with its
+        error."""
         self._restore(seqs)
+        chunk_of = {id(seq): n for seq, n in chunks}
         outputs = []
         for seq in seqs:
             try:
-                outputs += self._step([seq])
+                if id(seq) in chunk_of:
+                    self._prefill_chunks([(seq, chunk_of[id(seq)])])
+                else:
+                    outputs += self._step([seq])
             except TargetUnavailable:
                 raise
             except Exception as exc:  # noqa: BLE001  this row's own fault
@@ -315,36 +327,45 @@ class SpecDecodeEngine:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _prefill_chunks(self, seqs: list[Sequence], plan: StepPlan) -> list[Sequence]:
-        """Prefill the plan's chunks (a forward that writes their keys and values, and the
-        target's features where the proposer reads them); returns the rows that verify this
-        step. Rows left waiting keep their caches as they are."""
-        for i, n in plan.chunks:
-            seq = seqs[i]
-            start = self.target.length(seq.slot)
-            ids = seq.token_ids[start:start + n]
-            if self.needs_hidden and seq.draft_attached:
+    def _prefill_chunks(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Prefill prompt chunks ``(row, tokens)`` in forwards of their own (a step with no
+        row to verify; :meth:`_verify` takes them into its forward otherwise)."""
+        for seq, n in chunks:
+            ids = self._chunk_ids(seq, n)
+            if self._chunk_hidden(seq):
                 _, hidden = self.target.forward([seq.slot], [ids], [1], argmax_only=True,
                                                 return_hidden=True)
                 seq.hidden.append(hidden)
             else:
                 self.target.forward([seq.slot], [ids], [1], argmax_only=True)
-            self.target.commit(seq.slot, seq.token_ids)
-            self.num_prefill_tokens += n
-            self.num_prefill_chunks += 1
-        return [seqs[i] for i in plan.verify]
+            self._chunk_done(seq, n)
 
-    def _step(self, seqs: list[Sequence]) -> list[StepOutput]:
+    def _chunk_ids(self, seq: Sequence, n: int) -> list[int]:
+        start = self.target.length(seq.slot)
+        return seq.token_ids[start:start + n]
+
+    def _chunk_hidden(self, seq: Sequence) -> bool:
+        """Whether a chunk's target features go to the proposer (EAGLE reads them)."""
+        return self.needs_hidden and seq.draft_attached
+
+    def _chunk_done(self, seq: Sequence, n: int) -> None:
+        """After a chunk's forward: its full blocks join the prefix cache; counters."""
+        self.target.commit(seq.slot, seq.token_ids)
+        self.num_prefill_tokens += n
+        self.num_prefill_chunks += 1
+
+    def _step(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> list[StepOutput]:
         """Plan, draft, verify, sample: nothing of a sequence changes until every row has its
         result, so a failure up to there leaves only caches to restore. Then each row
-        advances on its own, and a row that fails there fails alone."""
+        advances on its own, and a row that fails there fails alone. ``chunks``: prompts'
+        chunks ``(row, tokens)`` prefilled in the verify's forward."""
         t0 = time.perf_counter()
         ks, caps = self._plan(seqs)
         proposals = self._propose(seqs, ks, caps)
         masks = self._constrain(seqs, proposals)
         t1 = time.perf_counter()
         starts = [self.target.length(s.slot) for s in seqs]
-        verdicts, hidden, sample_s = self._verify(seqs, proposals, masks)
+        verdicts, hidden, sample_s = self._verify(seqs, proposals, masks, chunks)
         t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
         self.num_prefill_tokens += sum(len(s.token_ids) - start for s, start in zip(seqs, starts)
                                        if start < s.prompt_len and s.index == 0)  # not forks
@@ -604,15 +625,20 @@ class SpecDecodeEngine:
         return masks
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
-                masks: list[torch.Tensor | None] | None = None
+                masks: list[torch.Tensor | None] | None = None,
+                chunks: list[tuple[Sequence, int]] = ()
                 ) -> tuple[list[Verdict], list[torch.Tensor | None] | None, float]:
         """The target's verdict per row; for a proposer that reads them, the final hidden
         states of each row's tokens that are now final (None otherwise); and the seconds the
-        rejection sampler took. Decode rows share one verify, or two where a few long rows
-        (an exploration probe, a big tree) would pad the others to their length
-        (:func:`split_padded`); prefill rows share one per input length, so no row is padded
-        to a prompt's length."""
-        want_hidden = self.needs_hidden and any(s.draft_attached for s in seqs)
+        rejection sampler took. One target call, whose forward holds every row and the
+        prompts' ``chunks`` in row groups (``LlamaRuntime.forward``), each padded to its own
+        longest row: decode rows in one group, or two where a few long rows (an exploration
+        probe, a big tree) would pad the others to their length (:func:`split_padded`);
+        prefill rows and chunks one group per input length, so no row is padded to a
+        prompt's length, and a running stream waits for one forward, not a chunk's and then
+        its own (the stall ``make bench-prefix`` measures)."""
+        want_hidden = self.needs_hidden and (any(s.draft_attached for s in seqs)
+                                             or any(self._chunk_hidden(s) for s, _ in chunks))
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
                   for s, p in zip(seqs, proposals)]
         trees = [_input_tree(len(inputs[i]) - len(p.token_ids), p.parents)
@@ -625,34 +651,46 @@ class SpecDecodeEngine:
             groups[0], long_rows = split_padded(groups[0], [len(x) for x in inputs])
             if long_rows:
                 groups[-1] = long_rows
+        order = [i for rows in groups.values() for i in rows]
+        chunk_ids = [self._chunk_ids(seq, n) for seq, n in chunks]
+        chunk_order = sorted(range(len(chunks)), key=lambda j: len(chunk_ids[j]))
+        chunk_groups: dict[int, int] = {}  # length -> chunks: one group per length, in order
+        for j in chunk_order:
+            chunk_groups[len(chunk_ids[j])] = chunk_groups.get(len(chunk_ids[j]), 0) + 1
+        if self.fault_token is not None and any(
+                self.fault_token in seqs[i].token_ids[:seqs[i].prompt_len] for i in order):
+            raise RuntimeError("injected fault (fault_token)")
+        t0 = time.perf_counter()
+        row_trees = [trees[i] for i in order]
+        result: Verified = self.target.verify(
+            [seqs[i].slot for i in order], [inputs[i] for i in order], [proposals[i] for i in order],
+            [(seqs[i].params, seqs[i].seed) for i in order], return_hidden=want_hidden,
+            trees=row_trees if any(row_trees) else None,
+            masks=[masks[i] for i in order] if masks and any(masks[i] is not None for i in order)
+            else None,
+            chunks=[(chunks[j][0].slot, chunk_ids[j]) for j in chunk_order],
+            groups=[len(rows) for rows in groups.values()] + list(chunk_groups.values()))
+        for j, k in enumerate(chunk_order):
+            seq, n = chunks[k]
+            if self._chunk_hidden(seq):
+                seq.hidden.append(result.chunk_hidden[j])
+            self._chunk_done(seq, n)
+        if self.controller is not None:
+            lengths = [len(inputs[i]) for i in order] + [len(ids) for ids in chunk_ids]
+            contexts = ([len(seqs[i].token_ids) + len(proposals[i].token_ids) for i in order]
+                        + [self.target.length(seq.slot) for seq, _ in chunks])
+            padded = (sum(len(rows) * max(len(inputs[i]) for i in rows) for rows in groups.values())
+                      + sum(n * size for size, n in chunk_groups.items()))
+            self.controller.observe_forward(len(lengths), sum(lengths),
+                                            sum(n * c for n, c in zip(lengths, contexts)),
+                                            time.perf_counter() - t0 - result.sample_s, padded)
         verdicts: list[Verdict | None] = [None] * len(seqs)
         hidden: list[torch.Tensor | None] = [None] * len(seqs)
-        sample_s = 0.0
-        for rows in groups.values():
-            if self.fault_token is not None and any(
-                    self.fault_token in seqs[i].token_ids[:seqs[i].prompt_len] for i in rows):
-                raise RuntimeError("injected fault (fault_token)")
-            t0 = time.perf_counter()
-            row_trees = [trees[i] for i in rows]
-            result: Verified = self.target.verify(
-                [seqs[i].slot for i in rows], [inputs[i] for i in rows], [proposals[i] for i in rows],
-                [(seqs[i].params, seqs[i].seed) for i in rows], return_hidden=want_hidden,
-                trees=row_trees if any(row_trees) else None,
-                masks=[masks[i] for i in rows] if masks and any(masks[i] is not None for i in rows)
-                else None)
-            sample_s += result.sample_s
-            if self.controller is not None:
-                tokens = sum(len(inputs[i]) for i in rows)
-                attention = sum(len(inputs[i]) * (len(seqs[i].token_ids) + len(proposals[i].token_ids))
-                                for i in rows)
-                self.controller.observe_forward(len(rows), tokens, attention,
-                                                time.perf_counter() - t0 - result.sample_s,
-                                                len(rows) * max(len(inputs[i]) for i in rows))
-            for j, i in enumerate(rows):
-                verdicts[i] = result.verdicts[j]
-                if want_hidden:
-                    hidden[i] = result.hidden[j]
-        return verdicts, hidden if want_hidden else None, sample_s
+        for j, i in enumerate(order):
+            verdicts[i] = result.verdicts[j]
+            if want_hidden:
+                hidden[i] = result.hidden[j]
+        return verdicts, hidden if want_hidden else None, result.sample_s
 
     def _advance(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> StepOutput:
         """Append the emitted tokens through the stop checks, then roll caches back."""

@@ -35,6 +35,9 @@ class Verified:
     hidden: list[torch.Tensor] | None
     forward_s: float   # the forward, measured where it ran
     sample_s: float    # the rejection sampler, ditto
+    # per prompt chunk the call prefilled beside the rows (``chunks``), the final hidden
+    # states of its tokens, CPU; None: not asked
+    chunk_hidden: list[torch.Tensor] | None = None
 
 
 class SlotOwner:
@@ -132,14 +135,21 @@ class ModelWorker(SlotOwner):
     def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
                sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
                trees: list[list[int] | None] | None = None,
-               masks: list[torch.Tensor | None] | None = None) -> Verified:
+               masks: list[torch.Tensor | None] | None = None,
+               chunks: list[tuple[int, list[int]]] = (), groups: list[int] | None = None) -> Verified:
         """One verify forward and its rejection sampling, here, next to the logits.
 
         ``token_ids[i]``: row i's pending tokens, then its drafts ``proposals[i].token_ids``;
         ``sampling[i]``: its request's parameters and seed; ``masks[i]``: a structured
         output's grammar masks at its verified positions (:attr:`SamplingRow.mask`).
         Greedy-only batches without masks compute the argmax on the device and nothing else.
-        ``return_hidden``: the kept tokens' hidden states come back (:attr:`Verified.hidden`)."""
+        ``return_hidden``: the kept tokens' hidden states come back (:attr:`Verified.hidden`).
+
+        ``chunks``: ``(slot, token_ids)`` of prompt chunks prefilled in the same forward,
+        after the rows (no logits, no verdict; with ``return_hidden`` their hidden states come
+        back in :attr:`Verified.chunk_hidden`); ``groups``: the forward's row groups over the
+        rows, then the chunks (:meth:`LlamaRuntime.forward
+        <specserve.engine.model.LlamaRuntime.forward>`)."""
         counts = [len(p.token_ids) + 1 for p in proposals]
         masks = masks or [None] * len(slots)
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
@@ -152,8 +162,10 @@ class ModelWorker(SlotOwner):
         t0 = time.perf_counter()
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
                           and not s for r, s in zip(rows, scored))
-        out = self.forward(slots, token_ids, asked, argmax_only,
-                           return_hidden=return_hidden, trees=trees)
+        chunk_slots, chunk_ids = [c[0] for c in chunks], [c[1] for c in chunks]
+        out = self.forward(slots + chunk_slots, token_ids + chunk_ids, asked + [0] * len(chunks),
+                           argmax_only, return_hidden=return_hidden,
+                           trees=None if trees is None else trees + [None] * len(chunks), groups=groups)
         logits, hidden = out if return_hidden else (out, None)
         _sync(logits)
         t1 = time.perf_counter()
@@ -165,24 +177,25 @@ class ModelWorker(SlotOwner):
                 logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
                 verdicts[i] = replace(verdicts[i], prompt_logprobs=token_logprobs(
                     logp, prompt[1:], rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
-        kept = None
+        kept = chunk_hidden = None
         if hidden is not None:
-            kept = [_kept_rows(h, p, v).cpu() for h, p, v in
-                    zip(hidden.split([len(ids) for ids in token_ids]), proposals, verdicts)]
-        return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1)
+            per_row = hidden.split([len(ids) for ids in token_ids + chunk_ids])
+            kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, proposals, verdicts)]
+            chunk_hidden = [h.cpu() for h in per_row[len(token_ids):]]
+        return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1, chunk_hidden)
 
     def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
                 argmax_only: bool = False, return_hidden: bool = False,
-                trees: list[list[int] | None] | None = None
+                trees: list[list[int] | None] | None = None, groups: list[int] | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits, or with
         ``argmax_only`` just ``[sum(num_logits)]`` token ids (all a greedy batch needs, and
         much less to move when the model is in another process). ``return_hidden``:
         ``(logits, hidden)``, with the final hidden state of every new token (what an EAGLE
         proposer reads; see ``LlamaRuntime.forward``). ``trees``: token trees over rows' new
-        tokens (``LlamaRuntime.forward``)."""
+        tokens; ``groups``: row groups (both ``LlamaRuntime.forward``)."""
         out = self.runtime(self.cache, slots, token_ids, num_logits, return_hidden=return_hidden,
-                           trees=trees)
+                           trees=trees, groups=groups)
         logits, hidden = out if return_hidden else (out, None)
         if argmax_only:
             logits = logits.argmax(dim=-1)

@@ -207,7 +207,7 @@ _COUNTERS = {
     "prefill_tokens_shared": "Prompt tokens copied from a request's first choice to its others "
                              "(n > 1) instead of being computed again.",
     "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
-    "prefill_chunks": "Forwards that prefilled a chunk of a prompt (chunked_prefill_size).",
+    "prefill_chunks": "Chunks of prompts prefilled (chunked_prefill_size), each in a step's forward.",
     "preemptions": "Sequences sent back to wait because the paged KV pool ran short (recomputed later).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (vLLM's "
                             "prefix_cache_queries).",

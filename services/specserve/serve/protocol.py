@@ -576,7 +576,7 @@ class UnitSnapshot:
     prefill_tokens_shared: int
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     k_counts: dict[int, int]                      # K -> decoding rows that drafted it
-    prefill_chunks: int = 0            # forwards that prefilled part of a prompt
+    prefill_chunks: int = 0            # chunks of prompts prefilled (part of a prompt each)
     preemptions: int = 0               # sequences sent back to wait for KV blocks
     kv_blocks_total: int = 0           # a paged target's KV blocks (0: the slot layout)
     kv_blocks_free: int = 0

@@ -125,21 +125,27 @@ class TargetRank:
                proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
                trees: list | None = None, moves: list | None = None,
                forks: list | None = None, masks: list | None = None,
-               tables: list | None = None) -> Verified:
+               tables: list | None = None, chunks: list | None = None,
+               groups: list | None = None) -> Verified:
         """Rank 0: broadcast the forward, run this rank's shard and the rejection sampler;
         return the rows' verdicts (CPU hidden states of kept tokens with ``return_hidden``).
         ``sampling``: slot -> (params, seed) for the sequences new since the last call (this
-        rank keeps them per slot). ``tables``: a paged cache's block tables of ``slots``, and
-        then ``forks`` are block copies ``(src_block, dst_block)`` (:meth:`_prepare`)."""
+        rank keeps them per slot). ``tables``: a paged cache's block tables of ``slots`` and
+        the chunks' slots, and then ``forks`` are block copies ``(src_block, dst_block)``
+        (:meth:`_prepare`). ``chunks``, ``groups``: ``ModelWorker.verify``'s; ``starts``
+        covers the chunks' slots after the rows'."""
         self.sampling.update(sampling)
-        batch = (slots, starts, token_ids, [len(p.token_ids) + 1 for p in proposals], trees, moves,
-                 forks, tables)
+        chunks = chunks or []
+        batch = (slots + [c[0] for c in chunks], starts, token_ids + [c[1] for c in chunks],
+                 [len(p.token_ids) + 1 for p in proposals] + [0] * len(chunks),
+                 None if trees is None else trees + [None] * len(chunks), moves, forks, tables, groups)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         self._prepare(batch)
         return host_only(self.worker.verify(slots, token_ids, proposals,
                                             [self.sampling[s] for s in slots],
-                                            return_hidden=return_hidden, trees=trees, masks=masks))
+                                            return_hidden=return_hidden, trees=trees, masks=masks,
+                                            chunks=chunks, groups=groups))
 
     def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
                 num_logits: list[int], argmax_only: bool = False,
@@ -153,14 +159,14 @@ class TargetRank:
         its pending slot copies ``(src, dst, length)`` (``n > 1``), applied before the batch
         (like rollback, they ride on the next forward). For tests and tools: serving
         verifies (:meth:`verify`), and logits stay here."""
-        batch = (slots, starts, token_ids, num_logits, trees, moves, forks, tables)
+        batch = (slots, starts, token_ids, num_logits, trees, moves, forks, tables, None)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         out = self._run(batch, argmax_only, return_hidden)
         return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
 
     def _prepare(self, batch) -> None:
-        slots, starts, _, _, _, moves, forks, tables = batch
+        slots, starts, _, _, _, moves, forks, tables, _ = batch
         cache = self.worker.cache
         for fork in forks or ():  # first: a fork's source may be in the batch
             if tables is None:
@@ -178,10 +184,10 @@ class TargetRank:
     def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
         """Every rank's forward of a batch (rank 0's verify runs the same one: the followers
         need not know what rank 0 does with its logits)."""
-        slots, _, token_ids, num_logits, trees, _, _, _ = batch
+        slots, _, token_ids, num_logits, trees, _, _, _, groups = batch
         self._prepare(batch)
         return self.worker.forward(slots, token_ids, num_logits, argmax_only,
-                                   return_hidden=return_hidden, trees=trees)
+                                   return_hidden=return_hidden, trees=trees, groups=groups)
 
     def _follow(self) -> None:
         """Ranks > 0: run whatever rank 0 broadcasts, for as long as the actor lives."""
@@ -318,7 +324,8 @@ class TargetGroup(SlotOwner):
     def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
                sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
                trees: list[list[int] | None] | None = None,
-               masks: list[torch.Tensor | None] | None = None) -> Verified:
+               masks: list[torch.Tensor | None] | None = None,
+               chunks: list[tuple[int, list[int]]] = (), groups: list[int] | None = None) -> Verified:
         """:meth:`ModelWorker.verify <specserve.engine.worker.ModelWorker.verify>` on rank 0:
         a row's sampling parameters travel when its slot's holder changes, not every step;
         grammar masks (packed bits, ``V / 8`` bytes a position) with the rows that have one."""
@@ -326,15 +333,17 @@ class TargetGroup(SlotOwner):
         for slot, row in zip(slots, sampling):
             if self._sampling.get(slot) != row:
                 new[slot] = self._sampling[slot] = row
-        starts = [self.table.lengths[s] for s in slots]
-        tables = self._tables(slots, token_ids)
-        moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
+        every_slot = slots + [c[0] for c in chunks]
+        every_ids = token_ids + [c[1] for c in chunks]
+        starts = [self.table.lengths[s] for s in every_slot]
+        tables = self._tables(every_slot, every_ids)
+        moves = [(s, *self._moves.pop(s)) for s in every_slot if s in self._moves]
         forks, self._forks = self._forks, []
         result = self._call(self.ranks[0].verify.remote(slots, starts, token_ids, proposals, new,
                                                         return_hidden, trees, moves, forks, masks,
-                                                        tables))
+                                                        tables, list(chunks), groups))
         self.received.add(result)
-        for slot, ids in zip(slots, token_ids):
+        for slot, ids in zip(every_slot, every_ids):
             self.table.lengths[slot] += len(ids)
         return result
 
