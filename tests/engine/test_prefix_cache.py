@@ -216,3 +216,13 @@ def test_the_preemption_test_catches_a_sequence_that_resumes_without_recomputing
 
     monkeypatch.setattr(engine, "_match", resume)
     assert crowd(engine, None) != uncrowded and engine.num_preemptions >= 2
+
+
+def test_the_scheduler_doctests_hold():
+    """The step's plan, its forward's row groups and the preemption choice, as documented."""
+    import doctest
+
+    from specserve.engine import scheduler
+
+    result = doctest.testmod(scheduler)
+    assert result.attempted >= 8 and result.failed == 0

@@ -82,6 +82,74 @@ def plan_step(rows: list[BudgetRow], budget: int | None) -> StepPlan:
     return plan
 
 
+@dataclass(frozen=True)
+class ForwardLayout:
+    """Where a step's rows sit in its one target forward: consecutive row groups
+    (``LlamaRuntime.forward``'s ``groups``), each padded to its own longest row."""
+
+    rows: list[int]    # the verifying rows (indices), in forward order
+    chunks: list[int]  # the prompt chunks (indices), in forward order, after the rows
+    groups: list[int]  # sizes of the consecutive groups over rows, then chunks
+    padded: int        # token rows the forward computes: each group x its longest row
+
+
+def layout_forward(decoding: list[bool], lengths: list[int], chunk_lengths: list[int]) -> ForwardLayout:
+    """Decode rows (``decoding[i]``, ``lengths[i]`` new tokens each) in one group, or two
+    where a few long rows (an exploration probe, a big tree) would pad the others to their
+    length (:func:`split_padded`); rows still prefilling, then chunks, one group per input
+    length, so no row is padded to a prompt's length.
+
+    >>> layout_forward([True, False, True], [5, 40, 1], [256])
+    ForwardLayout(rows=[0, 2, 1], chunks=[0], groups=[2, 1, 1], padded=306)
+    """
+    groups: dict[int, list[int]] = {}
+    for i, (decode, n) in enumerate(zip(decoding, lengths)):
+        groups.setdefault(0 if decode else n, []).append(i)  # 0: decode rows
+    if 0 in groups:
+        groups[0], long_rows = split_padded(groups[0], lengths)
+        if long_rows:
+            groups[-1] = long_rows
+    chunks = sorted(range(len(chunk_lengths)), key=lambda j: chunk_lengths[j])
+    chunk_groups = {n: chunk_lengths.count(n) for n in sorted(set(chunk_lengths))}
+    return ForwardLayout(
+        rows=[i for rows in groups.values() for i in rows], chunks=chunks,
+        groups=[len(rows) for rows in groups.values()] + list(chunk_groups.values()),
+        padded=sum(len(rows) * max(lengths[i] for i in rows) for rows in groups.values())
+        + sum(n * count for n, count in chunk_groups.items()))
+
+
+# Splitting the decode rows in two costs a second group: on the invariant kernels an
+# attention call per layer in the same pass, elsewhere (each group its own forward) about one
+# decode of weight reads, which on this project's CPUs costs about as much as 16 padded token
+# rows of compute (bench-tree's verify costs: 17 tokens at batch 1 cost 2.2 decodes).
+# Splitting pays where it saves twice that; on the packed pass that is conservative.
+SPLIT_MIN_PADDING = 32
+
+
+def split_padded(rows: list[int], lengths: list[int],
+                 min_saving: int = SPLIT_MIN_PADDING) -> tuple[list[int], list[int]]:
+    """Decode rows as one group, or two: ``(short rows, long rows)``. A group computes
+    every row at its longest row's length, so one row drafting 16 while seven draft nothing
+    costs 8 x 17 token rows; apart, 7 x 1 and 1 x 17. Split at the length that saves the most
+    padded token rows, when that is at least ``min_saving`` (the second group's own cost).
+
+    >>> split_padded([0, 1, 2, 3], [1, 1, 17, 1])
+    ([0, 1, 3], [2])
+    >>> split_padded([0, 1], [3, 5])
+    ([0, 1], [])
+    """
+    longest = max(lengths[i] for i in rows)
+    best, cut = 0, None
+    for length in sorted({lengths[i] for i in rows} - {longest}):
+        short = [i for i in rows if lengths[i] <= length]
+        saving = len(short) * (longest - length)
+        if saving > best:
+            best, cut = saving, length
+    if cut is None or best < min_saving:
+        return rows, []
+    return ([i for i in rows if lengths[i] <= cut], [i for i in rows if lengths[i] > cut])
+
+
 def newest_preemptable(preemptable: list[bool]) -> int | None:
     """The row to preempt: the newest (last admitted) that may be, never the only row left.
 

@@ -55,7 +55,7 @@ from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.grammar import CompiledGrammar, GrammarCompiler
 from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.engine.sampling import random_seed
-from specserve.engine.scheduler import BudgetRow, StepPlan, newest_preemptable, plan_step
+from specserve.engine.scheduler import BudgetRow, StepPlan, layout_forward, newest_preemptable, plan_step
 from specserve.engine.sequence import Completion, Sequence, StepOutput
 from specserve.engine.stats import SpecStats, StepTimes
 from specserve.engine.tokenizer import IncrementalDetokenizer
@@ -631,32 +631,19 @@ class SpecDecodeEngine:
         """The target's verdict per row; for a proposer that reads them, the final hidden
         states of each row's tokens that are now final (None otherwise); and the seconds the
         rejection sampler took. One target call, whose forward holds every row and the
-        prompts' ``chunks`` in row groups (``LlamaRuntime.forward``), each padded to its own
-        longest row: decode rows in one group, or two where a few long rows (an exploration
-        probe, a big tree) would pad the others to their length (:func:`split_padded`);
-        prefill rows and chunks one group per input length, so no row is padded to a
-        prompt's length, and a running stream waits for one forward, not a chunk's and then
-        its own (the stall ``make bench-prefix`` measures)."""
+        prompts' ``chunks`` in row groups (:func:`~specserve.engine.scheduler.layout_forward`),
+        so a running stream waits for one forward, not a chunk's and then its own (the stall
+        ``make bench-prefix`` measures)."""
         want_hidden = self.needs_hidden and (any(s.draft_attached for s in seqs)
                                              or any(self._chunk_hidden(s) for s, _ in chunks))
         inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
                   for s, p in zip(seqs, proposals)]
         trees = [_input_tree(len(inputs[i]) - len(p.token_ids), p.parents)
                  for i, p in enumerate(proposals)]
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(seqs):
-            key = 0 if self._decoding(s) else len(inputs[i])  # 0: decode rows
-            groups.setdefault(key, []).append(i)
-        if 0 in groups:
-            groups[0], long_rows = split_padded(groups[0], [len(x) for x in inputs])
-            if long_rows:
-                groups[-1] = long_rows
-        order = [i for rows in groups.values() for i in rows]
         chunk_ids = [self._chunk_ids(seq, n) for seq, n in chunks]
-        chunk_order = sorted(range(len(chunks)), key=lambda j: len(chunk_ids[j]))
-        chunk_groups: dict[int, int] = {}  # length -> chunks: one group per length, in order
-        for j in chunk_order:
-            chunk_groups[len(chunk_ids[j])] = chunk_groups.get(len(chunk_ids[j]), 0) + 1
+        layout = layout_forward([self._decoding(s) for s in seqs], [len(x) for x in inputs],
+                                [len(ids) for ids in chunk_ids])
+        order, chunk_order = layout.rows, layout.chunks
         if self.fault_token is not None and any(
                 self.fault_token in seqs[i].token_ids[:seqs[i].prompt_len] for i in order):
             raise RuntimeError("injected fault (fault_token)")
@@ -668,8 +655,7 @@ class SpecDecodeEngine:
             trees=row_trees if any(row_trees) else None,
             masks=[masks[i] for i in order] if masks and any(masks[i] is not None for i in order)
             else None,
-            chunks=[(chunks[j][0].slot, chunk_ids[j]) for j in chunk_order],
-            groups=[len(rows) for rows in groups.values()] + list(chunk_groups.values()))
+            chunks=[(chunks[j][0].slot, chunk_ids[j]) for j in chunk_order], groups=layout.groups)
         for j, k in enumerate(chunk_order):
             seq, n = chunks[k]
             if self._chunk_hidden(seq):
@@ -679,11 +665,9 @@ class SpecDecodeEngine:
             lengths = [len(inputs[i]) for i in order] + [len(ids) for ids in chunk_ids]
             contexts = ([len(seqs[i].token_ids) + len(proposals[i].token_ids) for i in order]
                         + [self.target.length(seq.slot) for seq, _ in chunks])
-            padded = (sum(len(rows) * max(len(inputs[i]) for i in rows) for rows in groups.values())
-                      + sum(n * size for size, n in chunk_groups.items()))
             self.controller.observe_forward(len(lengths), sum(lengths),
                                             sum(n * c for n, c in zip(lengths, contexts)),
-                                            time.perf_counter() - t0 - result.sample_s, padded)
+                                            time.perf_counter() - t0 - result.sample_s, layout.padded)
         verdicts: list[Verdict | None] = [None] * len(seqs)
         hidden: list[torch.Tensor | None] = [None] * len(seqs)
         for j, i in enumerate(order):
@@ -774,36 +758,6 @@ class SpecDecodeEngine:
                         s.detokenizer.text, out.finish_reason, s.stats,
                         s.logprobs if s.params.logprobs is not None else None, s.prompt_logprobs)
         return [done[i] for i in ids]
-
-
-# A second verify forward costs about one decode of weight reads; on this project's CPUs a
-# decode costs about as much as 16 padded token rows of compute (bench-tree's verify costs:
-# 17 tokens at batch 1 cost 2.2 decodes). Splitting pays where it saves twice that.
-SPLIT_MIN_PADDING = 32
-
-
-def split_padded(rows: list[int], lengths: list[int],
-                 min_saving: int = SPLIT_MIN_PADDING) -> tuple[list[int], list[int]]:
-    """Decode rows as one forward, or two: ``(short rows, long rows)``. A forward computes
-    every row at its longest row's length, so one row drafting 16 while seven draft nothing
-    costs 8 x 17 token rows; apart, 7 x 1 and 1 x 17. Split at the length that saves the most
-    padded token rows, when that is at least ``min_saving`` (the second forward's own cost).
-
-    >>> split_padded([0, 1, 2, 3], [1, 1, 17, 1])
-    ([0, 1, 3], [2])
-    >>> split_padded([0, 1], [3, 5])
-    ([0, 1], [])
-    """
-    longest = max(lengths[i] for i in rows)
-    best, cut = 0, None
-    for length in sorted({lengths[i] for i in rows} - {longest}):
-        short = [i for i in rows if lengths[i] <= length]
-        saving = len(short) * (longest - length)
-        if saving > best:
-            best, cut = saving, length
-    if cut is None or best < min_saving:
-        return rows, []
-    return ([i for i in rows if lengths[i] <= cut], [i for i in rows if lengths[i] > cut])
 
 
 def keeps_forbidden(params: SamplingParams, proposal: Proposal) -> bool:
