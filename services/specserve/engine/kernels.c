@@ -14,7 +14,7 @@
    - attention_rows: each query against its visible keys [lo, hi) straight from the KV cache
      storage: scores (4 queries x 4 keys at a time, each pair a dot as above), a max, exp
      and its sum (VL keys at a time from the query's first key), and the weighted values in
-     key order.
+     key order (4 queries sharing each value row's loads, each query's sums its own).
    - rms_norm_rows, silu_mul_rows, rope_and_store: a token's elementwise work in one call
      each (a layer's small torch ops cost more in dispatch than in arithmetic at batch 1).
 
@@ -262,13 +262,10 @@ static void scores(const float *const *q, int nq, const float *const *k, int D, 
     for (int r = 0; r < nq; r++) p[r][j] = dot(q[r], k[j], D) * scale;
 }
 
-/* out = softmax(p[j0..j1)) @ v[j0..j1): the maximum, exp and its sum VL keys at a time from
-   j0 (lanes past j1 computed and left out), then the weighted values in key order. p holds
-   j1 - j0 + VL floats from j0. With `keys`, p[j0 + m] is the score of key keys[m] (a token
-   tree's query: its visible keys gathered in order), and its value row is read from there;
-   the arithmetic is the same as for keys that were contiguous. Value j's D floats: v[j]. */
-static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const float *const *v,
-                           int D, float *out, vf *acc) {
+/* p[j0..j1) -> exp(p - max) in place, the maximum exact in any order, exp and its sum VL
+   keys at a time from j0 (lanes past j1 computed and left out); returns the sum. p holds
+   j1 - j0 + VL floats from j0. */
+static float exp_scores(float *p, int j0, int j1) {
   vi lane;
   for (int i = 0; i < VL; i++) lane[i] = i;
   float top = -INFINITY;
@@ -279,7 +276,16 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
     store(p + j, e);
     sums += e;
   }
-  float total = hsum(sums);
+  return hsum(sums);
+}
+
+/* out = softmax(p[j0..j1)) @ v[j0..j1) for one query (a token tree's: exp_scores, then the
+   weighted values in key order). With `keys`, p[j0 + m] is the score of key keys[m] (its
+   visible keys gathered in order), and its value row is read from there; the arithmetic is
+   the same as for keys that were contiguous. Value j's D floats: v[j]. */
+static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const float *const *v,
+                           int D, float *out, vf *acc) {
+  float total = exp_scores(p, j0, j1);
   int dv = D / VL;
   for (int c = 0; c < dv; c++) acc[c] = (vf){0};
   for (int d = dv * VL; d < D; d++) out[d] = 0.0f;
@@ -291,6 +297,55 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
   }
   for (int c = 0; c < dv; c++) store(out + c * VL, acc[c] / total);
   for (int d = dv * VL; d < D; d++) out[d] /= total;
+}
+
+/* Value vectors per pass of weighted_values: 4 queries x PV_CHUNK accumulators, PV_CHUNK
+   values and a broadcast stay in registers (32 registers with AVX512, 16 with AVX2). */
+#if VL == 16
+#define PV_CHUNK 4
+#else
+#define PV_CHUNK 2
+#endif
+
+/* Value vectors c0 .. c0 + CW of weighted_values (CW a constant where it is inlined). */
+static inline void weighted_pass(float *const *p, int nq, const int *j0, const int *j1,
+                                 const float *const *v, float *const *out, const float *total,
+                                 int c0, const int CW) {
+  vf acc[4][PV_CHUNK];
+  int lo = j0[0], hi = j1[0];
+  for (int r = 0; r < nq; r++) {
+    for (int c = 0; c < CW; c++) acc[r][c] = (vf){0};
+    lo = j0[r] < lo ? j0[r] : lo;
+    hi = j1[r] > hi ? j1[r] : hi;
+  }
+  for (int j = lo; j < hi; j++) {
+    vf vv[PV_CHUNK];
+    for (int c = 0; c < CW; c++) vv[c] = load(v[j] + (c0 + c) * VL);
+    for (int r = 0; r < nq; r++) {
+      if (j < j0[r] || j >= j1[r]) continue;
+      vf pj = (vf){0} + p[r][j];
+      for (int c = 0; c < CW; c++) acc[r][c] = fmadd(pj, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < nq; r++)
+    for (int c = 0; c < CW; c++) store(out[r] + (c0 + c) * VL, acc[r][c] / total[r]);
+}
+
+/* softmax_values for nq <= 4 chain queries at once, their exp'd scores in p[r] (exp_scores)
+   and sums in total: each query's value vector c gets the FMAs of softmax_values in key order
+   (a key outside a query's range adds nothing to it), so a query's bits do not depend on
+   the others; the queries share each value row's loads. */
+static void weighted_values(float *const *p, int nq, const int *j0, const int *j1,
+                            const float *const *v, int D, float *const *out, const float *total) {
+  int dv = D / VL, c0 = 0;
+  for (; c0 + PV_CHUNK <= dv; c0 += PV_CHUNK) weighted_pass(p, nq, j0, j1, v, out, total, c0, PV_CHUNK);
+  for (; c0 < dv; c0++) weighted_pass(p, nq, j0, j1, v, out, total, c0, 1);
+  for (int r = 0; r < nq; r++)
+    for (int d = dv * VL; d < D; d++) {
+      float s = 0.0f;
+      for (int j = j0[r]; j < j1[r]; j++) s += p[r][j] * v[j][d];
+      out[r][d] = s / total[r];
+    }
 }
 
 /* out[b, t, h, :] = softmax(scale * q[b, t, h] . keys) @ values over the keys [lo, hi) of
@@ -349,11 +404,13 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
         }
       }
       scores(qs, nq, krow, D, lowest, highest, scale, ps);
+      if (!tree || start[b] < 0) {  /* chains (start -1: a chain row beside trees) */
+        float total[4];
+        for (int r = 0; r < nq; r++) total[r] = exp_scores(ps[r], j0[r], j1[r]);
+        weighted_values(ps, nq, j0, j1, vrow, D, os, total);
+        continue;
+      }
       for (int r = 0; r < nq; r++) {
-        if (!tree || start[b] < 0) {  /* a chain (start -1: a chain row beside trees) */
-          softmax_values(ps[r], j0[r], j1[r], NULL, vrow, D, os[r], acc);
-          continue;
-        }
         int n = 0, first_new = start[b];  /* gather the visible keys' scores to j0 + m */
         for (int j = j0[r]; j < first_new && j < j1[r]; j++) keys[n++] = j;
         uint64_t bits = tree[bts[r]];
