@@ -30,6 +30,10 @@ llama.cpp and so lives in its own virtualenv; ``auto`` = this one, if it has it)
 also runs the same prompts as token ids on the same GGUF (its own 4-bit weights), greedy,
 through ``load/llama_cpp_run.py``, after ours: its tokens/s and ours over it per workload.
 
+Then the prefill (``--prefill``, ``load/prefill_speed.py``): a prompt's time to its first
+token at 128, 512 and 1,400 tokens, ours against torch's kernels and ``transformers``
+(``--only-prefill``: that table alone).
+
 Prints a table and writes the same numbers to ``results/bench_engine.json``.
 """
 
@@ -61,6 +65,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
 from common import cpu_seconds, rotated  # noqa: E402
+from prefill_speed import measure as measure_prefill  # noqa: E402
+from prefill_speed import print_rows as print_prefill  # noqa: E402
 from prompts import load_prompts  # noqa: E402
 from roofline import decode_bytes, forward_costs, read_bandwidth  # noqa: E402
 
@@ -389,6 +395,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt, at most")
     p.add_argument("--k", default="4", help="ngram K, comma-separated to compare several")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path")
+    p.add_argument("--prefill", default="128,512,1400",
+                   help="prompt lengths whose prefill is timed (load/prefill_speed.py); '' for none")
+    p.add_argument("--prefill-reps", type=int, default=3, help="rounds per prefill length (median)")
+    p.add_argument("--only-prefill", action="store_true", help="the prefill table alone")
     p.add_argument("--llama-cpp", default=None, metavar="PYTHON",
                    help="also run llama.cpp under this interpreter (one with llama-cpp-python; "
                         "'auto': this one if it has it)")
@@ -412,6 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(2)
     transformers.utils.logging.disable_progress_bar()  # one bar on stderr: ours
+    lengths = [int(n) for n in args.prefill.split(",") if n]
+    if args.only_prefill:
+        machine = machine_info()
+        print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['date']}\n"
+              f"cpu flags: {' '.join(machine['cpu_flags'])}")
+        prefill = measure_prefill(lengths, args.prefill_reps)
+        print_prefill(prefill)
+        write_json(Path(args.out), {"machine": machine, "prefill": prefill})
+        return 0
     workloads = encode_workloads(args.prompts)
     runs = sum(map(len, workloads.values())) * (3 + len(args.k)) * len(args.dtypes)
     roofline: dict = {}
@@ -431,12 +450,18 @@ def main(argv: list[str] | None = None) -> int:
     llama = run_llama_cpp(args, workloads)
     if llama:
         print_llama_cpp(llama, rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "config": config, "roofline": costs,
-                               "results": rows, "llama_cpp": llama}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    prefill = measure_prefill(lengths, args.prefill_reps) if lengths else []
+    if prefill:
+        print_prefill(prefill)
+    write_json(Path(args.out), {"machine": machine, "config": config, "roofline": costs,
+                                "results": rows, "llama_cpp": llama, "prefill": prefill})
     return 0
+
+
+def write_json(out: Path, data: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
