@@ -14,7 +14,7 @@ from ray.serve.config import RequestRouterConfig
 from specserve.config import AppConfig
 from specserve.engine.builder import check_draft_files
 from specserve.serve.ingress import OpenAIIngress
-from specserve.serve.placement import unit_bundles
+from specserve.serve.placement import resolved_layout, unit_bundles
 from specserve.serve.request_router import UnitRouter
 from specserve.serve.unit import SpeculationUnit
 
@@ -53,7 +53,7 @@ def build_app(args: dict) -> Application:
 
 def _router_kwargs(cfg: AppConfig) -> dict:
     """Prefix affinity where the units cache prefixes (paged KV with prefix caching)."""
-    kv = cfg.unit.engine.kv_cache
+    kv = resolved_layout(cfg.unit).engine.kv_cache
     return {"prefix_affinity": (cfg.routing.prefix_affinity and kv.layout == "paged"
                                 and kv.prefix_caching),
             "block_size": kv.block_size, "max_imbalance": cfg.routing.max_imbalance}

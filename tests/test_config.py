@@ -94,3 +94,25 @@ def test_a_paged_pool_must_hold_one_sequence_of_max_model_len(kv, ok):
         return
     with pytest.raises(ValidationError, match="one sequence of max_model_len"):
         AppConfig.model_validate(args)
+
+
+def test_the_kv_layout_is_paged_by_default_where_the_kernels_read_blocks():
+    """``kv_cache.layout: auto`` (the default): paged on a CPU, slots where the kernels do
+    not read block tables yet (CUDA, the compiled path); an explicit layout stays; the unit,
+    its groups and the router resolve it by the unit's placement (``target_device``)."""
+    from specserve.config import EngineConfig, KVCacheConfig, UnitConfig
+    from specserve.serve.placement import resolved_layout
+
+    auto = KVCacheConfig()
+    assert auto.layout == "auto"
+    assert auto.resolved("cpu", "invariant").layout == "paged"
+    assert auto.resolved("cpu", "library").layout == "paged"
+    assert auto.resolved("cpu", "compiled").layout == "slots"
+    assert auto.resolved("cuda:1", "auto").layout == "slots"
+    assert KVCacheConfig(layout="slots").resolved("cpu", "invariant").layout == "slots"
+    engine = EngineConfig().for_device("cpu")
+    assert engine.kv_cache.layout == "paged" and engine.draft_kv_cache is not None
+    assert EngineConfig().for_device("cuda").draft_kv_cache is None
+    on = {accelerator: resolved_layout(UnitConfig.model_validate({"accelerator": accelerator}))
+          for accelerator in ("cpu", "gpu")}
+    assert on["cpu"].engine.kv_cache.layout == "paged" and on["gpu"].engine.kv_cache.layout == "slots"

@@ -307,7 +307,8 @@ def _memory_parser(sub) -> None:
                    default=_default(SpeculativeConfig, "num_speculative_tokens"))
     p.add_argument("--kv-layout", default=_default(KVCacheConfig, "layout"),
                    choices=_choices(KVCacheConfig, "layout"),
-                   help="the target's KV cache: a slot per sequence, or a paged pool of blocks")
+                   help="the target's KV cache: a slot per sequence, or a paged pool of blocks "
+                        "(auto: what a GPU gets, slots, until the GPU path reads blocks)")
     p.add_argument("--block-size", type=int, default=_default(KVCacheConfig, "block_size"),
                    help="paged: positions per block")
     p.add_argument("--kv-blocks", type=int,
@@ -357,7 +358,7 @@ def cmd_memory_estimate(args) -> int:
     kv = {"layout": args.kv_layout, "block_size": args.block_size, "num_blocks": args.kv_blocks}
     cfg = EngineConfig.model_validate({"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                                        "speculative": {"num_speculative_tokens": args.k},
-                                       "kv_cache": kv})  # the same bounds and checks
+                                       "kv_cache": kv}).for_device("cuda")  # the same checks; a GPU
     gpus = [args.gpu_memory_gib, args.draft_gpu_memory_gib or args.gpu_memory_gib]
     roles = [("target", args.config, args.tp, False, gpus[0])]
     if args.draft_config:

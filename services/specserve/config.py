@@ -220,11 +220,13 @@ SpeculativeConfig = create_model(
 class KVCacheConfig(_Strict):
     """How the target keeps keys and values (issue 34; ``engine/kv_cache.py``)."""
 
-    layout: Literal["slots", "paged"] = Field(
-        "slots", description="slots: each sequence reserves max_model_len positions. paged: "
-                             "blocks of block_size positions, a block table per sequence, and "
-                             "prefix caching (the target's cache; kernels native and "
-                             "library, not compiled or flex yet).")
+    layout: Literal["auto", "slots", "paged"] = Field(
+        "auto", description="auto: paged where the target's kernels read blocks (on a CPU), "
+                            "slots on a GPU (the compiled path and FlexAttention do not yet). "
+                            "slots: each sequence reserves max_model_len positions. paged: "
+                            "blocks of block_size positions, a block table per sequence, and "
+                            "prefix caching (the target's cache; kernels native and "
+                            "library, not compiled or flex yet).")
     block_size: int = Field(16, ge=1, le=1024, description="paged: positions per KV block.")
     num_blocks: int | None = Field(
         None, ge=1, le=16_777_216,
@@ -235,6 +237,15 @@ class KVCacheConfig(_Strict):
     prefix_caching: bool = Field(
         True, description="paged: full blocks of committed tokens stay cached (LRU) and a new "
                           "request reuses its longest cached prefix, prefilling only the rest.")
+
+    def resolved(self, device: str, kernels: str) -> KVCacheConfig:
+        """``auto`` made definite for a target on ``device`` with ``kernels``: paged where the
+        kernels read blocks (a CPU's C kernels, or torch's with SDPA), slots where they do
+        not yet (CUDA's FlexAttention and the compiled path, on any device)."""
+        if self.layout != "auto":
+            return self
+        blocks = not str(device).startswith("cuda") and kernels != "compiled"
+        return self.model_copy(update={"layout": "paged" if blocks else "slots"})
 
     def pool_blocks(self, max_num_seqs: int, max_model_len: int) -> int:
         """paged: the pool's blocks (``num_blocks``, or the slot layout's memory)."""
@@ -265,11 +276,17 @@ class EngineConfig(_Strict):
     @model_validator(mode="after")
     def _one_sequence_fits(self) -> EngineConfig:
         kv = self.kv_cache
-        if kv.layout == "paged" and (kv.num_blocks or 1 << 62) * kv.block_size < self.max_model_len:
+        if kv.layout != "slots" and (kv.num_blocks or 1 << 62) * kv.block_size < self.max_model_len:
             raise ValueError(f"kv_cache.num_blocks ({kv.num_blocks}) x block_size ({kv.block_size}) "
                              f"holds fewer positions than one sequence of max_model_len "
                              f"({self.max_model_len}) needs")
         return self
+
+    def for_device(self, device: str) -> EngineConfig:
+        """This config with ``kv_cache.layout: auto`` made definite for a target on ``device``
+        (:meth:`KVCacheConfig.resolved`): what the engine, the unit and the router act on."""
+        kv = self.kv_cache.resolved(device, self.target.kernels)
+        return self if kv is self.kv_cache else self.model_copy(update={"kv_cache": kv})
 
     @property
     def draft_kv_cache(self) -> KVCacheConfig | None:

@@ -130,6 +130,7 @@ def build_engine(cfg: EngineConfig) -> tuple[SpecDecodeEngine, LoadedModel]:
     check_draft_files(cfg)
     spec = cfg.speculative
     target = load_model(cfg.target, max_model_len=cfg.max_model_len)
+    cfg = cfg.for_device(str(target.runtime.embed.weight.device))
     worker = ModelWorker(target.runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len,
                          kv=cfg.kv_cache)
     draft = None

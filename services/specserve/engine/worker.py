@@ -94,6 +94,8 @@ class ModelWorker(SlotOwner):
                  kv: KVCacheConfig | None = None) -> None:
         keep_freed_memory()
         self.runtime = runtime
+        if kv is not None:  # layout auto: as the runtime's device and kernels allow
+            kv = kv.resolved(str(runtime.embed.weight.device), runtime.kernels)
         if kv is not None and kv.layout == "paged":
             self.cache = self.table = runtime.make_paged_cache(
                 num_slots, max_seq_len, block_size=kv.block_size,

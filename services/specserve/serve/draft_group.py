@@ -23,7 +23,7 @@ from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
 from specserve.errors import ProposerUnavailable
 from specserve.methods import PROPOSERS
 from specserve.serve.draft_worker import DraftWorker, process_start
-from specserve.serve.placement import ACTOR_NAMESPACE, NODE_SLIVER, in_bundle
+from specserve.serve.placement import ACTOR_NAMESPACE, NODE_SLIVER, in_bundle, resolved_layout
 from specserve.serve.wire import Traffic
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class DraftGroup(Proposer):
         unit's placement group, or, with ``draft_node_resource``, on a node advertising that
         resource (a separate draft worker group). ``name`` makes it findable (fault-injection
         tests kill it by name)."""
-        engine = cfg.engine
+        engine = resolved_layout(cfg).engine  # the target's layout decides the draft's
         named = {"name": name, "namespace": ACTOR_NAMESPACE} if name else {}
         if cfg.draft_in_bundle:
             placement = in_bundle(cfg, pg, bundle)

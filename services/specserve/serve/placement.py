@@ -23,6 +23,13 @@ def target_device(cfg: UnitConfig) -> str:
     return "cuda" if cfg.accelerator == "gpu" else "cpu"
 
 
+def resolved_layout(cfg: UnitConfig) -> UnitConfig:
+    """``cfg`` with ``kv_cache.layout: auto`` made definite for :func:`target_device` (paged
+    on a CPU, slots on a GPU): the unit, its groups and the router read the same answer."""
+    engine = cfg.engine.for_device(target_device(cfg))
+    return cfg if engine is cfg.engine else cfg.model_copy(update={"engine": engine})
+
+
 def process_group_backend(cfg: UnitConfig) -> str:
     """The target group's ``torch.distributed`` backend, the same for every rank: NCCL for
     ranks on GPUs, gloo for ranks on CPUs."""

@@ -42,6 +42,7 @@ from specserve.serve.placement import (
     ACTOR_NAMESPACE,
     in_bundle,
     process_group_backend,
+    resolved_layout,
     target_device,
 )
 from specserve.serve.wire import Traffic, host_only
@@ -220,6 +221,7 @@ class TargetGroup(SlotOwner):
     ``specserve`` namespace (fault-injection tests kill them by name)."""
 
     def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
+        cfg = resolved_layout(cfg)  # the ranks get a definite layout: the tables' own
         self.cfg, self.pg, self.first_bundle, self.name = cfg, pg, first_bundle, name
         self.table = _table(cfg)
         self.max_seq_len = cfg.engine.max_model_len
