@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         machine = machine_info()
         print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['date']}\n"
               f"cpu flags: {' '.join(machine['cpu_flags'])}")
-        prefill = measure_prefill(lengths, args.prefill_reps)
-        print_prefill(prefill)
-        write_json(Path(args.out), {"machine": machine, "prefill": prefill})
+        prefill, llama = measure_prefill(lengths, args.prefill_reps, llama_cpp_python(args.llama_cpp))
+        print_prefill(prefill, llama)
+        write_json(Path(args.out), {"machine": machine, "prefill": prefill, "llama_cpp_prefill": llama})
         return 0
     workloads = encode_workloads(args.prompts)
     runs = sum(map(len, workloads.values())) * (3 + len(args.k)) * len(args.dtypes)
@@ -450,11 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     llama = run_llama_cpp(args, workloads)
     if llama:
         print_llama_cpp(llama, rows)
-    prefill = measure_prefill(lengths, args.prefill_reps) if lengths else []
+    prefill, llama_prefill = (measure_prefill(lengths, args.prefill_reps, llama_cpp_python(args.llama_cpp))
+                              if lengths else ([], None))
     if prefill:
-        print_prefill(prefill)
+        print_prefill(prefill, llama_prefill)
     write_json(Path(args.out), {"machine": machine, "config": config, "roofline": costs,
-                                "results": rows, "llama_cpp": llama, "prefill": prefill})
+                                "results": rows, "llama_cpp": llama, "prefill": prefill,
+                                "llama_cpp_prefill": llama_prefill})
     return 0
 
 
