@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = EngineConfig.model_validate({
         "target": {"source": "embedded"}, "max_model_len": 2048, "max_num_seqs": args.batch,
-        "speculative": {"method": "ngram", "num_speculative_tokens": args.k}})
+        "speculative": {"method": "ngram", "num_speculative_tokens": args.k},
+        "kv_cache": {"prefix_caching": False}})  # repeated prompts: every run prefills
     engine, target = build_engine(cfg)
     prompts = load_prompts("rewrite")
     ids = [encode_chat(target.tokenizer, prompts[i % len(prompts)]["messages"])

@@ -48,7 +48,8 @@ def main() -> int:
     k = args.k or json.loads((draft_path(args.draft) / "eval.json").read_text())["end_to_end"]["k"]
 
     def engine(spec: dict):
-        cfg = EngineConfig.model_validate({"speculative": spec, "max_num_seqs": 1, "max_model_len": 2048})
+        cfg = EngineConfig.model_validate({"speculative": spec, "max_num_seqs": 1, "max_model_len": 2048,
+                                           "kv_cache": {"prefix_caching": False}})  # fair repeats
         return build_engine(cfg)
 
     target_only, target = engine({"method": None})

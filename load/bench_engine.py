@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import build_engine
 from specserve.engine.loader import embedded_gguf, load_hf_model, load_tokenizer, resolve
 from specserve.engine.stats import SpecStats
@@ -71,6 +71,8 @@ from prompts import load_prompts  # noqa: E402
 from roofline import decode_bytes, forward_costs, read_bandwidth  # noqa: E402
 
 WORKLOADS = ("rewrite", "chat")
+# Every mode runs the same prompts: a prefix cache would serve the later modes' prefills.
+NO_PREFIX_CACHE = KVCacheConfig(prefix_caching=False)
 GENERATE, TARGET, TARGET_LIBRARY = "generate()", "target-only", "target-only (library)"
 OURS, LIBRARY = "invariant", "library"  # ModelConfig.kernels
 WARMUP_TOKENS = 16
@@ -142,7 +144,8 @@ def build_engines(dtype: str, ks: list[int]) -> dict[str, tuple]:
         config = EngineConfig(target=ModelConfig(dtype=dtype, device="cpu", kernels=kernels),
                               speculative=SpeculativeConfig(method="ngram",
                                                             num_speculative_tokens=max(ks)),
-                              max_model_len=1024, max_num_seqs=1)
+                              max_model_len=1024, max_num_seqs=1,
+                              kv_cache=NO_PREFIX_CACHE)  # modes run the same prompts
         engines[kernels] = build_engine(config)
     return engines
 

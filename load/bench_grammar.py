@@ -218,7 +218,7 @@ def engine_overhead(rounds: int) -> dict:
     from specserve.engine.builder import build_engine
 
     cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 16,
-                                       "max_model_len": 1024})
+                                       "max_model_len": 1024, "kv_cache": {"prefix_caching": False}})
     engine, loaded = build_engine(cfg)
     grammar = GrammarCompiler(loaded.tokenizer, engine.target.vocab_size,
                               loaded.eos_token_ids).compile(GrammarSpec.json_schema(PERSON))

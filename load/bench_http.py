@@ -34,7 +34,9 @@ def parse_args() -> argparse.Namespace:
 
 def app_args(method: str) -> dict:
     spec = {"method": None} if method == "off" else {"method": method, "num_speculative_tokens": 4}
-    return {"unit": {"engine": {"speculative": spec, "max_num_seqs": 2}}, "max_tokens_cap": 4096,
+    engine = {"speculative": spec, "max_num_seqs": 2,
+              "kv_cache": {"prefix_caching": False}}  # each prompt prefilled by both paths
+    return {"unit": {"engine": engine}, "max_tokens_cap": 4096,
             "auth": {"enabled": False}}  # loopback benchmark
 
 

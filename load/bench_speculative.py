@@ -322,7 +322,8 @@ def engine_config(method: str, args, draft_path: Path | None):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=max(args.k),
                              draft=model(str(draft_path)) if method == "draft_model" else None)
     return EngineConfig(target=model(args.target), speculative=spec,
-                        max_model_len=args.max_model_len, max_num_seqs=1)
+                        max_model_len=args.max_model_len, max_num_seqs=1,
+                        kv_cache={"prefix_caching": False})  # every method runs the same prompts
 
 
 def draft_path(args) -> Path | None:
