@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine": {"target": {"source": "embedded"}, "max_model_len": 512, "max_num_seqs": args.batch,
                    "speculative": {"method": "draft_model", "num_speculative_tokens": args.k,
                                    "draft": {"source": "embedded"}, "adaptive": {"enabled": False},
-                                   "draft_model": {"q_top_k": args.q_top_k}}},
+                                   "draft_model": {"q_top_k": args.q_top_k}},
+                   "kv_cache": {"prefix_caching": False}},  # repeated prompts prefill in full
         "tensor_parallel_size": args.tp, "draft_timeout_s": 600, "target_step_timeout_s": 600})
     from specserve.serve.local import start_local_ray  # before ray is imported (loopback only)
 

@@ -325,7 +325,9 @@ def local_app_args(max_num_seqs: int, max_queue_len: int, max_model_len: int, k:
         if first:
             spec["first"] = first
     return {"unit": {"engine": {"target": {"source": "embedded"}, "speculative": spec,
-                                "max_model_len": max_model_len, "max_num_seqs": max_num_seqs},
+                                "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                                # the prompt set repeats across levels and modes: no cache hits
+                                "kv_cache": {"prefix_caching": False}},
                      "max_queue_len": max_queue_len},
             "max_tokens_cap": 4096, "auth": {"enabled": False}}  # loopback benchmark
 
