@@ -316,37 +316,55 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
   for (int d = dv * VL; d < D; d++) out[d] /= total;
 }
 
-/* Value vectors per pass of weighted_values: 4 queries x PV_CHUNK accumulators, PV_CHUNK
-   values and a broadcast stay in registers (32 registers with AVX512, 16 with AVX2). */
-#if VL == 16
-#define PV_CHUNK 4
-#else
-#define PV_CHUNK 2
-#endif
+/* Value vectors per pass of weighted_values: 64 floats, a whole head of the usual size, so
+   each key's row and pointer are read once per query group (measured on AVX2 code: passes
+   of 2 vectors made a decode's attention 25% slower than one pass over the head, whose
+   accumulators partly spill). */
+#define PV_CHUNK (64 / VL)
 
-/* Value vectors c0 .. c0 + CW of weighted_values (CW a constant where it is inlined). */
-static inline void weighted_pass(float *const *p, int nq, const int *j0, const int *j1,
+/* Key j's weighted values for queries r < NQ, value vectors c0 .. c0 + CW (constants where
+   inlined, so the accumulators stay in registers); `all`: every query's range holds j. */
+static inline void weighted_key(vf acc[4][PV_CHUNK], float *const *p, const int *j0,
+                                const int *j1, const float *vj, int j, int c0, int all,
+                                const int NQ, const int CW) {
+  vf vv[PV_CHUNK];
+  for (int c = 0; c < CW; c++) vv[c] = load(vj + (c0 + c) * VL);
+  for (int r = 0; r < NQ; r++) {
+    if (!all && (j < j0[r] || j >= j1[r])) continue;
+    vf pj = (vf){0} + p[r][j];
+    for (int c = 0; c < CW; c++) acc[r][c] = fmadd(pj, vv[c], acc[r][c]);
+  }
+}
+
+/* Value vectors c0 .. c0 + CW of weighted_values for NQ queries: keys in order, those inside
+   every query's range without a check. */
+static inline void weighted_pass(float *const *p, const int *j0, const int *j1,
                                  const float *const *v, float *const *out, const float *total,
-                                 int c0, const int CW) {
+                                 int c0, const int NQ, const int CW) {
   vf acc[4][PV_CHUNK];
-  int lo = j0[0], hi = j1[0];
-  for (int r = 0; r < nq; r++) {
+  int lo = j0[0], hi = j1[0], first = j0[0], last = j1[0];  /* the union, and the shared part */
+  for (int r = 0; r < NQ; r++) {
     for (int c = 0; c < CW; c++) acc[r][c] = (vf){0};
     lo = j0[r] < lo ? j0[r] : lo;
     hi = j1[r] > hi ? j1[r] : hi;
+    first = j0[r] > first ? j0[r] : first;
+    last = j1[r] < last ? j1[r] : last;
   }
-  for (int j = lo; j < hi; j++) {
-    vf vv[PV_CHUNK];
-    for (int c = 0; c < CW; c++) vv[c] = load(v[j] + (c0 + c) * VL);
-    for (int r = 0; r < nq; r++) {
-      if (j < j0[r] || j >= j1[r]) continue;
-      vf pj = (vf){0} + p[r][j];
-      for (int c = 0; c < CW; c++) acc[r][c] = fmadd(pj, vv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < nq; r++)
+  last = last > first ? last : first;
+  int j = lo;
+  for (; j < first; j++) weighted_key(acc, p, j0, j1, v[j], j, c0, 0, NQ, CW);
+  for (; j < last; j++) weighted_key(acc, p, j0, j1, v[j], j, c0, 1, NQ, CW);
+  for (; j < hi; j++) weighted_key(acc, p, j0, j1, v[j], j, c0, 0, NQ, CW);
+  for (int r = 0; r < NQ; r++)
     for (int c = 0; c < CW; c++) store(out[r] + (c0 + c) * VL, acc[r][c] / total[r]);
 }
+
+#define WEIGHTED_PASSES(NQ)                                                                   \
+  do {                                                                                        \
+    for (; c0 + PV_CHUNK <= dv; c0 += PV_CHUNK)                                               \
+      weighted_pass(p, j0, j1, v, out, total, c0, NQ, PV_CHUNK);                              \
+    for (; c0 < dv; c0++) weighted_pass(p, j0, j1, v, out, total, c0, NQ, 1);                 \
+  } while (0)
 
 /* softmax_values for nq <= 4 chain queries at once, their exp'd scores in p[r] (exp_scores)
    and sums in total: each query's value vector c gets the FMAs of softmax_values in key order
@@ -355,8 +373,12 @@ static inline void weighted_pass(float *const *p, int nq, const int *j0, const i
 static void weighted_values(float *const *p, int nq, const int *j0, const int *j1,
                             const float *const *v, int D, float *const *out, const float *total) {
   int dv = D / VL, c0 = 0;
-  for (; c0 + PV_CHUNK <= dv; c0 += PV_CHUNK) weighted_pass(p, nq, j0, j1, v, out, total, c0, PV_CHUNK);
-  for (; c0 < dv; c0++) weighted_pass(p, nq, j0, j1, v, out, total, c0, 1);
+  switch (nq) {  /* a constant query count: the accumulators in registers */
+    case 4: WEIGHTED_PASSES(4); break;
+    case 3: WEIGHTED_PASSES(3); break;
+    case 2: WEIGHTED_PASSES(2); break;
+    default: WEIGHTED_PASSES(1); break;
+  }
   for (int r = 0; r < nq; r++)
     for (int d = dv * VL; d < D; d++) {
       float s = 0.0f;
