@@ -233,12 +233,12 @@ class SpecDecodeEngine:
         that was prefilling a chunk, that chunk); a row that fails alone fails, with its
         error."""
         self._restore(seqs)
-        chunk_of = {id(seq): n for seq, n in chunks}
+        chunk_of = {seq.seq_id: n for seq, n in chunks}
         outputs = []
         for seq in seqs:
             try:
-                if id(seq) in chunk_of:
-                    self._prefill_chunks([(seq, chunk_of[id(seq)])])
+                if seq.seq_id in chunk_of:
+                    self._prefill_chunks([(seq, chunk_of[seq.seq_id])])
                 else:
                     outputs += self._step([seq])
             except TargetUnavailable:

@@ -40,6 +40,15 @@ class Verified:
     chunk_hidden: list[torch.Tensor] | None = None
 
 
+def with_chunks(slots: list[int], token_ids: list[list[int]], chunks: list[tuple[int, list[int]]],
+                trees: list[list[int] | None] | None = None
+                ) -> tuple[list[int], list[list[int]], list[list[int] | None] | None]:
+    """A verify forward's rows: the verifying rows, then the prompt chunks ``(slot, token_ids)``
+    (no tree); slots, token ids and trees (None: no tree anywhere)."""
+    return (slots + [slot for slot, _ in chunks], token_ids + [ids for _, ids in chunks],
+            None if trees is None else trees + [None] * len(chunks))
+
+
 class SlotOwner:
     """The slot half of the worker interface, answered from ``self.table``."""
 
@@ -164,10 +173,9 @@ class ModelWorker(SlotOwner):
         t0 = time.perf_counter()
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
                           and not s for r, s in zip(rows, scored))
-        chunk_slots, chunk_ids = [c[0] for c in chunks], [c[1] for c in chunks]
-        out = self.forward(slots + chunk_slots, token_ids + chunk_ids, asked + [0] * len(chunks),
-                           argmax_only, return_hidden=return_hidden,
-                           trees=None if trees is None else trees + [None] * len(chunks), groups=groups)
+        every_slot, every_ids, every_tree = with_chunks(slots, token_ids, chunks, trees)
+        out = self.forward(every_slot, every_ids, asked + [0] * len(chunks), argmax_only,
+                           return_hidden=return_hidden, trees=every_tree, groups=groups)
         logits, hidden = out if return_hidden else (out, None)
         _sync(logits)
         t1 = time.perf_counter()
@@ -181,7 +189,7 @@ class ModelWorker(SlotOwner):
                     logp, prompt[1:], rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = chunk_hidden = None
         if hidden is not None:
-            per_row = hidden.split([len(ids) for ids in token_ids + chunk_ids])
+            per_row = hidden.split([len(ids) for ids in every_ids])
             kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, proposals, verdicts)]
             chunk_hidden = [h.cpu() for h in per_row[len(token_ids):]]
         return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1, chunk_hidden)

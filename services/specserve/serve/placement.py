@@ -25,7 +25,7 @@ def target_device(cfg: UnitConfig) -> str:
 
 def resolved_layout(cfg: UnitConfig) -> UnitConfig:
     """``cfg`` with ``kv_cache.layout: auto`` made definite for :func:`target_device` (paged
-    on a CPU, slots on a GPU): the unit, its groups and the router read the same answer."""
+    on a CPU, slots on a GPU): the target and draft groups and the router read the same answer."""
     engine = cfg.engine.for_device(target_device(cfg))
     return cfg if engine is cfg.engine else cfg.model_copy(update={"engine": engine})
 

@@ -36,7 +36,7 @@ from specserve.engine.kv_cache import SlotTable
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.base import Proposal
-from specserve.engine.worker import ModelWorker, SlotOwner, Verified
+from specserve.engine.worker import ModelWorker, SlotOwner, Verified, with_chunks
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import (
     ACTOR_NAMESPACE,
@@ -137,9 +137,9 @@ class TargetRank:
         covers the chunks' slots after the rows'."""
         self.sampling.update(sampling)
         chunks = chunks or []
-        batch = (slots + [c[0] for c in chunks], starts, token_ids + [c[1] for c in chunks],
-                 [len(p.token_ids) + 1 for p in proposals] + [0] * len(chunks),
-                 None if trees is None else trees + [None] * len(chunks), moves, forks, tables, groups)
+        every_slot, every_ids, every_tree = with_chunks(slots, token_ids, chunks, trees)
+        batch = (every_slot, starts, every_ids, [len(p.token_ids) + 1 for p in proposals]
+                 + [0] * len(chunks), every_tree, moves, forks, tables, groups)
         if self.world_size > 1:
             dist.broadcast_object_list([batch], src=0)
         self._prepare(batch)
@@ -335,8 +335,7 @@ class TargetGroup(SlotOwner):
         for slot, row in zip(slots, sampling):
             if self._sampling.get(slot) != row:
                 new[slot] = self._sampling[slot] = row
-        every_slot = slots + [c[0] for c in chunks]
-        every_ids = token_ids + [c[1] for c in chunks]
+        every_slot, every_ids, _ = with_chunks(slots, token_ids, chunks)
         starts = [self.table.lengths[s] for s in every_slot]
         tables = self._tables(every_slot, every_ids)
         moves = [(s, *self._moves.pop(s)) for s in every_slot if s in self._moves]

@@ -29,7 +29,6 @@ from specserve.engine.stats import SpecStats
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
-from specserve.serve.placement import resolved_layout
 from specserve.serve.policy import SpeculationPolicy
 from specserve.serve.protocol import (
     Decision,
@@ -49,7 +48,7 @@ class SpeculationUnit:
     itself stays free of wiring)."""
 
     def __init__(self, config: dict) -> None:
-        cfg = resolved_layout(UnitConfig.model_validate(config))
+        cfg = UnitConfig.model_validate(config)
         self.cfg = cfg
         pg = ray.util.get_current_placement_group()
         spec = cfg.engine.speculative
