@@ -7,13 +7,19 @@ The old runtime failed these on both CPUs this project has met (AVX2 and AVX512)
 (MKL) at 1 vs 2-3 vs >= 4 rows, and ``scaled_dot_product_attention`` for a query inside a
 masked call (docs/BENCHMARKS.md, "Row invariance").
 
-Both kernel sets are checked: the C kernels (``engine/kernels.c``, built here at first use)
-and the fallback where no C compiler is found (oneDNN-packed linears, blocked attention).
+Every kernel set is checked: the C kernels (``engine/kernels.c``, built here at first use
+for this CPU), their portable build (what a compiler that does not know the CPU builds: the
+generic-vector code), their AVX2 build where this CPU has AVX512 (the code of the AVX2
+machines), and the fallback where no C compiler works (oneDNN-packed linears, blocked
+attention).
 """
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,13 +39,48 @@ def seeded(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-@pytest.fixture(params=["native", "fallback"])
-def kernels(request, monkeypatch):
-    """Run the test on the C kernels, then on the fallback (as on a machine with no C compiler)."""
-    if request.param == "native":
+# The C builds besides this CPU's own: the portable one always, the AVX2 code where the CPU
+# would otherwise build AVX512 (on an AVX2 machine the native build is that code).
+OTHER_BUILDS = {"portable": native.PORTABLE_FLAGS}
+if "avx512f" in native._cpu():
+    OTHER_BUILDS["avx2"] = native.FLAGS + ["-mno-avx512f"]
+
+
+@pytest.fixture(scope="module")
+def other_builds(tmp_path_factory):
+    """Each build of OTHER_BUILDS, compiled once for the module into a temporary cache."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "the suite runs with a C compiler"
+    cache = tmp_path_factory.mktemp("kernels")
+    libs = {}
+    for name, flags in OTHER_BUILDS.items():
+        path = cache / f"kernels-{name}.so"
+        native._compile(compiler, flags, path)
+        libs[name] = native.declare(ctypes.CDLL(str(path)))
+    return libs
+
+
+def use_build(monkeypatch, name: str, other_builds) -> None:
+    """Make ``name`` the kernels the runtime calls for the rest of the test."""
+    if name == "native":
         assert native.library() is not None, native.unavailable_reason()
-    else:
+    elif name == "fallback":
         monkeypatch.setattr(native, "library", lambda: None)
+    else:
+        monkeypatch.setattr(native, "library", lambda: other_builds[name])
+
+
+@pytest.fixture(params=["native", *OTHER_BUILDS])
+def build(request, monkeypatch, other_builds):
+    """Run the test on each C build."""
+    use_build(monkeypatch, request.param, other_builds)
+    return request.param
+
+
+@pytest.fixture(params=["native", *OTHER_BUILDS, "fallback"])
+def kernels(request, monkeypatch, other_builds):
+    """Run the test on each C build, then on the fallback (a machine with no C compiler)."""
+    use_build(monkeypatch, request.param, other_builds)
     return request.param
 
 
@@ -64,6 +105,31 @@ def test_the_c_kernels_are_built_where_a_compiler_is_found(monkeypatch, tmp_path
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_reason", None)
     assert native.library() is None and "Error" in native.unavailable_reason()
+
+
+def test_a_compiler_that_does_not_know_the_cpu_builds_the_portable_kernels(monkeypatch, tmp_path):
+    """``-march=native`` fails where the compiler does not know the CPU: the kernels are
+    built without it (the generic-vector code; the tests run on that build too, see
+    ``kernels``), not left to the slower fallback."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\n"
+                    'for a in "$@"; do [ "$a" = -march=native ] && { echo "unknown CPU" >&2; exit 1; }; done\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setattr(native, "_flags", None)
+    assert native.library() is not None, native.unavailable_reason()
+    assert native.build_flags() == native.PORTABLE_FLAGS
+    assert [Path(p).name.startswith("kernels-") for p in (tmp_path / "cache" / "native").glob("*.so")] == [True]
+    x, w = seeded(5, 64), seeded(16, 64, seed=1)
+    out = native.linear(x, w, None)
+    assert torch.equal(out[2], native.linear(x[2:3], w, None)[0])
+    assert torch.allclose(out, x @ w.T, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
@@ -151,10 +217,9 @@ def test_attention_for_a_query_does_not_depend_on_other_queries_or_rows(heads, s
 
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("start", [5, KV_BLOCK - 3, 3 * KV_BLOCK + 10])
-def test_native_attention_for_a_query_does_not_depend_on_other_queries_or_rows(heads, start):
+def test_native_attention_for_a_query_does_not_depend_on_other_queries_or_rows(heads, start, build):
     """The C attention reads the cache storage of each row's slot directly: a query alone, as
     query j of a verify, in a batch beside longer rows, and in a sliding window."""
-    assert native.library() is not None, native.unavailable_reason()
     h, hk = heads
     d, s = 64, 6 * KV_BLOCK
     keys, values = seeded(4, hk, s, d, seed=1), seeded(4, hk, s, d, seed=2)

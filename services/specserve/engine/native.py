@@ -9,10 +9,12 @@ close to bandwidth (docs/BENCHMARKS.md, "Runtime").
 
 The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
 ``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``), in a second or so. It links the
-OpenMP runtime torch already loaded, so both share one thread pool. Where no C compiler is
-found, or ``SPECSERVE_NATIVE=0``, :func:`library` returns None and the runtime falls back to
-oneDNN's packed linears and the blocked attention in ``kernels.py`` (row-invariant too,
-slower); :func:`unavailable_reason` says why.
+OpenMP runtime torch already loaded, so both share one thread pool. A compiler that does not
+know this CPU (``-march=native`` fails) builds the portable kernels instead: the same code on
+the compiler's generic vectors, row-invariant the same way, slower (:func:`build_flags` says
+which). Where no C compiler works, or ``SPECSERVE_NATIVE=0``, :func:`library` returns None
+and the runtime falls back to oneDNN's packed linears and the blocked attention in
+``kernels.py`` (row-invariant too, slower); :func:`unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+PORTABLE_FLAGS = [flag for flag in FLAGS if not flag.startswith("-march=")]
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
+_flags: list[str] | None = None  # the build's, once loaded
 _loaded = False
 _lock = threading.Lock()
 
@@ -65,20 +69,44 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def build_flags() -> list[str] | None:
+    """The flags the loaded kernels were built with (:data:`FLAGS`, or :data:`PORTABLE_FLAGS`
+    where the compiler did not know this CPU); None without kernels."""
+    library()
+    return _flags
+
+
 class _Unavailable(Exception):
     pass
 
 
 def _load() -> ctypes.CDLL:
+    global _flags
     if os.environ.get("SPECSERVE_NATIVE", "1") == "0":
         raise _Unavailable("SPECSERVE_NATIVE=0")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise _Unavailable("no C compiler on PATH")
-    path = _cache_dir() / f"kernels-{_build_key(compiler)}.so"
+    try:
+        path, flags = _built_with(compiler, FLAGS), FLAGS
+    except _Unavailable as exc:
+        log.warning("%s; building the portable kernels", exc)
+        path, flags = _built_with(compiler, PORTABLE_FLAGS), PORTABLE_FLAGS
+    lib = declare(ctypes.CDLL(str(path)))
+    _flags = flags
+    return lib
+
+
+def _built_with(compiler: str, flags: list[str]) -> Path:
+    """The cached build of the kernels with ``flags``, compiled first if it is not there."""
+    path = _cache_dir() / f"kernels-{_build_key(compiler, flags)}.so"
     if not path.exists():
-        _compile(compiler, path)
-    lib = ctypes.CDLL(str(path))
+        _compile(compiler, flags, path)
+    return path
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give the kernels of a loaded build their argument types."""
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.linear_rows.argtypes = [ptr] * 4 + [i32] * 4
     lib.linear_rows.restype = None
@@ -99,11 +127,11 @@ def _cache_dir() -> Path:
     return path
 
 
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: str, flags: list[str]) -> str:
     """Source, flags, compiler version and CPU: a shared cache never serves another CPU's build."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu().encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -117,11 +145,11 @@ def _cpu() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _compile(compiler: str, path: Path) -> None:
+def _compile(compiler: str, flags: list[str], path: Path) -> None:
     # Build beside the target and rename: processes that build at once each get a whole file.
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", str(out), "-lm"]
+        cmd = [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
