@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import shutil
 import stat
-from pathlib import Path
 
 import pytest
 import torch
@@ -114,7 +113,7 @@ def test_a_compiler_that_does_not_know_the_cpu_builds_the_portable_kernels(monke
     real = shutil.which("cc") or shutil.which("gcc")
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\n"
-                    'for a in "$@"; do [ "$a" = -march=native ] && { echo "unknown CPU" >&2; exit 1; }; done\n'
+                    'for a in "$@"; do [ "$a" = -march=native ] && { echo unknown >&2; exit 1; }; done\n'
                     f'exec {real} "$@"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(fake))
@@ -125,7 +124,7 @@ def test_a_compiler_that_does_not_know_the_cpu_builds_the_portable_kernels(monke
     monkeypatch.setattr(native, "_flags", None)
     assert native.library() is not None, native.unavailable_reason()
     assert native.build_flags() == native.PORTABLE_FLAGS
-    assert [Path(p).name.startswith("kernels-") for p in (tmp_path / "cache" / "native").glob("*.so")] == [True]
+    assert len(list((tmp_path / "cache" / "native").glob("kernels-*.so"))) == 1  # that build
     x, w = seeded(5, 64), seeded(16, 64, seed=1)
     out = native.linear(x, w, None)
     assert torch.equal(out[2], native.linear(x[2:3], w, None)[0])
