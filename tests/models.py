@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from specserve.engine.model import LlamaRuntime, build_runtime
 from specserve.engine.worker import ModelWorker
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 512  # the size of tests.tiny.make_tiny_tokenizer()
 
@@ -22,6 +22,9 @@ TINY_CONFIGS = {
     "qwen2-bias": (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": (MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2,
                                            sliding_window=7)),
+    # q/k norms per head, a head_dim that is not hidden / heads, tied embeddings (Qwen3-0.6B's)
+    "qwen3-qknorm": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       tie_word_embeddings=True)),
 }
 
 
@@ -43,6 +46,9 @@ def tiny_hf_model(kind: str = "llama-gqa", seed: int = 0, logit_scale: float = 1
         for p in model.parameters():  # wider init than 0.02 so layers matter
             if p.ndim == 2:
                 p.normal_(0, 0.15)
+        for name, p in model.named_parameters():  # Qwen3's q/k norms: not all ones, so they count
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
         if logit_scale != 1.0:
             model.lm_head.weight.mul_(logit_scale)
     return model.eval()

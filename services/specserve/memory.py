@@ -75,7 +75,7 @@ SAMPLER_FP32_COPIES = 10
 class ModelShape:
     """The numbers of a Llama-family ``config.json`` the estimate reads (the same rules as
     :class:`specserve.engine.model.ModelArch`: head_dim defaults to hidden / heads, kv heads
-    to heads, Qwen2 has q/k/v biases and no o bias)."""
+    to heads, Qwen2 has q/k/v biases and no o bias, Qwen3 a norm over each q and k head)."""
 
     hidden_size: int
     num_layers: int
@@ -89,6 +89,7 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
@@ -110,7 +111,7 @@ class ModelShape:
             max_position_embeddings=config.get("max_position_embeddings") or 1 << 30,
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)))
+            mlp_bias=bool(config.get("mlp_bias", False)), qk_norm=model_type == "qwen3")
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def weight_bytes(shape: ModelShape, tp: int, nbytes: int, max_len: int) -> tuple
     per_layer = (q + 2 * kv) * h + h * q + 2 * inter * h + inter * h  # qkv, o, gate_up, down
     per_layer += (q + 2 * kv) * shape.qkv_bias + 2 * inter * shape.mlp_bias  # column-parallel biases
     # norms, and the row-parallel biases (o, down) every rank holds (zeros off rank 0)
-    per_layer_whole = 2 * h + h * shape.o_bias + h * shape.mlp_bias
+    per_layer_whole = 2 * h + h * shape.o_bias + h * shape.mlp_bias + 2 * d * shape.qk_norm
     embeddings = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
     rope = 2 * max_len * d  # cos and sin tables, in the model dtype
     return (layers * per_layer * nbytes,

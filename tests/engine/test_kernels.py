@@ -254,7 +254,7 @@ def test_native_attention_for_a_query_does_not_depend_on_other_queries_or_rows(h
                           ref.transpose(1, 2).reshape(1, 4, h * d), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2-bias", "mistral-window"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2-bias", "mistral-window", "qwen3-qknorm"])
 def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind, kernels):
     """The whole runtime: the logits after token p are bit-identical whether p was decoded
     alone, verified among up to 8 more tokens, or decoded in a batch of rows of other lengths.

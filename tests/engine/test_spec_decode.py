@@ -154,6 +154,23 @@ def test_greedy_equals_target_only(target_hf, close_draft_hf, target_only, metho
 
 
 @pytest.fixture(scope="module")
+def qwen3_target_hf():
+    return tiny_hf_model("qwen3-qknorm", seed=0, logit_scale=3.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_target_only_on_a_qwen3_target(qwen3_target_hf, target_only, method):
+    """Qwen3 (a norm over each q and k head, tied embeddings, head_dim 32 of hidden 64): every
+    proposer, a batch of 3, K = 3."""
+    batch = prompts(3, seed=11)
+    spec = make_engine(qwen3_target_hf, method, 3, draft_hf=perturbed(qwen3_target_hf, scale=0.3))
+    got = spec.generate(batch, GREEDY)
+    reference = target_only(qwen3_target_hf, batch, GREEDY)
+    assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference]
+    assert spec.stats.num_drafts > 0 and spec.target.num_free_slots == 8
+
+
+@pytest.fixture(scope="module")
 def twin_target_hf():
     """A target where every token has a near-tie twin: LM-head rows 256.. are rows 0..255
     times (1 + 2**-22), so two logits differ by about two float32 ulps at every step. A

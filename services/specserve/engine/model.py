@@ -1,4 +1,4 @@
-"""Model runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
+"""Model runtime for Llama-family decoders (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
 
 Our own forward over a :class:`~specserve.engine.kv_cache.SlotKVCache`: one call takes a
 *ragged* batch — every row its own slot, its own start position (the slot's current length)
@@ -39,7 +39,7 @@ from specserve.engine.kv_cache import PagedKVCache, SlotKVCache
 from specserve.engine.tree_acceptance import validate_tree
 from specserve.errors import ConfigError, InvalidRequestError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class ModelArch:
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArch:
@@ -93,6 +94,7 @@ class ModelArch:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             sliding_windows=_sliding_windows(config),
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -102,7 +104,7 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     if config.model_type == "mistral":
         return (window,) * n
-    if config.model_type == "qwen2":
+    if config.model_type in ("qwen2", "qwen3"):
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * n
@@ -138,6 +140,14 @@ class Attention(nn.Module):
         self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
         self.invariant = True   # row-invariant attention (kernels.attention); False: library
         self.attention = "sdpa"  # the library's attention: "sdpa" or "flex" (block_attention)
+        # Qwen3: each q and k head RMS-normalised (weights over D, shared by the heads) before
+        # RoPE; replicated, not sharded, under tensor parallelism.
+        self.eps = arch.rms_norm_eps
+        if arch.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
+        else:
+            self.q_norm = self.k_norm = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,8 +157,10 @@ class Attention(nn.Module):
         bsz, t, _ = x.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
-        return (apply_rope(q.view(bsz, t, h, d), cos, sin), apply_rope(k.view(bsz, t, hk, d), cos, sin),
-                v.view(bsz, t, hk, d))
+        q, k = q.view(bsz, t, h, d), k.view(bsz, t, hk, d)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(bsz, t, hk, d)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
                 cache: SlotKVCache) -> torch.Tensor:
@@ -211,6 +223,10 @@ class Attention(nn.Module):
         bsz, t, _ = qkv.shape
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        if self.q_norm is not None:  # in place, head by head (each a row of D)
+            heads = qkv.view(-1, h + 2 * hk, d)
+            heads[:, :h] = native.rms_norm(heads[:, :h], self.q_norm, self.eps)
+            heads[:, h:h + hk] = native.rms_norm(heads[:, h:h + hk], self.k_norm, self.eps)
         native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.table,
                               ctx.row_starts, ctx.row_lens)
         q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
@@ -841,6 +857,9 @@ def checkpoint_names(arch: ModelArch) -> dict[str, tuple[str, ...]]:
         names[ours + "post_attn_norm"] = (hf + "post_attention_layernorm.weight",)
         for kind in _kinds(arch.qkv_bias):
             names[ours + f"attn.qkv.{kind}"] = tuple(att + f"{p}_proj.{kind}" for p in "qkv")
+        if arch.qk_norm:
+            names[ours + "attn.q_norm"] = (att + "q_norm.weight",)
+            names[ours + "attn.k_norm"] = (att + "k_norm.weight",)
         for kind in _kinds(arch.o_bias):
             names[ours + f"attn.o.{kind}"] = (att + f"o_proj.{kind}",)
         for kind in _kinds(arch.mlp_bias):
