@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig
 from specserve.engine.adaptive import SpecLengthController
-from specserve.engine.draft_head import draft_path, is_draft_dir, load_draft_head, read_draft_meta
+from specserve.engine.draft_head import (
+    DRAFT_FILE,
+    draft_path,
+    is_draft_dir,
+    load_draft_head,
+    read_draft_meta,
+    serves,
+)
 from specserve.engine.loader import (
     LoadedModel,
     ResolvedSource,
@@ -29,13 +36,18 @@ from specserve.errors import ConfigError
 from specserve.methods import PROPOSERS, proposer_class
 
 
-def check_draft_files(cfg: EngineConfig) -> None:
+def check_draft_files(cfg: EngineConfig, *, unit: bool = False) -> None:
     """Refuse a draft that cannot serve: another tokenizer than the target's, or a draft
-    made by ``train-draft`` of a kind its method does not take. Reads the tokenizers and
-    ``draft.json``; a config without a draft passes."""
+    made by ``train-draft`` of a kind its method does not take; in a unit (``unit``: the
+    target and the draft in separate groups), a published EAGLE-3 head, which reads target
+    layers the target group does not return yet. Reads the tokenizers and ``draft.json``; a
+    config without a draft passes."""
     draft = cfg.speculative.draft
     if draft is None:
         return
+    if unit and is_draft_dir(draft.source) and read_draft_meta(draft.source)["kind"] == "eagle3":
+        raise ConfigError(f"draft {draft.source!r} is an EAGLE-3 head: served by `specserve "
+                          "generate`'s in-process engine so far, not by a unit's separate groups")
     check_same_tokenizer(cfg.target, draft)
     check_draft_kind(cfg.speculative.method, draft)
 
@@ -45,7 +57,7 @@ def check_draft_kind(method: str, draft: ModelConfig) -> None:
     ``plain_draft`` says so: draft_model)."""
     spec = PROPOSERS[method]
     kind = read_draft_meta(draft.source)["kind"] if is_draft_dir(draft.source) else None
-    if kind != spec.draft_kind and not (kind is None and spec.plain_draft):
+    if serves(kind) != spec.draft_kind and not (kind is None and spec.plain_draft):
         raise ConfigError(f"method {method} needs a {spec.draft_kind!r} draft from `specserve "
                           f"train-draft`; {draft.source!r} is "
                           f"{'a ' + repr(kind) + ' draft' if kind else 'a plain model'}")
@@ -53,7 +65,10 @@ def check_draft_kind(method: str, draft: ModelConfig) -> None:
 
 def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
     """Refuse a draft whose vocabulary differs from the target's: its token ids would mean
-    other strings, and verification would compare unrelated tokens."""
+    other strings, and verification would compare unrelated tokens. A published EAGLE head
+    ships no tokenizer: its vocabulary size is checked against the target's when it loads."""
+    if is_draft_dir(draft.source) and not (draft_path(draft.source) / DRAFT_FILE).is_file():
+        return
     target_vocab = load_tokenizer(resolve(target.source, target.cache_dir)).get_vocab()
     draft_src = (ResolvedSource(draft.source, str(draft_path(draft.source))) if is_draft_dir(draft.source)
                  else resolve(draft.source, draft.cache_dir))
@@ -90,13 +105,18 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
     ``kv``: the draft's cache layout (``EngineConfig.draft_kv_cache``; None: slots)."""
     spec = PROPOSERS[method]
     if is_draft_dir(draft_cfg.source):
+        if read_draft_meta(draft_cfg.source)["kind"] == "eagle3" and target_runtime is None:
+            raise ConfigError("an EAGLE-3 head is served with the target in its process (the "
+                              "embedded engine) so far, not by a unit's separate groups")
         device = resolve_device(draft_cfg.device)
         head = load_draft_head(draft_cfg.source, target_runtime, target_cfg=target_cfg,
                                max_model_len=max_model_len, device=device,
                                dtype=resolve_dtype(draft_cfg.dtype, device),
                                kernels=draft_cfg.kernels)
-        if head.kind != spec.draft_kind:
+        if serves(head.kind) != spec.draft_kind:
             raise ConfigError(f"a {head.kind!r} draft cannot serve method {method}")
+        if head.kind == "eagle3":  # the target returns those layers' states as its features
+            target_runtime.feature_layers = head.target_layers
         runtime = head
     elif spec.plain_draft:
         runtime = load_model(draft_cfg, max_model_len=max_model_len).runtime

@@ -12,6 +12,14 @@ Two kinds, one module (:class:`DraftHead`):
   one layer drafts well; the proposer (:class:`~.proposers.eagle.EagleProposer`) gets them
   from the target's verify forward each step.
 
+- ``eagle3``: an EAGLE-3 head (Li et al. 2025), loaded from the published formats
+  (:mod:`~specserve.engine.published_drafts`, docs/DRAFTS.md). The target's features are the
+  residual stream entering three of its layers (low, middle, high: ``target_layers``),
+  concatenated; ``fc`` fuses them into one (:meth:`DraftHead.from_target`). Its first layer
+  attends over ``[norm(token embedding), norm(feature)]`` (2H wide, :class:`Eagle3Layer`), its
+  logits are over its reduced vocabulary, and the feature it feeds back for k > 1 is its own
+  output *before* the final norm.
+
 Both keep the saved draft small: the embeddings are the target's (not saved; loaded from the
 target's weights at start), and the LM head covers only the ``draft_vocab`` most frequent
 output tokens (FR-Spec / EAGLE-3's reduced draft vocabulary): most of a small draft's cost is
@@ -33,8 +41,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.engine.kernels import Linear
-from specserve.engine.model import LlamaRuntime, ModelArch, default_kernels, rms_norm
+from specserve.engine import native
+from specserve.engine.kernels import Linear, native_ready
+from specserve.engine.model import Attention, DecoderLayer, LlamaRuntime, ModelArch, default_kernels, rms_norm
 from specserve.errors import ConfigError
 from specserve.methods import DRAFT_KINDS
 
@@ -43,6 +52,9 @@ EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-1
 DRAFT_FILE = "draft.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
+HEAD_KINDS = (*DRAFT_KINDS, "eagle3")  # eagle3: loaded from a published format, not trained here
+# the method's draft kind a head kind serves (an EAGLE-3 head drafts for method eagle)
+SERVES = {"eagle3": "eagle"}
 
 
 def draft_path(source: str | Path) -> Path:
@@ -51,7 +63,16 @@ def draft_path(source: str | Path) -> Path:
 
 
 def is_draft_dir(source: str | Path) -> bool:
-    return (draft_path(source) / DRAFT_FILE).is_file()
+    """A draft this module loads: ``train-draft``'s (``draft.json``) or a published EAGLE
+    head (:func:`~specserve.engine.published_drafts.published_format`)."""
+    from specserve.engine.published_drafts import published_format
+
+    return (draft_path(source) / DRAFT_FILE).is_file() or published_format(draft_path(source)) is not None
+
+
+def serves(kind: str | None) -> str | None:
+    """The method draft kind (``methods.PROPOSERS[...].draft_kind``) a head kind serves."""
+    return SERVES.get(kind, kind)
 
 
 def load_draft_vocab(source: str | Path) -> torch.Tensor:
@@ -62,7 +83,11 @@ def load_draft_vocab(source: str | Path) -> torch.Tensor:
 
 
 def read_draft_meta(source: str | Path) -> dict:
+    from specserve.engine.published_drafts import published_format
+
     path = draft_path(source)
+    if not (path / DRAFT_FILE).is_file() and (fmt := published_format(path)) is not None:
+        return {"kind": "eagle3", "format": fmt}
     try:
         meta = json.loads((path / DRAFT_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -71,6 +96,27 @@ def read_draft_meta(source: str | Path) -> dict:
         raise ConfigError(f"{path / DRAFT_FILE}: unsupported format {meta.get('format_version')!r} "
                           f"or kind {meta.get('kind')!r}")
     return meta
+
+
+class Eagle3Layer(DecoderLayer):
+    """An EAGLE-3 head's first layer. Its input is ``[token embedding, feature]`` (2H): each
+    half gets its own norm (``input_norm``, ``hidden_norm``), attention projects both, and the
+    residual is the feature (normed first with ``norm_before_residual``, the variant some
+    ``speculators`` heads are trained with)."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, *, norm_before_residual: bool = False) -> None:
+        super().__init__(arch, layer_idx)
+        self.attn = Attention(arch, layer_idx, in_features=2 * arch.hidden_size)
+        self.hidden_norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
+        embeds, feature = x.chunk(2, dim=-1)
+        norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
+        normed = norm(feature, self.hidden_norm, self.eps)
+        attn_in = torch.cat([norm(embeds, self.input_norm, self.eps), normed], dim=-1)
+        x = (normed if self.norm_before_residual else feature) + self.attn(attn_in, ctx, cache)
+        return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
 
 
 class DraftHead(LlamaRuntime):
@@ -83,13 +129,21 @@ class DraftHead(LlamaRuntime):
     fixed_head = False  # its logits only propose: their rounding never changes an output
 
     def __init__(self, arch: ModelArch, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
-                 kind: str, draft_vocab: torch.Tensor) -> None:
-        assert kind in DRAFT_KINDS and not arch.tie_word_embeddings
+                 kind: str, draft_vocab: torch.Tensor, target_layers: tuple[int, ...] = (),
+                 target_hidden: int | None = None, norm_before_residual: bool = False) -> None:
+        """``eagle3`` only: ``target_layers``, the target layers whose inputs it reads (their
+        number times ``target_hidden`` is ``fc``'s input), and ``norm_before_residual``."""
+        assert kind in HEAD_KINDS and not arch.tie_word_embeddings
         super().__init__(arch, rope_cos, rope_sin)
         self.kind = kind
         hidden = arch.hidden_size
         self.lm_head = Linear(hidden, len(draft_vocab), bias=False)
         self.fc = Linear(2 * hidden, hidden, bias=False) if kind == "eagle" else None
+        self.target_layers = tuple(target_layers)
+        if kind == "eagle3":
+            self.fc = Linear(len(target_layers) * (target_hidden or hidden), hidden, bias=False)
+            self.layers[0] = Eagle3Layer(arch, 0, norm_before_residual=norm_before_residual)
+            self.hidden_prenorm = True
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
 
     @property
@@ -102,7 +156,18 @@ class DraftHead(LlamaRuntime):
             return self.embed(tokens)
         padded = features.new_zeros(*tokens.shape, features.shape[-1])  # [B, T, hidden]
         padded[ctx.valid] = features
+        if self.kind == "eagle3":  # the first layer splits them (Eagle3Layer)
+            x = self.embed(tokens)
+            return torch.cat([x, padded.to(x.dtype)], dim=-1)
         return self._fuse(tokens, padded)
+
+    def from_target(self, features: torch.Tensor) -> torch.Tensor:
+        """The features the head reads, from what the target returned for it: ``eagle3``
+        fuses the target layers' states (``[N, len(target_layers) * target_hidden]``) with
+        ``fc``; ``eagle`` reads the target's final hidden states as they are."""
+        if self.kind != "eagle3":
+            return features
+        return self.fc(features.to(self.fc.weight.dtype))
 
     def _fuse(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input ``[B, T, hidden]``: the token embeddings, for ``eagle``
@@ -196,6 +261,9 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
     from safetensors.torch import load_file
 
     path = draft_path(path)
+    if not (path / DRAFT_FILE).is_file():
+        return _load_published(path, target, target_cfg, max_model_len=max_model_len, dtype=dtype,
+                               device=device, kernels=kernels)
     meta = read_draft_meta(path)
     arch_fields = {**meta["arch"], "sliding_windows": tuple(meta["arch"]["sliding_windows"])}
     arch = ModelArch(**arch_fields)
@@ -222,4 +290,37 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
         raise ConfigError(f"draft {path}: weights missing: {', '.join(sorted(missing))}")
     dtype = dtype or embed.dtype
     head = head.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    return head.use_kernels(default_kernels(head.embed.weight.device) if kernels == "auto" else kernels)
+
+
+def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_model_len: int,
+                    dtype: torch.dtype | None, device: torch.device | str, kernels: str) -> DraftHead:
+    """A published EAGLE-3 head (:mod:`~specserve.engine.published_drafts`) on its target's
+    embedding, with its own rope tables."""
+    from specserve.engine.published_drafts import read_published_head, rope_of
+
+    if target is not None:
+        embed, num_layers = target.embed.weight, target.arch.num_layers
+    else:
+        from specserve.engine.loader import load_configs, load_target_parts, local_folder, resolve
+        embed, _, _ = load_target_parts(target_cfg, max_model_len=max_model_len)
+        src = resolve(target_cfg.source, Path(target_cfg.cache_dir) if target_cfg.cache_dir else None)
+        num_layers = load_configs(local_folder(src))[0].num_hidden_layers
+    published = read_published_head(path, target_vocab=embed.shape[0], target_hidden=embed.shape[1],
+                                    target_layers=num_layers)
+    cos, sin = rope_of(published, max_model_len)
+    state = dict(published.state)
+    draft_vocab = state.pop("draft_vocab")
+    with torch.device("meta"):
+        head = DraftHead(published.arch, torch.empty_like(cos), torch.empty_like(sin), kind="eagle3",
+                         draft_vocab=torch.empty_like(draft_vocab),
+                         target_layers=published.target_layers, target_hidden=published.target_hidden,
+                         norm_before_residual=published.norm_before_residual)
+    result = head.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not k.startswith("embed.")]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"draft {path}: weights missing {missing} or unexpected {result.unexpected_keys}")
+    head.embed.weight = nn.Parameter(embed.detach(), requires_grad=False)
+    head.rope_cos, head.rope_sin, head.draft_vocab = cos, sin, draft_vocab
+    head = head.to(device=device, dtype=dtype or embed.dtype).requires_grad_(False).eval()
     return head.use_kernels(default_kernels(head.embed.weight.device) if kernels == "auto" else kernels)

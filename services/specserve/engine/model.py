@@ -127,14 +127,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Self-attention over the slot cache. Head counts are *local* (per TP rank)."""
 
-    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int, in_features: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        self.qkv = Linear(arch.hidden_size, qkv_out, bias=arch.qkv_bias)
+        # in_features: an EAGLE-3 head's first layer projects [token embedding, feature] (2H)
+        self.qkv = Linear(in_features or arch.hidden_size, qkv_out, bias=arch.qkv_bias)
         self.o = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
         self.sliding_window = arch.sliding_windows[layer_idx]
         self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
@@ -458,6 +459,12 @@ class LlamaRuntime(nn.Module):
     decode_width: int | None = None      # library on CUDA: decodes and verifies padded to it
     static: StaticForward | None = None  # set by use_kernels("compiled")
     fixed_head = True                    # decodes' and verifies' LM head at one shape (_head_shape)
+    # What ``return_hidden`` returns (the features an EAGLE head reads): by default the final
+    # hidden state after the last norm; with ``feature_layers`` (a target serving an EAGLE-3
+    # head) the residual stream entering each of those layers, concatenated in their order;
+    # with ``hidden_prenorm`` (an EAGLE-3 head itself) the final hidden state before the norm.
+    feature_layers: tuple[int, ...] | None = None
+    hidden_prenorm = False
 
     def use_kernels(self, kernels: str, *, backend: str | None = "inductor",
                     attention: str | None = None, verify_tokens: int | None = None) -> LlamaRuntime:
@@ -590,19 +597,29 @@ class LlamaRuntime(nn.Module):
                                         return_hidden, trees, groups)
         ctx, tokens = self._prepare(cache, slots, token_ids, trees)
         x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
-        if self.static is not None and ctx.tree is None and self.static.takes(x.shape[1]):
+        captured: list[torch.Tensor] = []  # feature_layers' inputs
+        capture = return_hidden and self.feature_layers is not None
+        if (self.static is not None and ctx.tree is None and self.static.takes(x.shape[1])
+                and not capture):
             x = self.static(x, ctx, cache)
         else:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
+                if capture and i in self.feature_layers:
+                    captured.append(x)
                 x = layer(x, ctx, cache)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = _logit_positions(token_ids, num_logits, x.device)
         head = self._head_shape(ctx, cache.num_slots, *x.shape[:2])
         if head is not None:
-            return self._padded_head(x, head, rows, cols, ctx.valid, return_hidden)
+            out = self._padded_head(x, head, rows, cols, ctx.valid, return_hidden)
+            return (out[0], self._features(x, captured)[ctx.valid]) if self._own_features(
+                return_hidden) else out
         if not return_hidden:
             return self.logits(rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps))
+        if self._own_features(return_hidden):
+            return (self.logits(rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps)),
+                    self._features(x, captured)[ctx.valid])
         hidden = rms_norm(x[ctx.valid], self.norm, self.arch.rms_norm_eps)  # [sum(len), hidden]
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
@@ -631,7 +648,11 @@ class LlamaRuntime(nn.Module):
         packed = PackedContext([ctx for ctx, _ in prepared],
                                list(pairwise(accumulate((ctx.valid.numel() for ctx, _ in prepared),
                                                         initial=0))))
-        for layer in self.layers:
+        captured: list[torch.Tensor] = []
+        capture = return_hidden and self.feature_layers is not None
+        for i, layer in enumerate(self.layers):
+            if capture and i in self.feature_layers:
+                captured.append(x)
             x = layer(x, packed, cache)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
@@ -643,10 +664,22 @@ class LlamaRuntime(nn.Module):
         asked = [i for r, n in zip(where, num_logits) for i in r[len(r) - n:]]
         if not return_hidden:
             return self.logits(rms_norm(x[0, asked], self.norm, self.arch.rms_norm_eps))
+        if self._own_features(return_hidden):
+            return (self.logits(rms_norm(x[0, asked], self.norm, self.arch.rms_norm_eps)),
+                    self._features(x, captured)[0, [i for r in where for i in r]])
         hidden = rms_norm(x[0, [i for r in where for i in r]], self.norm, self.arch.rms_norm_eps)
         ends = list(accumulate(map(len, where)))
         rows = [i for end, n in zip(ends, num_logits) for i in range(end - n, end)]
         return self.logits(hidden[rows]), hidden
+
+    def _own_features(self, return_hidden: bool) -> bool:
+        """The hidden states asked for are not the final normed ones (``feature_layers``,
+        ``hidden_prenorm``)."""
+        return return_hidden and (self.feature_layers is not None or self.hidden_prenorm)
+
+    def _features(self, x: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        """Per position, what ``return_hidden`` returns when :meth:`_own_features`."""
+        return torch.cat(captured, dim=-1) if self.feature_layers is not None else x
 
     def _inputs(self, tokens: torch.Tensor, ctx: ForwardContext,
                 features: torch.Tensor | None) -> torch.Tensor:

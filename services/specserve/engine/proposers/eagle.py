@@ -198,8 +198,10 @@ class EagleProposer(DraftModelProposer):
         use = n - real
         self.pending[seq] = [features[use:]] if use < len(features) else []
         self.real[seq] = n
-        # Features arrive on the CPU from a remote target; the head may sit on a GPU.
-        return r.token_ids[real + 1:n + 1], features[:use].to(self.worker.runtime.embed.weight)
+        # Features arrive on the CPU from a remote target; the head may sit on a GPU. An
+        # EAGLE-3 head fuses the target layers' states into its own feature first.
+        head = self.worker.runtime
+        return r.token_ids[real + 1:n + 1], head.from_target(features[:use].to(head.embed.weight))
 
 
 def _path(tree: TreeGrowth, node: int) -> list[int]:

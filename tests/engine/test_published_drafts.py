@@ -1,0 +1,256 @@
+"""EAGLE-3 heads in their published formats (issue 37): tiny checkpoints written exactly as
+the EAGLE authors, SpecForge and ``speculators`` write them (file names, config fields,
+tensor names; docs/DRAFTS.md), loaded by the engine, checked against a reference forward
+written from the published formula, and served with greedy output identical to target-only.
+No checkpoint can be downloaded here: these are random heads of the right shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
+from specserve.engine.builder import check_draft_files, load_draft_proposer
+from specserve.engine.draft_head import is_draft_dir, load_draft_head, read_draft_meta
+from specserve.engine.model import rope_tables
+from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.errors import ConfigError
+from transformers import LlamaConfig
+
+from tests.models import VOCAB, tiny_hf_model, worker_of
+from tests.tiny import make_tiny_tokenizer
+
+H, HEADS, KV_HEADS, INTER, DRAFT_VOCAB, LAYERS = 64, 4, 2, 128, 128, 8
+EOS = frozenset({2})
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+# format -> (boundary layers the head reads, as the target's layer inputs)
+FORMATS = {"eagle": (2, 4, 5), "specforge": (1, 4, 6), "speculators": (1, 4, 6)}
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    """8 layers: the default layers (2, L // 2, L - 3) are three distinct ones from 7 on."""
+    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0, num_hidden_layers=LAYERS)
+
+
+def head_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head's tensors under the EAGLE authors' names (``midlayer.``)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.15):
+        return torch.randn(*shape, generator=gen) * scale
+
+    d = H // HEADS
+    used = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values  # the draft's tokens
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[used] = True
+    return {
+        "midlayer.self_attn.q_proj.weight": rand(HEADS * d, 2 * H),
+        "midlayer.self_attn.k_proj.weight": rand(KV_HEADS * d, 2 * H),
+        "midlayer.self_attn.v_proj.weight": rand(KV_HEADS * d, 2 * H),
+        "midlayer.self_attn.o_proj.weight": rand(H, HEADS * d),
+        "midlayer.mlp.gate_proj.weight": rand(INTER, H),
+        "midlayer.mlp.up_proj.weight": rand(INTER, H),
+        "midlayer.mlp.down_proj.weight": rand(H, INTER),
+        "midlayer.input_layernorm.weight": 1 + rand(H, scale=0.2),
+        "midlayer.hidden_norm.weight": 1 + rand(H, scale=0.2),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(H, scale=0.2),
+        "fc.weight": rand(H, 3 * H, scale=0.1),
+        "norm.weight": 1 + rand(H, scale=0.2),
+        "lm_head.weight": rand(DRAFT_VOCAB, H, scale=0.5),
+        "d2t": used - torch.arange(DRAFT_VOCAB),
+        "t2d": t2d,
+    }
+
+
+def layer_config() -> dict:
+    return {"model_type": "llama", "hidden_size": H, "intermediate_size": INTER,
+            "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "num_hidden_layers": 1,
+            "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "max_position_embeddings": 256,
+            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def write_checkpoint(path, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` (the EAGLE authors' names) as ``fmt`` writes them."""
+    path.mkdir(parents=True)
+    if fmt == "eagle":  # the authors' training export: pytorch_model.bin, no embedding
+        config = {"architectures": ["LlamaForCausalLM"], **layer_config(),
+                  "draft_vocab_size": DRAFT_VOCAB, "torch_dtype": "float16"}
+        torch.save(tensors, path / "pytorch_model.bin")
+    elif fmt == "specforge":  # save_pretrained: model.safetensors, ids as "output of layer i"
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **layer_config(),
+                  "draft_vocab_size": DRAFT_VOCAB,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 5],
+                                   "use_aux_hidden_state": True}}
+        save_file(tensors, str(path / "model.safetensors"))
+    else:  # speculators: layers.0., an embedding copy, the verifier named
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": layer_config(), "draft_vocab_size": DRAFT_VOCAB,
+                  "norm_before_residual": True, "target_hidden_size": None,
+                  "eagle_aux_hidden_state_layer_ids": [1, 4, 6],
+                  "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                         "proposal_methods": [{"proposal_type": "greedy",
+                                                               "speculative_tokens": 3}],
+                                         "verifier": {"name_or_path": "tiny-llama",
+                                                      "architectures": ["LlamaForCausalLM"]}}}
+        renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+        renamed["embed_tokens.weight"] = torch.zeros(VOCAB, H)  # ignored: the target's is used
+        save_file(renamed, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int], layers,
+                     norm_before_residual: bool) -> torch.Tensor:
+    """The published EAGLE-3 forward, written out from the formula: position t reads token
+    t + 1 and fc(target states entering ``layers`` at t); full-vocabulary logits ``[n, V]``
+    for positions 0..n-1 (n = len(ids) - 1), -inf off the draft vocabulary."""
+    w = tensors
+    with torch.no_grad():
+        states = target_hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        n = len(ids) - 1
+        g = torch.cat([states[i][0, :n] for i in layers], dim=-1)  # [n, 3H]
+        f = g @ w["fc.weight"].T
+
+        def norm(x, weight):
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+        e = target_hf.model.embed_tokens(torch.tensor(ids[1:]))
+        a = torch.cat([norm(e, w["midlayer.input_layernorm.weight"]),
+                       norm(f, w["midlayer.hidden_norm.weight"])], dim=-1)
+        d = H // HEADS
+        q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d)
+        k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
+        v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
+        cos, sin = rope_tables(LlamaConfig(**layer_config()), n)
+
+        def rope(x):
+            half = d // 2
+            return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
+
+        out = F.scaled_dot_product_attention(rope(q).transpose(0, 1), rope(k).transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True, enable_gqa=True)
+        attn = out.transpose(0, 1).reshape(n, H) @ w["midlayer.self_attn.o_proj.weight"].T
+        h = (norm(f, w["midlayer.hidden_norm.weight"]) if norm_before_residual else f) + attn
+        m = norm(h, w["midlayer.post_attention_layernorm.weight"])
+        h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
+                 ) @ w["midlayer.mlp.down_proj.weight"].T
+        small = norm(h, w["norm.weight"]) @ w["lm_head.weight"].T
+        full = torch.full((n, VOCAB), float("-inf"))
+        full[:, torch.arange(DRAFT_VOCAB) + w["d2t"]] = small
+        return full
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("published")
+    tensors = head_tensors()
+    for fmt in FORMATS:
+        write_checkpoint(root / fmt, fmt, tensors)
+    return root, tensors
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_published_head_loads_and_drafts_what_the_published_formula_gives(target_hf, checkpoints, fmt):
+    root, tensors = checkpoints
+    assert is_draft_dir(root / fmt) and read_draft_meta(root / fmt)["kind"] == "eagle3"
+    target = worker_of(target_hf).runtime
+    head = load_draft_head(root / fmt, target, max_model_len=256)
+    assert head.kind == "eagle3" and head.target_layers == FORMATS[fmt]
+    target.feature_layers = head.target_layers
+    ids = list(range(5, 40, 3)) + [7, 9, 11]
+    cache = target.make_cache(num_slots=1, max_seq_len=64)
+    _, features = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    assert features.shape == (len(ids), 3 * H)
+    n = len(ids) - 1
+    head_cache = head.make_cache(num_slots=1, max_seq_len=64)
+    logits, _ = head(head_cache, [head_cache.allocate()], [ids[1:]], [n],
+                     features=head.from_target(features[:n]), return_hidden=True)
+    ref = reference_logits(target_hf, tensors, ids, FORMATS[fmt], norm_before_residual=fmt == "speculators")
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(logits), finite)
+    assert torch.allclose(logits[finite], ref[finite], atol=1e-4), (logits[finite] - ref[finite]).abs().max()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_published_head_serves_greedy_output_identical_to_target_only(target_hf, checkpoints, fmt):
+    """Through the builder's loader (which points the target at the head's layers), chains
+    and EAGLE-2 trees, a batch of 3."""
+    root, _ = checkpoints
+    prompts = [[5 + i, 9, 14 + i, 3, 8, 21 + 2 * i, 9, 14 + i] for i in range(3)]
+    plain = SpecDecodeEngine(worker_of(target_hf), make_tiny_tokenizer(), eos_token_ids=EOS)
+    reference = [c.output_token_ids for c in plain.generate(prompts, GREEDY)]
+    for tree in (False, True):
+        target = worker_of(target_hf)
+        proposer = load_draft_proposer("eagle", ModelConfig(source=str(root / fmt)), num_slots=8,
+                                       max_model_len=256, target_runtime=target.runtime,
+                                       options={"tree": tree, "tree_topk": 2, "tree_depth": 3})
+        assert isinstance(proposer, EagleProposer) and target.runtime.feature_layers == FORMATS[fmt]
+        engine = SpecDecodeEngine(target, make_tiny_tokenizer(), eos_token_ids=EOS, proposer=proposer,
+                                  num_speculative_tokens=3)
+        got = engine.generate(prompts, GREEDY)
+        assert [c.output_token_ids for c in got] == reference, (fmt, tree)
+        assert engine.stats.num_drafts > 0 and target.num_free_slots == 8
+
+
+def test_a_head_that_does_not_match_the_target_says_what_differs(target_hf, checkpoints, tmp_path):
+    root, tensors = checkpoints
+    target = worker_of(target_hf).runtime
+    cases = {
+        "hidden": ({"target_hidden_size": 32}, {}, "hidden size 32"),
+        "vocab": ({"vocab_size": 1000}, {}, "1000 tokens"),
+        "layers": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 3, 9]}}, {}, "distinct layers"),
+        "map": ({}, {"d2t": None}, "needs its map d2t"),
+        "shape": ({}, {"fc.weight": torch.zeros(H, 2 * H)}, "fc.weight"),
+        "tensor": ({}, {"midlayer.extra.weight": torch.zeros(3)}, "not supported"),
+    }
+    for name, (config_change, tensor_change, message) in cases.items():
+        path = tmp_path / name
+        changed = {k: v for k, v in {**tensors, **tensor_change}.items() if v is not None}
+        write_checkpoint(path, "specforge", changed)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **config_change}))
+        with pytest.raises(ConfigError, match=message) as info:
+            load_draft_head(path, target, max_model_len=256)
+        assert "\n" not in str(info.value), name
+    # a speculators checkpoint of another algorithm
+    path = tmp_path / "other"
+    write_checkpoint(path, "speculators", tensors)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "speculators_model_type": "mlp"}))
+    with pytest.raises(ConfigError, match="'mlp' is not supported"):
+        load_draft_head(path, target, max_model_len=256)
+
+
+def test_the_target_returns_its_final_hidden_states_unless_a_head_asks_for_layers(target_hf):
+    """``feature_layers`` unset: the EAGLE-1 features (final, normed); set: the layer inputs,
+    equal to ``transformers``' hidden states there."""
+    target = worker_of(target_hf).runtime
+    ids = list(range(3, 20))
+    cache = target.make_cache(num_slots=2, max_seq_len=64)
+    _, final = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    assert final.shape == (len(ids), H)
+    target.feature_layers = (1, 4, 6)
+    _, layers = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    with torch.no_grad():
+        states = target_hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert torch.allclose(layers, torch.cat([states[i][0] for i in (1, 4, 6)], -1), atol=1e-4)
+    assert torch.allclose(final, states[-1][0], atol=1e-4)  # transformers' last is normed
+
+
+def test_an_eagle3_head_in_a_unit_is_refused_until_its_target_group_returns_layers(checkpoints):
+    """Where the app is built (deploy/app.py, before any unit starts), and in a draft group."""
+    root, _ = checkpoints
+    cfg = EngineConfig(target=ModelConfig(source="embedded"),
+                       speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=3,
+                                                     draft=ModelConfig(source=str(root / "speculators"))))
+    check_draft_files(cfg)  # in-process: served
+    with pytest.raises(ConfigError, match="in-process engine so far"):
+        check_draft_files(cfg, unit=True)
+    with pytest.raises(ConfigError, match="in its process"):
+        load_draft_proposer("eagle", ModelConfig(source=str(root / "eagle")), num_slots=2,
+                            max_model_len=64, target_runtime=None,
+                            target_cfg=ModelConfig(source="embedded"))
