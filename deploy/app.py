@@ -26,7 +26,7 @@ def build_app(args: dict) -> Application:
     draft's files are checked here, once, before any unit starts (no Ray needed: ``specserve
     serve`` builds the app before it starts Ray)."""
     cfg = AppConfig.model_validate(args)
-    check_draft_files(cfg.unit.engine, unit=True)
+    check_draft_files(cfg.unit.engine)
     capacity = cfg.unit.engine.max_num_seqs + cfg.unit.max_queue_len
     unit = serve.deployment(SpeculationUnit, name="SpeculationUnit").options(
         num_replicas=cfg.num_units,

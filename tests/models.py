@@ -113,3 +113,64 @@ def decoder_head_of(hf_model, *, keep_every: int = 4, max_len: int = 256):
     vocab = torch.tensor([i for i in range(target.arch.vocab_size) if i % keep_every != keep_every - 1])
     head = new_draft_head(target, kind="decoder", num_layers=target.arch.num_layers, draft_vocab=vocab)
     return head.requires_grad_(False).eval()
+
+
+def write_agreeing_eagle3_head(hf_model, path, *, layers=(0, 1), feature_mix: float = 0.01,
+                               seed: int = 0) -> None:
+    """A ``speculators``-format EAGLE-3 head (config.json + model.safetensors) that agrees
+    with ``hf_model`` about half the time, untrained. ``hf_model``: an MHA target with
+    attention biases (``tiny_hf_model("llama-mha")``); ``layers``: the target layers it names.
+
+    Built like :func:`eagle_head_of`: its first (EAGLE-3) layer passes the token embedding
+    through (attention focused on the token's own position by constant q and k biases whose
+    RoPE scores peak at distance 0, values the normed embedding, rescaled to the embeddings'
+    typical size; its MLP zero), then copies of every target layer, the target's norm and LM
+    head: the head recomputes the target's next hidden state, off by its missing first
+    position, the rescaling, and the little ``fc`` mixes in of the target's features."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    cfg = hf_model.config
+    h, n, heads = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads
+    assert cfg.num_key_value_heads == heads and cfg.attention_bias, "an MHA target with biases"
+    sd = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    zeros = torch.zeros
+    p = "layers.0."
+    focus = torch.full((h,), 12.0)  # q = k = this on every head: a peak at distance 0
+    embed = sd["model.embed_tokens.weight"]
+    out = {
+        p + "self_attn.q_proj.weight": zeros(h, 2 * h), p + "self_attn.q_proj.bias": focus,
+        p + "self_attn.k_proj.weight": zeros(h, 2 * h), p + "self_attn.k_proj.bias": focus.clone(),
+        p + "self_attn.v_proj.weight": torch.cat([torch.eye(h), zeros(h, h)], dim=1),
+        p + "self_attn.v_proj.bias": zeros(h),
+        p + "self_attn.o_proj.weight": torch.eye(h), p + "self_attn.o_proj.bias": zeros(h),
+        p + "input_layernorm.weight": torch.full((h,), float(embed.pow(2).mean(-1).sqrt().mean())),
+        p + "hidden_norm.weight": torch.ones(h),
+        p + "post_attention_layernorm.weight": torch.ones(h),
+        "fc.weight": torch.randn(h, len(layers) * h, generator=gen) * feature_mix / 8,
+        "norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["lm_head.weight"],
+    }
+    inter = cfg.intermediate_size
+    for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        out[p + f"mlp.{part}.weight"] = zeros(shape)
+        out[p + f"mlp.{part}.bias"] = zeros(shape[0])
+    for i in range(n):
+        for name, tensor in sd.items():
+            if name.startswith(f"model.layers.{i}."):
+                out[f"layers.{i + 1}." + name[len(f"model.layers.{i}."):]] = tensor
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))
+    layer_config = {k: v for k, v in cfg.to_dict().items()
+                    if k not in ("architectures", "torch_dtype", "dtype", "transformers_version")}
+    layer_config.update(num_hidden_layers=n + 1, tie_word_embeddings=False)
+    (path / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer_config, "draft_vocab_size": cfg.vocab_size,
+        "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": list(layers),
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}}}))

@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import check_draft_files, load_draft_proposer
-from specserve.engine.draft_head import is_draft_dir, load_draft_head, read_draft_meta
+from specserve.engine.draft_head import eagle3_target_layers, is_draft_dir, load_draft_head, read_draft_meta
 from specserve.engine.model import rope_tables
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.errors import ConfigError
 from transformers import LlamaConfig
 
-from tests.models import VOCAB, tiny_hf_model, worker_of
+from tests.models import VOCAB, tiny_hf_model, worker_of, write_agreeing_eagle3_head
 from tests.tiny import make_tiny_tokenizer
 
 H, HEADS, KV_HEADS, INTER, DRAFT_VOCAB, LAYERS = 64, 4, 2, 128, 128, 8
@@ -241,16 +241,41 @@ def test_the_target_returns_its_final_hidden_states_unless_a_head_asks_for_layer
     assert torch.allclose(final, states[-1][0], atol=1e-4)  # transformers' last is normed
 
 
-def test_an_eagle3_head_in_a_unit_is_refused_until_its_target_group_returns_layers(checkpoints):
-    """Where the app is built (deploy/app.py, before any unit starts), and in a draft group."""
+def test_a_units_groups_agree_on_the_layers_from_the_files(target_hf, checkpoints, tmp_path):
+    """In a unit the target group and the draft group are apart: the target group reads the
+    layers it returns from the head's config (``eagle3_target_layers``), the draft group
+    loads the head on the target's embedding read from the target's files."""
     root, _ = checkpoints
-    cfg = EngineConfig(target=ModelConfig(source="embedded"),
-                       speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=3,
-                                                     draft=ModelConfig(source=str(root / "speculators"))))
-    check_draft_files(cfg)  # in-process: served
-    with pytest.raises(ConfigError, match="in-process engine so far"):
-        check_draft_files(cfg, unit=True)
-    with pytest.raises(ConfigError, match="in its process"):
-        load_draft_proposer("eagle", ModelConfig(source=str(root / "eagle")), num_slots=2,
-                            max_model_len=64, target_runtime=None,
-                            target_cfg=ModelConfig(source="embedded"))
+    target_hf.generation_config.eos_token_id = 2
+    target_hf.save_pretrained(tmp_path / "target")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "target")
+    target_cfg = ModelConfig(source=str(tmp_path / "target"))
+    draft = ModelConfig(source=str(root / "specforge"))
+    cfg = EngineConfig(target=target_cfg, speculative=SpeculativeConfig(
+        method="eagle", num_speculative_tokens=3, draft=draft))
+    check_draft_files(cfg)  # no tokenizer in a published head: its vocabulary is checked on load
+    assert eagle3_target_layers(cfg.speculative, LAYERS) == FORMATS["specforge"]
+    proposer = load_draft_proposer("eagle", draft, num_slots=2, max_model_len=64, target_runtime=None,
+                                   target_cfg=target_cfg)
+    assert proposer.worker.runtime.target_layers == FORMATS["specforge"]
+    assert eagle3_target_layers(SpeculativeConfig(method="ngram"), LAYERS) is None
+
+
+def test_an_agreeing_head_is_accepted_and_output_stays_identical(tmp_path):
+    """A head that drafts the target's tokens about half the time (``speculators``, a full
+    draft vocabulary without ``d2t``, extra plain layers): accepted drafts bring the target's
+    features of the kept tokens back to the head; chains and trees."""
+    hf = tiny_hf_model("llama-mha", seed=0, logit_scale=3.0)
+    write_agreeing_eagle3_head(hf, tmp_path / "head")
+    prompts = [[5 + i, 9, 14 + i, 3, 8, 21 + 2 * i, 9, 14 + i] for i in range(3)]
+    plain = SpecDecodeEngine(worker_of(hf), make_tiny_tokenizer(), eos_token_ids=EOS)
+    reference = [c.output_token_ids for c in plain.generate(prompts, GREEDY)]
+    for tree in (False, True):
+        target = worker_of(hf)
+        proposer = load_draft_proposer("eagle", ModelConfig(source=str(tmp_path / "head")), num_slots=8,
+                                       max_model_len=256, target_runtime=target.runtime,
+                                       options={"tree": tree})
+        engine = SpecDecodeEngine(target, make_tiny_tokenizer(), eos_token_ids=EOS, proposer=proposer,
+                                  num_speculative_tokens=3)
+        assert [c.output_token_ids for c in engine.generate(prompts, GREEDY)] == reference, tree
+        assert engine.stats.num_accepted_tokens >= engine.stats.num_draft_tokens // 8, engine.stats

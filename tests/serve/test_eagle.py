@@ -1,18 +1,21 @@
 """An EAGLE draft served over real HTTP: a draft directory from ``save_draft`` (the format
 ``train-draft`` writes), the draft actor reading only the target's embeddings from its files,
 features travelling from target rank 0 through the coordinator to the draft actor every step,
-prompt lookup in front (``ngram_first``)."""
+prompt lookup in front (``ngram_first``). And a published EAGLE-3 head (the ``speculators``
+format; the other formats' loaders are served in-process in
+``tests/engine/test_published_drafts.py``): the target group returns the layers it names."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from specserve.engine.draft_head import save_draft
 
-from tests.models import eagle_head_of
-from tests.serve.conftest import deployed, unit_args
+from tests.models import eagle_head_of, tiny_hf_model, write_agreeing_eagle3_head
+from tests.serve.conftest import deployed, save_tiny, unit_args
 from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import (  # noqa: F401
     PROMPTS,
@@ -32,7 +35,9 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
 
     - ``eagle``: chains, prompt lookup in front, paged KV caches;
     - ``eagle-tree``: the EAGLE head drafting token trees (issue 20): its options travel to
-      the draft actor, the cost model chooses the node budget (up to 6) per step.
+      the draft actor, the cost model chooses the node budget (up to 6) per step;
+    - ``eagle3`` and ``eagle3-tree``: a published EAGLE-3 head (issue 37) in chains and trees,
+      on an MHA target of its own (``write_agreeing_eagle3_head``).
     """
     draft = tmp_path_factory.mktemp("eagle") / "draft"
     save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
@@ -49,11 +54,22 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
         "method": "eagle", "num_speculative_tokens": 6, "draft": {"source": str(draft)},
         "eagle": {"tree": True, "tree_topk": 3, "tree_depth": 4},
         "adaptive": {"warmup_steps": 4, "probe_interval_steps": 4}})
-    for args in (chain, tree):
+    mha = tiny_hf_model("llama-mha", seed=0, logit_scale=3.0)
+    mha_dir = save_tiny(tmp_path_factory.mktemp("tiny-mha"), mha)
+    head = tmp_path_factory.mktemp("eagle3") / "head"
+    write_agreeing_eagle3_head(mha, head)
+    eagle3 = {tree: unit_args(mha_dir, max_num_seqs=4, speculative={
+        "method": "eagle", "num_speculative_tokens": 3, "draft": {"source": str(head)},
+        "eagle": {"tree": tree}, "adaptive": {"enabled": False}}) for tree in (False, True)}
+    eagle3[False]["unit"]["engine"]["kv_cache"] = {"layout": "paged", "block_size": 16}
+    for args in (chain, tree, *eagle3.values()):
         # A draft step takes milliseconds; the default 10 s limit could still call a draft
         # that a busy machine delayed dead, and these tests need it drafting.
         args["unit"]["draft_timeout_s"] = 120
-    yield from deployed({"eagle": ("/eagle", chain), "eagle-tree": ("/eagle-tree", tree)})
+    apps = {"eagle": ("/eagle", chain), "eagle-tree": ("/eagle-tree", tree),
+            "eagle3": ("/eagle3", eagle3[False]), "eagle3-tree": ("/eagle3-tree", eagle3[True])}
+    for urls in deployed(apps):
+        yield {**urls, "mha": (mha, Path(mha_dir).name)}
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +128,16 @@ def test_eagle_trees_through_serve(eagle_tree_app, tiny_models, model_name):  # 
             break
         time.sleep(0.5)
     assert any(counts), "no tree on /metrics"
+
+
+@pytest.mark.parametrize("app", ["eagle3", "eagle3-tree"])
+def test_a_published_eagle3_head_serves_greedy_output_identical_to_target_only(apps, app):
+    """Chains and trees: the target rank returns the residual stream entering the layers the
+    head names, the coordinator carries it to the draft actor, which fuses it with ``fc``."""
+    mha, name = apps["mha"]
+    bodies = greedy_equals_target_only(apps[app], name, mha, PROMPTS[:4], MAX_TOKENS, "eagle")
+    assert sum(b["usage"]["speculation"]["num_accepted_tokens"] for b in bodies) > 0
+    stats = unit_stats(apps[app])
+    assert stats["draft_available"] and stats["free_slots"] == stats["num_slots"] == 4
+    if app == "eagle3-tree":
+        assert stats["spec_tree_drafts"] > 0

@@ -36,18 +36,13 @@ from specserve.errors import ConfigError
 from specserve.methods import PROPOSERS, proposer_class
 
 
-def check_draft_files(cfg: EngineConfig, *, unit: bool = False) -> None:
+def check_draft_files(cfg: EngineConfig) -> None:
     """Refuse a draft that cannot serve: another tokenizer than the target's, or a draft
-    made by ``train-draft`` of a kind its method does not take; in a unit (``unit``: the
-    target and the draft in separate groups), a published EAGLE-3 head, which reads target
-    layers the target group does not return yet. Reads the tokenizers and ``draft.json``; a
-    config without a draft passes."""
+    made by ``train-draft`` of a kind its method does not take. Reads the tokenizers and
+    ``draft.json``; a config without a draft passes."""
     draft = cfg.speculative.draft
     if draft is None:
         return
-    if unit and is_draft_dir(draft.source) and read_draft_meta(draft.source)["kind"] == "eagle3":
-        raise ConfigError(f"draft {draft.source!r} is an EAGLE-3 head: served by `specserve "
-                          "generate`'s in-process engine so far, not by a unit's separate groups")
     check_same_tokenizer(cfg.target, draft)
     check_draft_kind(cfg.speculative.method, draft)
 
@@ -105,9 +100,6 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
     ``kv``: the draft's cache layout (``EngineConfig.draft_kv_cache``; None: slots)."""
     spec = PROPOSERS[method]
     if is_draft_dir(draft_cfg.source):
-        if read_draft_meta(draft_cfg.source)["kind"] == "eagle3" and target_runtime is None:
-            raise ConfigError("an EAGLE-3 head is served with the target in its process (the "
-                              "embedded engine) so far, not by a unit's separate groups")
         device = resolve_device(draft_cfg.device)
         head = load_draft_head(draft_cfg.source, target_runtime, target_cfg=target_cfg,
                                max_model_len=max_model_len, device=device,
@@ -115,7 +107,9 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
                                kernels=draft_cfg.kernels)
         if serves(head.kind) != spec.draft_kind:
             raise ConfigError(f"a {head.kind!r} draft cannot serve method {method}")
-        if head.kind == "eagle3":  # the target returns those layers' states as its features
+        if head.kind == "eagle3" and target_runtime is not None:
+            # the target returns those layers' states as its features (a unit's target group
+            # sets them itself: eagle3_target_layers)
             target_runtime.feature_layers = head.target_layers
         runtime = head
     elif spec.plain_draft:

@@ -70,6 +70,18 @@ def is_draft_dir(source: str | Path) -> bool:
     return (draft_path(source) / DRAFT_FILE).is_file() or published_format(draft_path(source)) is not None
 
 
+def eagle3_target_layers(speculative, num_layers: int) -> tuple[int, ...] | None:
+    """The target layers an EAGLE-3 head of ``speculative`` (a ``SpeculativeConfig``) reads,
+    for a target of ``num_layers`` layers; None without one. A unit's target group sets its
+    runtime's ``feature_layers`` from this; the draft group loads the head."""
+    from specserve.engine.published_drafts import target_layers_of
+
+    draft = speculative.draft
+    if draft is None or not is_draft_dir(draft.source) or read_draft_meta(draft.source)["kind"] != "eagle3":
+        return None
+    return target_layers_of(draft_path(draft.source), num_layers)
+
+
 def serves(kind: str | None) -> str | None:
     """The method draft kind (``methods.PROPOSERS[...].draft_kind``) a head kind serves."""
     return SERVES.get(kind, kind)

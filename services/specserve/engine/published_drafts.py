@@ -74,6 +74,37 @@ class PublishedHead:
     state: dict[str, torch.Tensor]  # our names; "draft_vocab": the target id of each draft id
 
 
+def target_layers_of(path: Path, num_layers: int) -> tuple[int, ...]:
+    """The layers of a ``num_layers``-layer target whose inputs the head at ``path`` reads
+    (what a target group returns as its features), from the head's config alone."""
+    return read_config(Path(path), num_layers)[4]
+
+
+def read_config(path: Path, num_layers: int) -> tuple[str, dict, dict, bool, tuple[int, ...]]:
+    """``(format, config, layer config, norm_before_residual, target layers)`` of the head at
+    ``path``, for a target of ``num_layers`` layers."""
+    fmt = published_format(path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    if fmt == "speculators":
+        if config["speculators_model_type"] != "eagle3":
+            raise ConfigError(f"{path}: speculators_model_type {config['speculators_model_type']!r} "
+                              "is not supported (eagle3 is)")
+        layer = dict(config.get("transformer_layer_config") or {})
+        ids, shift = config.get("eagle_aux_hidden_state_layer_ids"), 0
+        norm_before_residual = bool(config.get("norm_before_residual", False))
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if config.get(flag):
+                raise ConfigError(f"{path}: {flag}: true is not supported yet")
+    elif fmt == "eagle3":
+        layer = dict(config)
+        ids, shift = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), 1
+        norm_before_residual = False
+    else:
+        raise ConfigError(f"{path}: not a published EAGLE-3 head (no {CONFIG_FILE} with "
+                          "draft_vocab_size or speculators_model_type)")
+    return fmt, config, layer, norm_before_residual, _target_layers(path, ids, shift, num_layers)
+
+
 def read_published_head(path: Path, *, target_vocab: int, target_hidden: int,
                         target_layers: int) -> PublishedHead:
     """Read and check the checkpoint at ``path`` for a target of ``target_vocab`` tokens,
@@ -82,26 +113,8 @@ def read_published_head(path: Path, *, target_vocab: int, target_hidden: int,
     from transformers import AutoConfig
 
     path = Path(path)
-    fmt = published_format(path)
-    config = json.loads((path / CONFIG_FILE).read_text())
-    if fmt == "speculators":
-        if config["speculators_model_type"] != "eagle3":
-            raise ConfigError(f"{path}: speculators_model_type {config['speculators_model_type']!r} "
-                              "is not supported (eagle3 is)")
-        layer = dict(config.get("transformer_layer_config") or {})
-        ids, shift, prefix = config.get("eagle_aux_hidden_state_layer_ids"), 0, "layers.0."
-        norm_before_residual = bool(config.get("norm_before_residual", False))
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if config.get(flag):
-                raise ConfigError(f"{path}: {flag}: true is not supported yet")
-    elif fmt == "eagle3":
-        layer = dict(config)
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        shift, prefix = 1, "midlayer."
-        norm_before_residual = False
-    else:
-        raise ConfigError(f"{path}: not a published EAGLE-3 head (no {CONFIG_FILE} with "
-                          "draft_vocab_size or speculators_model_type)")
+    fmt, config, layer, norm_before_residual, layers = read_config(path, target_layers)
+    prefix = "layers.0." if fmt == "speculators" else "midlayer."
     model_type = layer.pop("model_type", "llama")
     for key in ("architectures", "torch_dtype", "transformers_version"):
         layer.pop(key, None)
@@ -117,7 +130,6 @@ def read_published_head(path: Path, *, target_vocab: int, target_hidden: int,
     if head_target_hidden != target_hidden:
         raise ConfigError(f"{path}: made for a target of hidden size {head_target_hidden}; this "
                           f"target has {target_hidden}")
-    layers = _target_layers(path, ids, shift, target_layers)
     arch = dataclasses.replace(arch, tie_word_embeddings=False,
                                sliding_windows=(None,) * arch.num_layers)
     state = _our_names(path, _read_weights(path), prefix, arch)

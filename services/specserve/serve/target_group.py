@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from specserve.config import EngineConfig, SamplingParams, UnitConfig
+from specserve.engine.draft_head import eagle3_target_layers
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.loader import load_model
@@ -105,6 +106,9 @@ class TargetRank:
         loaded = load_model(cfg.target, max_model_len=cfg.max_model_len, tp_group=group,
                             verify_tokens=cfg.verify_tokens)
         runtime = loaded.runtime
+        # An EAGLE-3 head reads the residual stream entering some layers: the features this
+        # group returns (each rank holds the whole stream after its all-reduces).
+        runtime.feature_layers = eagle3_target_layers(cfg.speculative, runtime.arch.num_layers)
         self.worker = ModelWorker(runtime, num_slots=cfg.max_num_seqs, max_seq_len=cfg.max_model_len,
                                   kv=cfg.kv_cache)
         return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
