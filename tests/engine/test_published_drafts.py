@@ -144,12 +144,87 @@ def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int]
         return full
 
 
+def eagle1_tensors(seed: int = 1) -> dict[str, torch.Tensor]:
+    """An EAGLE-1/2 head as the EAGLE authors publish it (``cnets1.py``): ``fc`` with its bias,
+    one layer without an input norm, no final norm, no LM head."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.15):
+        return torch.randn(*shape, generator=gen) * scale
+
+    d = H // HEADS
+    return {"fc.weight": rand(H, 2 * H, scale=0.1), "fc.bias": rand(H, scale=0.05),
+            "layers.0.self_attn.q_proj.weight": rand(HEADS * d, H),
+            "layers.0.self_attn.k_proj.weight": rand(KV_HEADS * d, H),
+            "layers.0.self_attn.v_proj.weight": rand(KV_HEADS * d, H),
+            "layers.0.self_attn.o_proj.weight": rand(H, HEADS * d),
+            "layers.0.mlp.gate_proj.weight": rand(INTER, H), "layers.0.mlp.up_proj.weight": rand(INTER, H),
+            "layers.0.mlp.down_proj.weight": rand(H, INTER),
+            "layers.0.post_attention_layernorm.weight": 1 + rand(H, scale=0.2)}
+
+
+def eagle1_reference(target_hf, w: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """EAGLE-1's forward from its formula: position t reads token t + 1 and the target's
+    final (normed) hidden state at t; no input norm, no final norm, the target's LM head."""
+    with torch.no_grad():
+        n = len(ids) - 1
+        f = target_hf.model(torch.tensor([ids])).last_hidden_state[0, :n]
+        e = target_hf.model.embed_tokens(torch.tensor(ids[1:]))
+        x = torch.cat([e, f], -1) @ w["fc.weight"].T + w["fc.bias"]
+        d = H // HEADS
+        q = (x @ w["layers.0.self_attn.q_proj.weight"].T).view(n, HEADS, d)
+        k = (x @ w["layers.0.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
+        v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
+        cos, sin = rope_tables(LlamaConfig(**layer_config()), n)
+
+        def rope(t):
+            return t * cos[:, None] + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin[:, None]
+
+        out = F.scaled_dot_product_attention(rope(q).transpose(0, 1), rope(k).transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True, enable_gqa=True)
+        x = x + out.transpose(0, 1).reshape(n, H) @ w["layers.0.self_attn.o_proj.weight"].T
+        m = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        m = m * w["layers.0.post_attention_layernorm.weight"]
+        x = x + (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T)
+                 ) @ w["layers.0.mlp.down_proj.weight"].T
+        return target_hf.lm_head(x)
+
+
+def test_a_published_eagle1_head_loads_and_drafts_what_its_formula_gives(target_hf, tmp_path):
+    """``pytorch_model.bin`` and a plain Llama config (no ``bias`` key: ``fc`` has one)."""
+    tensors = eagle1_tensors()
+    (tmp_path / "head").mkdir()
+    torch.save(tensors, tmp_path / "head" / "pytorch_model.bin")
+    (tmp_path / "head" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                               **layer_config()}))
+    assert read_draft_meta(tmp_path / "head") == {"kind": "eagle1", "format": "eagle1"}
+    target = worker_of(target_hf).runtime
+    head = load_draft_head(tmp_path / "head", target, max_model_len=256)
+    assert head.kind == "eagle1" and target.feature_layers is None
+    ids = list(range(5, 40, 3)) + [7, 9, 11]
+    cache = target.make_cache(num_slots=1, max_seq_len=64)
+    _, features = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    n = len(ids) - 1
+    head_cache = head.make_cache(num_slots=1, max_seq_len=64)
+    logits, _ = head(head_cache, [head_cache.allocate()], [ids[1:]], [n],
+                     features=head.from_target(features[:n]), return_hidden=True)
+    ref = eagle1_reference(target_hf, tensors, ids)
+    assert torch.allclose(logits, ref, atol=1e-4), (logits - ref).abs().max()
+    # "bias": false with an fc.bias present says so in one line
+    (tmp_path / "head" / "config.json").write_text(json.dumps({**layer_config(), "bias": False}))
+    with pytest.raises(ConfigError, match="fc.bias is present"):
+        load_draft_head(tmp_path / "head", target, max_model_len=256)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("published")
     tensors = head_tensors()
     for fmt in FORMATS:
         write_checkpoint(root / fmt, fmt, tensors)
+    (root / "eagle1").mkdir()
+    torch.save(eagle1_tensors(), root / "eagle1" / "pytorch_model.bin")
+    (root / "eagle1" / "config.json").write_text(json.dumps(layer_config()))
     return root, tensors
 
 
@@ -175,7 +250,7 @@ def test_a_published_head_loads_and_drafts_what_the_published_formula_gives(targ
     assert torch.allclose(logits[finite], ref[finite], atol=1e-4), (logits[finite] - ref[finite]).abs().max()
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", [*FORMATS, "eagle1"])
 def test_a_published_head_serves_greedy_output_identical_to_target_only(target_hf, checkpoints, fmt):
     """Through the builder's loader (which points the target at the head's layers), chains
     and EAGLE-2 trees, a batch of 3."""
@@ -188,7 +263,8 @@ def test_a_published_head_serves_greedy_output_identical_to_target_only(target_h
         proposer = load_draft_proposer("eagle", ModelConfig(source=str(root / fmt)), num_slots=8,
                                        max_model_len=256, target_runtime=target.runtime,
                                        options={"tree": tree, "tree_topk": 2, "tree_depth": 3})
-        assert isinstance(proposer, EagleProposer) and target.runtime.feature_layers == FORMATS[fmt]
+        assert isinstance(proposer, EagleProposer)
+        assert target.runtime.feature_layers == FORMATS.get(fmt)  # eagle1: the final hidden states
         engine = SpecDecodeEngine(target, make_tiny_tokenizer(), eos_token_ids=EOS, proposer=proposer,
                                   num_speculative_tokens=3)
         got = engine.generate(prompts, GREEDY)

@@ -52,9 +52,10 @@ EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-1
 DRAFT_FILE = "draft.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
-HEAD_KINDS = (*DRAFT_KINDS, "eagle3")  # eagle3: loaded from a published format, not trained here
-# the method's draft kind a head kind serves (an EAGLE-3 head drafts for method eagle)
-SERVES = {"eagle3": "eagle"}
+# eagle3 and eagle1 (a published EAGLE-1/2 head): loaded from a published format, not trained here
+HEAD_KINDS = (*DRAFT_KINDS, "eagle3", "eagle1")
+# the method's draft kind a head kind serves (every EAGLE head drafts for method eagle)
+SERVES = {"eagle3": "eagle", "eagle1": "eagle"}
 
 
 def draft_path(source: str | Path) -> Path:
@@ -99,7 +100,7 @@ def read_draft_meta(source: str | Path) -> dict:
 
     path = draft_path(source)
     if not (path / DRAFT_FILE).is_file() and (fmt := published_format(path)) is not None:
-        return {"kind": "eagle3", "format": fmt}
+        return {"kind": "eagle1" if fmt == "eagle1" else "eagle3", "format": fmt}
     try:
         meta = json.loads((path / DRAFT_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -142,9 +143,12 @@ class DraftHead(LlamaRuntime):
 
     def __init__(self, arch: ModelArch, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
                  kind: str, draft_vocab: torch.Tensor, target_layers: tuple[int, ...] = (),
-                 target_hidden: int | None = None, norm_before_residual: bool = False) -> None:
+                 target_hidden: int | None = None, norm_before_residual: bool = False,
+                 fc_bias: bool = False) -> None:
         """``eagle3`` only: ``target_layers``, the target layers whose inputs it reads (their
-        number times ``target_hidden`` is ``fc``'s input), and ``norm_before_residual``."""
+        number times ``target_hidden`` is ``fc``'s input), and ``norm_before_residual``.
+        ``eagle1`` (a published EAGLE-1/2 head): ``fc_bias``; no input norm in its first
+        layer, no final norm, the target's LM head (``draft_vocab``: every token)."""
         assert kind in HEAD_KINDS and not arch.tie_word_embeddings
         super().__init__(arch, rope_cos, rope_sin)
         self.kind = kind
@@ -155,6 +159,10 @@ class DraftHead(LlamaRuntime):
         if kind == "eagle3":
             self.fc = Linear(len(target_layers) * (target_hidden or hidden), hidden, bias=False)
             self.layers[0] = Eagle3Layer(arch, 0, norm_before_residual=norm_before_residual)
+            self.hidden_prenorm = True
+        if kind == "eagle1":
+            self.fc = Linear(2 * hidden, hidden, bias=fc_bias)
+            self.layers[0].input_norm = None
             self.hidden_prenorm = True
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
 
@@ -172,6 +180,9 @@ class DraftHead(LlamaRuntime):
             x = self.embed(tokens)
             return torch.cat([x, padded.to(x.dtype)], dim=-1)
         return self._fuse(tokens, padded)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.kind == "eagle1" else super().final_norm(x)
 
     def from_target(self, features: torch.Tensor) -> torch.Tensor:
         """The features the head reads, from what the target returned for it: ``eagle3``
@@ -313,21 +324,36 @@ def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_
 
     if target is not None:
         embed, num_layers = target.embed.weight, target.arch.num_layers
+        lm_head = target.lm_head.weight
     else:
-        from specserve.engine.loader import load_configs, load_target_parts, local_folder, resolve
+        from specserve.engine.loader import (
+            load_configs,
+            load_target_lm_head,
+            load_target_parts,
+            local_folder,
+            resolve,
+        )
         embed, _, _ = load_target_parts(target_cfg, max_model_len=max_model_len)
         src = resolve(target_cfg.source, Path(target_cfg.cache_dir) if target_cfg.cache_dir else None)
         num_layers = load_configs(local_folder(src))[0].num_hidden_layers
+        lm_head = None
     published = read_published_head(path, target_vocab=embed.shape[0], target_hidden=embed.shape[1],
                                     target_layers=num_layers)
+    kind = "eagle1" if published.format == "eagle1" else "eagle3"
     cos, sin = rope_of(published, max_model_len)
     state = dict(published.state)
+    if kind == "eagle1":  # the target's LM head over every token; no final norm (an unused one)
+        if lm_head is None:
+            lm_head = load_target_lm_head(target_cfg)
+        state.update({"lm_head.weight": lm_head.detach(), "norm": torch.ones(embed.shape[1]),
+                      "draft_vocab": torch.arange(embed.shape[0])})
     draft_vocab = state.pop("draft_vocab")
     with torch.device("meta"):
-        head = DraftHead(published.arch, torch.empty_like(cos), torch.empty_like(sin), kind="eagle3",
+        head = DraftHead(published.arch, torch.empty_like(cos), torch.empty_like(sin), kind=kind,
                          draft_vocab=torch.empty_like(draft_vocab),
                          target_layers=published.target_layers, target_hidden=published.target_hidden,
-                         norm_before_residual=published.norm_before_residual)
+                         norm_before_residual=published.norm_before_residual,
+                         fc_bias="fc.bias" in state)
     result = head.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if not k.startswith("embed.")]
     if missing or result.unexpected_keys:

@@ -276,6 +276,22 @@ def load_model(cfg, *, max_model_len: int,
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))
 
 
+def load_target_lm_head(cfg) -> torch.Tensor:
+    """The target's LM head weight (its embedding where they are tied), read alone from its
+    safetensors: what a published EAGLE-1 head drafts through in a process without the target."""
+    from safetensors import safe_open
+
+    from specserve.engine.shard_loader import weight_files
+
+    src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)
+    files = weight_files(local_folder(src))
+    name = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"
+    with safe_open(str(files[name]), framework="pt") as f:
+        weight = f.get_tensor(name)
+    device = resolve_device(cfg.device)
+    return weight.to(device=device, dtype=resolve_dtype(cfg.dtype, device))
+
+
 def load_target_parts(cfg, *, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's input embeddings and rope tables, without loading the rest of it: what a
     trained draft (``specserve.engine.draft_head``) needs in a process that has no target.

@@ -285,7 +285,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
-        self.input_norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.input_norm = nn.Parameter(torch.ones(arch.hidden_size))  # None: none (EAGLE-1's first layer)
         self.attn = Attention(arch, layer_idx)
         self.post_attn_norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.mlp = MLP(arch)
@@ -294,12 +294,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
                 cache: SlotKVCache) -> torch.Tensor:
         norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
-        x = x + self.attn(norm(x, self.input_norm, self.eps), ctx, cache)
+        attn_in = x if self.input_norm is None else norm(x, self.input_norm, self.eps)
+        x = x + self.attn(attn_in, ctx, cache)
         return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: see :meth:`Attention.forward_full`."""
-        x = x + self.attn.forward_full(rms_norm(x, self.input_norm, self.eps), cos, sin)
+        attn_in = x if self.input_norm is None else rms_norm(x, self.input_norm, self.eps)
+        x = x + self.attn.forward_full(attn_in, cos, sin)
         return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
 
 
@@ -616,11 +618,11 @@ class LlamaRuntime(nn.Module):
             return (out[0], self._features(x, captured)[ctx.valid]) if self._own_features(
                 return_hidden) else out
         if not return_hidden:
-            return self.logits(rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps))
+            return self.logits(self.final_norm(x[rows, cols]))
         if self._own_features(return_hidden):
-            return (self.logits(rms_norm(x[rows, cols], self.norm, self.arch.rms_norm_eps)),
+            return (self.logits(self.final_norm(x[rows, cols])),
                     self._features(x, captured)[ctx.valid])
-        hidden = rms_norm(x[ctx.valid], self.norm, self.arch.rms_norm_eps)  # [sum(len), hidden]
+        hidden = self.final_norm(x[ctx.valid])  # [sum(len), hidden]
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
         return self.logits(hidden[index[rows, cols]]), hidden
@@ -663,11 +665,11 @@ class LlamaRuntime(nn.Module):
                       for j, ids in enumerate(token_ids[a:b])]
         asked = [i for r, n in zip(where, num_logits) for i in r[len(r) - n:]]
         if not return_hidden:
-            return self.logits(rms_norm(x[0, asked], self.norm, self.arch.rms_norm_eps))
+            return self.logits(self.final_norm(x[0, asked]))
         if self._own_features(return_hidden):
-            return (self.logits(rms_norm(x[0, asked], self.norm, self.arch.rms_norm_eps)),
+            return (self.logits(self.final_norm(x[0, asked])),
                     self._features(x, captured)[0, [i for r in where for i in r]])
-        hidden = rms_norm(x[0, [i for r in where for i in r]], self.norm, self.arch.rms_norm_eps)
+        hidden = self.final_norm(x[0, [i for r in where for i in r]])
         ends = list(accumulate(map(len, where)))
         rows = [i for end, n in zip(ends, num_logits) for i in range(end - n, end)]
         return self.logits(hidden[rows]), hidden
@@ -686,6 +688,10 @@ class LlamaRuntime(nn.Module):
         """The first layer's input: token embeddings (a draft head adds its features)."""
         assert features is None, "this model takes no features"
         return self.embed(tokens)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm between the last layer and the LM head (a published EAGLE-1 head has none)."""
+        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits of final hidden states ``[N, hidden]``."""
@@ -715,7 +721,7 @@ class LlamaRuntime(nn.Module):
         b, t, size = x.shape
         padded = x.new_zeros(*shape, size)                                    # [R, W, hidden]
         padded[:b, :t] = x
-        normed = rms_norm(padded, self.norm, self.arch.rms_norm_eps)
+        normed = self.final_norm(padded)
         logits = self.lm_head(normed.flatten(0, 1))[rows * shape[1] + cols].float()
         if not return_hidden:
             return logits

@@ -1,7 +1,7 @@
-"""EAGLE-3 heads in the formats they are published in, loaded as a :class:`DraftHead`.
+"""EAGLE heads in the formats they are published in, loaded as a :class:`DraftHead`.
 
-Two layouts of the same tensors, each detected from the checkpoint's own ``config.json``
-(docs/DRAFTS.md says where every field and tensor name comes from):
+Three layouts, each detected from the checkpoint's own files (docs/DRAFTS.md says where every
+field and tensor name comes from). Two of EAGLE-3's tensors:
 
 - ``eagle3``: the EAGLE authors' checkpoints and SpecForge's output. A Llama-style config with
   ``draft_vocab_size`` (and ``architectures: ["LlamaForCausalLMEagle3"]`` from SpecForge), the
@@ -17,6 +17,12 @@ as vLLM reads them (the residual stream entering layer i); SpecForge's
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` count "the output of layer i", so i + 1
 here (as SGLang reads them); absent, (2, L // 2, L - 3) for a target of L layers, the layers
 every published head was trained on.
+
+And EAGLE-1/2 heads (``eagle1``: the EAGLE authors' ``yuhuili/EAGLE-*``): a plain Llama config
+and ``fc`` ([H, 2H], a bias unless the config says ``"bias": false``), ``layers.{i}.*``
+whose first layer has no input norm, no final norm and no LM head: the head reads the target's
+final (normed) hidden states, and its output, un-normed, goes through the target's LM head
+and back in as the next feature.
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ _LAYER_NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attenti
 
 
 def published_format(path: Path) -> str | None:
-    """``"eagle3"``, ``"speculators"`` (any ``speculators_model_type``; only eagle3 loads), or
-    None where ``path`` holds no published draft."""
+    """``"eagle3"``, ``"speculators"`` (any ``speculators_model_type``; only eagle3 loads),
+    ``"eagle1"``, or None where ``path`` holds no published draft."""
     try:
         config = json.loads((Path(path) / CONFIG_FILE).read_text())
     except (OSError, ValueError):
@@ -59,19 +65,37 @@ def published_format(path: Path) -> str | None:
         return "speculators"
     if "draft_vocab_size" in config or any("Eagle3" in str(a) for a in config.get("architectures") or ()):
         return "eagle3"
+    names = _weight_names(Path(path))
+    if "fc.weight" in names and not any(n.startswith("model.") for n in names):
+        return "eagle1"
     return None
+
+
+def _weight_names(path: Path) -> set[str]:
+    """The tensor names of the weights at ``path`` (none where there are none)."""
+    for name in WEIGHT_FILES:
+        file = path / name
+        if file.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors import safe_open
+                with safe_open(str(file), framework="pt") as f:
+                    return set(f.keys())
+            return set(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+    return set()
 
 
 @dataclasses.dataclass(frozen=True)
 class PublishedHead:
     """What a published checkpoint says, read and checked against the target."""
 
+    format: str               # published_format's
     arch: ModelArch           # the head's layers (vocab_size: the target's)
     layer_config: object      # its ``transformers`` config (the rope tables come from it)
     target_layers: tuple[int, ...]
     target_hidden: int
     norm_before_residual: bool
-    state: dict[str, torch.Tensor]  # our names; "draft_vocab": the target id of each draft id
+    # our names; "draft_vocab": the target id of each draft id (eagle1: no LM head, no vocab)
+    state: dict[str, torch.Tensor]
 
 
 def target_layers_of(path: Path, num_layers: int) -> tuple[int, ...]:
@@ -99,6 +123,8 @@ def read_config(path: Path, num_layers: int) -> tuple[str, dict, dict, bool, tup
         layer = dict(config)
         ids, shift = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), 1
         norm_before_residual = False
+    elif fmt == "eagle1":  # reads the target's final hidden state: no layers
+        return fmt, config, dict(config), False, ()
     else:
         raise ConfigError(f"{path}: not a published EAGLE-3 head (no {CONFIG_FILE} with "
                           "draft_vocab_size or speculators_model_type)")
@@ -114,9 +140,9 @@ def read_published_head(path: Path, *, target_vocab: int, target_hidden: int,
 
     path = Path(path)
     fmt, config, layer, norm_before_residual, layers = read_config(path, target_layers)
-    prefix = "layers.0." if fmt == "speculators" else "midlayer."
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
     model_type = layer.pop("model_type", "llama")
-    for key in ("architectures", "torch_dtype", "transformers_version"):
+    for key in ("architectures", "torch_dtype", "transformers_version", "bias"):
         layer.pop(key, None)
     try:
         layer_config = AutoConfig.for_model(model_type, **layer)
@@ -132,10 +158,17 @@ def read_published_head(path: Path, *, target_vocab: int, target_hidden: int,
                           f"target has {target_hidden}")
     arch = dataclasses.replace(arch, tie_word_embeddings=False,
                                sliding_windows=(None,) * arch.num_layers)
-    state = _our_names(path, _read_weights(path), prefix, arch)
-    draft_vocab_size = config.get("draft_vocab_size") or target_vocab
-    _check_shapes(path, state, arch, draft_vocab_size, len(layers) * target_hidden, target_vocab)
-    return PublishedHead(arch, layer_config, layers, target_hidden, norm_before_residual, state)
+    eagle1 = fmt == "eagle1"
+    state = _our_names(path, _read_weights(path), prefix, arch, eagle1=eagle1)
+    if eagle1:
+        if ("fc.bias" in state) != bool(config.get("bias", True)):
+            raise ConfigError(f"{path}: config says bias {config.get('bias', True)} but fc.bias is "
+                              f"{'present' if 'fc.bias' in state else 'absent'}")
+        _check_shapes(path, state, arch, None, 2 * target_hidden, target_vocab, attn_in=arch.hidden_size)
+    else:
+        _check_shapes(path, state, arch, config.get("draft_vocab_size") or target_vocab,
+                      len(layers) * target_hidden, target_vocab, attn_in=2 * arch.hidden_size)
+    return PublishedHead(fmt, arch, layer_config, layers, target_hidden, norm_before_residual, state)
 
 
 def _target_layers(path: Path, ids, shift: int, num_layers: int) -> tuple[int, ...]:
@@ -163,8 +196,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise ConfigError(f"{path}: no weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def _our_names(path: Path, raw: dict[str, torch.Tensor], prefix: str,
-               arch: ModelArch) -> dict[str, torch.Tensor]:
+def _our_names(path: Path, raw: dict[str, torch.Tensor], prefix: str, arch: ModelArch, *,
+               eagle1: bool = False) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under :class:`DraftHead`'s names (q/k/v and gate/up fused)."""
     raw = {k: v for k, v in raw.items() if k not in SKIPPED}
     out: dict[str, torch.Tensor] = {}
@@ -186,12 +219,18 @@ def _our_names(path: Path, raw: dict[str, torch.Tensor], prefix: str,
                 out[f"layers.{i}.{ours}.{kind}"] = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
         for ours, theirs_norm in _LAYER_NORMS.items():
             name = f"{theirs}{theirs_norm}.weight"
-            if ours == "hidden_norm" and i > 0:
+            if (ours == "hidden_norm" and (i > 0 or eagle1)) or (ours == "input_norm" and i == 0 and eagle1):
                 continue
             if ours.startswith("attn.") and not arch.qk_norm:
                 continue
             out[f"layers.{i}.{ours}"] = take(name)
     out["fc.weight"] = take("fc.weight")
+    if eagle1:
+        if "fc.bias" in raw:
+            out["fc.bias"] = take("fc.bias")
+        if raw:
+            raise ConfigError(f"{path}: tensors not supported: {', '.join(sorted(raw)[:5])}")
+        return {k: v.float() for k, v in out.items()}
     out["norm"] = take("norm.weight")
     out["lm_head.weight"] = take("lm_head.weight")
     d2t = raw.pop("d2t", None)
@@ -205,11 +244,18 @@ def _our_names(path: Path, raw: dict[str, torch.Tensor], prefix: str,
     return {k: v if k == "draft_vocab" else v.float() for k, v in out.items()}
 
 
-def _check_shapes(path: Path, state: dict[str, torch.Tensor], arch: ModelArch, draft_vocab_size: int,
-                  fc_in: int, target_vocab: int) -> None:
+def _check_shapes(path: Path, state: dict[str, torch.Tensor], arch: ModelArch,
+                  draft_vocab_size: int | None, fc_in: int, target_vocab: int, *, attn_in: int) -> None:
     h = arch.hidden_size
-    want = {"fc.weight": (h, fc_in), "lm_head.weight": (draft_vocab_size, h), "norm": (h,),
-            "layers.0.attn.qkv.weight": ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, 2 * h)}
+    want = {"fc.weight": (h, fc_in),
+            "layers.0.attn.qkv.weight": ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, attn_in)}
+    if draft_vocab_size is None:  # eagle1: the target's LM head
+        for name, shape in want.items():
+            if tuple(state[name].shape) != shape:
+                raise ConfigError(f"{path}: {name} is {tuple(state[name].shape)}, expected {shape} "
+                                  "(the hidden size differs from the target's)")
+        return
+    want.update({"lm_head.weight": (draft_vocab_size, h), "norm": (h,)})
     for name, shape in want.items():
         if tuple(state[name].shape) != shape:
             raise ConfigError(f"{path}: {name} is {tuple(state[name].shape)}, expected {shape} "
