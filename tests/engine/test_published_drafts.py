@@ -355,3 +355,35 @@ def test_an_agreeing_head_is_accepted_and_output_stays_identical(tmp_path):
                                   num_speculative_tokens=3)
         assert [c.output_token_ids for c in engine.generate(prompts, GREEDY)] == reference, tree
         assert engine.stats.num_accepted_tokens >= engine.stats.num_draft_tokens // 8, engine.stats
+
+
+def test_a_head_by_hub_id_is_read_from_the_hub_cache(target_hf, checkpoints, tmp_path, monkeypatch):
+    """``draft.source: org/name``: downloaded once into the hub cache, then read from it. No
+    network here: the cache is laid out as a download leaves it and the hub is offline."""
+    import huggingface_hub.constants as hub
+    from specserve.engine import draft_head
+
+    root, _ = checkpoints
+    cache = tmp_path / "hub"
+    for repo, fmt in (("org/eagle3-head", "speculators"), ("org/eagle1-head", "eagle1"),
+                      ("org/plain", None)):
+        folder = cache / f"models--{repo.replace('/', '--')}"
+        snapshot = folder / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("0" * 40)
+        if fmt is None:  # a plain model's config: not a head, left to the model loader
+            (snapshot / "config.json").write_text(json.dumps({**layer_config(), "num_hidden_layers": 2}))
+            continue
+        for file in (root / fmt).iterdir():
+            (snapshot / file.name).write_bytes(file.read_bytes())
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    draft_head.hub_head.cache_clear()
+    target = worker_of(target_hf).runtime
+    assert read_draft_meta("org/eagle3-head")["format"] == "speculators"
+    head = load_draft_head("org/eagle3-head", target, max_model_len=64)
+    assert head.target_layers == FORMATS["speculators"]
+    assert load_draft_head("org/eagle1-head", target, max_model_len=64).kind == "eagle1"
+    assert not is_draft_dir("org/plain") and not is_draft_dir("org/absent")
+    draft_head.hub_head.cache_clear()

@@ -118,6 +118,15 @@ def test_eagle_gets_a_draft_group_and_keeps_its_draft():
     assert app_args(docs)["unit"]["draft_node_resource"] == "specserve_draft"
 
 
+def test_a_published_eagle3_head_by_hub_id_is_served_like_any_eagle_draft():
+    """The hub id travels to the app as the draft's source (the target and draft pods read its
+    config; the draft pod loads it); a draft group as for any EAGLE head."""
+    docs = render(CHART / "ci" / "eagle3-values.yaml")
+    assert "draft" in groups(docs)
+    spec = app_args(docs)["unit"]["engine"]["speculative"]
+    assert spec["method"] == "eagle" and spec["draft"]["source"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+
 def test_groups_advertise_the_resources_the_unit_asks_for():
     docs = render()
     unit = app_args(docs)["unit"]

@@ -34,6 +34,10 @@ NODE_GPUS = 8  # the flagship's node (nodeSelector nvidia.com/gpu.count: "8")
 # Public config.json numbers of the other models the values files name (huggingface.co).
 MODELS = {
     "meta-llama/Llama-3.1-70B-Instruct": LLAMA_31_70B,
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+        "tie_word_embeddings": False, "max_position_embeddings": 131072},
     "meta-llama/Llama-3.2-1B-Instruct": LLAMA_32_1B,
     "Qwen/Qwen2.5-14B-Instruct": {
         "model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,

@@ -35,6 +35,7 @@ A draft directory holds ``draft.json`` (kind, architecture, which target), ``mod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from torch import nn
 
 from specserve.engine import native
 from specserve.engine.kernels import Linear, native_ready
+from specserve.engine.loader import is_hub_id
 from specserve.engine.model import Attention, DecoderLayer, LlamaRuntime, ModelArch, default_kernels, rms_norm
 from specserve.errors import ConfigError
 from specserve.methods import DRAFT_KINDS
@@ -59,8 +61,37 @@ SERVES = {"eagle3": "eagle", "eagle1": "eagle"}
 
 
 def draft_path(source: str | Path) -> Path:
-    """Where a draft source lives: ``embedded-eagle`` is the shipped default's directory."""
-    return EMBEDDED_DRAFT_DIR if str(source) == EMBEDDED_DRAFT else Path(source).expanduser()
+    """Where a draft source lives: ``embedded-eagle`` is the shipped default's directory; a
+    hub id of a published EAGLE head, its download (:func:`hub_head`)."""
+    if str(source) == EMBEDDED_DRAFT:
+        return EMBEDDED_DRAFT_DIR
+    path = Path(source).expanduser()
+    if path.exists() or not is_hub_id(str(source)):
+        return path
+    return hub_head(str(source)) or path
+
+
+@functools.lru_cache(maxsize=32)
+def hub_head(repo: str) -> Path | None:
+    """A published EAGLE head on the hub (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``): its
+    files, downloaded once and then read from the hub cache (offline too); None where
+    ``repo`` holds no such head (a plain model, which the loader resolves as one) or cannot
+    be reached (the plain loader then says why). Its ``config.json`` alone tells an EAGLE-3
+    head; a one-layer Llama config may be an EAGLE-1 head, told by its weights' names."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    from specserve.engine.published_drafts import HEAD_FILES, published_format
+
+    try:
+        config = json.loads(Path(hf_hub_download(repo, "config.json")).read_text())
+        eagle3 = "speculators_model_type" in config or "draft_vocab_size" in config or any(
+            "Eagle3" in str(a) for a in config.get("architectures") or ())
+        if not eagle3 and config.get("num_hidden_layers") != 1:
+            return None
+        folder = Path(snapshot_download(repo, allow_patterns=HEAD_FILES))
+    except (OSError, ValueError):  # every hub error is an OSError; a config that is not JSON
+        return None
+    return folder if published_format(folder) is not None else None
 
 
 def is_draft_dir(source: str | Path) -> bool:

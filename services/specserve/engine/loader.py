@@ -66,7 +66,7 @@ def embedded_gguf() -> Path:
     return files[0]
 
 
-def _is_hub_id(source: str) -> bool:
+def is_hub_id(source: str) -> bool:
     """``org/name`` (or a bare ``name``), as the hub spells repositories; not a file name."""
     parts = source.split("/")
     return (len(parts) <= 2 and all(parts) and not source.startswith((".", "~"))
@@ -88,7 +88,7 @@ def resolve(source: str | None, cache_dir: Path | None = None) -> ResolvedSource
         return ResolvedSource(path.name, str(path))
     if path.exists():
         raise ModelNotFoundError(f"model path {path} is neither a directory nor a .gguf file")
-    if not _is_hub_id(source):
+    if not is_hub_id(source):
         raise ModelNotFoundError(f"model path {source!r} does not exist")
     return ResolvedSource(source, source)
 

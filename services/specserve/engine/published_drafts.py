@@ -38,6 +38,7 @@ from specserve.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+HEAD_FILES = [CONFIG_FILE, *WEIGHT_FILES]  # what a head's download fetches
 SKIPPED = ("t2d", "embed_tokens.weight")  # training's target mask; the target's embedding
 
 # a layer's tensor (after its prefix) -> ours (after "layers.{i}."), fused in this order
