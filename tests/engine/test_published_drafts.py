@@ -104,7 +104,7 @@ def write_checkpoint(path, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int], layers,
-                     norm_before_residual: bool) -> torch.Tensor:
+                     norm_before_residual: bool, eps: float = 1e-5) -> torch.Tensor:
     """The published EAGLE-3 forward, written out from the formula: position t reads token
     t + 1 and fc(target states entering ``layers`` at t); full-vocabulary logits ``[n, V]``
     for positions 0..n-1 (n = len(ids) - 1), -inf off the draft vocabulary."""
@@ -116,7 +116,7 @@ def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int]
         f = g @ w["fc.weight"].T
 
         def norm(x, weight):
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
         e = target_hf.model.embed_tokens(torch.tensor(ids[1:]))
         a = torch.cat([norm(e, w["midlayer.input_layernorm.weight"]),
@@ -140,7 +140,7 @@ def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int]
                  ) @ w["midlayer.mlp.down_proj.weight"].T
         small = norm(h, w["norm.weight"]) @ w["lm_head.weight"].T
         full = torch.full((n, VOCAB), float("-inf"))
-        full[:, torch.arange(DRAFT_VOCAB) + w["d2t"]] = small
+        full[:, torch.arange(len(w["d2t"])) + w["d2t"]] = small
         return full
 
 

@@ -36,9 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True,
                    help="directory the draft is written to (embedded-eagle: the shipped default's)")
     p.add_argument("--work-dir", help="data and checkpoints (default: <out>/work)")
-    p.add_argument("--kind", default="eagle", choices=DRAFT_KINDS,
+    p.add_argument("--kind", default="eagle", choices=(*DRAFT_KINDS, "eagle3"),
                    help="eagle: a head on the target's features (serve with method eagle); "
-                        "decoder: a small separate decoder (method draft_model)")
+                        "eagle3: an EAGLE-3 head on three of its layers, saved in the speculators "
+                        "format vLLM reads (method eagle); decoder: a small separate decoder "
+                        "(method draft_model)")
+    p.add_argument("--target-layers",
+                   help="eagle3: the target layers the head reads, comma-separated (the residual "
+                        "stream entering each; default 2, L/2, L-3 of its L layers)")
     p.add_argument("--prompts", default="chat,code,summarize",
                    help="comma-separated shipped sets (chat, code, summarize), JSONL/TXT files and/or "
                         "self:N (N user prompts the target writes itself, from its chat template)")
@@ -79,3 +84,9 @@ def check(args) -> None:
         raise ConfigError(f"--eval-k must be in [1, {MAX_K}]")
     if args.max_prompt_tokens + args.max_new_tokens > args.max_model_len:
         raise ConfigError("--max-prompt-tokens + --max-new-tokens exceed --max-model-len")
+    if args.target_layers is not None:
+        if args.kind != "eagle3":
+            raise ConfigError("--target-layers is for --kind eagle3")
+        parts = [part.strip() for part in args.target_layers.split(",")]
+        if not parts or not all(part.isdigit() for part in parts):
+            raise ConfigError(f"--target-layers {args.target_layers!r}: comma-separated layer numbers")

@@ -5,8 +5,9 @@
    under ``<work>/eval-data``; a held-out prompt that is also a training prompt is dropped.
 2. **Draft vocabulary**: the ``draft_vocab`` tokens most frequent in the training answers.
 3. **Training** (``train.py``), checkpointed under ``<work>/checkpoints``.
-4. **Saving** into ``--out`` (``draft.json``, weights, tokenizer), then loading it back: the
-   evaluation runs on what was saved.
+4. **Saving** into ``--out`` (``draft.json``, weights, tokenizer; ``--kind eagle3``: the
+   ``speculators`` format's ``config.json`` and weights, and ``specserve.json`` with how it was
+   made), then loading it back: the evaluation runs on what was saved.
 5. **Evaluation** (``evaluate.py``): acceptance per K, costs, predicted and measured speedup,
    printed and written to ``<out>/eval.json``.
 
@@ -20,7 +21,7 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from specserve.draft.options import MAX_K, TrainConfig, check
 from specserve.draft.self_prompts import self_prompts
 from specserve.draft.train import Trainer
 from specserve.engine.draft_head import (
+    DRAFT_FILE,
     draft_path,
     is_draft_dir,
     load_draft_head,
@@ -53,15 +55,19 @@ from specserve.engine.draft_head import (
     read_draft_meta,
     save_draft,
 )
-from specserve.engine.loader import load_model
+from specserve.engine.loader import EMBEDDED, load_configs, load_model, local_folder, resolve
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.published_drafts import default_target_layers, save_speculators
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 from specserve.machine import machine_label
 
 log = logging.getLogger(__name__)
+
+MADE_FILE = "specserve.json"  # an eagle3 export: how it was made (the speculators config is vLLM's)
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's hub id
 
 
 def run(args) -> dict:
@@ -90,6 +96,10 @@ def _run(args, *, progress: bool) -> dict:
     target = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu"),
                         max_model_len=args.max_model_len)
     tok, eos = target.tokenizer, target.eos_token_ids
+    # eagle3's data: the layer states it reads, then the final hidden state (the soft labels)
+    layers = _target_layers(args, target.runtime.arch.num_layers)
+    data_suffix = "-eagle3" if layers else ""
+    target.runtime.feature_layers = (*layers, target.runtime.arch.num_layers) if layers else None
     must_train = args.retrain or not is_draft_dir(out)
     gen = ModelWorker(target.runtime, num_slots=args.gen_batch_size, max_seq_len=args.max_model_len)
     own: list[list[dict]] = []
@@ -111,12 +121,14 @@ def _run(args, *, progress: bool) -> dict:
         raise ConfigError("no held-out prompts left (every one is also a training prompt)")
     train_ids = [encode(tok, m, args.max_prompt_tokens) for m in train_msgs]
     eval_ids = [encode(tok, m, args.max_prompt_tokens) for m in held_out]
-    held = build_dataset(gen, tok, eval_ids, work / "eval-data", max_new_tokens=args.eval_max_tokens,
+    held = build_dataset(gen, tok, eval_ids, work / f"eval-data{data_suffix}",
+                         max_new_tokens=args.eval_max_tokens,
                          eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (held-out)",
                          progress=progress)
     if must_train:
         t0 = time.perf_counter()
-        train = build_dataset(gen, tok, train_ids, work / "data", max_new_tokens=args.max_new_tokens,
+        train = build_dataset(gen, tok, train_ids, work / f"data{data_suffix}",
+                              max_new_tokens=args.max_new_tokens,
                               eos_token_ids=eos, batch_size=args.gen_batch_size, desc="data (train)",
                               progress=progress)
         data_info = {"prompts": args.prompts, "sequences": len(train),
@@ -124,25 +136,28 @@ def _run(args, *, progress: bool) -> dict:
                      "answer_tokens": sum(s.num_tokens - s.prompt_len for s in train),
                      "held_out_prompts": args.eval_prompts, "held_out_sequences": len(held),
                      "generation_seconds": round(generation_seconds(
-                         work / "data", -(-len(train) // SHARD_SIZE)), 1),
+                         work / f"data{data_suffix}", -(-len(train) // SHARD_SIZE)), 1),
                      "seconds": round(time.perf_counter() - t0, 1)}
         if num_self:
             data_info["self_prompts"] = {"asked": num_self, "kept": len(own), "seconds": own_seconds}
     del gen
+    target.runtime.feature_layers = None
 
     # 2.-4. vocabulary, training, saving (a draft already in --out is kept: evaluated again)
     if must_train:
         vocab = draft_vocabulary(train, target.runtime.arch.vocab_size, args.draft_vocab, eos)
         head = new_draft_head(target.runtime, kind=args.kind, num_layers=args.num_layers,
-                              draft_vocab=vocab, seed=args.seed)
+                              draft_vocab=vocab, seed=args.seed, target_layers=layers or None)
         cfg = _train_config(args)
         trainer = Trainer(head, target.runtime.lm_head.weight[vocab], cfg, work)
         t0 = time.perf_counter()
         summary = trainer.fit(train, progress=progress)
-        save_draft(head, out, target_name=target.name, tokenizer=tok, extra={
-            "training": {**summary, "seconds": round(time.perf_counter() - t0, 1)},
-            "data": data_info})
-    meta = read_draft_meta(out)
+        extra = {"training": {**summary, "seconds": round(time.perf_counter() - t0, 1)}, "data": data_info}
+        if args.kind == "eagle3":
+            _save_eagle3(head, out, args.target, target.name, extra)
+        else:
+            save_draft(head, out, target_name=target.name, tokenizer=tok, extra=extra)
+    meta = {**read_draft_meta(out), **_made(out)}
 
     # 5. evaluation, on the saved draft
     report = evaluate(out, target, held, eval_k=args.eval_k, max_tokens=args.eval_max_tokens,
@@ -154,6 +169,42 @@ def _run(args, *, progress: bool) -> dict:
               "total_seconds": round(time.perf_counter() - started, 1)}
     (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _target_layers(args, num_layers: int) -> tuple[int, ...]:
+    """``--kind eagle3``'s target layers (``--target-layers``, else the published default);
+    () for the other kinds."""
+    if args.kind != "eagle3":
+        return ()
+    if args.target_layers is None:
+        layers = default_target_layers(num_layers)
+    else:
+        layers = tuple(int(part) for part in args.target_layers.split(","))
+    if len(set(layers)) != len(layers) or not all(0 <= i < num_layers for i in layers):
+        raise ConfigError(f"target layers {list(layers)} are not distinct layers of this "
+                          f"{num_layers}-layer target (--target-layers)")
+    return tuple(sorted(layers))
+
+
+def _save_eagle3(head, out: Path, source: str, name: str, extra: dict) -> None:
+    """The head in the ``speculators`` format (what vLLM reads; we load it back as a published
+    head), its verifier the target's hub id where it has one, and ``specserve.json``: how it
+    was made (what ``draft.json`` holds for the other kinds)."""
+    folder = local_folder(resolve(source))
+    config = load_configs(folder)[0]
+    verifier = EMBEDDED_HUB_ID if source == EMBEDDED else source
+    save_speculators(head, out, layer_config=config.to_dict(), verifier=verifier,
+                     verifier_architectures=config.architectures or ["LlamaForCausalLM"])
+    (out / MADE_FILE).write_text(json.dumps({"kind": "eagle3", "target": {"name": name, "source": source},
+                                             **extra}, indent=2) + "\n")
+
+
+def _made(out: Path) -> dict:
+    """How the draft in ``out`` was made: ``draft.json`` or, for an eagle3 export, ``specserve.json``."""
+    for name in (DRAFT_FILE, MADE_FILE):
+        if (out / name).is_file():
+            return {k: v for k, v in json.loads((out / name).read_text()).items() if k != "kind"}
+    return {}
 
 
 def _train_config(args) -> TrainConfig:
@@ -189,6 +240,9 @@ def _coverage(samples, vocab: torch.Tensor) -> float:
 def evaluate(draft_dir: Path, target, held, *, eval_k: int | None, max_tokens: int,
              end_to_end_run: bool, progress: bool) -> dict:
     head = load_draft_head(draft_dir, target.runtime, max_model_len=target.runtime.max_positions)
+    if head.kind == "eagle3":  # the target returns the layer states it reads, the data has them first
+        target.runtime.feature_layers = head.target_layers
+        held = [replace(s, features=s.features[:, :head.fc.in_features]) for s in held]
     make = lambda slots: (EagleProposer if head.uses_features else DraftModelProposer)(  # noqa: E731
         ModelWorker(head, num_slots=slots, max_seq_len=target.runtime.max_positions))
     table = acceptance_table(matched_lengths(make(1), held, progress=progress))

@@ -10,6 +10,11 @@ Loss per position, over the draft vocabulary (the target's distribution there, r
   back in). With ``unroll`` = 2 it trains a second pass whose input features are the first
   pass's predictions (a cheap form of EAGLE-3's training-time test: drafts 2..K read predicted
   features, and a head trained only on real ones drifts).
+- ``eagle3`` reads the target's low, middle and high layer states, fused by its ``fc``
+  (trained with it), and is trained on the token distribution alone (EAGLE-3 drops the
+  feature regression: the head's features need not imitate the target's); its later passes
+  read its own pre-norm outputs, as it does when it drafts. A sample's stored features are
+  those layer states followed by the target's final hidden state (the soft labels).
 
 Batches are sequences of similar length, up to ``batch_tokens`` tokens; AdamW with warm-up
 and cosine decay; a checkpoint (weights, optimizer, step) every ``checkpoint_every`` steps and
@@ -88,12 +93,15 @@ class Trainer:
         self.step = 0
         self.data_key = ""
         self.feature_std: torch.Tensor | None = None
+        # eagle3: the stored features' first ``split`` dims are the head's input, the rest the
+        # target's final hidden state
+        self.split = head.fc.in_features if head.kind == "eagle3" else None
 
     def fit(self, train: list[Sample], *, progress: bool = True) -> dict:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         if self.head.uses_features:
-            self.feature_std = torch.cat([s.features[:256].float() for s in train[:64]]).std(0)
+            self.feature_std = torch.cat([s.features[:256, :self.split].float() for s in train[:64]]).std(0)
         plan = [batches(train, cfg.batch_tokens, cfg.max_len, cfg.seed + e) for e in range(cfg.epochs)]
         total = sum(len(p) for p in plan)
         self.data_key = data_key(train)
@@ -141,6 +149,8 @@ class Trainer:
         """The batch loss and the top-1 agreement with the target (over the draft vocabulary)."""
         tokens, feats, lengths = collate(samples, self.cfg.max_len)
         prompt_lens = torch.tensor([s.prompt_len for s in samples])
+        if self.split is not None:
+            return self._eagle3_losses(tokens, feats, lengths, prompt_lens)
         if self.head.uses_features:
             return self._eagle_losses(tokens, feats, lengths, prompt_lens)
         # decoder: position t reads x_t and should give the target's distribution after it
@@ -174,6 +184,27 @@ class Trainer:
             predicted = torch.cat([inputs[:, :1], hidden[:, :-1]], dim=1)
             hidden = self.head.train_forward(tokens[:, 1:t + 1], predicted)
             term, _ = self._eagle_terms(hidden, target, mask, weights)
+            weight *= 0.5
+            loss = loss + weight * term
+        return loss, top1
+
+    def _eagle3_losses(self, tokens, feats, lengths, prompt_lens) -> tuple[torch.Tensor, float]:
+        # As _eagle_losses, position t reads (x_{t+1}, fc(g_t)); its output, normed, should
+        # give the target's distribution of x_{t+2} (from the final hidden state at t + 1).
+        t = feats.shape[1] - 1
+        layers, soft = feats[:, :t, :self.split], feats[:, 1:t + 1, self.split:]
+        weights = self._weights(t, lengths - 2, prompt_lens - 2)
+        mask = weights > 0
+        noise = torch.randn_like(layers) * self.feature_std * self.cfg.feature_noise
+        fused = self.head.from_target(layers + noise)
+        out = self.head.train_forward(tokens[:, 1:t + 1], fused, prenorm=True)
+        loss, top1 = self._kl(self.head.final_norm(out)[mask], soft[mask], weights[mask])
+        weight = 1.0
+        for _ in range(1, self.cfg.unroll):
+            # The next pass reads, at t, the head's own output at t - 1 (as when it drafts).
+            out = self.head.train_forward(tokens[:, 1:t + 1], torch.cat([fused[:, :1], out[:, :-1]], dim=1),
+                                          prenorm=True)
+            term, _ = self._kl(self.head.final_norm(out)[mask], soft[mask], weights[mask])
             weight *= 0.5
             loss = loss + weight * term
         return loss, top1

@@ -56,6 +56,7 @@ WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 # eagle3 and eagle1 (a published EAGLE-1/2 head): loaded from a published format, not trained here
 HEAD_KINDS = (*DRAFT_KINDS, "eagle3", "eagle1")
+TRAINED_KINDS = (*DRAFT_KINDS, "eagle3")  # what train-draft makes (eagle3: saved as speculators)
 # the method's draft kind a head kind serves (every EAGLE head drafts for method eagle)
 SERVES = {"eagle3": "eagle", "eagle1": "eagle"}
 
@@ -120,10 +121,16 @@ def serves(kind: str | None) -> str | None:
 
 
 def load_draft_vocab(source: str | Path) -> torch.Tensor:
+    """The target ids a draft drafts (``train-draft``'s ``draft_vocab``; a published head's
+    ``i + d2t[i]``, every id without ``d2t``)."""
     from safetensors import safe_open
 
-    with safe_open(str(draft_path(source) / WEIGHTS_FILE), framework="pt") as f:
-        return f.get_tensor("draft_vocab")
+    path = draft_path(source)
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+        if (path / DRAFT_FILE).is_file():
+            return f.get_tensor("draft_vocab")
+        n = f.get_slice("lm_head.weight").get_shape()[0]
+        return torch.arange(n) + (f.get_tensor("d2t").long() if "d2t" in f.keys() else 0)
 
 
 def read_draft_meta(source: str | Path) -> dict:
@@ -161,6 +168,14 @@ class Eagle3Layer(DecoderLayer):
         attn_in = torch.cat([norm(embeds, self.input_norm, self.eps), normed], dim=-1)
         x = (normed if self.norm_before_residual else feature) + self.attn(attn_in, ctx, cache)
         return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: :meth:`forward` over whole sequences (see ``Attention.forward_full``)."""
+        embeds, feature = x.chunk(2, dim=-1)
+        normed = rms_norm(feature, self.hidden_norm, self.eps)
+        attn_in = torch.cat([rms_norm(embeds, self.input_norm, self.eps), normed], dim=-1)
+        x = (normed if self.norm_before_residual else feature) + self.attn.forward_full(attn_in, cos, sin)
+        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
 
 
 class DraftHead(LlamaRuntime):
@@ -225,8 +240,11 @@ class DraftHead(LlamaRuntime):
 
     def _fuse(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input ``[B, T, hidden]``: the token embeddings, for ``eagle``
-        fused with the features ``[B, T, hidden]`` by ``fc``."""
+        fused with the features ``[B, T, hidden]`` by ``fc``; for ``eagle3`` the two side by
+        side (``[B, T, 2 hidden]``, the features already fused: :meth:`from_target`)."""
         x = self.embed(tokens)
+        if self.kind == "eagle3":
+            return torch.cat([x, features.to(x.dtype)], dim=-1)
         return x if self.fc is None else self.fc(torch.cat([x, features.to(x.dtype)], dim=-1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -235,15 +253,17 @@ class DraftHead(LlamaRuntime):
         full = small.new_full((small.shape[0], self.arch.vocab_size), float("-inf"))
         return full.index_copy_(1, self.draft_vocab, small)
 
-    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor | None = None, *,
+                      prenorm: bool = False) -> torch.Tensor:
         """Final hidden states ``[B, T, hidden]`` of whole right-padded sequences starting at
-        position 0 (``features``: ``[B, T, hidden]`` for ``eagle``). With grad, no cache."""
+        position 0 (``features``: ``[B, T, hidden]`` for ``eagle`` and, fused, ``eagle3``),
+        after the final norm, or before it with ``prenorm``. With grad, no cache."""
         x = self._fuse(tokens, features)
         t = tokens.shape[1]
         cos, sin = self.rope_cos[None, :t, None], self.rope_sin[None, :t, None]
         for layer in self.layers:
             x = layer.forward_full(x, cos, sin)
-        return rms_norm(x, self.norm, self.arch.rms_norm_eps)
+        return x if prenorm else self.final_norm(x)
 
 
 def draft_arch(target: ModelArch, num_layers: int) -> ModelArch:
@@ -253,25 +273,45 @@ def draft_arch(target: ModelArch, num_layers: int) -> ModelArch:
 
 
 def new_draft_head(target: LlamaRuntime, *, kind: str, num_layers: int,
-                   draft_vocab: torch.Tensor, seed: int = 0) -> DraftHead:
+                   draft_vocab: torch.Tensor, seed: int = 0,
+                   target_layers: tuple[int, ...] | None = None) -> DraftHead:
     """An untrained draft initialised from the target: its norm, the draft vocabulary's rows
-    of its LM head, and copies of its first (``decoder``) or last (``eagle``: they see
-    late-stage features) ``num_layers`` layers. ``eagle``'s fuser starts as "take the
-    feature" (plus seeded noise); embeddings are the target's tensor itself (frozen, shared)."""
-    if kind not in DRAFT_KINDS:
-        raise ConfigError(f"draft kind must be one of {', '.join(DRAFT_KINDS)}")
+    of its LM head, and copies of its first (``decoder``) or last (``eagle``, ``eagle3``:
+    they see late-stage features) ``num_layers`` layers. ``eagle``'s fuser starts as "take the
+    feature" (plus seeded noise), ``eagle3``'s as "take the last target layer's state" (its
+    first layer's projections read the embedding and the feature halves with the target
+    layer's weights, halved); embeddings are the target's tensor itself (frozen, shared).
+    ``target_layers`` (``eagle3``): the target layers it reads (default
+    :func:`~specserve.engine.published_drafts.default_target_layers`)."""
+    from specserve.engine.published_drafts import default_target_layers
+
+    if kind not in TRAINED_KINDS:
+        raise ConfigError(f"draft kind must be one of {', '.join(TRAINED_KINDS)}")
     if not 1 <= num_layers <= target.arch.num_layers:
         raise ConfigError(f"num_layers must be in [1, {target.arch.num_layers}]")
     arch = draft_arch(target.arch, num_layers)
-    head = DraftHead(arch, target.rope_cos, target.rope_sin, kind=kind, draft_vocab=draft_vocab)
+    layers = ()
+    if kind == "eagle3":
+        layers = tuple(target_layers or default_target_layers(target.arch.num_layers))
+    head = DraftHead(arch, target.rope_cos, target.rope_sin, kind=kind, draft_vocab=draft_vocab,
+                     target_layers=layers, target_hidden=target.arch.hidden_size)
     head.embed.weight = target.embed.weight
     source = target.layers[:num_layers] if kind == "decoder" else target.layers[-num_layers:]
     with torch.no_grad():
         for mine, theirs in zip(head.layers, source):
-            mine.load_state_dict(theirs.state_dict())
+            state = theirs.state_dict()
+            if isinstance(mine, Eagle3Layer):  # [embedding | feature] in: each half the weights
+                for name in [k for k in state if k.startswith("attn.qkv.weight")]:
+                    state[name] = torch.cat([state[name], state[name]], dim=1) / 2
+                state["hidden_norm"] = state["input_norm"]
+            mine.load_state_dict(state)
         head.norm.copy_(target.norm)
         head.lm_head.weight.copy_(target.lm_head.weight[draft_vocab])
-        if head.fc is not None:
+        if head.fc is not None and kind == "eagle3":
+            hidden = arch.hidden_size
+            head.fc.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed))
+            head.fc.weight[:, -hidden:] += torch.eye(hidden)
+        elif head.fc is not None:
             hidden = arch.hidden_size
             head.fc.weight.zero_()
             head.fc.weight[:, hidden:] = torch.eye(hidden)

@@ -680,8 +680,14 @@ class LlamaRuntime(nn.Module):
         return return_hidden and (self.feature_layers is not None or self.hidden_prenorm)
 
     def _features(self, x: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
-        """Per position, what ``return_hidden`` returns when :meth:`_own_features`."""
-        return torch.cat(captured, dim=-1) if self.feature_layers is not None else x
+        """Per position, what ``return_hidden`` returns when :meth:`_own_features`. A layer
+        index equal to the number of layers in ``feature_layers`` stands for the final hidden
+        state after the norm (what the LM head reads: ``train-draft``'s soft labels)."""
+        if self.feature_layers is None:
+            return x
+        if len(self.layers) in self.feature_layers:
+            captured = [*captured, self.final_norm(x)]
+        return torch.cat(captured, dim=-1)
 
     def _inputs(self, tokens: torch.Tensor, ctx: ForwardContext,
                 features: torch.Tensor | None) -> torch.Tensor:

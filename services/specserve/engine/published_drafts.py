@@ -172,10 +172,15 @@ def read_published_head(path: Path, *, target_vocab: int, target_hidden: int,
     return PublishedHead(fmt, arch, layer_config, layers, target_hidden, norm_before_residual, state)
 
 
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """(2, L // 2, L - 3): the layers every published EAGLE-3 head reads, by default."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def _target_layers(path: Path, ids, shift: int, num_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs ``fc`` reads, in order (module docstring)."""
     if ids is None:
-        layers = (2, num_layers // 2, num_layers - 3)
+        layers = default_target_layers(num_layers)
     elif not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise ConfigError(f"{path}: eagle_aux_hidden_state_layer_ids must be a list of integers")
     else:
@@ -271,3 +276,57 @@ def rope_of(head: PublishedHead, max_len: int) -> tuple[torch.Tensor, torch.Tens
     """The head's own rope tables (its config's rope_theta; 10000 where it says none, as the
     EAGLE authors' code reads it), not the target's."""
     return rope_tables(head.layer_config, max_len)
+
+
+def save_speculators(head, out: Path, *, layer_config: dict, verifier: str,
+                     verifier_architectures: list[str]) -> None:
+    """Write an ``eagle3`` :class:`DraftHead` (``train-draft --kind eagle3``) in the
+    ``speculators`` format, the one vLLM reads: ``config.json`` and ``model.safetensors``
+    (bfloat16; ``d2t`` / ``t2d`` for its draft vocabulary, no embedding: the target's).
+    ``layer_config``: the target's ``config.json`` fields the head's layers share (its rope
+    settings among them); ``verifier``: the target's name or hub id."""
+    from safetensors.torch import save_file
+
+    arch = head.arch
+    d = arch.head_dim
+    qkv = [arch.num_heads * d, arch.num_kv_heads * d, arch.num_kv_heads * d]
+    state = {k: v.detach() for k, v in head.state_dict().items() if not k.startswith("embed.")}
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(arch.num_layers):
+        prefix = f"layers.{i}."
+        for ours, parts in _LAYER_NAMES.items():
+            for kind in ("weight", "bias"):
+                tensor = state.get(f"{prefix}{ours}.{kind}")
+                if tensor is None:
+                    continue
+                pieces = tensor.split(qkv) if len(parts) == 3 else tensor.chunk(len(parts))
+                for part, piece in zip(parts, pieces):
+                    tensors[f"{prefix}{part}.{kind}"] = piece
+        for ours, theirs in _LAYER_NORMS.items():
+            if f"{prefix}{ours}" in state:
+                tensors[f"{prefix}{theirs}.weight"] = state[f"{prefix}{ours}"]
+    vocab = head.draft_vocab.cpu()
+    t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+    t2d[vocab] = True
+    tensors.update({"fc.weight": state["fc.weight"], "norm.weight": state["norm"],
+                    "lm_head.weight": state["lm_head.weight"], "d2t": vocab - torch.arange(len(vocab)),
+                    "t2d": t2d})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous().cpu()
+               for k, v in tensors.items()}, str(out / WEIGHT_FILES[0]))
+    (out / WEIGHT_FILES[0]).chmod(0o644)  # safetensors writes 0600; a draft is read by other users
+    skip = ("architectures", "torch_dtype", "dtype", "transformers_version", "auto_map",
+            "quantization_config")
+    layer = {k: v for k, v in layer_config.items() if k not in skip}
+    layer.update(num_hidden_layers=arch.num_layers, tie_word_embeddings=False)
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer, "draft_vocab_size": len(vocab),
+        "norm_before_residual": False, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(head.target_layers),
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)}},
+        "torch_dtype": "bfloat16"}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
