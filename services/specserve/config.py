@@ -171,7 +171,8 @@ class _SpeculativeSettings(_Strict):
     draft: ModelConfig | None = Field(
         None, description="The draft, for draft_model (a smaller model of the target's tokenizer, "
                           "or a 'decoder' draft from `specserve train-draft`) and eagle (an 'eagle' "
-                          "draft from `specserve train-draft`, which reads the target's features).")
+                          "or 'eagle3' draft from `specserve train-draft`, or a published EAGLE-1/2/3 "
+                          "head by path or hub id: they read the target's features).")
     first: FreeMethod | None = Field(
         None, description="draft_model / eagle: a model-free proposer asked first, per row and "
                           "step; rows it drafts for (a confident match: 2+ tokens of prompt lookup, "

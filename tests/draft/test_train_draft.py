@@ -69,6 +69,10 @@ def test_pipeline_trains_a_draft_that_beats_an_untrained_one(tiny, capsys):
     assert report["kind"] == "eagle" and set(report["greedy_acceptance"]) == {str(k) for k in range(1, 9)}
     e2e = report["end_to_end"]
     assert e2e["outputs_identical"] and e2e["prompts"] == 12 and e2e["output_tokens"] > 0
+    # of the drafts reaching each position, the share accepted there
+    per_position = e2e["acceptance_per_position"]
+    assert len(per_position) == e2e["k"] and all(0 <= x <= 1 for x in per_position)
+    assert max(per_position) > 0
 
     # The same evaluation for a draft that was never trained (same initialisation).
     loaded = load_model(ModelConfig(source=target), max_model_len=256)

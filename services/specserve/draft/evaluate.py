@@ -132,6 +132,7 @@ def end_to_end(engines: dict[str, tuple], prompts: list[list[int]], *,
     times = dict.fromkeys(names, 0.0)
     mismatches = dict.fromkeys(names, 0)
     before = {n: _counts(e) for n, (e, *_) in engines.items()}
+    before_positions = {n: _positions(e) for n, (e, *_) in engines.items()}
     tokens = 0
     for i, prompt in enumerate(tqdm(prompts, desc="end-to-end", unit="prompt", disable=not progress)):
         outputs = {}
@@ -148,12 +149,23 @@ def end_to_end(engines: dict[str, tuple], prompts: list[list[int]], *,
     report = {}
     for name, (engine, k, *_) in engines.items():
         drafts, drafted, accepted = (a - b for a, b in zip(_counts(engine), before[name]))
+        (acc_now, drafted_now), (acc_then, drafted_then) = _positions(engine), before_positions[name]
+        per_position = [(a - (acc_then[i] if i < len(acc_then) else 0))
+                        / max(1, d - (drafted_then[i] if i < len(drafted_then) else 0))
+                        for i, (a, d) in enumerate(zip(acc_now, drafted_now))]
         report[name] = {"k": k, "seconds": times[name], "speedup": times[names[0]] / times[name],
                         "acceptance_rate": accepted / drafted if drafted else 0.0,
                         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+                        # of the drafts that reached position i, the share accepted there
+                        "acceptance_per_position": [round(x, 4) for x in per_position],
                         "outputs_identical": mismatches[name] == 0, "prompts": len(prompts),
                         "output_tokens": tokens}
     return report
+
+
+def _positions(engine: SpecDecodeEngine) -> tuple[list[int], list[int]]:
+    s = engine.stats
+    return list(s.accepted_per_position), list(s.drafted_per_position)
 
 
 def _counts(engine: SpecDecodeEngine) -> tuple[int, int, int]:

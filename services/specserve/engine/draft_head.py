@@ -51,6 +51,8 @@ from specserve.methods import DRAFT_KINDS
 
 EMBEDDED_DRAFT = "embedded-eagle"  # the shipped EAGLE draft of the embedded target
 EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle"
+EMBEDDED_EAGLE3 = "embedded-eagle3"  # an EAGLE-3 head of the embedded target (speculators format)
+EMBEDDED_EAGLE3_DIR = EMBEDDED_DRAFT_DIR.with_name("smollm2-135m-eagle3")
 DRAFT_FILE = "draft.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
@@ -62,10 +64,13 @@ SERVES = {"eagle3": "eagle", "eagle1": "eagle"}
 
 
 def draft_path(source: str | Path) -> Path:
-    """Where a draft source lives: ``embedded-eagle`` is the shipped default's directory; a
-    hub id of a published EAGLE head, its download (:func:`hub_head`)."""
+    """Where a draft source lives: ``embedded-eagle`` is the shipped default's directory,
+    ``embedded-eagle3`` the shipped EAGLE-3 head's; a hub id of a published EAGLE head, its
+    download (:func:`hub_head`)."""
     if str(source) == EMBEDDED_DRAFT:
         return EMBEDDED_DRAFT_DIR
+    if str(source) == EMBEDDED_EAGLE3:
+        return EMBEDDED_EAGLE3_DIR
     path = Path(source).expanduser()
     if path.exists() or not is_hub_id(str(source)):
         return path
