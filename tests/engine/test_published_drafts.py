@@ -335,6 +335,12 @@ def test_a_units_groups_agree_on_the_layers_from_the_files(target_hf, checkpoint
                                    target_cfg=target_cfg)
     assert proposer.worker.runtime.target_layers == FORMATS["specforge"]
     assert eagle3_target_layers(SpeculativeConfig(method="ngram"), LAYERS) is None
+    # an EAGLE-1 head drafts through the target's LM head, read from the target's files
+    eagle1 = ModelConfig(source=str(root / "eagle1"))
+    assert eagle3_target_layers(SpeculativeConfig(method="eagle", draft=eagle1), LAYERS) is None
+    proposer = load_draft_proposer("eagle", eagle1, num_slots=2, max_model_len=64, target_runtime=None,
+                                   target_cfg=target_cfg)
+    assert torch.equal(proposer.worker.runtime.lm_head.weight, target_hf.lm_head.weight.detach())
 
 
 def test_an_agreeing_head_is_accepted_and_output_stays_identical(tmp_path):
