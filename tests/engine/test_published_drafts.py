@@ -393,3 +393,21 @@ def test_a_head_by_hub_id_is_read_from_the_hub_cache(target_hf, checkpoints, tmp
     assert load_draft_head("org/eagle1-head", target, max_model_len=64).kind == "eagle1"
     assert not is_draft_dir("org/plain") and not is_draft_dir("org/absent")
     draft_head.hub_head.cache_clear()
+
+
+def test_the_library_kernels_return_the_same_layer_states_at_a_fixed_head_shape(target_hf):
+    """The GPU path (``library``; on CUDA a decode and a verify run the head at one padded
+    shape, emulated here by setting that width): the layer states match the C kernels'."""
+    ours = worker_of(target_hf).runtime
+    library = worker_of(target_hf).runtime.use_kernels("library")
+    library.decode_width = 4  # what use_kernels sets on CUDA (verify_tokens)
+    got = {}
+    for name, rt in (("invariant", ours), ("library", library)):
+        rt.feature_layers = FORMATS["eagle"]
+        cache = rt.make_cache(num_slots=1, max_seq_len=64)
+        slot = cache.allocate()
+        rt(cache, [slot], [list(range(3, 30))])
+        got[name] = rt(cache, [slot], [[5, 6, 7, 8]], [4], return_hidden=True)  # a verify of 4
+    assert torch.allclose(got["invariant"][0], got["library"][0], atol=1e-4)
+    assert got["library"][1].shape == (4, 3 * H)
+    assert torch.allclose(got["invariant"][1], got["library"][1], atol=1e-4)

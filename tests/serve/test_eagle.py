@@ -7,13 +7,16 @@ format; the other formats' loaders are served in-process in
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from specserve.engine.draft_head import save_draft
 
+from tests.engine.test_published_drafts import eagle1_tensors, head_tensors, layer_config, write_checkpoint
 from tests.models import eagle_head_of, tiny_hf_model, write_agreeing_eagle3_head
 from tests.serve.conftest import deployed, save_tiny, unit_args
 from tests.serve.test_fallback import unit_stats
@@ -37,7 +40,11 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
     - ``eagle-tree``: the EAGLE head drafting token trees (issue 20): its options travel to
       the draft actor, the cost model chooses the node budget (up to 6) per step;
     - ``eagle3`` and ``eagle3-tree``: a published EAGLE-3 head (issue 37) in chains and trees,
-      on an MHA target of its own (``write_agreeing_eagle3_head``).
+      on an MHA target of its own (``write_agreeing_eagle3_head``);
+    - ``eagle3-authors`` (chains), ``eagle3-specforge`` and ``eagle1-tree`` (trees): the EAGLE
+      authors' EAGLE-3 and EAGLE-1 layouts and SpecForge's (random heads: they draft and are
+      verified, and rarely accepted), on an 8-layer target (EAGLE-3's default layers 2, 4, 5;
+      SpecForge's config names 1, 4, 6).
     """
     draft = tmp_path_factory.mktemp("eagle") / "draft"
     save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
@@ -62,14 +69,30 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
         "method": "eagle", "num_speculative_tokens": 3, "draft": {"source": str(head)},
         "eagle": {"tree": tree}, "adaptive": {"enabled": False}}) for tree in (False, True)}
     eagle3[False]["unit"]["engine"]["kv_cache"] = {"layout": "paged", "block_size": 16}
-    for args in (chain, tree, *eagle3.values()):
-        # A draft step takes milliseconds; the default 10 s limit could still call a draft
-        # that a busy machine delayed dead, and these tests need it drafting.
+    # A draft step takes milliseconds; the default 10 s limit could still call a draft that a
+    # busy machine delayed dead, and these tests need it drafting.
+    tall = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0, num_hidden_layers=8)
+    tall_dir = save_tiny(tmp_path_factory.mktemp("tiny-tall"), tall)
+    authors = tmp_path_factory.mktemp("eagle3-authors") / "head"
+    eagle1 = tmp_path_factory.mktemp("eagle1") / "head"
+    specforge = tmp_path_factory.mktemp("eagle3-specforge") / "head"
+    write_checkpoint(authors, "eagle", head_tensors())
+    write_checkpoint(specforge, "specforge", head_tensors())
+    eagle1.mkdir()
+    torch.save(eagle1_tensors(), eagle1 / "pytorch_model.bin")
+    (eagle1 / "config.json").write_text(json.dumps(layer_config()))
+    published = {name: unit_args(tall_dir, max_num_seqs=4, speculative={
+        "method": "eagle", "num_speculative_tokens": 3, "draft": {"source": str(head)},
+        "eagle": {"tree": tree}, "adaptive": {"enabled": False}})
+        for name, head, tree in (("eagle3-authors", authors, False), ("eagle3-specforge", specforge, True),
+                                 ("eagle1-tree", eagle1, True))}
+    for args in (chain, tree, *eagle3.values(), *published.values()):
         args["unit"]["draft_timeout_s"] = 120
     apps = {"eagle": ("/eagle", chain), "eagle-tree": ("/eagle-tree", tree),
-            "eagle3": ("/eagle3", eagle3[False]), "eagle3-tree": ("/eagle3-tree", eagle3[True])}
+            "eagle3": ("/eagle3", eagle3[False]), "eagle3-tree": ("/eagle3-tree", eagle3[True]),
+            **{name: ("/" + name, args) for name, args in published.items()}}
     for urls in deployed(apps):
-        yield {**urls, "mha": (mha, Path(mha_dir).name)}
+        yield {**urls, "mha": (mha, Path(mha_dir).name), "tall": (tall, Path(tall_dir).name)}
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +164,16 @@ def test_a_published_eagle3_head_serves_greedy_output_identical_to_target_only(a
     assert stats["draft_available"] and stats["free_slots"] == stats["num_slots"] == 4
     if app == "eagle3-tree":
         assert stats["spec_tree_drafts"] > 0
+
+
+@pytest.mark.parametrize("app", ["eagle3-authors", "eagle3-specforge", "eagle1-tree"])
+def test_the_other_published_layouts_serve_greedy_output_identical_to_target_only(apps, app):
+    """The EAGLE authors' EAGLE-3 (``midlayer.``, ``pytorch_model.bin``, default layers) in
+    chains, SpecForge's (its own layer ids) and their EAGLE-1 (the target's final state and
+    LM head) in trees: the draft group loads them on the target's files, the target group
+    returns what they read."""
+    tall, name = apps["tall"]
+    greedy_equals_target_only(apps[app], name, tall, PROMPTS[:3], MAX_TOKENS, "eagle")
+    stats = unit_stats(apps[app])
+    assert stats["draft_available"] and stats["spec"]["num_drafts"] > 0
+    assert stats["free_slots"] == stats["num_slots"] == 4
