@@ -103,6 +103,34 @@ def write_checkpoint(path, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_attention(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """Causal self-attention of a head's layer (``prefix``'s q/k/v/o) over positions 0..n-1,
+    RoPE from the head's own config, written out: ``[n, H]``, after ``o_proj``."""
+    n, d = x.shape[0], H // HEADS
+    q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(n, HEADS, d)
+    k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
+    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
+    cos, sin = rope_tables(LlamaConfig(**layer_config()), n)
+
+    def rope(t):
+        return t * cos[:, None] + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin[:, None]
+
+    out = F.scaled_dot_product_attention(rope(q).transpose(0, 1), rope(k).transpose(0, 1),
+                                         v.transpose(0, 1), is_causal=True, enable_gqa=True)
+    return out.transpose(0, 1).reshape(n, H) @ w[prefix + "self_attn.o_proj.weight"].T
+
+
+def reference_mlp_block(h: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, eps: float) -> torch.Tensor:
+    """``h`` plus the layer's MLP of its post-attention norm."""
+    m = rms(h, w[prefix + "post_attention_layernorm.weight"], eps)
+    return h + (F.silu(m @ w[prefix + "mlp.gate_proj.weight"].T) * (m @ w[prefix + "mlp.up_proj.weight"].T)
+                ) @ w[prefix + "mlp.down_proj.weight"].T
+
+
 def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int], layers,
                      norm_before_residual: bool, eps: float = 1e-5) -> torch.Tensor:
     """The published EAGLE-3 forward, written out from the formula: position t reads token
@@ -115,30 +143,12 @@ def reference_logits(target_hf, tensors: dict[str, torch.Tensor], ids: list[int]
         g = torch.cat([states[i][0, :n] for i in layers], dim=-1)  # [n, 3H]
         f = g @ w["fc.weight"].T
 
-        def norm(x, weight):
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
         e = target_hf.model.embed_tokens(torch.tensor(ids[1:]))
-        a = torch.cat([norm(e, w["midlayer.input_layernorm.weight"]),
-                       norm(f, w["midlayer.hidden_norm.weight"])], dim=-1)
-        d = H // HEADS
-        q = (a @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, d)
-        k = (a @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
-        v = (a @ w["midlayer.self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
-        cos, sin = rope_tables(LlamaConfig(**layer_config()), n)
-
-        def rope(x):
-            half = d // 2
-            return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], -1) * sin[:, None]
-
-        out = F.scaled_dot_product_attention(rope(q).transpose(0, 1), rope(k).transpose(0, 1),
-                                             v.transpose(0, 1), is_causal=True, enable_gqa=True)
-        attn = out.transpose(0, 1).reshape(n, H) @ w["midlayer.self_attn.o_proj.weight"].T
-        h = (norm(f, w["midlayer.hidden_norm.weight"]) if norm_before_residual else f) + attn
-        m = norm(h, w["midlayer.post_attention_layernorm.weight"])
-        h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
-                 ) @ w["midlayer.mlp.down_proj.weight"].T
-        small = norm(h, w["norm.weight"]) @ w["lm_head.weight"].T
+        normed = rms(f, w["midlayer.hidden_norm.weight"], eps)
+        a = torch.cat([rms(e, w["midlayer.input_layernorm.weight"], eps), normed], dim=-1)
+        h = (normed if norm_before_residual else f) + reference_attention(a, w, "midlayer.")
+        h = reference_mlp_block(h, w, "midlayer.", eps)
+        small = rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T
         full = torch.full((n, VOCAB), float("-inf"))
         full[:, torch.arange(len(w["d2t"])) + w["d2t"]] = small
         return full
@@ -171,22 +181,7 @@ def eagle1_reference(target_hf, w: dict[str, torch.Tensor], ids: list[int]) -> t
         f = target_hf.model(torch.tensor([ids])).last_hidden_state[0, :n]
         e = target_hf.model.embed_tokens(torch.tensor(ids[1:]))
         x = torch.cat([e, f], -1) @ w["fc.weight"].T + w["fc.bias"]
-        d = H // HEADS
-        q = (x @ w["layers.0.self_attn.q_proj.weight"].T).view(n, HEADS, d)
-        k = (x @ w["layers.0.self_attn.k_proj.weight"].T).view(n, KV_HEADS, d)
-        v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(n, KV_HEADS, d)
-        cos, sin = rope_tables(LlamaConfig(**layer_config()), n)
-
-        def rope(t):
-            return t * cos[:, None] + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin[:, None]
-
-        out = F.scaled_dot_product_attention(rope(q).transpose(0, 1), rope(k).transpose(0, 1),
-                                             v.transpose(0, 1), is_causal=True, enable_gqa=True)
-        x = x + out.transpose(0, 1).reshape(n, H) @ w["layers.0.self_attn.o_proj.weight"].T
-        m = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-        m = m * w["layers.0.post_attention_layernorm.weight"]
-        x = x + (F.silu(m @ w["layers.0.mlp.gate_proj.weight"].T) * (m @ w["layers.0.mlp.up_proj.weight"].T)
-                 ) @ w["layers.0.mlp.down_proj.weight"].T
+        x = reference_mlp_block(x + reference_attention(x, w, "layers.0."), w, "layers.0.", 1e-5)
         return target_hf.lm_head(x)
 
 

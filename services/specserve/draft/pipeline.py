@@ -58,7 +58,7 @@ from specserve.engine.draft_head import (
 from specserve.engine.loader import EMBEDDED, load_configs, load_model, local_folder, resolve
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
-from specserve.engine.published_drafts import default_target_layers, save_speculators
+from specserve.engine.published_drafts import checked_layers, default_target_layers, save_speculators
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
@@ -180,10 +180,7 @@ def _target_layers(args, num_layers: int) -> tuple[int, ...]:
         layers = default_target_layers(num_layers)
     else:
         layers = tuple(int(part) for part in args.target_layers.split(","))
-    if len(set(layers)) != len(layers) or not all(0 <= i < num_layers for i in layers):
-        raise ConfigError(f"target layers {list(layers)} are not distinct layers of this "
-                          f"{num_layers}-layer target (--target-layers)")
-    return tuple(sorted(layers))
+    return checked_layers(layers, num_layers, "", "--target-layers")
 
 
 def _save_eagle3(head, out: Path, source: str, name: str, extra: dict) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig
 from specserve.engine.adaptive import SpecLengthController
 from specserve.engine.draft_head import (
-    DRAFT_FILE,
     draft_path,
     is_draft_dir,
     load_draft_head,
+    published,
     read_draft_meta,
     serves,
 )
@@ -62,7 +62,7 @@ def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
     """Refuse a draft whose vocabulary differs from the target's: its token ids would mean
     other strings, and verification would compare unrelated tokens. A published EAGLE head
     ships no tokenizer: its vocabulary size is checked against the target's when it loads."""
-    if is_draft_dir(draft.source) and not (draft_path(draft.source) / DRAFT_FILE).is_file():
+    if published(draft.source) is not None:
         return
     target_vocab = load_tokenizer(resolve(target.source, target.cache_dir)).get_vocab()
     draft_src = (ResolvedSource(draft.source, str(draft_path(draft.source))) if is_draft_dir(draft.source)

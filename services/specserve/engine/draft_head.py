@@ -86,13 +86,11 @@ def hub_head(repo: str) -> Path | None:
     head; a one-layer Llama config may be an EAGLE-1 head, told by its weights' names."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    from specserve.engine.published_drafts import HEAD_FILES, published_format
+    from specserve.engine.published_drafts import HEAD_FILES, config_format, published_format
 
     try:
         config = json.loads(Path(hf_hub_download(repo, "config.json")).read_text())
-        eagle3 = "speculators_model_type" in config or "draft_vocab_size" in config or any(
-            "Eagle3" in str(a) for a in config.get("architectures") or ())
-        if not eagle3 and config.get("num_hidden_layers") != 1:
+        if config_format(config) is None and config.get("num_hidden_layers") != 1:
             return None
         folder = Path(snapshot_download(repo, allow_patterns=HEAD_FILES))
     except (OSError, ValueError):  # every hub error is an OSError; a config that is not JSON
@@ -103,9 +101,17 @@ def hub_head(repo: str) -> Path | None:
 def is_draft_dir(source: str | Path) -> bool:
     """A draft this module loads: ``train-draft``'s (``draft.json``) or a published EAGLE
     head (:func:`~specserve.engine.published_drafts.published_format`)."""
+    return (draft_path(source) / DRAFT_FILE).is_file() or published(source) is not None
+
+
+def published(source: str | Path) -> str | None:
+    """The published format of the head at ``source``
+    (:func:`~specserve.engine.published_drafts.published_format`); None for ``train-draft``'s
+    drafts and for anything else."""
     from specserve.engine.published_drafts import published_format
 
-    return (draft_path(source) / DRAFT_FILE).is_file() or published_format(draft_path(source)) is not None
+    path = draft_path(source)
+    return None if (path / DRAFT_FILE).is_file() else published_format(path)
 
 
 def eagle3_target_layers(speculative, num_layers: int) -> tuple[int, ...] | None:
@@ -115,7 +121,7 @@ def eagle3_target_layers(speculative, num_layers: int) -> tuple[int, ...] | None
     from specserve.engine.published_drafts import target_layers_of
 
     draft = speculative.draft
-    if draft is None or not is_draft_dir(draft.source) or read_draft_meta(draft.source)["kind"] != "eagle3":
+    if draft is None or published(draft.source) in (None, "eagle1"):
         return None
     return target_layers_of(draft_path(draft.source), num_layers)
 
@@ -139,10 +145,8 @@ def load_draft_vocab(source: str | Path) -> torch.Tensor:
 
 
 def read_draft_meta(source: str | Path) -> dict:
-    from specserve.engine.published_drafts import published_format
-
     path = draft_path(source)
-    if not (path / DRAFT_FILE).is_file() and (fmt := published_format(path)) is not None:
+    if (fmt := published(path)) is not None:
         return {"kind": "eagle1" if fmt == "eagle1" else "eagle3", "format": fmt}
     try:
         meta = json.loads((path / DRAFT_FILE).read_text())
@@ -167,20 +171,19 @@ class Eagle3Layer(DecoderLayer):
         self.norm_before_residual = norm_before_residual
 
     def forward(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
-        embeds, feature = x.chunk(2, dim=-1)
         norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
-        normed = norm(feature, self.hidden_norm, self.eps)
-        attn_in = torch.cat([norm(embeds, self.input_norm, self.eps), normed], dim=-1)
-        x = (normed if self.norm_before_residual else feature) + self.attn(attn_in, ctx, cache)
-        return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
+        return self._layer(x, norm, lambda attn_in: self.attn(attn_in, ctx, cache))
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: :meth:`forward` over whole sequences (see ``Attention.forward_full``)."""
+        return self._layer(x, rms_norm, lambda attn_in: self.attn.forward_full(attn_in, cos, sin))
+
+    def _layer(self, x: torch.Tensor, norm, attend) -> torch.Tensor:
         embeds, feature = x.chunk(2, dim=-1)
-        normed = rms_norm(feature, self.hidden_norm, self.eps)
-        attn_in = torch.cat([rms_norm(embeds, self.input_norm, self.eps), normed], dim=-1)
-        x = (normed if self.norm_before_residual else feature) + self.attn.forward_full(attn_in, cos, sin)
-        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
+        normed = norm(feature, self.hidden_norm, self.eps)
+        attn_in = torch.cat([norm(embeds, self.input_norm, self.eps), normed], dim=-1)
+        x = (normed if self.norm_before_residual else feature) + attend(attn_in)
+        return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
 
 
 class DraftHead(LlamaRuntime):
@@ -394,8 +397,8 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
 
 def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_model_len: int,
                     dtype: torch.dtype | None, device: torch.device | str, kernels: str) -> DraftHead:
-    """A published EAGLE-3 head (:mod:`~specserve.engine.published_drafts`) on its target's
-    embedding, with its own rope tables."""
+    """A published EAGLE head (:mod:`~specserve.engine.published_drafts`) on its target's
+    embedding (and, EAGLE-1, its LM head), with its own rope tables."""
     from specserve.engine.published_drafts import read_published_head, rope_of
 
     if target is not None:

@@ -605,10 +605,7 @@ class LlamaRuntime(nn.Module):
                 and not capture):
             x = self.static(x, ctx, cache)
         else:
-            for i, layer in enumerate(self.layers):
-                if capture and i in self.feature_layers:
-                    captured.append(x)
-                x = layer(x, ctx, cache)
+            x, captured = self._layers(x, ctx, cache, capture)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = _logit_positions(token_ids, num_logits, x.device)
@@ -650,12 +647,7 @@ class LlamaRuntime(nn.Module):
         packed = PackedContext([ctx for ctx, _ in prepared],
                                list(pairwise(accumulate((ctx.valid.numel() for ctx, _ in prepared),
                                                         initial=0))))
-        captured: list[torch.Tensor] = []
-        capture = return_hidden and self.feature_layers is not None
-        for i, layer in enumerate(self.layers):
-            if capture and i in self.feature_layers:
-                captured.append(x)
-            x = layer(x, packed, cache)
+        x, captured = self._layers(x, packed, cache, return_hidden and self.feature_layers is not None)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         where = []  # each row's new tokens in the pack, rows in order
@@ -673,6 +665,16 @@ class LlamaRuntime(nn.Module):
         ends = list(accumulate(map(len, where)))
         rows = [i for end, n in zip(ends, num_logits) for i in range(end - n, end)]
         return self.logits(hidden[rows]), hidden
+
+    def _layers(self, x: torch.Tensor, ctx, cache: SlotKVCache,
+                capture: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every layer over ``x``; with ``capture``, also the inputs of ``feature_layers``."""
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if capture and i in self.feature_layers:
+                captured.append(x)
+            x = layer(x, ctx, cache)
+        return x, captured
 
     def _own_features(self, return_hidden: bool) -> bool:
         """The hidden states asked for are not the final normed ones (``feature_layers``,

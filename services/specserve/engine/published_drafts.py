@@ -62,13 +62,21 @@ def published_format(path: Path) -> str | None:
         return None
     if not isinstance(config, dict):
         return None
+    if (fmt := config_format(config)) is not None:
+        return fmt
+    names = _weight_names(Path(path))
+    if "fc.weight" in names and not any(n.startswith("model.") for n in names):
+        return "eagle1"
+    return None
+
+
+def config_format(config: dict) -> str | None:
+    """``"speculators"`` or ``"eagle3"`` where a ``config.json`` alone says so, else None (an
+    EAGLE-1 head's config is a plain Llama one: its weights tell it)."""
     if "speculators_model_type" in config:
         return "speculators"
     if "draft_vocab_size" in config or any("Eagle3" in str(a) for a in config.get("architectures") or ()):
         return "eagle3"
-    names = _weight_names(Path(path))
-    if "fc.weight" in names and not any(n.startswith("model.") for n in names):
-        return "eagle1"
     return None
 
 
@@ -185,9 +193,15 @@ def _target_layers(path: Path, ids, shift: int, num_layers: int) -> tuple[int, .
         raise ConfigError(f"{path}: eagle_aux_hidden_state_layer_ids must be a list of integers")
     else:
         layers = tuple(i + shift for i in ids)
+    return checked_layers(layers, num_layers, f"{path}: ", "set eagle_aux_hidden_state_layer_ids")
+
+
+def checked_layers(layers, num_layers: int, where: str, fix: str) -> tuple[int, ...]:
+    """``layers`` sorted, once checked to be distinct layers of a ``num_layers``-layer target
+    (a one-line ConfigError otherwise: ``where`` it came from, and ``fix``)."""
     if len(set(layers)) != len(layers) or not all(0 <= i < num_layers for i in layers):
-        raise ConfigError(f"{path}: target layers {list(layers)} are not distinct layers of this "
-                          f"{num_layers}-layer target (set eagle_aux_hidden_state_layer_ids)")
+        raise ConfigError(f"{where}target layers {list(layers)} are not distinct layers of this "
+                          f"{num_layers}-layer target ({fix})")
     return tuple(sorted(layers))
 
 
