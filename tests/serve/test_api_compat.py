@@ -252,7 +252,7 @@ def _wrapped(cause: Exception) -> Exception:
 
 
 def test_a_units_4xx_keeps_its_own_message():
-    from specserve.serve.ingress import _from_engine
+    from specserve.serve.api_errors import from_unit_error as _from_engine
 
     for cause, status in ((InvalidRequestError("the prompt is empty"), 400),
                           (CapacityError("all 8 KV cache slots are in use"), 429)):
@@ -274,7 +274,7 @@ def test_a_units_4xx_keeps_its_own_message():
     (UnitError("the server failed while processing this request"), 500, "unit_error"),
 ])
 def test_a_units_5xx_says_what_happened_and_leaks_nothing(cause, status, code):
-    from specserve.serve.ingress import _from_engine
+    from specserve.serve.api_errors import from_unit_error as _from_engine
 
     for exc in (cause, _wrapped(cause)):
         error = _from_engine(exc, "chatcmpl-0123456789abcdef0123456789abcdef")
@@ -288,7 +288,8 @@ def test_a_units_5xx_says_what_happened_and_leaks_nothing(cause, status, code):
 def test_an_unexpected_exception_is_an_openai_shaped_500():
     """The catch-all: a bug answers JSON with a request id, never a plain-text traceback."""
     from fastapi.testclient import TestClient
-    from specserve.serve.ingress import _request_id, app
+    from specserve.serve.http_app import app
+    from specserve.serve.http_app import request_id as _request_id
 
     @app.get("/test-only/boom")
     async def boom(request: Request):
@@ -341,7 +342,7 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
 
 def test_the_router_class_key_is_per_api_key():
     """Two tenants sending the same ``user`` must not share acceptance state."""
-    from specserve.serve.ingress import _class_key
+    from specserve.serve.ingress import class_key as _class_key
     from specserve.serve.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "user": "bob",
@@ -353,7 +354,7 @@ def test_the_router_class_key_is_per_api_key():
 def test_the_router_class_key_separates_request_shapes():
     """A long prompt, or a conversation that carries an earlier answer, is another class than
     a one-line question on the same route and key."""
-    from specserve.serve.ingress import _class_key
+    from specserve.serve.ingress import class_key as _class_key
     from specserve.serve.protocol import ChatCompletionRequest
 
     def key(messages, prompt_len):

@@ -27,7 +27,7 @@ coordinator stops drafting where drafts are rejected, so switching a class or a 
 off saves nothing and loses the requests that would pay. A draft model costs per request
 whatever the step's K (its prefill; EAGLE reads the target's features every step), so there
 both switches stay. Classes are per unit, so per proposer (a unit serves one), and separate traffic
-by shape as well as by route and tenant (``ingress._class_key``): a 600-token code edit and a
+by shape as well as by route and tenant (``ingress.class_key``): a 600-token code edit and a
 one-line question on the same route do not share an acceptance rate.
 
 The router runs inside the unit the request was sent to (the Serve request router picks the

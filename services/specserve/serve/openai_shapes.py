@@ -1,0 +1,91 @@
+"""OpenAI's response bodies, built from a unit's chunks: the whole response, a stream's chunk
+and its SSE line, and the ``logprobs`` object of a choice (with an ``echo``'s prompt in front).
+Pure functions: no I/O, no state.
+"""
+
+import json
+import time
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's logprob of a token the distribution excludes (JSON has no -inf)
+
+
+def sse_line(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def logprobs_object(tokenizer, items: list | None, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's ``logprobs`` object of a choice (or a chunk) from the unit's
+    ``(token, logprob, [(token, logprob), ...])`` items. Chat: ``content`` entries with the
+    token's text, bytes and ``top_logprobs``; completions: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (dicts that always hold the chosen token, as OpenAI's do) and
+    ``text_offset`` from ``offset``."""
+    if items is None:
+        return None
+    text = {t: tokenizer.decode([t]) for t, _, top in items for t in (t, *(a for a, _ in top))}
+    if chat:
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": text[token], "logprob": max(logprob, LOGPROB_FLOOR),
+                    "bytes": list(text[token].encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, lp, top in items], "refusal": None}
+    offsets = []
+    for t, _, _ in items:
+        offsets.append(offset)
+        offset += len(text[t])
+    # an echoed prompt's first token has no logprob: null, as OpenAI's
+    return {"tokens": [text[t] for t, _, _ in items],
+            "token_logprobs": [None if lp is None else max(lp, LOGPROB_FLOOR) for _, lp, _ in items],
+            "top_logprobs": [None if lp is None else
+                             {text[a]: max(b, LOGPROB_FLOOR) for a, b in [*top, (t, lp)]}
+                             for t, lp, top in items],
+            "text_offset": offsets}
+
+
+def echoed(echo: tuple[str, list[int]] | None, prompt_logprobs: list | None,
+           items: list | None) -> tuple[str, list | None]:
+    """What an ``echo`` completion puts before its output: the prompt's text, and with
+    logprobs the prompt's items (its first token with none) before the output's."""
+    if echo is None:
+        return "", items
+    text, ids = echo
+    if items is None:
+        return text, None
+    scored = prompt_logprobs or [(None, None)] * (len(ids) - 1)
+    return text, [(ids[0], None, []), *((t, lp, top or []) for t, (lp, top) in zip(ids[1:], scored)),
+                  *items]
+
+
+def joined(items: list | None, more: list | None) -> list | None:
+    """Logprobs items of two chunks, in order (None: none asked for)."""
+    return more if items is None else items + (more or [])
+
+
+def chunk_body(rid: str, model: str, created: int, chat: bool, delta, finish: str | None,
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    """A stream's chunk of one choice: ``chat.completion.chunk`` or ``text_completion``."""
+    if chat:
+        choice = {"index": index, "delta": delta or {}, "finish_reason": finish,
+                  "logprobs": logprobs}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def response_body(rid: str, model: str, chat: bool, choices: list[dict], usage: dict) -> dict:
+    """The whole response; ``choices``: each one's ``text``, ``finish``, ``logprobs`` and
+    (chat) ``tool_calls``."""
+    created = int(time.time())
+    if chat:
+        body = [{"index": i, "message": {"role": "assistant", "content": c["text"],
+                                         **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
+                 "finish_reason": c["finish"], "logprobs": c["logprobs"]}
+                for i, c in enumerate(choices)]
+        obj = "chat.completion"
+    else:
+        body = [{"index": i, "text": c["text"], "finish_reason": c["finish"],
+                 "logprobs": c["logprobs"]} for i, c in enumerate(choices)]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": body,
+            "usage": usage}
