@@ -74,7 +74,7 @@ SAMPLER_FP32_COPIES = 10
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a Llama-family ``config.json`` the estimate reads (the same rules as
-    :class:`specserve.engine.model.ModelArch`: head_dim defaults to hidden / heads, kv heads
+    :class:`specserve.engine.arch.ModelArch`: head_dim defaults to hidden / heads, kv heads
     to heads, Qwen2 has q/k/v biases and no o bias, Qwen3 a norm over each q and k head)."""
 
     hidden_size: int

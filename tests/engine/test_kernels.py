@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from specserve.engine import native
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
-from specserve.engine.model import rms_norm
+from specserve.engine.layers import rms_norm
 
 from tests.models import runtime_of, tiny_hf_model
 

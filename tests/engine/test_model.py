@@ -87,7 +87,7 @@ def test_context_overflow_is_refused_without_state_change():
 
 
 def test_unsupported_architecture_is_refused():
-    from specserve.engine.model import ModelArch
+    from specserve.engine.arch import ModelArch
     from specserve.errors import ConfigError
     from transformers import GPT2Config
 

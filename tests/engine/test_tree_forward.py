@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from specserve.engine import model, native
+from specserve.engine import layers, native
 from specserve.engine.tree_acceptance import tree_ancestors
 from specserve.errors import InvalidRequestError
 
@@ -106,7 +106,7 @@ def test_trees_on_the_torch_paths_agree_up_to_rounding(monkeypatch):
         rt(cache, [slot], [prefix])
         with monkeypatch.context() as patch:
             if not native_on:  # the attention of a machine without a C compiler
-                patch.setattr(model, "native_ready", lambda x: False)
+                patch.setattr(layers, "native_ready", lambda x: False)
             outs.append(rt(cache, [slot], [ids], [len(ids)], trees=[parents]))
     for other in outs[1:]:
         assert torch.allclose(outs[0], other, atol=1e-4)

@@ -150,7 +150,7 @@ class StaticForward:
         return bucket(num_rows, limit=num_slots), token_bucket(num_new, self.verify_tokens)
 
     def __call__(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
-        """``x`` ``[B, T, hidden]`` (a ragged :class:`~specserve.engine.model.ForwardContext`
+        """``x`` ``[B, T, hidden]`` (a ragged :class:`~specserve.engine.forward_context.ForwardContext`
         batch) through every layer; returns ``[B, T, hidden]``."""
         b, t, hidden = x.shape
         rows, tokens = self.bucket_of(b, t, cache.num_slots)

@@ -43,9 +43,11 @@ import torch
 from torch import nn
 
 from specserve.engine import native
+from specserve.engine.arch import ModelArch
 from specserve.engine.kernels import Linear, native_ready
+from specserve.engine.layers import Attention, DecoderLayer, rms_norm
 from specserve.engine.loader import is_hub_id
-from specserve.engine.model import Attention, DecoderLayer, LlamaRuntime, ModelArch, default_kernels, rms_norm
+from specserve.engine.model import LlamaRuntime, default_kernels
 from specserve.errors import ConfigError
 from specserve.methods import DRAFT_KINDS
 

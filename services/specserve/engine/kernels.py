@@ -9,7 +9,7 @@ near-tie into a different answer. Measured on this project's CPUs (float32, torc
 ``scaled_dot_product_attention`` gives other bits for a query inside a masked call than for
 the same query alone. So the runtime uses these instead:
 
-- :class:`Linear`, and the layer's attention, norms, RoPE and SiLU in ``model.py``: the C
+- :class:`Linear`, and the layer's attention, norms, RoPE and SiLU in ``layers.py``: the C
   kernels of ``kernels.c`` (:mod:`specserve.engine.native`), built for the machine at first
   use. Each output is one fixed sequence of operations over its own inputs, so invariance
   holds by construction; a decode streams the weights at close to memory bandwidth (about

@@ -20,421 +20,27 @@ Layout choices, for speed on the hot path:
 - cos/sin for every position up to the cache length are computed once, with the
   architecture's own ``transformers`` rotary embedding so every RoPE variant it knows
   (default, linear, llama3, yarn, ...) is exact.
+
+Here: :class:`LlamaRuntime` (the forward, its caches and kernels) and building it from a
+checkpoint. Its parts: the architecture's numbers (:mod:`specserve.engine.arch`), the
+layers (:mod:`specserve.engine.layers`), a forward's shared context
+(:mod:`specserve.engine.forward_context`) and row groups in one pass
+(:mod:`specserve.engine.grouped_forward`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from itertools import accumulate, pairwise
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine import block_attention, native
-from specserve.engine.block_attention import KeyBlocks
-from specserve.engine.compiled import StaticForward, StaticInputs, bucket, warm_up
-from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys, native_ready
+from specserve.engine.arch import ModelArch
+from specserve.engine.compiled import StaticForward, warm_up
+from specserve.engine.forward_context import ForwardContext, logit_positions, prepare
+from specserve.engine.grouped_forward import forward_groups
+from specserve.engine.kernels import KV_BLOCK, Linear
 from specserve.engine.kv_cache import PagedKVCache, SlotKVCache
-from specserve.engine.tree_acceptance import validate_tree
-from specserve.errors import ConfigError, InvalidRequestError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """The numbers of a Llama-family architecture, read from a ``transformers`` config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
-
-    @classmethod
-    def from_hf_config(cls, config) -> ModelArch:
-        model_type = config.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type {model_type!r} is not supported "
-                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        if rope.get("rope_type", rope.get("type", "default")) == "dynamic":
-            raise ConfigError("dynamic NTK RoPE depends on the sequence length and is not supported")
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            # Qwen2 always has q/k/v biases and no o bias; Llama's attention_bias covers all four.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=config.max_position_embeddings,
-            sliding_windows=_sliding_windows(config),
-            qk_norm=model_type == "qwen3",
-        )
-
-
-def _sliding_windows(config) -> tuple[int | None, ...]:
-    """Per-layer sliding window, following how each ``transformers`` model decides it."""
-    n = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if config.model_type == "mistral":
-        return (window,) * n
-    if config.model_type in ("qwen2", "qwen3"):
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    return (None,) * n
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as ``transformers`` does, then cast back."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. ``x``: ``[B, T, H, D]``; ``cos``/``sin``: ``[B, T, 1, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    """Self-attention over the slot cache. Head counts are *local* (per TP rank)."""
-
-    def __init__(self, arch: ModelArch, layer_idx: int, in_features: int | None = None) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        # in_features: an EAGLE-3 head's first layer projects [token embedding, feature] (2H)
-        self.qkv = Linear(in_features or arch.hidden_size, qkv_out, bias=arch.qkv_bias)
-        self.o = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
-        self.sliding_window = arch.sliding_windows[layer_idx]
-        self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
-        self.invariant = True   # row-invariant attention (kernels.attention); False: library
-        self.attention = "sdpa"  # the library's attention: "sdpa" or "flex" (block_attention)
-        # Qwen3: each q and k head RMS-normalised (weights over D, shared by the heads) before
-        # RoPE; replicated, not sharded, under tensor parallelism.
-        self.eps = arch.rms_norm_eps
-        if arch.qk_norm:
-            self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
-            self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
-        else:
-            self.q_norm = self.k_norm = None
-
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[B, T, H, D]``, k and v ``[B, T, Hk, D]``, RoPE applied. RoPE runs in the layout
-        the projection produced (broadcasting over a transposed view is several times slower
-        on CPU)."""
-        bsz, t, _ = x.shape
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
-        q, k = q.view(bsz, t, h, d), k.view(bsz, t, hk, d)
-        if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(bsz, t, hk, d)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
-                cache: SlotKVCache) -> torch.Tensor:
-        window = self.sliding_window is not None
-        if isinstance(ctx, StaticInputs):
-            attend = self._attend_static
-        elif isinstance(ctx, PackedContext):
-            attend = self._attend_packed
-        else:
-            attend = self._attend_native if self.invariant and native_ready(x) else self._attend
-        out = self.o(attend(x, ctx, cache, window))
-        return self.all_reduce(out) if self.all_reduce is not None else out
-
-    def _attend_packed(self, x: torch.Tensor, ctx: PackedContext, cache: SlotKVCache,
-                       window: bool) -> torch.Tensor:
-        """``[1, N, H * D]``: each group's attention in its own ``[B, T]`` layout over its span
-        of the packed tokens ``x`` (``[1, N, hidden]``); on the C kernels one projection for
-        every group's tokens (:meth:`LlamaRuntime.forward`, ``groups``)."""
-        native_path = self.invariant and native_ready(x)
-        qkv = self.qkv(x)[0] if native_path else None  # [N, (H + 2 Hk) D]
-        outs = []
-        for group, (a, b) in zip(ctx.groups, ctx.spans):
-            shape = group.valid.shape  # (B, T) of the group
-            if native_path:
-                outs.append(self._native(qkv[a:b].view(*shape, -1), group, cache, window))
-            else:
-                outs.append(self._attend(x[0, a:b].view(*shape, -1), group, cache, window))
-        return torch.cat([out.reshape(-1, out.shape[-1]) for out in outs])[None]
-
-    def _attend(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
-                window: bool) -> torch.Tensor:
-        """``[B, T, H * D]`` attention outputs, in torch ops (the fallback and ``library``)."""
-        q, k, v = self._qkv(x, ctx.cos, ctx.sin)
-        # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
-        cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
-        if self.invariant:
-            keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
-            hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
-            return attention(q, keys, values, hidden, self.head_dim ** -0.5)
-        if self.attention == "flex":  # each row's own keys, read in place
-            return block_attention.attend(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
-                                          ctx.key_blocks(cache, window), self.head_dim ** -0.5)
-        # library: the runtime before issue 17, exactly (keys up to the longest row, no mask
-        # where every key is visible, as for a lone decode row)
-        keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_used)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=ctx.library_mask(window),
-            enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
-        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
-
-    def _attend_native(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
-                       window: bool) -> torch.Tensor:
-        """The same on the C kernels: RoPE and the cache write in one call on the fused
-        projection, attention reading the q heads in place and the cache storage directly."""
-        return self._native(self.qkv(x), ctx, cache, window)
-
-    def _native(self, qkv: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
-                window: bool) -> torch.Tensor:
-        """:meth:`_attend_native` after the projection: ``qkv`` ``[B, T, (H + 2 Hk) D]``."""
-        bsz, t, _ = qkv.shape
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        if self.q_norm is not None:  # in place, head by head (each a row of D)
-            heads = qkv.view(-1, h + 2 * hk, d)
-            heads[:, :h] = native.rms_norm(heads[:, :h], self.q_norm, self.eps)
-            heads[:, h:h + hk] = native.rms_norm(heads[:, h:h + hk], self.k_norm, self.eps)
-        native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.table,
-                              ctx.row_starts, ctx.row_lens)
-        q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
-        return native.attention(q, keys, values, ctx.table, ctx.key_start(window),
-                                ctx.key_end, d ** -0.5, ctx.tree, ctx.tree_starts)
-
-    def _attend_static(self, x: torch.Tensor, ctx: StaticInputs, cache: SlotKVCache,
-                       window: bool) -> torch.Tensor:
-        """The same at static shapes (:mod:`specserve.engine.compiled`): every token's key
-        and value written in place (padding to the spare slot), then attention reading each
-        row's own key blocks (``flex``), or each row's whole slot with a mask (``sdpa``)."""
-        q, k, v = self._qkv(x, ctx.cos, ctx.sin)  # [B, T, H, D], [B, T, Hk, D] twice
-        keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, Hk, S, D]
-        keys[ctx.write_slots, :, ctx.write_positions] = k
-        values[ctx.write_slots, :, ctx.write_positions] = v
-        if ctx.keys is not None:
-            blocks = ctx.window_keys if window else ctx.keys
-            return block_attention.attend(q, keys, values, blocks, self.head_dim ** -0.5)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[ctx.slots], values[ctx.slots],
-            attn_mask=ctx.window_visible if window else ctx.visible,
-            enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
-        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
-
-    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
-        (``cos``/``sin``: ``[1, T, 1, D]``). Right padding is harmless: nothing attends to it."""
-        bsz, t, _ = x.shape
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = (y.transpose(1, 2) for y in self._qkv(x, cos, sin))  # [B, heads, T, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h)
-        return self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
-
-
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.intermediate_size = arch.intermediate_size  # local (per TP rank)
-        self.gate_up = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
-        self.all_reduce = None
-        self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        if self.invariant and native_ready(gate_up):
-            out = self.down(native.silu_mul(gate_up))
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            out = self.down(F.silu(gate) * up)
-        return self.all_reduce(out) if self.all_reduce is not None else out
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
-        super().__init__()
-        self.eps = arch.rms_norm_eps
-        self.input_norm = nn.Parameter(torch.ones(arch.hidden_size))  # None: none (EAGLE-1's first layer)
-        self.attn = Attention(arch, layer_idx)
-        self.post_attn_norm = nn.Parameter(torch.ones(arch.hidden_size))
-        self.mlp = MLP(arch)
-        self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
-                cache: SlotKVCache) -> torch.Tensor:
-        norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
-        attn_in = x if self.input_norm is None else norm(x, self.input_norm, self.eps)
-        x = x + self.attn(attn_in, ctx, cache)
-        return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
-
-    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Training: see :meth:`Attention.forward_full`."""
-        attn_in = x if self.input_norm is None else rms_norm(x, self.input_norm, self.eps)
-        x = x + self.attn.forward_full(attn_in, cos, sin)
-        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
-
-
-@dataclass
-class ForwardContext:
-    """Everything one ragged forward shares across layers (computed once per call)."""
-
-    slots: list[int]
-    kv_len: int                    # S: longest (start + num_new) in the batch, in whole KV blocks
-    cos: torch.Tensor              # [B, T, 1, D]
-    sin: torch.Tensor              # [B, T, 1, D]
-    valid: torch.Tensor            # [B, T] bool: real tokens, not padding
-    write_slots: torch.Tensor      # [N] slot of each real token
-    write_positions: torch.Tensor  # [N] position of each real token
-    kv_used: int                   # the longest (start + num_new) in the batch
-    positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
-    window: int | None             # the sliding window of the layers that have one
-    # Token trees (``LlamaRuntime.forward(trees=...)``): [B, T] int64, bit i of query (b, t) set
-    # where it sees the i-th token from its row's base (its ancestors and itself), and [B]
-    # int32, each tree row's base position (-1: a chain row; ``LlamaRuntime._trees``).
-    # None: every row is a chain.
-    tree: torch.Tensor | None = None
-    tree_starts: torch.Tensor | None = None
-    lens: torch.Tensor | None = None  # [B] int64 on the CPU: each row's real new tokens
-    table: torch.Tensor | None = None  # [B, W] int32: each row's block table (the C kernels)
-    _hidden: dict = field(default_factory=dict)
-    _ranges: dict = field(default_factory=dict)
-
-    @property
-    def query_last(self) -> torch.Tensor:
-        """``[B, T]``: each query's position, a padding query's capped at its row's last real
-        token (its output is never read, and a paged row holds blocks for its real tokens
-        only: nothing past them may be read)."""
-        if "last" not in self._ranges:
-            last = self.positions[:, :1] + self.lens[:, None].to(self.positions.device) - 1
-            self._ranges["last"] = torch.minimum(self.positions, last)
-        return self._ranges["last"]
-
-    @property
-    def key_end(self) -> torch.Tensor:
-        """``[B, T]`` int32: each query reads keys before ``position + 1``."""
-        if "end" not in self._ranges:
-            self._ranges["end"] = (self.query_last + 1).to(torch.int32)
-        return self._ranges["end"]
-
-    @property
-    def row_starts(self) -> torch.Tensor:
-        """``[B]`` int32: each row's first new position."""
-        if "starts" not in self._ranges:
-            self._ranges["starts"] = self.positions[:, 0].to(torch.int32)
-        return self._ranges["starts"]
-
-    @property
-    def row_lens(self) -> torch.Tensor:
-        """``[B]`` int32: each row's number of new (real) tokens."""
-        if "lens" not in self._ranges:
-            self._ranges["lens"] = self.valid.sum(1, dtype=torch.int32)
-        return self._ranges["lens"]
-
-    def library_mask(self, window: bool) -> torch.Tensor | None:
-        """``[B, 1, T, kv_used]`` for torch's attention, None where every key is visible."""
-        key = ("library", window)
-        if key not in self._ranges:
-            visible = self.visible(window)[..., :self.kv_used]
-            self._ranges[key] = None if visible.all() else visible[:, None]
-        return self._ranges[key]
-
-    def visible(self, window: bool) -> torch.Tensor:
-        """``[B, T, S]`` bool, True where a query may attend (made on first use: the C kernels
-        take key ranges instead, so the default CPU path never builds it).
-
-        A query at position ``p`` sees keys ``0..p`` of its own slot, and with ``window`` the
-        last ``self.window`` of them. Padding queries keep the same rule; they always see key
-        0, so no softmax row is empty, and their outputs are never read.
-        """
-        key = ("visible", window)
-        if key not in self._ranges:
-            keys = torch.arange(self.kv_len)[None, None, :]                  # [1, 1, S]
-            visible = keys <= self.positions[:, :, None]                     # [B, T, S]
-            if window:
-                visible &= keys > self.positions[:, :, None] - self.window
-            if self.tree is not None:  # a tree row's query: its prefix, ancestors and itself
-                rel = keys - self.tree_starts.long()[:, None, None]          # [B, 1, S]
-                bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1        # [B, T, S]
-                seen = (rel < 0) | ((rel < 64) & (bit == 1))
-                visible = torch.where((self.tree_starts >= 0)[:, None, None], visible & seen, visible)
-            self._ranges[key] = visible.to(self.valid.device)
-        return self._ranges[key]
-
-    def key_start(self, window: bool) -> torch.Tensor:
-        """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
-        key = ("start", window)
-        if key not in self._ranges:
-            start = torch.zeros_like(self.positions)
-            if window:
-                start = (self.query_last - self.window + 1).clamp(min=0)
-            self._ranges[key] = start.to(torch.int32)
-        return self._ranges[key]
-
-    def key_blocks(self, cache: SlotKVCache, window: bool) -> KeyBlocks:
-        """The key blocks each row reads in :mod:`~specserve.engine.block_attention` (made
-        once per forward and window kind). Rows are padded to a power of two with copies of
-        row 0 (their outputs are dropped): a compiled kernel then sees a handful of batch
-        sizes, not every one."""
-        key = ("blocks", window)
-        if key not in self._ranges:
-            b = len(self.slots)
-            rows = torch.cat([torch.arange(b), torch.zeros(bucket(b) - b, dtype=torch.long)])
-            last = self.positions[:, 0] + self.lens - 1                       # [B]
-            tree = None if self.tree is None else self.tree[rows]
-            starts = None if self.tree_starts is None else self.tree_starts[rows]
-            blocks = block_attention.key_blocks(
-                self.positions[rows], last[rows], torch.tensor(self.slots)[rows],
-                num_kv_heads=cache.k[0].shape[1], slot_len=cache.k[0].shape[2],
-                window=self.window if window else None, tree=tree, tree_starts=starts)
-            self._ranges[key] = blocks.to(self.valid.device)
-        return self._ranges[key]
-
-    def hidden_keys(self, group: int, window: bool) -> torch.Tensor:
-        """The attention mask for ``group`` query heads per key/value head (made once)."""
-        key = (group, window)
-        if key not in self._hidden:
-            self._hidden[key] = hidden_keys(self.visible(window), group)
-        return self._hidden[key]
-
-
-@dataclass
-class PackedContext:
-    """Several row groups in one pass (:meth:`LlamaRuntime.forward`, ``groups``): each
-    group's context in its own ``[B, T]`` layout, and its span of the packed tokens."""
-
-    groups: list[ForwardContext]
-    spans: list[tuple[int, int]]  # [start, end) of each group's B x T tokens in the pack
+from specserve.engine.layers import MLP, Attention, DecoderLayer, rms_norm
+from specserve.errors import ConfigError
 
 
 class LlamaRuntime(nn.Module):
@@ -582,7 +188,7 @@ class LlamaRuntime(nn.Module):
         ancestors only, so its logits are those of its root-to-node path as a chain (bit for
         bit on the C kernels). The new tokens are stored in the slot in their order; the
         caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a
-        tree after its base (``_trees``); not with sliding-window layers.
+        tree after its base (``forward_context._trees``); not with sliding-window layers.
 
         A tree may grow over several forwards (a draft expanding it a level at a time,
         ``proposers/eagle.py``): ``trees[i]`` longer than ``token_ids[i]`` covers the row's
@@ -595,8 +201,8 @@ class LlamaRuntime(nn.Module):
         if groups is not None and len(groups) > 1:
             if sum(groups) != len(slots) or min(groups) < 1:
                 raise ValueError(f"groups {groups} do not split {len(slots)} rows")
-            return self._forward_groups(cache, slots, token_ids, num_logits, features,
-                                        return_hidden, trees, groups)
+            return forward_groups(self, cache, slots, token_ids, num_logits, features,
+                                  return_hidden, trees, groups)
         ctx, tokens = self._prepare(cache, slots, token_ids, trees)
         x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
         captured: list[torch.Tensor] = []  # feature_layers' inputs
@@ -608,7 +214,7 @@ class LlamaRuntime(nn.Module):
             x, captured = self._layers(x, ctx, cache, capture)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
-        rows, cols = _logit_positions(token_ids, num_logits, x.device)
+        rows, cols = logit_positions(token_ids, num_logits, x.device)
         head = self._head_shape(ctx, cache.num_slots, *x.shape[:2])
         if head is not None:
             out = self._padded_head(x, head, rows, cols, ctx.valid, return_hidden)
@@ -623,48 +229,6 @@ class LlamaRuntime(nn.Module):
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
         return self.logits(hidden[index[rows, cols]]), hidden
-
-    def _forward_groups(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
-                        num_logits: list[int], features: torch.Tensor | None, return_hidden: bool,
-                        trees: list[list[int] | None] | None, groups: list[int]
-                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` of rows in ``groups`` (its docstring): outputs in row order."""
-        spans = list(pairwise(accumulate(groups, initial=0)))  # each group's rows
-        feats: list[torch.Tensor | None] = [None] * len(spans)
-        if features is not None:
-            feats = list(features.split([sum(map(len, token_ids[a:b])) for a, b in spans]))
-        part = (lambda a, b: None) if trees is None else (lambda a, b: trees[a:b])
-        if self.kernels != "invariant":
-            outs = [self.forward(cache, slots[a:b], token_ids[a:b], num_logits[a:b], features=f,
-                                 return_hidden=return_hidden, trees=part(a, b))
-                    for (a, b), f in zip(spans, feats)]
-            if not return_hidden:
-                return torch.cat(outs)
-            return torch.cat([out[0] for out in outs]), torch.cat([out[1] for out in outs])
-        prepared = [self._prepare(cache, slots[a:b], token_ids[a:b], part(a, b)) for a, b in spans]
-        x = torch.cat([self._inputs(tokens, ctx, f).flatten(0, 1)
-                       for (ctx, tokens), f in zip(prepared, feats)])[None]  # [1, N, hidden]
-        packed = PackedContext([ctx for ctx, _ in prepared],
-                               list(pairwise(accumulate((ctx.valid.numel() for ctx, _ in prepared),
-                                                        initial=0))))
-        x, captured = self._layers(x, packed, cache, return_hidden and self.feature_layers is not None)
-        for slot, ids in zip(slots, token_ids):
-            cache.lengths[slot] += len(ids)
-        where = []  # each row's new tokens in the pack, rows in order
-        for (a, b), ctx, (first, _) in zip(spans, packed.groups, packed.spans):
-            t = ctx.valid.shape[1]
-            where += [range(first + j * t, first + j * t + len(ids))
-                      for j, ids in enumerate(token_ids[a:b])]
-        asked = [i for r, n in zip(where, num_logits) for i in r[len(r) - n:]]
-        if not return_hidden:
-            return self.logits(self.final_norm(x[0, asked]))
-        if self._own_features(return_hidden):
-            return (self.logits(self.final_norm(x[0, asked])),
-                    self._features(x, captured)[0, [i for r in where for i in r]])
-        hidden = self.final_norm(x[0, [i for r in where for i in r]])
-        ends = list(accumulate(map(len, where)))
-        rows = [i for end, n in zip(ends, num_logits) for i in range(end - n, end)]
-        return self.logits(hidden[rows]), hidden
 
     def _layers(self, x: torch.Tensor, ctx, cache: SlotKVCache,
                 capture: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -737,116 +301,10 @@ class LlamaRuntime(nn.Module):
 
     def _prepare(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
                  trees: list[list[int] | None] | None = None) -> tuple[ForwardContext, torch.Tensor]:
-        device = self.embed.weight.device
-        starts = [cache.lengths[s] for s in slots]
-        lens = [len(ids) for ids in token_ids]
-        if min(lens) < 1:
-            raise InvalidRequestError("every row of a forward needs at least one new token")
-        kv_len = max(s + n for s, n in zip(starts, lens))
-        if kv_len > cache.max_seq_len:
-            raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
-                                      f"of {cache.max_seq_len}")
-        cache.reserve(slots, [s + n for s, n in zip(starts, lens)])  # a paged cache's blocks
-        kv_used, kv_len = kv_len, -(-kv_len // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
-        t = max(lens)
-        if self.decode_width is not None and t <= self.decode_width:
-            t = self.decode_width  # a decode's GEMMs take a verify's shape (use_kernels)
-        tokens = torch.zeros(len(slots), t, dtype=torch.long)
-        for i, ids in enumerate(token_ids):
-            tokens[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        start_t = torch.tensor(starts)
-        steps = torch.arange(t)
-        positions = start_t[:, None] + steps[None, :]                   # [B, T]
-        valid = steps[None, :] < torch.tensor(lens)[:, None]              # [B, T]
-        rope_positions, tree, tree_starts = positions, None, None
-        if trees is not None and any(parents is not None for parents in trees):
-            rope_positions, tree, tree_starts = self._trees(trees, starts, lens, t)
-        table_pos = rope_positions.clamp(max=self.max_positions - 1).to(device)
-        cos = self.rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
-        sin = self.rope_sin[table_pos].unsqueeze(2)
-        slot_t = torch.tensor(slots)[:, None].expand(-1, t)
-        ctx = ForwardContext(
-            slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
-            write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
-            kv_used=kv_used, positions=positions, window=self._window(), tree=tree,
-            tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots))
-        return ctx, tokens.to(device)
-
-    def _trees(self, trees: list[list[int] | None], starts: list[int], lens: list[int],
-               t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """RoPE positions ``[B, T]`` (a node's: its row start + its depth), the visibility
-        bitmasks ``[B, T]`` and the tree rows' bases ``[B]`` (-1: chain) of a forward.
-
-        A row's tokens up to its *base* form a chain that every later token descends from
-        (the base: the lowest parent of a token that does not follow the token before it;
-        a verify's base is the row's last token, a prompt's tail before it): the kernels
-        read keys before the base as a chain's, and bit i of a query's mask stands for the
-        base's i-th token after it, so a tree of up to 63 drafts fits whatever came before."""
-        if self._window() is not None:
-            raise InvalidRequestError("token trees are not supported with sliding-window attention")
-        depth = torch.arange(t).repeat(len(starts), 1)          # [B, T]: chains (and padding)
-        masks = torch.zeros(len(starts), t, dtype=torch.int64)
-        bases = torch.full((len(starts),), -1, dtype=torch.int32)
-        for b, parents in enumerate(trees):
-            if parents is None:
-                continue
-            past = len(parents) - lens[b]  # the tree's tokens stored by earlier forwards
-            if not 0 <= past <= starts[b]:
-                raise InvalidRequestError(f"a tree needs one parent per new token and at most one "
-                                          f"per cached token (row {b}: {len(parents)} parents, "
-                                          f"{lens[b]} new tokens, {starts[b]} cached)")
-            try:  # the drafts after token 0, numbered as tree_acceptance numbers them
-                if not parents or parents[0] != -1:
-                    raise ValueError("token 0's parent must be -1 (it follows the cache)")
-                validate_tree([p - 1 for p in parents[1:]])
-            except ValueError as exc:
-                raise InvalidRequestError(f"row {b}: malformed token tree ({exc})") from None
-            branching = [p for j, p in enumerate(parents) if j and p != j - 1]
-            if not branching:
-                continue  # a chain after all
-            base = min(branching)
-            if len(parents) - base > 64:
-                raise InvalidRequestError(f"row {b}: a tree of {len(parents) - base} tokens after "
-                                          "its base; at most 64")
-            # Depth and mask of every token of the tree, cached ones included (index j is
-            # stored at starts[b] - past + j); the new tokens take theirs.
-            tree_depth, tree_mask = list(range(base + 1)), [0] * base + [1]
-            for j in range(base + 1, len(parents)):
-                tree_depth.append(tree_depth[parents[j]] + 1)
-                tree_mask.append(tree_mask[parents[j]] | _bit(j - base))
-            for j in range(lens[b]):
-                depth[b, j] = tree_depth[past + j] - past
-                masks[b, j] = tree_mask[past + j]
-            for j in range(lens[b], t):  # padding: sees the row's tokens; never read
-                depth[b, j] = j
-                bit = past + j - base
-                masks[b, j] = masks[b, j - 1] | _bit(bit) if bit < 64 else masks[b, j - 1]
-            bases[b] = starts[b] - past + base
-        return torch.tensor(starts)[:, None] + depth, masks, bases
-
-    def _window(self) -> int | None:
-        """The sliding window of the layers that have one (one size per model), or None."""
-        windows = {w for w in self.arch.sliding_windows if w is not None}
-        assert len(windows) <= 1, "one sliding window size per model"
-        return next(iter(windows), None)
-
-
-def _bit(j: int) -> int:
-    """Bit j of an int64 (bit 63 is the sign)."""
-    return 1 << j if j < 63 else -(1 << 63)
-
-
-def _logit_positions(token_ids: list[list[int]], num_logits: list[int],
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) indices of the last ``num_logits[i]`` new tokens of each row."""
-    rows, cols = [], []
-    for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
-        if not 0 <= n <= len(ids):
-            raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
-        rows += [i] * n
-        cols += range(len(ids) - n, len(ids))
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(cols, dtype=torch.long, device=device))
+        """The forward's context and tokens (:func:`~specserve.engine.forward_context.prepare`)."""
+        return prepare(cache, slots, token_ids, trees, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
+                       sliding_windows=self.arch.sliding_windows, decode_width=self.decode_width,
+                       device=self.embed.weight.device)
 
 
 def default_kernels(device: torch.device) -> str:

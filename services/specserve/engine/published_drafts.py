@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from specserve.engine.model import ModelArch, rope_tables
+from specserve.engine.arch import ModelArch
+from specserve.engine.model import rope_tables
 from specserve.errors import ConfigError
 
 CONFIG_FILE = "config.json"

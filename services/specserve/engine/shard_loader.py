@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from specserve.engine import tp
-from specserve.engine.model import LlamaRuntime, ModelArch, checkpoint_names, rope_tables
+from specserve.engine.arch import ModelArch
+from specserve.engine.model import LlamaRuntime, checkpoint_names, rope_tables
 from specserve.errors import ConfigError, ModelNotFoundError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from specserve.engine.model import LlamaRuntime, ModelArch
+from specserve.engine.arch import ModelArch
+from specserve.engine.model import LlamaRuntime
 from specserve.errors import ConfigError
 
 _COLUMN_PARALLEL = ("attn.qkv", "mlp.gate_up")
