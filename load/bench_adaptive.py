@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {"fixed": [], "adaptive": []}
     for r in range(args.rounds + 1):
         for mode in (("fixed", "adaptive") if r % 2 == 0 else ("adaptive", "fixed")):
-            engine.k_counts.clear()
+            engine.counters.k_counts.clear()
             t0 = time.perf_counter()
             outs = engine.generate(ids, params, num_speculative_tokens=args.k, adaptive=mode == "adaptive")
             rate = sum(len(o.output_token_ids) for o in outs) / (time.perf_counter() - t0)
             print(f"round {r}{' (warm-up)' if r == 0 else ''}  {mode:>8}  {rate:7.1f} tok/s  "
-                  f"K counts {dict(sorted(engine.k_counts.items()))}", flush=True)
+                  f"K counts {dict(sorted(engine.counters.k_counts.items()))}", flush=True)
             if r > 0:
                 rates[mode].append(rate)
     mean = {m: sum(v) / len(v) for m, v in rates.items()}

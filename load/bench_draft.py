@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 
 from specserve.config import EngineConfig
-from specserve.draft.data import read_prompts
-from specserve.draft.evaluate import end_to_end
 from specserve.engine.builder import build_engine
 from specserve.engine.draft_head import EMBEDDED_DRAFT, EMBEDDED_EAGLE3, draft_path, is_draft_dir
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
+from specserve.training.data import read_prompts
+from specserve.training.evaluate import end_to_end
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
 from common import print_end_to_end  # noqa: E402

@@ -92,11 +92,11 @@ def capacity() -> dict:
         while engine.has_unfinished():
             for o in engine.step():
                 out.setdefault(o.seq_id, []).extend(o.new_token_ids)
-            peak = max(peak, len(engine.running))
-            full = max(full, sum(worker.length(s.slot) for s in engine.running.values()))
+            peak = max(peak, len(engine.scheduler.running))
+            full = max(full, sum(worker.length(s.slot) for s in engine.scheduler.running.values()))
         runs[name] = {"most_running": peak, "most_kv_tokens": full,
                       "sequences_worth": round(full / (prompt_len + output_len), 1),
-                      "preemptions": engine.num_preemptions,
+                      "preemptions": engine.counters.num_preemptions,
                       "seconds": round(time.perf_counter() - start, 2),
                       "tokens": [out[i] for i in ids]}
     same = runs["slots"].pop("tokens") == runs["paged"].pop("tokens")

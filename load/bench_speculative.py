@@ -20,7 +20,7 @@ the prefill step), acceptance rate, mean acceptance length, tokens per decode st
 cost model's prediction (:func:`specserve.engine.cost_model.expected_speedup`) with
 α = the measured acceptance rate, γ = K, c = (propose time per step / K) / T and
 v = (verify time per step) / T, where T is the baseline's decode wall time per token and the
-step times are ``engine.times`` deltas over each run's decode steps. The prediction sits next
+step times are ``engine.counters.times`` deltas over each run's decode steps. The prediction sits next
 to the measured decode speedup; the gap is what the model leaves out: the accept phase
 (rejection sampler, detokenizer, stop checks), the Python step loop, steps whose draft is
 shorter than K (no n-gram match, the end of ``max_tokens``), and acceptance that is not
@@ -244,7 +244,7 @@ def save_plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def _phases(engine) -> tuple[int, float, float, float]:
-    t = engine.times
+    t = engine.counters.times
     return t.steps, t.propose_s, t.verify_s, t.accept_s
 
 
@@ -260,7 +260,7 @@ def _run_steps(engine, seq_id: int, max_steps: int):
 
 def measure(engine, prompt: list[int], max_tokens: int, num_speculative_tokens: int) -> Tally:
     """One greedy request on an otherwise idle engine: wall time, the decode part (every step
-    after the prefill step) with its ``engine.times`` deltas, and the request's stats."""
+    after the prefill step) with its ``engine.counters.times`` deltas, and the request's stats."""
     from specserve.config import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

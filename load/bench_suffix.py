@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 from specserve.config import EngineConfig, SamplingParams
-from specserve.draft.data import read_prompts
-from specserve.draft.evaluate import end_to_end
 from specserve.engine.builder import build_engine
 from specserve.engine.draft_head import EMBEDDED_DRAFT
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, machine_label
+from specserve.training.data import read_prompts
+from specserve.training.evaluate import end_to_end
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
 from common import print_end_to_end  # noqa: E402
@@ -66,7 +66,7 @@ def proposer_cost(tokenizer, repeats: int = 200) -> list[dict]:
     import random
     import statistics
 
-    from specserve.engine.proposers.base import DraftRequest
+    from specserve.engine.proposal import DraftRequest
     from specserve.engine.proposers.suffix import SuffixOptions, SuffixProposer
 
     root = Path(__file__).resolve().parent.parent
@@ -230,7 +230,7 @@ def main() -> int:
         print(f"{workload}: {line}", flush=True)
     cache = {}
     for name, (e, *_) in modes.items():
-        suffix = getattr(e.proposer, "first", e.proposer)
+        suffix = getattr(e.draft.proposer, "first", e.draft.proposer)
         if getattr(suffix, "method", None) == "suffix":
             cache[name] = {"responses": suffix.cache.num_responses, "tokens": suffix.cache.num_tokens,
                            "bytes": suffix.cache.nbytes}

@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 
 from specserve.config import EngineConfig, SamplingParams
-from specserve.draft.data import read_prompts
-from specserve.draft.evaluate import end_to_end
 from specserve.engine.builder import build_engine
 from specserve.engine.draft_head import EMBEDDED_DRAFT
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
+from specserve.training.data import read_prompts
+from specserve.training.evaluate import end_to_end
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # load/ is not a package
 from common import print_end_to_end, rotated  # noqa: E402
@@ -83,7 +83,7 @@ def concurrency(modes: dict[str, tuple], prompts: list[list[int]], levels: list[
         seconds, tokens, outputs = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), {}
         for engine, k in modes.values():
             engine.generate(rounds[0], params, num_speculative_tokens=k, adaptive=True)
-            engine.k_counts.clear()
+            engine.counters.k_counts.clear()
         for r, batch in enumerate(rounds[1:]):
             for name in rotated(names, r):
                 engine, k = modes[name]
@@ -139,10 +139,10 @@ def main() -> int:
         engine({**trees, "num_speculative_tokens": args.max_budget}), args.max_budget, True)
     end_to_end(modes, prompts[:1], max_tokens=16, progress=False)  # warm-up
     for _, (e, *_) in modes.items():
-        e.k_counts.clear()
+        e.counters.k_counts.clear()
     batch1 = end_to_end(modes, prompts, max_tokens=args.max_tokens)
     for name, (e, *_) in modes.items():
-        batch1[name]["k_counts"] = dict(sorted(e.k_counts.items()))
+        batch1[name]["k_counts"] = dict(sorted(e.counters.k_counts.items()))
 
     levels = [int(c) for c in args.concurrency.split(",")]
     many = max(levels)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         start = (target.received.bytes, draft.received.bytes)
         row_steps = 0
         while engine.has_unfinished():
-            row_steps += len(engine.running)
+            row_steps += len(engine.scheduler.running)
             engine.step()
         after_target = (target.received.bytes - start[0]) / row_steps
         after_draft = (draft.received.bytes - start[1]) / row_steps
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         before_draft = wire_bytes(torch.zeros(args.k, target.vocab_size))
         for slot in slots:
             target.free(slot)
-        stats = engine.stats
+        stats = engine.counters.spec
     finally:
         draft.shutdown()
         target.shutdown()

@@ -35,7 +35,7 @@ def format_table(rows: list[dict], spec: TableSpec) -> str:
 
 
 def print_end_to_end(results: dict[str, dict[str, dict]], mode_width: int) -> None:
-    """``end_to_end``'s reports (``specserve.draft.evaluate``) per workload and mode, one line
+    """``end_to_end``'s reports (``specserve.training.evaluate``) per workload and mode, one line
     each: seconds, speedup, acceptance rate, mean acceptance length, identical to baseline."""
     print(f"{'workload':10} {'mode':{mode_width}} {'seconds':>8} {'speedup':>8} {'accept':>7} "
           f"{'mean len':>9} {'identical':>9}")

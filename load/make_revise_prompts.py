@@ -31,7 +31,7 @@ OUT = Path(__file__).resolve().parent / "prompts" / "revise.jsonl"
 # model's answers (the answers are deterministic), so they refer to what the answers say.
 # Questions that the greedy model answers with a pure loop ("Dear [Name]" twenty times) were
 # replaced, and so were topics that the draft's training prompts cover many times
-# (services/specserve/draft/prompts: photosynthesis, the water cycle), so that a trained
+# (services/specserve/training/prompts: photosynthesis, the water cycle), so that a trained
 # draft is not measured on its training data.
 SEEDS: list[tuple[str, str, str]] = [
     # shorten

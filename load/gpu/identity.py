@@ -145,7 +145,7 @@ def speculation_identity(worker: ModelWorker, prompts: list[list[int]], s: Setti
         engine = assemble_engine(worker, IdText(), frozenset(), spec)
         start = time.perf_counter()
         outputs = [c.output_token_ids for c in engine.generate(prompts, params)]
-        runs[name] = (outputs, time.perf_counter() - start, engine.stats)
+        runs[name] = (outputs, time.perf_counter() - start, engine.counters.spec)
         log.info("speculation %s: %d x %d tokens in %.1f s", name, len(prompts), s.max_tokens,
                  runs[name][1])
     (off, off_s, _), (on, on_s, stats) = runs["off"], runs["on"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.proposers.base import Proposal
+from specserve.engine.proposal import Proposal
 from specserve.engine.worker import ModelWorker
 from specserve.memory import MemoryEstimate, ModelShape, Workload, estimate, format_estimate
 

@@ -274,7 +274,7 @@ def cmd_dashboards_push(args) -> int:
 
 
 def _train_draft_parser(sub) -> None:
-    from specserve.draft.options import add_arguments
+    from specserve.training.options import add_arguments
 
     p = sub.add_parser("train-draft", help="train a draft by self-distillation on the target's outputs")
     add_arguments(p)
@@ -283,7 +283,7 @@ def _train_draft_parser(sub) -> None:
 
 
 def cmd_train_draft(args) -> int:
-    from specserve.draft.pipeline import run, summary_lines
+    from specserve.training.pipeline import run, summary_lines
 
     report = run(args)
     print(json.dumps(report, indent=2) if args.json else "\n".join(summary_lines(report)))

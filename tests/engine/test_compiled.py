@@ -243,7 +243,7 @@ def test_warm_up_of_the_other_kernels(kernels, buckets):
 def test_a_prefill_verifies_drafts_only_on_row_invariant_kernels(kernels):
     """A prompt and drafts in one forward round the prompt's keys and values as the target-only
     prefill does only where the kernels are row-invariant; elsewhere (every GPU) the prefill
-    runs alone and drafting starts at the next step (``SpecDecodeEngine._plan``). On an H200
+    runs alone and drafting starts at the next step (``KPlanner.plan``). On an H200
     that took greedy speculation's divergences from target-only from 6 of 16 outputs (from
     their first tokens) to 1 (docs/BENCHMARKS.md, "GPU")."""
     worker = ModelWorker(runtime_of(tiny_hf_model("llama-gqa")).use_kernels(kernels),

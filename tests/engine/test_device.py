@@ -14,7 +14,7 @@ import pytest
 import torch
 from specserve.config import SamplingParams
 from specserve.engine import sampling, spec_decode
-from specserve.engine.proposers.base import Proposal, TopK
+from specserve.engine.proposal import Proposal, TopK
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
@@ -57,7 +57,7 @@ def _checked_at_the_boundary(engine: SpecDecodeEngine) -> list[int]:
     """What the target's verify and the proposer return goes through ``host_only`` (as the
     actors' replies do); returns a list that counts the checks."""
     checks = []
-    verify, propose = engine.target.verify, engine.proposer.propose
+    verify, propose = engine.target.verify, engine.draft.proposer.propose
 
     def checked(fn):
         def call(*args, **kwargs):
@@ -65,7 +65,7 @@ def _checked_at_the_boundary(engine: SpecDecodeEngine) -> list[int]:
             return host_only(fn(*args, **kwargs))
         return call
 
-    engine.target.verify, engine.proposer.propose = checked(verify), checked(propose)
+    engine.target.verify, engine.draft.proposer.propose = checked(verify), checked(propose)
     return checks
 
 
@@ -87,9 +87,9 @@ def test_the_engine_computes_on_its_device_and_returns_host_data(target_hf, meth
     assert [c.finish_reason for c in done] == ["length"] * 4  # none failed on a mix
     assert [c.output_token_ids for c in done] == [c.output_token_ids for c in expected]
     assert [c.logprobs for c in done] == [c.logprobs for c in expected]
-    assert engine.stats.num_draft_tokens > 0 and len(checks) > 4 and double.calls > 1000
+    assert engine.counters.spec.num_draft_tokens > 0 and len(checks) > 4 and double.calls > 1000
     if method == "eagle-tree":
-        assert engine.num_tree_drafts > 0
+        assert engine.counters.num_tree_drafts > 0
 
 
 def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):

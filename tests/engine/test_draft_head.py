@@ -19,7 +19,7 @@ from specserve.engine.draft_head import (
     save_draft,
 )
 from specserve.engine.loader import load_target_parts
-from specserve.engine.proposers.base import DraftRequest
+from specserve.engine.proposal import DraftRequest
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.worker import ModelWorker
@@ -130,12 +130,12 @@ def test_saved_draft_loads_back_and_serves_through_the_config(target_hf, target_
                                                        "draft": {"source": str(out)}}})
     engine, _ = build_engine(cfg)
     expected = EagleProposer if kind == "eagle" else DraftModelProposer
-    assert type(engine.proposer) is expected
+    assert type(engine.draft.proposer) is expected
     batch = prompts(4, seed=3)
     reference = make_engine(target_hf, None).generate(batch, GREEDY)
     got = engine.generate(batch, GREEDY)
     assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference]
-    assert engine.stats.num_accepted_tokens > 0
+    assert engine.counters.spec.num_accepted_tokens > 0
 
 
 def test_method_and_draft_kind_must_agree(target_hf, target_dir, tmp_path):
@@ -170,7 +170,7 @@ def test_lost_eagle_leaves_running_sequences_target_only(target_hf):
     reference = make_engine(target_hf, None).generate(batch, GREEDY)
     flaky = FlakyEagle(ModelWorker(eagle_head_of(target_hf), num_slots=8, max_seq_len=256))
     engine = make_engine(target_hf, None)
-    engine.proposer, engine.needs_hidden, engine.draft_available = flaky, True, True
+    engine.draft.proposer, engine.draft.needs_hidden, engine.draft.available = flaky, True, True
     ids = [engine.add_request(p, GREEDY) for p in batch[:3]]
     outputs: dict[int, list[int]] = {}
     step = 0
@@ -178,15 +178,15 @@ def test_lost_eagle_leaves_running_sequences_target_only(target_hf):
         flaky.down = 2 <= step < 4
         if step == 4:
             engine.reattach_proposer()
-            assert not any(s.draft_attached for s in engine.running.values())
+            assert not any(s.draft_attached for s in engine.scheduler.running.values())
             ids.append(engine.add_request(batch[3], GREEDY))
         for out in engine.step():
             outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
         if step == 6:
-            assert [s.seq_id for s in engine.running.values() if s.draft_attached] == [ids[3]]
+            assert [s.seq_id for s in engine.scheduler.running.values() if s.draft_attached] == [ids[3]]
         step += 1
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
-    assert engine.num_draft_fallbacks == 1
+    assert engine.counters.num_draft_fallbacks == 1
     # Re-attaching reset the proposer: the lost sequences' slots are free again, none leak.
     assert flaky.worker.num_free_slots == 8 and not flaky.slots
 
@@ -211,7 +211,7 @@ def test_features_do_not_pile_up_while_nothing_is_drafted(target_hf):
     reference = make_engine(target_hf, None).generate(batch, GREEDY)
     proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf), num_slots=8, max_seq_len=256))
     engine = make_engine(target_hf, None, controller=None)
-    engine.proposer, engine.needs_hidden, engine.draft_available = proposer, True, True
+    engine.draft.proposer, engine.draft.needs_hidden, engine.draft.available = proposer, True, True
     engine.controller = ZeroThenK(3, zero_steps=30)
     ids = [engine.add_request(p, GREEDY, adaptive=True) for p in batch]
     outputs: dict[int, list[int]] = {}
@@ -219,11 +219,11 @@ def test_features_do_not_pile_up_while_nothing_is_drafted(target_hf):
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.seq_id, []).extend(out.new_token_ids)
-        assert all(len(s.hidden) <= 1 for s in engine.running.values())  # only this step's
+        assert all(len(s.hidden) <= 1 for s in engine.scheduler.running.values())  # only this step's
         most_waiting = max([most_waiting, *(sum(map(len, q)) for q in proposer.pending.values())])
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
     assert most_waiting < EagleProposer.CATCH_UP_BACKLOG + 8
-    assert engine.stats.num_accepted_tokens > 0  # drafting resumed after step 30
+    assert engine.counters.spec.num_accepted_tokens > 0  # drafting resumed after step 30
 
 
 def test_a_head_on_the_gpus_attention_drafts_as_the_default(target_hf):

@@ -3,7 +3,8 @@ acceptance, and the bookkeeping both see."""
 
 from __future__ import annotations
 
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.proposal import DraftRequest, Proposal
+from specserve.engine.proposers.base import Proposer
 from specserve.engine.proposers.hybrid import HybridProposer
 
 

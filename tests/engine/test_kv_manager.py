@@ -190,7 +190,7 @@ def test_random_workloads_keep_every_count_true():
 
 
 def test_the_shortfall_counts_new_blocks_against_free_ones_cached_included():
-    """What the scheduler asks before a step (``SpecDecodeEngine._schedule``): the blocks that
+    """What the scheduler asks before a step (``Scheduler.schedule``): the blocks that
     rows growing to given lengths need beyond those they hold, against the free ones; a
     cached block no sequence holds is free (taking it evicts it)."""
     m = KVManager(num_blocks=6, block_size=4, num_slots=3, max_seq_len=16)

@@ -37,7 +37,7 @@ def test_logprobs_with_speculation_equal_target_only(target_hf, reference, metho
     expected = expected[params.temperature]
     engine = make_engine(target_hf, method, 4, draft_hf=perturbed(target_hf, scale=0.3))
     done = engine.generate(batch, params)
-    assert engine.stats.num_accepted_tokens > 0
+    assert engine.counters.spec.num_accepted_tokens > 0
     for got, want in zip(done, expected):
         assert got.output_token_ids == want.output_token_ids
         assert len(got.logprobs) == len(got.output_token_ids)

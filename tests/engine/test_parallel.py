@@ -53,13 +53,13 @@ def test_sample_i_is_seed_plus_i_alone_and_the_prompt_is_computed_once(target_hf
         assert sample["logprobs"] == want["logprobs"]
         assert sample["finish"] == want["finish"]
     assert len({tuple(s["tokens"]) for s in samples}) > 1  # they are different samples
-    assert engine.num_prefill_tokens == len(prompt)
-    assert engine.num_forked_tokens == 3 * (len(prompt) - 1)
+    assert engine.counters.num_prefill_tokens == len(prompt)
+    assert engine.counters.num_forked_tokens == 3 * (len(prompt) - 1)
     assert engine.target.num_free_slots == engine.target.num_slots
     if method is not None:  # every sample drafts: a forked draft state works
         assert all(s["drafted"] > 0 for s in samples)
     if method in ("draft_model", "eagle", "eagle-tree"):
-        assert engine.proposer.num_slots_in_use == 0
+        assert engine.draft.proposer.num_slots_in_use == 0
 
 
 def test_greedy_samples_are_all_the_greedy_output(target_hf):
@@ -104,16 +104,16 @@ def test_aborting_the_samples_frees_every_slot(target_hf, when, order):
     engine = make_engine(target_hf, "draft_model", 4, draft_hf=perturbed(target_hf, scale=0.3))
     ids = engine.add_parallel(prompts(1, seed=2)[0], SEEDED, 4)
     if when == "admitted":
-        engine._admit()
+        engine.scheduler.admit()
         assert engine.target.num_free_slots == engine.target.num_slots - 4
     if when == "forked":
         engine.step()
-        assert len(engine.running) == 4
+        assert len(engine.scheduler.running) == 4
     aborted = [engine.abort(i) for i in ids[::order]]
     assert aborted[0] and (all(aborted) or when != "forked")
-    assert not engine.has_unfinished() and not engine.forks
+    assert not engine.has_unfinished() and not engine.scheduler.forks
     assert engine.target.num_free_slots == engine.target.num_slots
-    assert engine.proposer.num_slots_in_use == 0
+    assert engine.draft.proposer.num_slots_in_use == 0
 
 
 def test_a_failing_prompt_fails_all_its_samples_alone(target_hf):
@@ -141,7 +141,7 @@ def test_a_draft_model_forks_its_cache_too(target_hf):
     engine = make_engine(target_hf, "draft_model", 4, draft_hf=perturbed(target_hf, scale=0.3))
     first, *others = engine.add_parallel(prompt, SEEDED, 3)
     engine.step()
-    draft = engine.proposer
+    draft = engine.draft.proposer
     for seq_id in others:
         assert draft.worker.length(draft.slots[seq_id]) == len(prompt) - 1
-        assert engine.target.length(engine.running[seq_id].slot) == len(prompt) - 1
+        assert engine.target.length(engine.scheduler.running[seq_id].slot) == len(prompt) - 1

@@ -80,10 +80,10 @@ def whole(target_hf):
 def test_chunked_prefill_keeps_target_onlys_output(target_hf, close_draft_hf, whole, method, layout):
     engine = make_engine(target_hf, method, draft_hf=close_draft_hf,
                          kv=PAGED if layout == "paged" else None)
-    engine.chunked_prefill_size = 16
+    engine.scheduler.chunked_prefill_size = 16
     assert [c.output_token_ids for c in engine.generate(LONG, PARAMS)] == whole
-    assert engine.num_prefill_chunks >= 6
-    assert engine.num_prefill_tokens == sum(map(len, LONG))
+    assert engine.counters.num_prefill_chunks >= 6
+    assert engine.counters.num_prefill_tokens == sum(map(len, LONG))
 
 
 def test_a_long_prompt_never_stops_a_running_stream(target_hf):
@@ -92,7 +92,7 @@ def test_a_long_prompt_never_stops_a_running_stream(target_hf):
     step, so the stream waits for one chunk's forward, not a chunk's and then its own. (Without
     a budget the prompt takes one step, which no chunk spares.)"""
     engine = make_engine(target_hf, "ngram")
-    engine.chunked_prefill_size = 32
+    engine.scheduler.chunked_prefill_size = 32
     forwards = []
     forward = engine.target.forward
     engine.target.forward = lambda *args, **kwargs: forwards.append(len(args[0])) or forward(*args, **kwargs)
@@ -109,7 +109,7 @@ def test_a_long_prompt_never_stops_a_running_stream(target_hf):
         assert outputs[running].new_token_ids, f"step {steps}: the running stream got no token"
         if long in outputs and outputs[long].new_token_ids:
             break
-    assert steps >= 150 // 32 and engine.num_prefill_chunks == steps - 1
+    assert steps >= 150 // 32 and engine.counters.num_prefill_chunks == steps - 1
     assert forwards == [2] * steps, forwards  # the stream and the prompt, in one forward a step
 
 
@@ -118,7 +118,7 @@ def test_a_failed_step_with_a_chunk_steps_every_row_alone_the_chunk_too(target_h
     stepped alone, the chunk prefilled alone (not its whole prompt at once), and nothing is
     lost: the outputs are still target-only's."""
     engine = make_engine(target_hf, "ngram")
-    engine.chunked_prefill_size = 16
+    engine.scheduler.chunked_prefill_size = 16
     events = []  # ("failed", [chunk sizes]), ("verify", rows, chunks), ("forward", [tokens per row])
     verify, forward = engine.target.verify, engine.target.forward
 
@@ -140,7 +140,7 @@ def test_a_failed_step_with_a_chunk_steps_every_row_alone_the_chunk_too(target_h
     alone = events[at + 1:at + 5]  # the failed step's rows alone (a verify logs its forward too)
     assert len(failed[1]) == 1 and ("forward", failed[1]) in alone, (failed, alone)
     assert all(e[0] != "verify" or e[1:] == (1, 0) for e in alone), alone
-    assert engine.num_prefill_tokens == sum(map(len, LONG))
+    assert engine.counters.num_prefill_tokens == sum(map(len, LONG))
 
 
 def test_a_prompt_to_score_is_never_chunked(target_hf):
@@ -151,9 +151,9 @@ def test_a_prompt_to_score_is_never_chunked(target_hf):
     runs = []
     for budget in (None, 16):
         engine = make_engine(target_hf, "ngram")
-        engine.chunked_prefill_size = budget
+        engine.scheduler.chunked_prefill_size = budget
         [done] = engine.generate([prompt], params)
-        runs.append((done.prompt_logprobs, done.output_token_ids, engine.num_prefill_chunks))
+        runs.append((done.prompt_logprobs, done.output_token_ids, engine.counters.num_prefill_chunks))
     assert runs[0] == runs[1] and len(runs[1][0]) == len(prompt) - 1 and runs[1][2] == 0
 
 
@@ -172,7 +172,7 @@ CROWD_PARAMS = [SamplingParams(temperature=0, max_tokens=48),
 
 
 def crowd(engine, chunk: int | None = 16) -> list[list[int]]:
-    engine.chunked_prefill_size = chunk
+    engine.scheduler.chunked_prefill_size = chunk
     return [c.output_token_ids for c in engine.generate(CROWD, CROWD_PARAMS)]
 
 
@@ -188,8 +188,9 @@ def test_preempted_sequences_recompute_and_keep_target_onlys_output(target_hf, c
     engine = make_engine(target_hf, method, draft_hf=close_draft_hf, max_len=96, eos=frozenset(),
                          kv=TIGHT, draft_kv=DRAFT_TIGHT)
     assert crowd(engine) == uncrowded
-    assert engine.num_preemptions >= 2
-    workers = [engine.target] + ([engine.proposer.worker] if hasattr(engine.proposer, "worker") else [])
+    assert engine.counters.num_preemptions >= 2
+    proposer = engine.draft.proposer
+    workers = [engine.target] + ([proposer.worker] if hasattr(proposer, "worker") else [])
     assert DRAFT_TIGHT.num_blocks == 12 + 8 * 2 and len(workers) == 1 + (method in MODEL_DRAFTS)
     for worker in workers:  # the target's pool, and a model draft's (paged too), all given back
         manager = worker.cache.manager
@@ -204,7 +205,7 @@ def test_the_preemption_test_catches_a_sequence_that_resumes_without_recomputing
     tokens' keys and values (resumed, not recomputed); the test above fails on it. (Prompts
     whole: admission then leaves room for the whole sequence, which the bug takes.)"""
     engine = make_engine(target_hf, None, max_len=96, eos=frozenset(), kv=TIGHT)
-    match = engine._match
+    match = engine.scheduler._match
 
     def resume(seq):
         if not seq.num_preemptions:
@@ -214,8 +215,8 @@ def test_the_preemption_test_catches_a_sequence_that_resumes_without_recomputing
         cache.lengths[seq.slot] = len(seq.token_ids) - 1
         return len(seq.token_ids) - 1
 
-    monkeypatch.setattr(engine, "_match", resume)
-    assert crowd(engine, None) != uncrowded and engine.num_preemptions >= 2
+    monkeypatch.setattr(engine.scheduler, "_match", resume)
+    assert crowd(engine, None) != uncrowded and engine.counters.num_preemptions >= 2
 
 
 def test_the_scheduler_doctests_hold():

@@ -264,7 +264,7 @@ def test_a_published_head_serves_greedy_output_identical_to_target_only(target_h
                                   num_speculative_tokens=3)
         got = engine.generate(prompts, GREEDY)
         assert [c.output_token_ids for c in got] == reference, (fmt, tree)
-        assert engine.stats.num_drafts > 0 and target.num_free_slots == 8
+        assert engine.counters.spec.num_drafts > 0 and target.num_free_slots == 8
 
 
 def test_a_head_that_does_not_match_the_target_says_what_differs(target_hf, checkpoints, tmp_path):
@@ -355,7 +355,8 @@ def test_an_agreeing_head_is_accepted_and_output_stays_identical(tmp_path):
         engine = SpecDecodeEngine(target, make_tiny_tokenizer(), eos_token_ids=EOS, proposer=proposer,
                                   num_speculative_tokens=3)
         assert [c.output_token_ids for c in engine.generate(prompts, GREEDY)] == reference, tree
-        assert engine.stats.num_accepted_tokens >= engine.stats.num_draft_tokens // 8, engine.stats
+        spec = engine.counters.spec
+        assert spec.num_accepted_tokens >= spec.num_draft_tokens // 8, spec
 
 
 def test_a_head_by_hub_id_is_read_from_the_hub_cache(target_hf, checkpoints, tmp_path, monkeypatch):

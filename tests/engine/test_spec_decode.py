@@ -141,12 +141,12 @@ def test_greedy_equals_target_only(target_hf, close_draft_hf, target_only, metho
         got = spec.generate(batch[:size], GREEDY)
         assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
         assert [c.text for c in got] == [c.text for c in reference[:size]]
-    assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
+    assert spec.counters.spec.num_drafts > 0 and spec.counters.spec.num_accepted_tokens > 0
     assert spec.target.num_free_slots == 8
     if "tree" in method and k > 1:  # trees were verified, not only chains, and counted
-        assert spec.num_tree_drafts > 0
-        st = spec.stats
-        assert sum(st.tree_sizes.values()) == sum(st.tree_depths.values()) == spec.num_tree_drafts
+        assert spec.counters.num_tree_drafts > 0
+        st = spec.counters.spec
+        assert sum(st.tree_sizes.values()) == sum(st.tree_depths.values()) == spec.counters.num_tree_drafts
         assert sum(st.tree_ranks.values()) == sum(d * n for d, n in st.tree_depths.items())
         assert max(st.tree_sizes) <= k
         if method == "eagle-tree":  # a sibling beyond the head's first choice was kept
@@ -167,7 +167,7 @@ def test_greedy_equals_target_only_on_a_qwen3_target(qwen3_target_hf, target_onl
     got = spec.generate(batch, GREEDY)
     reference = target_only(qwen3_target_hf, batch, GREEDY)
     assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference]
-    assert spec.stats.num_drafts > 0 and spec.target.num_free_slots == 8
+    assert spec.counters.spec.num_drafts > 0 and spec.target.num_free_slots == 8
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_greedy_is_bit_identical_when_every_token_has_a_near_tie(twin_target_hf,
         for size in (1, 2 + k % 6, 8):
             got = [c.output_token_ids for c in spec.generate(batch[:size], GREEDY)]
             assert got == reference[:size], (k, size)
-        assert spec.stats.num_accepted_tokens > 0
+        assert spec.counters.spec.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -211,7 +211,7 @@ def test_greedy_equals_target_only_with_k_changing_every_step(target_hf, close_d
     reference = target_only(target_hf, batch, GREEDY)
     spec = make_engine(target_hf, method, 5, draft_hf=close_draft_hf, controller=RandomK(5))
     ids = [spec.add_request(p, GREEDY, adaptive=i % 2 == 0) for i, p in enumerate(batch)]
-    seqs = {s.seq_id: s for s in spec.waiting}
+    seqs = {s.seq_id: s for s in spec.scheduler.waiting}
     done = {}
     while len(done) < len(ids):
         for out in spec.step():
@@ -223,7 +223,7 @@ def test_greedy_equals_target_only_with_k_changing_every_step(target_hf, close_d
     for i in ids[1::2]:  # fixed rows draft their K; fewer only where max_tokens caps the step
         counts = done[i].k_counts
         assert counts.get(5, 0) >= 3 and all(n <= 2 for k, n in counts.items() if k != 5), counts
-    assert spec.stats.num_accepted_tokens > 0 and spec.target.num_free_slots == 8
+    assert spec.counters.spec.num_accepted_tokens > 0 and spec.target.num_free_slots == 8
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle-tree"])
@@ -241,7 +241,7 @@ def test_greedy_equals_target_only_with_the_real_controller(target_hf, close_dra
         assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
     assert ctl.calibrated and ctl.forward_cost.num_observations > 0
     if method == "eagle-tree":  # trees were verified and their kept nodes counted by index
-        assert spec.num_tree_drafts > 0 and ctl.acceptance.accepted[1:].sum() > 0
+        assert spec.counters.num_tree_drafts > 0 and ctl.acceptance.accepted[1:].sum() > 0
 
 
 def test_a_hybrid_measures_its_parts_apart_and_k_follows_the_model(target_hf):
@@ -256,10 +256,10 @@ def test_a_hybrid_measures_its_parts_apart_and_k_follows_the_model(target_hf):
     for size in (8, 1, 8):  # the second pass over the batch finds its answers in the cache
         got = spec.generate(batch[:size], GREEDY, adaptive=True)
         assert [c.output_token_ids for c in got] == [c.output_token_ids for c in reference[:size]]
-    parts = spec.by_proposer
+    parts = spec.counters.by_proposer
     assert set(parts) == set(ctl.by_source) == {"suffix", "eagle"} and ctl.k_source == "eagle"
     for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        assert sum(getattr(s, field) for s in parts.values()) == getattr(spec.stats, field)
+        assert sum(getattr(s, field) for s in parts.values()) == getattr(spec.counters.spec, field)
     assert all(s.num_drafts > 0 for s in parts.values())
     assert np.array_equal(ctl.acceptance.asked, ctl.by_source["eagle"].asked)
     assert ctl.acceptance.asked[0] < ctl.by_source["eagle"].asked[0] + ctl.by_source["suffix"].asked[0]
@@ -378,7 +378,7 @@ def test_context_limit_inside_a_tree(target_hf, method):
         assert [g.output_token_ids for g in got] == [r.output_token_ids for r in ref]
         assert all(g.finish_reason == "length" and len(g.prompt_token_ids) + len(g.output_token_ids)
                    == 31 for g in got)
-    assert spec.num_tree_drafts > 0 and spec.target.num_free_slots == 8
+    assert spec.counters.num_tree_drafts > 0 and spec.target.num_free_slots == 8
 
 
 @pytest.mark.parametrize("method", ["eagle-tree", "suffix-tree"])
@@ -395,7 +395,7 @@ def test_after_every_tree_step_the_cache_is_a_fresh_prefills(target_hf, method):
     checked = 0
     while spec.has_unfinished():
         spec.step()
-        for seq in spec.running.values():
+        for seq in spec.scheduler.running.values():
             n = spec.target.length(seq.slot)
             assert n == len(seq.token_ids) - 1
             slot = fresh.allocate()
@@ -405,7 +405,7 @@ def test_after_every_tree_step_the_cache_is_a_fresh_prefills(target_hf, method):
                 assert torch.equal(mine[seq.slot, :, :n], theirs[slot, :, :n])
             fresh.free(slot)
             checked += 1
-    assert checked > 0 and spec.num_tree_drafts > 0
+    assert checked > 0 and spec.counters.num_tree_drafts > 0
 
 
 def test_a_long_row_is_verified_apart_from_the_short_ones(target_hf, close_draft_hf):
@@ -426,7 +426,7 @@ def test_a_long_row_is_verified_apart_from_the_short_ones(target_hf, close_draft
         split([len(x) for x in ids], kw.get("groups"))) or forward(slots, ids, *a, **kw)
     ids = [engine.add_request(p, GREEDY, num_speculative_tokens=8 if i == 0 else 0)
            for i, p in enumerate(batch)]
-    seqs = {s.seq_id: s for s in engine.waiting}
+    seqs = {s.seq_id: s for s in engine.scheduler.waiting}
     while engine.has_unfinished():
         engine.step()
     assert [seqs[i].output_token_ids for i in ids] == [c.output_token_ids for c in reference]
@@ -445,7 +445,7 @@ def test_a_new_prompt_is_fed_to_the_draft_apart_from_the_decoding_rows(target_hf
     reference = make_engine(target_hf, None).generate([*short, long_prompt], GREEDY)
     engine = make_engine(target_hf, method, 3, draft_hf=close_draft_hf)
     calls = []
-    runtime = engine.proposer.worker.runtime
+    runtime = engine.draft.proposer.worker.runtime
     forward = runtime.forward
 
     def record(cache, slots, token_ids, *args, **kwargs):
@@ -454,11 +454,11 @@ def test_a_new_prompt_is_fed_to_the_draft_apart_from_the_decoding_rows(target_hf
 
     runtime.forward = record  # the draft's every forward, through nn.Module.__call__
     ids = [engine.add_request(p, GREEDY) for p in short]
-    seqs = {s.seq_id: s for s in engine.waiting}
+    seqs = {s.seq_id: s for s in engine.scheduler.waiting}
     for _ in range(3):
         engine.step()
     ids.append(engine.add_request(long_prompt, GREEDY))
-    seqs.update({s.seq_id: s for s in engine.waiting})
+    seqs.update({s.seq_id: s for s in engine.scheduler.waiting})
     while engine.has_unfinished():
         engine.step()
     assert [seqs[i].output_token_ids for i in ids] == [c.output_token_ids for c in reference]
@@ -473,7 +473,7 @@ def test_more_requests_than_slots_queue_and_all_finish(target_hf, close_draft_hf
     got = engine.generate(batch, GREEDY)
     assert [c.output_token_ids for c in got] == [c.output_token_ids for c in ref]
     assert engine.target.num_free_slots == 3
-    assert engine.proposer.worker.num_free_slots == 3
+    assert engine.draft.proposer.worker.num_free_slots == 3
 
 
 def test_abort_frees_slots(target_hf, close_draft_hf):
@@ -484,7 +484,7 @@ def test_abort_frees_slots(target_hf, close_draft_hf):
     engine.step()
     assert engine.target.num_free_slots == 0
     assert engine.abort(a) and engine.abort(c) and not engine.abort(12345)
-    assert engine.target.num_free_slots == 1 and engine.proposer.worker.num_free_slots == 1
+    assert engine.target.num_free_slots == 1 and engine.draft.proposer.worker.num_free_slots == 1
     assert engine.abort(b)
     assert engine.target.num_free_slots == 2 and not engine.has_unfinished()
 
@@ -633,10 +633,10 @@ def test_sampled_output_has_target_distribution(target_hf, method, params, seede
     prompt = list(sampling_prompt(target_hf))
     pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, _reaching_k(params, method), seeded),
                                sampling_joint(target_hf, params))
-    rate = engine.stats.acceptance_rate
-    assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
+    rate = engine.counters.spec.acceptance_rate
+    assert engine.counters.spec.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
     if method == "eagle-tree":  # the second token came out of trees with siblings
-        assert engine.num_tree_drafts > 0
+        assert engine.counters.num_tree_drafts > 0
     assert pvalue > 1e-3
 
 
@@ -657,25 +657,25 @@ def test_a_draft_truncated_to_its_top_k_keeps_the_target_distribution(target_hf,
     params = SAMPLED[0]
     engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256,
                          eos=frozenset())
-    engine.proposer.q_top_k = q_top_k
+    engine.draft.proposer.q_top_k = q_top_k
     prompt = list(sampling_prompt(target_hf))
     pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params, seeded=False),
                                sampling_joint(target_hf, params))
-    assert engine.stats.num_draft_tokens > 0 and 0.0 < engine.stats.acceptance_rate < 0.95
+    assert engine.counters.spec.num_draft_tokens > 0 and 0.0 < engine.counters.spec.acceptance_rate < 0.95
     assert pvalue > 1e-3
 
 
 def test_the_truncated_q_test_rejects_a_q_that_is_not_the_one_sampled_from(target_hf):
     """Power: the same test fails when the q sent with the drafts is not the truncated q the
     draft sampled from (here its argmax's probability before renormalising, k = 1)."""
-    from specserve.engine.proposers.base import TopK
+    from specserve.engine.proposal import TopK
 
     torch.manual_seed(20261126)
     params = SAMPLED[0]
     engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256,
                          eos=frozenset())
-    engine.proposer.q_top_k = 1
-    propose = engine.proposer.propose
+    engine.draft.proposer.q_top_k = 1
+    propose = engine.draft.proposer.propose
 
     def unrenormalised(requests):
         proposals = propose(requests)
@@ -684,7 +684,7 @@ def test_the_truncated_q_test_rejects_a_q_that_is_not_the_one_sampled_from(targe
                 proposal.probs.probs *= 0.5  # what q(argmax) is before renormalising, roughly
         return proposals
 
-    engine.proposer.propose = unrenormalised
+    engine.draft.proposer.propose = unrenormalised
     prompt = list(sampling_prompt(target_hf))
     samples = _sample_pairs(engine, prompt, params, seeded=False)
     assert chi_square_pvalue_or_zero(samples, sampling_joint(target_hf, params)) < 1e-6
@@ -702,7 +702,7 @@ def test_sampled_output_has_target_distribution_with_k_changing_every_step(targe
                           adaptive=True)
     pvalue = chi_square_pvalue([tuple(c.output_token_ids[:2]) for c in out],
                                sampling_joint(target_hf, params))
-    assert engine.stats.num_draft_tokens > 0 and 0.0 < engine.stats.acceptance_rate < 0.95
+    assert engine.counters.spec.num_draft_tokens > 0 and 0.0 < engine.counters.spec.acceptance_rate < 0.95
     assert pvalue > 1e-3
 
 
@@ -731,7 +731,7 @@ def test_the_tree_distribution_test_rejects_a_wrong_residual_update(target_hf, m
     engine = make_engine(target_hf, "eagle-tree", 3, slots=256, eos=frozenset())
     prompt = list(sampling_prompt(target_hf))
     samples = _sample_pairs(engine, prompt, params, seeded=False)
-    assert engine.num_tree_drafts > 0
+    assert engine.counters.num_tree_drafts > 0
     assert chi_square_pvalue_or_zero(samples, sampling_joint(target_hf, params)) < 1e-6
 
 
@@ -775,7 +775,7 @@ def test_seeded_output_is_the_same_with_speculation_off_on_at_any_k_alone_or_bat
             alone = make_engine(target_hf, method, k, draft_hf=close_draft_hf).generate(
                 [batch[i]], params[i])
             assert alone[0].output_token_ids == reference[i], (k, i)
-        accepted += engine.stats.num_accepted_tokens
+        accepted += engine.counters.spec.num_accepted_tokens
     assert accepted > 0  # drafts were kept, so the comparison covers accepted tokens
 
 
@@ -817,8 +817,8 @@ def test_draft_loss_falls_back_to_target_only_and_recovers(target_hf):
     batch = prompts(4, seed=21)
     reference = make_engine(target_hf, None).generate(batch, GREEDY)
     engine = make_engine(target_hf, None)
-    flaky = engine.proposer = FlakyProposer()
-    engine.draft_available = True
+    flaky = engine.draft.proposer = FlakyProposer()
+    engine.draft.available = True
     ids = [engine.add_request(p, GREEDY) for p in batch]
     outputs: dict[int, list[int]] = {i: [] for i in ids}
     step = 0
@@ -830,7 +830,7 @@ def test_draft_loss_falls_back_to_target_only_and_recovers(target_hf):
             outputs[out.seq_id] += out.new_token_ids
         step += 1
     assert [outputs[i] for i in ids] == [c.output_token_ids for c in reference]
-    assert engine.num_draft_fallbacks == 1 and engine.draft_available
+    assert engine.counters.num_draft_fallbacks == 1 and engine.draft.available
     assert len(flaky.started) == 2 * len(batch)  # started, lost, started again
 
 
@@ -864,7 +864,7 @@ def test_a_request_caused_step_failure_fails_that_request_alone(target_hf, close
         assert last[ids[i]].error is None and tokens[ids[i]] == reference[i].output_token_ids
     assert engine.target.num_free_slots == 8
     if method == "draft_model":
-        assert engine.proposer.num_slots_in_use == 0
+        assert engine.draft.proposer.num_slots_in_use == 0
 
 
 def resized(hf_model, size: int):
@@ -888,11 +888,11 @@ def test_a_draft_with_another_vocabulary_size_is_mapped(target_hf, draft_vocab):
     for params in (GREEDY, sampled):
         reference = make_engine(target_hf, None).generate(batch, params)
         engine = make_engine(target_hf, "draft_model", 3, draft_hf=draft)
-        engine.proposer.vocab_size = VOCAB  # what the builder passes from the target
+        engine.draft.proposer.vocab_size = VOCAB  # what the builder passes from the target
         out = engine.generate(batch, params)
         assert [c.output_token_ids for c in out] == [c.output_token_ids for c in reference]
-        assert engine.stats.num_accepted_tokens > 0
+        assert engine.counters.spec.num_accepted_tokens > 0
     engine = make_engine(target_hf, "draft_model", 3, draft_hf=draft)
-    engine.proposer.vocab_size = VOCAB
+    engine.draft.proposer.vocab_size = VOCAB
     unseeded = engine.generate(batch, SamplingParams(temperature=0.8, max_tokens=24))
     assert all(len(c.output_token_ids) > 0 for c in unseeded)

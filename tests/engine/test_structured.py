@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine import spec_decode
+from specserve.engine import grammar
 from specserve.engine.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, unpack_bitmask
 
 from tests.engine.test_spec_decode import EOS, chi_square_pvalue, far_draft, make_engine, prompts
@@ -58,7 +58,7 @@ def test_constrained_output_with_speculation_is_target_onlys(target_hf, compiler
     want = make_engine(target_hf, None).generate(batch, params, grammar=compiled)
     engine = make_engine(target_hf, method, 4, draft_hf=perturbed(target_hf, scale=0.3))
     got = engine.generate(batch, params, grammar=compiled)
-    assert engine.stats.num_accepted_tokens > 0  # (model drafts draw within the grammar)
+    assert engine.counters.spec.num_accepted_tokens > 0  # (model drafts draw within the grammar)
     tokenizer = make_tiny_tokenizer()
     for g, w in zip(got, want):
         assert g.output_token_ids == w.output_token_ids and g.finish_reason == w.finish_reason
@@ -77,7 +77,7 @@ def test_forbidden_drafts_never_reach_the_verifier(target_hf, compiler, monkeypa
     compiled = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     engine = make_engine(target_hf, method, 4, draft_hf=perturbed(target_hf, scale=0.6))
     seen = {"drafts": 0, "cut": 0}
-    verify, propose = engine.target.verify, engine.proposer.propose
+    verify, propose = engine.target.verify, engine.draft.proposer.propose
 
     def counting_propose(requests):
         out = propose(requests)
@@ -94,7 +94,7 @@ def test_forbidden_drafts_never_reach_the_verifier(target_hf, compiler, monkeypa
         seen["cut"] += sum(len(d) - len(p.token_ids) for d, p in zip(seen["drafted"], proposals))
         return verify(slots, token_ids, proposals, sampling, **kw)
 
-    monkeypatch.setattr(engine.proposer, "propose", counting_propose)
+    monkeypatch.setattr(engine.draft.proposer, "propose", counting_propose)
     monkeypatch.setattr(engine.target, "verify", checking_verify)
     engine.generate(prompts(8, seed=22), GREEDY, grammar=compiled)
     assert seen["drafts"] > 0
@@ -156,10 +156,10 @@ def _sample(target_hf, compiled, method: str, draft: str = "free",
     engine = make_engine(target_hf, method, 3, draft_hf=far_draft(target_hf), slots=256,
                          eos=EOS)
     if draft == "free":  # most drafts leave the grammar: the cut is what is tested
-        engine.proposer.use_grammars(None)
+        engine.draft.proposer.use_grammars(None)
     done = engine.generate([PROMPT] * num_samples, params, grammar=compiled)
-    rate = engine.stats.acceptance_rate
-    assert engine.stats.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
+    rate = engine.counters.spec.acceptance_rate
+    assert engine.counters.spec.num_draft_tokens > 0 and 0.0 < rate < 0.95, f"acceptance {rate}"
     return [tuple(c.output_token_ids[:2]) for c in done], rate
 
 
@@ -182,7 +182,7 @@ def test_dropping_a_dense_drafts_forbidden_token_is_caught(target_hf, compiler, 
     bias is in the second token (the first's marginal fits: p 0.06 and 0.15 in two runs), and
     at 6000 samples the pair's p ran from 1e-11 to 2e-6: too close to the bar for a test whose
     draws are random by design (unseeded: OS entropy). Twice the samples square it."""
-    monkeypatch.setattr(spec_decode, "keeps_forbidden", lambda params, proposal: False)
+    monkeypatch.setattr(grammar, "keeps_forbidden", lambda params, proposal: False)
     compiled = compiler.compile(REGEX)
     samples, _ = _sample(target_hf, compiled, "draft_model", num_samples=2 * NUM_SAMPLES)
     assert chi_square_pvalue(samples, constrained_joint(target_hf, compiled, PROMPT,
@@ -209,7 +209,7 @@ def test_a_grammar_past_its_fuel_fails_its_request_alone(target_hf, compiler, mo
     batch = prompts(2, seed=30)
     want = make_engine(target_hf, None).generate([batch[1]], GREEDY, grammar=good)[0]
     engine = make_engine(target_hf, "draft_model", 4, draft_hf=perturbed(target_hf, scale=0.3))
-    propose, raised = engine.proposer.propose, []
+    propose, raised = engine.draft.proposer.propose, []
 
     def recording(requests):  # a remote draft that raises is a lost draft for every request
         try:
@@ -218,7 +218,7 @@ def test_a_grammar_past_its_fuel_fails_its_request_alone(target_hf, compiler, mo
             raised.append(exc)
             raise
 
-    monkeypatch.setattr(engine.proposer, "propose", recording)
+    monkeypatch.setattr(engine.draft.proposer, "propose", recording)
     failing = engine.add_request(batch[0], GREEDY, grammar=bad)
     fine = engine.add_request(batch[1], GREEDY, grammar=good)
     errors, tokens = {}, []
@@ -230,5 +230,5 @@ def test_a_grammar_past_its_fuel_fails_its_request_alone(target_hf, compiler, mo
                 tokens += out.new_token_ids
     assert list(errors) == [failing] and "out of fuel" in str(errors[failing])
     assert tokens == want.output_token_ids
-    assert not raised and engine.draft_available and engine.stats.num_accepted_tokens > 0
+    assert not raised and engine.draft.available and engine.counters.spec.num_accepted_tokens > 0
     assert engine.target.num_free_slots == engine.target.num_slots

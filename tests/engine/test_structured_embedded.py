@@ -67,7 +67,7 @@ def outputs():
                            ("json_schema", GrammarSpec.json_schema(SCHEMA))):
             done[name, kind] = engine.generate(prompts, GREEDY, grammar=compiler.compile(spec))
         if name != "off":
-            done[name, "accepted"] = engine.stats.num_accepted_tokens
+            done[name, "accepted"] = engine.counters.spec.num_accepted_tokens
         del engine, loaded  # one engine's caches at a time
     return done
 

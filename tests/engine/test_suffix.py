@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from specserve.config import SamplingParams, SpeculativeConfig
-from specserve.engine.proposers.base import DraftRequest
+from specserve.engine.proposal import DraftRequest
 from specserve.engine.proposers.suffix import SEP, SuffixOptions, SuffixProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 
@@ -191,10 +191,10 @@ def test_greedy_output_is_target_only_output_cold_and_warm(k):
     engine = SpecDecodeEngine(worker_of(target), make_tiny_tokenizer(), eos_token_ids=EOS,
                               proposer=proposer, num_speculative_tokens=k)
     cold = [c.output_token_ids for c in engine.generate(batch, greedy)]
-    accepted_cold = engine.stats.num_accepted_tokens
+    accepted_cold = engine.counters.spec.num_accepted_tokens
     warm = [c.output_token_ids for c in engine.generate(batch, greedy)]
     assert cold == expected and warm == expected
-    assert engine.stats.num_accepted_tokens - accepted_cold > accepted_cold  # the cache paid
+    assert engine.counters.spec.num_accepted_tokens - accepted_cold > accepted_cold  # the cache paid
     assert proposer.cache.num_responses == len(batch) * 2 and not proposer.sequences
 
 
@@ -230,7 +230,7 @@ def test_sampled_output_has_the_target_distribution(seeded):
     prompt = list(sampling_prompt(target))
     pvalue = chi_square_pvalue(_sample_pairs(engine, prompt, params, seeded),
                                exact_joint(target, prompt, params))
-    assert engine.stats.num_draft_tokens > 0 and 0.0 < engine.stats.acceptance_rate < 0.95
+    assert engine.counters.spec.num_draft_tokens > 0 and 0.0 < engine.counters.spec.acceptance_rate < 0.95
     assert pvalue > 1e-3
 
 
@@ -257,12 +257,8 @@ def test_the_cache_is_reported_as_proposer_state_on_metrics():
     numbers = dict.fromkeys(("num_requests_running", "num_requests_waiting", "free_slots", "num_slots",
                              "draft_available", "target_available", "target_restarts",
                              "estimated_speedup", "speculation_length_current",
-                             "concurrency_gate_open", "spec_decode_num_drafts",
-                             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                             "draft_fallbacks", "requests_admitted", "requests_aborted",
-                             "prefill_tokens", "prefill_tokens_shared"), 0)
-    snap = UnitSnapshot(method="eagle", accepted_per_position=[], router_decisions={}, k_counts={},
-                        proposer_state=state, **numbers)
+                             "concurrency_gate_open", "requests_admitted", "requests_aborted"), 0)
+    snap = UnitSnapshot(method="eagle", router_decisions={}, proposer_state=state, **numbers)
     families = {f.name: f for f in text_string_to_metric_families(exposition({"u1": snap}).decode())}
     got = {s.labels["name"]: s.value for s in families["specserve:proposer_state"].samples}
     assert got == {name: float(v) for name, v in state.items()}

@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 from specserve.config import SamplingParams
 from specserve.engine import tree_acceptance
-from specserve.engine.proposers.base import Proposal
+from specserve.engine.proposal import Proposal
 from specserve.engine.rejection_sampler import rejection_sample
 from specserve.engine.sampling import position_noise, sample_from
 from specserve.engine.tree_acceptance import (

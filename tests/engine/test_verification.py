@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.proposers.base import Proposal
+from specserve.engine.proposal import Proposal
 from specserve.engine.rejection_sampler import PLACEHOLDER
 from specserve.engine.sampling import compute_probs, position_noise, sample_from
 from specserve.engine.verification import (
@@ -161,7 +161,7 @@ def test_topk_q_is_dense_where_verified_and_compact_on_the_wire():
     pickled as raw bytes (8 per entry) and back unchanged."""
     import pickle
 
-    from specserve.engine.proposers.base import TopK
+    from specserve.engine.proposal import TopK
 
     ids = torch.tensor([[3, 1], [0, 15]])
     probs = torch.tensor([[0.75, 0.25], [0.5, 0.5]])

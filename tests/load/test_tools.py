@@ -374,10 +374,10 @@ def test_measure_splits_prefill_from_decode_on_a_tiny_engine():
     prompt = prompts(1)[0]
     [reference] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20),
                                   num_speculative_tokens=3)
-    steps_before = engine.times.steps
+    steps_before = engine.counters.times.steps
     tally = bs.measure(engine, prompt, 20, num_speculative_tokens=3)
     assert tally.tokens == len(reference.output_token_ids) and tally.runs == 1
-    assert tally.steps == engine.times.steps - steps_before - 1  # the prefill step is left out
+    assert tally.steps == engine.counters.times.steps - steps_before - 1  # the prefill step is left out
     assert 0 < tally.decode_tokens < tally.tokens and 0 < tally.decode_seconds < tally.seconds
     assert tally.draft_tokens == reference.stats.num_draft_tokens
     assert tally.accepted_tokens == reference.stats.num_accepted_tokens

@@ -115,7 +115,7 @@ def test_tp2_returns_tp1_hidden_states_and_feeds_eagle(groups, tiny_models):
                               proposer=EagleProposer(ModelWorker(head, num_slots=4, max_seq_len=256)),
                               num_speculative_tokens=3)
     assert [c.output_token_ids for c in engine.generate(prompts(4, seed=9), params)] == expected
-    assert engine.stats.num_accepted_tokens > 0 and groups[2].num_free_slots == 4
+    assert engine.counters.spec.num_accepted_tokens > 0 and groups[2].num_free_slots == 4
 
 
 @pytest.fixture(scope="module")

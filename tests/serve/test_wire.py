@@ -130,7 +130,7 @@ def test_the_coordinator_receives_under_1_kb_per_sampled_row_and_step(units):
     """Batch 8, every row sampled and unseeded (the rows whose q crosses), TP = 2."""
     unit = units("draft_model", 2)
     engine = unit.engine
-    drafted = engine.stats.num_draft_tokens
+    drafted = engine.counters.spec.num_draft_tokens
     for prompt in prompts(8, seed=2):
         engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=40))
     engine.step()  # the prefill step: prompts in, hidden states none
@@ -138,11 +138,11 @@ def test_the_coordinator_receives_under_1_kb_per_sampled_row_and_step(units):
         (unit.draft.received.bytes, unit.draft.received.calls)
     rows = 0
     while engine.has_unfinished():
-        rows += len(engine.running)
+        rows += len(engine.scheduler.running)
         engine.step()
     target_bytes = unit.target.received.bytes - target0[0]
     draft_bytes = unit.draft.received.bytes - draft0[0]
-    assert engine.stats.num_draft_tokens > drafted and rows >= 8
+    assert engine.counters.spec.num_draft_tokens > drafted and rows >= 8
     vocab = unit.target.vocab_size
     print(f"\nper row and step at batch 8: target -> coordinator {target_bytes / rows:.0f} B "
           f"(logits would be {(K + 1) * vocab * 4} B), draft -> coordinator "
@@ -163,9 +163,9 @@ def greedy_expected(tiny_models):
 def test_greedy_output_through_the_groups_is_target_only(units, greedy_expected, method):
     batch, greedy, expected = greedy_expected
     unit = units(method, 2)
-    drafted = unit.engine.stats.num_draft_tokens
+    drafted = unit.engine.counters.spec.num_draft_tokens
     done = unit.engine.generate(batch, greedy)
-    assert unit.engine.stats.num_draft_tokens > drafted
+    assert unit.engine.counters.spec.num_draft_tokens > drafted
     assert [c.output_token_ids for c in done] == [c.output_token_ids for c in expected]
     _n_samples_are_their_seeds_alone(unit.engine, batch[3])
 
@@ -174,13 +174,13 @@ def _n_samples_are_their_seeds_alone(engine, prompt: list[int]) -> None:
     """n = 3 through the groups: the slots fork on every rank and in the draft actor, and
     sample i is the single request of seed 21 + i."""
     seeded = SamplingParams(temperature=0.9, max_tokens=16, seed=21)
-    forked = engine.num_forked_tokens
+    forked = engine.counters.num_forked_tokens
     ids = engine.add_parallel(prompt, seeded, 3)
     tokens = {i: [] for i in ids}
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.seq_id] += out.new_token_ids
-    assert engine.num_forked_tokens - forked == 2 * (len(prompt) - 1)
+    assert engine.counters.num_forked_tokens - forked == 2 * (len(prompt) - 1)
     for i, seq_id in enumerate(ids):
         alone = engine.generate([prompt], seeded.model_copy(update={"seed": 21 + i}))[0]
         assert tokens[seq_id] == alone.output_token_ids, f"sample {i}"
@@ -201,13 +201,14 @@ def test_sampled_output_through_the_groups_has_the_target_distribution(units, ti
     either way."""
     torch.manual_seed(20261125)
     unit = units(method, 1)
-    drafted, accepted = unit.engine.stats.num_draft_tokens, unit.engine.stats.num_accepted_tokens
+    spec = unit.engine.counters.spec
+    drafted, accepted = spec.num_draft_tokens, spec.num_accepted_tokens
     # max_tokens 3: an EAGLE head drafts nothing in the prefill step, so its pair's second
     # token comes from a step capped at K = 1; one draft still sends its q across the wire.
     params = SAMPLED[1]
     pairs = _sample_pairs(unit.engine, list(sampling_prompt(tiny_models[2])), params, seeded=False)
-    drafted = unit.engine.stats.num_draft_tokens - drafted
-    accepted = unit.engine.stats.num_accepted_tokens - accepted
+    drafted = unit.engine.counters.spec.num_draft_tokens - drafted
+    accepted = unit.engine.counters.spec.num_accepted_tokens - accepted
     assert drafted > 0 and 0.0 < accepted / drafted < 0.95, (drafted, accepted)
     assert chi_square_pvalue(pairs, sampling_joint(tiny_models[2], SAMPLED[1])) > 1e-3
 
@@ -224,10 +225,11 @@ def test_seeded_output_through_the_groups_is_target_onlys_seed_for_seed(units, t
     prompt = list(sampling_prompt(tiny_models[2]))
     seeded = [SAMPLED[1].model_copy(update={"seed": i, "max_tokens": 8})
               for i in range(SEEDED_SAMPLES)]
-    drafted, accepted = unit.engine.stats.num_draft_tokens, unit.engine.stats.num_accepted_tokens
+    spec = unit.engine.counters.spec
+    drafted, accepted = spec.num_draft_tokens, spec.num_accepted_tokens
     through = unit.engine.generate([prompt] * SEEDED_SAMPLES, seeded)
-    drafted = unit.engine.stats.num_draft_tokens - drafted
-    accepted = unit.engine.stats.num_accepted_tokens - accepted
+    drafted = unit.engine.counters.spec.num_draft_tokens - drafted
+    accepted = unit.engine.counters.spec.num_accepted_tokens - accepted
     assert drafted > 0 and 0.0 < accepted / drafted < 0.95, (drafted, accepted)
     alone = make_engine(tiny_models[2], None, slots=DISTRIBUTION_SLOTS, eos=frozenset()).generate(
         [prompt] * SEEDED_SAMPLES, seeded)

@@ -13,16 +13,16 @@ import torch
 from safetensors.torch import load_file
 from specserve.cli import main
 from specserve.config import ModelConfig
-from specserve.draft.data import PROMPTS_DIR, SHIPPED, Sample, greedy_with_features, read_prompts
-from specserve.draft.evaluate import acceptance_table, matched_lengths
-from specserve.draft.self_prompts import self_prompts
-from specserve.draft.train import TrainConfig, Trainer
 from specserve.engine.draft_head import new_draft_head
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
+from specserve.training.data import PROMPTS_DIR, SHIPPED, Sample, greedy_with_features, read_prompts
+from specserve.training.evaluate import acceptance_table, matched_lengths
+from specserve.training.self_prompts import self_prompts
+from specserve.training.train import TrainConfig, Trainer
 
 from tests.models import tiny_hf_model
 from tests.serve.conftest import save_tiny

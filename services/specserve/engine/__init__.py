@@ -28,4 +28,34 @@ Vocabulary (every name in this package uses it):
   forward while speculating (1.0 means speculation bought nothing).
 - **slot**: a sequence's row in a KV cache; its **length** is how many tokens have their keys
   and values stored. Rollback is setting the length back.
+
+The engine's step (``spec_decode.py``, :class:`SpecDecodeEngine`) is a thin loop over named
+parts, one module each:
+
+- **scheduler** (``scheduler.py``): the sequences, waiting and running; admission, the step's
+  prefill budget (chunks), preemption, and the ``n`` samples of a request waiting to **fork**
+  from its first sample's prefill.
+- **draft link** (``draft_link.py``): the proposer as the step sees it: which sequences are
+  **attached** to it, the proposer call, the target features it reads, and its loss and
+  re-attachment (a lost draft costs speed, never output).
+- **K planner** (``k_planner.py``): K per row each step, and what the step tells the K
+  **controller** (``adaptive.py``, the cost model that picks K).
+- **counters** (``stats.py``, :class:`EngineCounters`): everything the engine counts, filled by
+  the step and read whole (a snapshot) by the unit, its metrics and ``/v1/units/stats``.
+- **proposal** (``proposal.py``): what crosses between a proposer and the target
+  (``DraftRequest``, ``Proposal``, ``TopK``), imported by both sides.
+
+Around the engine (``specserve/serve/``), one word each:
+
+- **unit**: one Serve replica of ``SpeculationUnit`` with the **draft group** (the draft
+  model's actor, a ``DraftWorker``) and the **target group** (its tensor-parallel **ranks**,
+  ``TargetRank``) it starts: one placement group, the unit of scaling; KV never leaves it.
+- **coordinator**: the unit's own process (bundle 0 of its placement group,
+  ``coordinator_cpus``): it runs the engine, whose target and proposer are the groups'
+  clients (the card's "speculation coordinator").
+- **engine loop** (``serve/engine_loop.py``): the coordinator's thread that owns the engine,
+  and the asyncio side that feeds it requests.
+- **draft head** (``draft_head.py``): a trained draft (EAGLE's head, or a small decoder on the
+  target's embeddings); **training** (``specserve/training/``, ``specserve train-draft``) makes
+  one.
 """

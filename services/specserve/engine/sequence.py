@@ -91,6 +91,27 @@ class Sequence:
             return "length"
         return None
 
+    def step_output(self, prompt_logprobs: list | None = None) -> StepOutput:
+        """What the step that just advanced it produced: the output tokens (and logprobs) not
+        reported yet and the text they complete; on its last, the request-level counts."""
+        new_tokens = self.output_token_ids[self.num_emitted_tokens:]
+        logprobs = self.logprobs[self.num_emitted_tokens:] if self.params.logprobs is not None else None
+        self.num_emitted_tokens += len(new_tokens)
+        delta = self.detokenizer.pop_delta(final=self.finish_reason is not None)
+        out = StepOutput(self.seq_id, new_tokens, delta, self.finish_reason, self.stats,
+                         logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=self.index)
+        if self.finish_reason is not None:
+            out.k_counts, out.mean_speculation_length = dict(self.k_counts), self.mean_speculation_length
+            out.num_cached_tokens = self.num_cached_tokens
+        return out
+
+    def completion(self, finish_reason: str) -> Completion:
+        """The finished sequence, for callers that do not stream."""
+        return Completion(self.seq_id, self.token_ids[:self.prompt_len], self.output_token_ids,
+                          self.detokenizer.text, finish_reason, self.stats,
+                          self.logprobs if self.params.logprobs is not None else None,
+                          self.prompt_logprobs)
+
 
 @dataclass
 class StepOutput:

@@ -14,6 +14,7 @@ the accepted nodes by index.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from specserve.engine.tree_acceptance import tree_children
@@ -131,3 +132,36 @@ class StepTimes:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "propose_s": round(self.propose_s, 4),
                 "verify_s": round(self.verify_s, 4), "accept_s": round(self.accept_s, 4)}
+
+
+@dataclass
+class EngineCounters:
+    """Everything an engine counts since it started, in one place: its step fills it, and the
+    unit reads it whole (:meth:`snapshot`: a copy, which crosses the Ray hop to the metrics hub
+    inside a ``UnitSnapshot`` and answers ``/v1/units/stats``)."""
+
+    spec: SpecStats = field(default_factory=SpecStats)               # every verified draft
+    by_proposer: dict[str, SpecStats] = field(default_factory=dict)  # ... per Proposal.source
+    times: StepTimes = field(default_factory=StepTimes)
+    k_counts: dict[int, int] = field(default_factory=dict)  # decoding sequence-steps per K drafted
+    num_tree_drafts: int = 0      # verified drafts that were token trees (Proposal.parents)
+    num_prefill_tokens: int = 0   # prompt tokens the target computed in prefill rows
+    num_prefill_chunks: int = 0   # chunks prefilled (part of a prompt each; scheduler.py)
+    num_forked_tokens: int = 0    # prompt tokens copied from a first sample instead (n > 1)
+    num_preemptions: int = 0      # sequences sent back to wait for KV blocks (scheduler.py)
+    num_draft_fallbacks: int = 0  # times the proposer stopped answering (draft_link.py)
+
+    def observe(self, source: str, num_draft_tokens: int, num_accepted_tokens: int,
+                tree: tuple[list[int], list[int]] | None, is_tree: bool) -> None:
+        """One row's verified draft (:meth:`SpecStats.observe`), drafted by ``source``."""
+        self.spec.observe(num_draft_tokens, num_accepted_tokens, tree)
+        self.num_tree_drafts += is_tree
+        if num_draft_tokens:
+            self.by_proposer.setdefault(source, SpecStats()).observe(
+                num_draft_tokens, num_accepted_tokens, tree)
+
+    def count_k(self, k: int) -> None:
+        _count(self.k_counts, k)
+
+    def snapshot(self) -> EngineCounters:
+        return copy.deepcopy(self)

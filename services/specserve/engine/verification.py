@@ -31,8 +31,8 @@ from functools import partial
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.grammar import apply_mask
-from specserve.engine.proposers.base import Proposal, TopK
+from specserve.engine.grammar import masked
+from specserve.engine.proposal import Proposal, TopK
 from specserve.engine.rejection_sampler import (
     PLACEHOLDER,
     RejectionOutput,
@@ -130,15 +130,6 @@ def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
             r.params, x if r.params.greedy else c, emitted, path)
         verdicts.append(Verdict(emitted, int(res.num_accepted_tokens[row]), path, lp))
     return verdicts
-
-
-def masked(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A copy of ``logits`` (``[n, V]``) with the tokens ``mask`` (``[n, W]`` packed int32)
-    disallows at -inf, on the logits' device."""
-    assert logits.ndim == 2 and mask.shape[0] == logits.shape[0], "one mask row per logits row"
-    out = logits.clone()
-    apply_mask(out, mask.to(out.device))
-    return out
 
 
 def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int

@@ -21,7 +21,7 @@ from specserve.config import KVCacheConfig, SamplingParams
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.malloc import keep_freed_memory
 from specserve.engine.model import LlamaRuntime
-from specserve.engine.proposers.base import Proposal
+from specserve.engine.proposal import Proposal
 from specserve.engine.verification import SamplingRow, Verdict, token_logprobs, verify_rows
 
 

@@ -19,7 +19,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.config import UnitConfig
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.proposal import DraftRequest, Proposal
+from specserve.engine.proposers.base import Proposer
 from specserve.errors import ProposerUnavailable
 from specserve.methods import PROPOSERS
 from specserve.serve.draft_worker import DraftWorker, process_start
@@ -150,7 +151,7 @@ class DraftGroup(Proposer):
     def probe(self) -> bool:
         """True when the draft answers a step within ``draft_timeout_s``: the call a real step
         makes, so a draft that answers pings but is too slow to draft stays lost. Called off
-        the engine thread (``coordinator.DraftWatch``); it sends no bookkeeping."""
+        the engine thread (``engine_loop.DraftWatch``); it sends no bookkeeping."""
         try:
             ray.get(self.actor.step.remote([], []), timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001

@@ -1,4 +1,4 @@
-"""The engine loop of a unit (its speculation coordinator): one thread owns the engine;
+"""The engine loop of a unit: in the unit's coordinator process, one thread owns the engine;
 requests are asyncio streams.
 
 The engine is not thread-safe, so a single background thread does everything to it: it takes
@@ -29,11 +29,12 @@ with :class:`~specserve.errors.TargetUnavailable` (503, retry) instead of waitin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from specserve.config import SamplingParams
@@ -176,14 +177,14 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stall_ended = threading.Event()  # end_stall: a stall ends before its time
         self._stopped = False
-        self._draft_was_available = engine.draft_available
+        self._draft_was_available = engine.draft.available
         self.num_running = 0
         self.num_waiting = 0
-        self.num_streams = 0  # sequences of the generate() calls in progress (asyncio side)
+        self.num_streams = 0  # sequences of the requests admitted and not ended (asyncio side)
         self.num_admitted = 0  # sequences the engine accepted since start (n per request)
         self.num_aborted = 0   # sequences cancelled before they finished (client went away)
         self.capacity = engine.target.num_free_slots + max_queue_len
-        self._thread = threading.Thread(target=self._run, name="spec-coordinator", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     # -- the asyncio side ---------------------------------------------------------------------
@@ -192,19 +193,20 @@ class EngineLoop:
         """Sequences running or waiting: what the router balances on."""
         return self.num_running + self.num_waiting
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       num_speculative_tokens: int | None, adaptive: bool = False,
-                       n: int = 1, grammar: CompiledGrammar | None = None
-                       ) -> AsyncIterator[StepOutput]:
-        """Stream the outputs of one request's ``n`` sequences (:attr:`StepOutput.index` says
-        whose), until every one has finished; cancelling the iteration aborts them all. A
-        request counts ``n`` against the unit's capacity."""
-        self.check_admission(n)
+    @contextlib.contextmanager
+    def admission(self, n: int = 1) -> Iterator[None]:
+        """A new request of ``n`` sequences: refused with what it would get now (503 while the
+        target group restarts, 429 when the unit is full), else it holds ``n`` of the unit's
+        capacity until the block ends. The unit enters it before it answers anything, so the
+        client gets a status code rather than an error inside a stream that already said 200."""
+        if not self.target_available:
+            raise TargetUnavailable("the target group is restarting after a failure; retry shortly")
+        if self.num_streams + n > self.capacity:
+            raise CapacityError(f"the unit is full ({self.capacity} sequences running or queued); "
+                                "retry shortly")
         self.num_streams += n
         try:
-            async for out in self._stream(prompt_token_ids, params, num_speculative_tokens,
-                                          adaptive, n, grammar):
-                yield out
+            yield
         finally:
             self.num_streams -= n
 
@@ -213,19 +215,13 @@ class EngineLoop:
         """False while the target group restarts after a failure, or once the unit gave up."""
         return not (self.recovering or self.broken)
 
-    def check_admission(self, n: int = 1) -> None:
-        """Raise what a new request of ``n`` sequences would get now: 503 while the target
-        group restarts, 429 when the unit is full. The unit asks before it answers anything,
-        so the client gets a status code rather than an error inside a stream that already
-        said 200."""
-        if not self.target_available:
-            raise TargetUnavailable("the target group is restarting after a failure; retry shortly")
-        if self.num_streams + n > self.capacity:
-            raise CapacityError(f"the unit is full ({self.capacity} sequences running or queued); "
-                                "retry shortly")
-
-    async def _stream(self, prompt_token_ids, params, num_speculative_tokens,
-                      adaptive, n, grammar) -> AsyncIterator[StepOutput]:
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       num_speculative_tokens: int | None, adaptive: bool = False,
+                       n: int = 1, grammar: CompiledGrammar | None = None
+                       ) -> AsyncIterator[StepOutput]:
+        """Stream the outputs of one request's ``n`` sequences (:attr:`StepOutput.index` says
+        whose), admitted by :meth:`admission`, until every one has finished; cancelling the
+        iteration aborts them all."""
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
@@ -378,15 +374,15 @@ class EngineLoop:
             return
 
     def _count(self) -> None:
-        self.num_running = len(self.engine.running)
-        self.num_waiting = len(self.engine.waiting)
+        self.num_running = len(self.engine.scheduler.running)
+        self.num_waiting = len(self.engine.scheduler.waiting)
 
     def _watch_draft(self) -> None:
         """Tell the watch when the draft is lost; re-attach it when the watch found it back."""
         engine = self.engine
-        if engine.proposer is None:
+        if engine.draft.proposer is None:
             return
-        if not engine.draft_available:
+        if not engine.draft.available:
             if self.draft_watch is None:  # in-process: nothing to wait for
                 engine.reattach_proposer()
             elif self._draft_was_available:
@@ -394,16 +390,15 @@ class EngineLoop:
             elif self.draft_watch.take_back():
                 log.info("draft group is back; resuming speculation")
                 engine.reattach_proposer()
-        self._draft_was_available = engine.draft_available
+        self._draft_was_available = engine.draft.available
 
     def _flush_draft(self) -> None:
         """Idle: send the draft's buffered bookkeeping (the ``finish`` of the last requests),
         so an idle draft holds no slots."""
-        if self.engine.proposer is not None and self.engine.draft_available:
-            try:
-                self.engine.proposer.flush()
-            except Exception:  # noqa: BLE001  a lost draft is found out by the next step
-                log.warning("flushing the draft's bookkeeping failed", exc_info=True)
+        try:
+            self.engine.draft.flush()
+        except Exception:  # noqa: BLE001  a lost draft is found out by the next step
+            log.warning("flushing the draft's bookkeeping failed", exc_info=True)
 
 
 def _resolve(future: asyncio.Future, value, exc: Exception | None) -> None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics: names as in ../DESIGN "Metrics" (vLLM's, under ``specserve:``).
+"""Prometheus metrics: vLLM's names under ``specserve:`` (``docs/METRICS.md`` lists them all).
 
 Two sources, one ``/metrics`` (the ingress's):
 
@@ -34,6 +34,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
+from specserve.engine.stats import EngineCounters, SpecStats
 from specserve.serve.protocol import StreamDelta, Timing, UnitSnapshot
 
 log = logging.getLogger(__name__)
@@ -165,15 +166,14 @@ class RayMirror:
         self.gauges = {name: RayGauge(f"specserve_{name}", doc, tag_keys=tags)
                        for name, doc in _GAUGES.items()}
         self.counters = {name: RayCounter(f"specserve_{name}", doc, tag_keys=tags)
-                         for name, doc in _COUNTERS.items()}
+                         for name, doc in _counter_docs().items()}
         self._last: dict[str, float] = {}
 
     def update(self, snap: UnitSnapshot) -> None:
         tags = {"unit": self.unit, "method": snap.method}
         for name in _GAUGES:
             self.gauges[name].set(float(getattr(snap, name)), tags)
-        for name in _COUNTERS:
-            value = float(getattr(snap, name))
+        for name, value in _counter_values(snap).items():
             delta = value - self._last.get(name, 0.0)
             if delta > 0:
                 self.counters[name].inc(delta, tags)
@@ -197,26 +197,42 @@ _GAUGES = {
     "kv_blocks_free": "KV blocks no sequence holds (cached prefixes among them, reusable).",
 }
 _COUNTERS = {
-    "spec_decode_num_drafts": "Verified drafts (one per sequence per step that drafted).",
-    "spec_decode_num_draft_tokens": "Drafted tokens.",
-    "spec_decode_num_accepted_tokens": "Drafted tokens the target accepted.",
-    "draft_fallbacks": "Times the unit lost its draft group and decoded target-only.",
     "requests_admitted": "Sequences the unit's engine accepted (a request of n choices: n).",
     "requests_aborted": "Sequences cancelled before they finished (client went away).",
-    "prefill_tokens": "Prompt tokens the target computed in prefills.",
-    "prefill_tokens_shared": "Prompt tokens copied from a request's first choice to its others "
-                             "(n > 1) instead of being computed again.",
     "target_restarts": "Restarts of the target group after a rank died or a step timed out.",
-    "prefill_chunks": "Chunks of prompts prefilled (chunked_prefill_size), each in a step's forward.",
-    "preemptions": "Sequences sent back to wait because the paged KV pool ran short (recomputed later).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (vLLM's "
                             "prefix_cache_queries).",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache, not computed (hit rate: "
                          "rate(hits) / rate(queries)).",
 }
+# The engine's counters (``UnitSnapshot.engine``, an ``EngineCounters``): metric name ->
+# (help text, its value in the counters).
+_ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineCounters], int]]] = {
+    "spec_decode_num_drafts": ("Verified drafts (one per sequence per step that drafted).",
+                               lambda c: c.spec.num_drafts),
+    "spec_decode_num_draft_tokens": ("Drafted tokens.", lambda c: c.spec.num_draft_tokens),
+    "spec_decode_num_accepted_tokens": ("Drafted tokens the target accepted.",
+                                        lambda c: c.spec.num_accepted_tokens),
+    "draft_fallbacks": ("Times the unit lost its draft group and decoded target-only.",
+                        lambda c: c.num_draft_fallbacks),
+    "prefill_tokens": ("Prompt tokens the target computed in prefills.", lambda c: c.num_prefill_tokens),
+    "prefill_tokens_shared": ("Prompt tokens copied from a request's first choice to its others "
+                              "(n > 1) instead of being computed again.", lambda c: c.num_forked_tokens),
+    "prefill_chunks": ("Chunks of prompts prefilled (chunked_prefill_size), each in a step's forward.",
+                       lambda c: c.num_prefill_chunks),
+    "preemptions": ("Sequences sent back to wait because the paged KV pool ran short (recomputed "
+                    "later).", lambda c: c.num_preemptions),
+}
 
-# The spec_decode counters per drafting proposer (a hybrid's first and model parts), in the
-# order of ``UnitSnapshot.by_proposer``'s tuples.
+
+def _counter_values(snap: UnitSnapshot) -> dict[str, float]:
+    """Every counter of ``_COUNTERS`` and ``_ENGINE_COUNTERS``: its value in ``snap``."""
+    return {**{name: float(getattr(snap, name)) for name in _COUNTERS},
+            **{name: float(value(snap.engine)) for name, (_, value) in _ENGINE_COUNTERS.items()}}
+
+
+# The spec_decode counters per drafting proposer (a hybrid's first and model parts): the
+# SpecStats field of each, from ``EngineCounters.by_proposer``.
 _BY_PROPOSER = (
     ("num_drafts", "Verified drafts, by the proposer that drafted them (a hybrid's parts)."),
     ("num_draft_tokens", "Drafted tokens, by the proposer that drafted them."),
@@ -229,7 +245,7 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
     labels = ["unit", "method"]
     gauges = {n: GaugeMetricFamily(f"specserve:{n}", doc, labels=labels) for n, doc in _GAUGES.items()}
     counters = {n: CounterMetricFamily(f"specserve:{n}", doc, labels=labels)
-                for n, doc in _COUNTERS.items()}
+                for n, doc in _counter_docs().items()}
     per_pos = CounterMetricFamily(
         "specserve:spec_decode_num_accepted_tokens_per_pos",
         "Accepted tokens by draft position (0 = the first drafted token).",
@@ -254,45 +270,59 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
         "specserve:speculation_length",
         "K drafted per decoding sequence per step (0: that step ran target-only; for a tree "
         "proposer, the node budget).", labels=labels)
-    tree_hists = [  # (family, snapshot field, bucket bounds)
+    tree_hists = [  # (family, its counts in the engine's SpecStats, bucket bounds)
         (HistogramMetricFamily("specserve:spec_decode_tree_size",
                                "Nodes of each verified token tree.", labels=labels),
-         "tree_sizes", TREE_SIZE_BUCKETS),
+         lambda spec: spec.tree_sizes, TREE_SIZE_BUCKETS),
         (HistogramMetricFamily("specserve:spec_decode_tree_accepted_depth",
                                "Depth the kept path of each verified token tree reached "
                                "(its accepted tokens; 0: no node kept).", labels=labels),
-         "tree_depths", TREE_DEPTH_BUCKETS),
+         lambda spec: spec.tree_depths, TREE_DEPTH_BUCKETS),
         (HistogramMetricFamily("specserve:spec_decode_tree_accepted_rank",
                                "Sibling rank of each kept tree node (0: its parent's first "
                                "drafted child; above 0: a branch a chain would not have had).",
                                labels=labels),
-         "tree_ranks", TREE_RANK_BUCKETS),
+         _by_rank, TREE_RANK_BUCKETS),
     ]
     for unit, snap in sorted(units.items()):
         values = [unit, snap.method]
         for name, family in gauges.items():
             family.add_metric(values, float(getattr(snap, name)))
-        for name, family in counters.items():
-            family.add_metric(values, float(getattr(snap, name)))
-        for pos, n in enumerate(snap.accepted_per_position):
+        for name, value in _counter_values(snap).items():
+            counters[name].add_metric(values, value)
+        engine = snap.engine
+        for pos, n in enumerate(engine.spec.accepted_per_position):
             per_pos.add_metric([*values, str(pos)], float(n))
         for (decision, reason), n in sorted(snap.router_decisions.items()):
             decisions.add_metric([*values, decision, reason], float(n))
         for name, value in sorted(snap.proposer_state.items()):
             proposer.add_metric([*values, name], float(value))
-        for name, counts in sorted(snap.by_proposer.items()):
-            for family, n in zip(by_proposer, counts):
-                family.add_metric([*values, name], float(n))
+        for name, stats in sorted(engine.by_proposer.items()):
+            for family, (field, _) in zip(by_proposer, _BY_PROPOSER):
+                family.add_metric([*values, name], float(getattr(stats, field)))
         for source, counts in sorted(snap.received.items()):
             for family, n in zip(received, counts):
                 family.add_metric([*values, source], float(n))
-        _add_histogram(k_hist, values, snap.k_counts, K_BUCKETS)
-        for family, name, bounds in tree_hists:  # zeros where no tree was verified
-            _add_histogram(family, values, getattr(snap, name), bounds)
+        _add_histogram(k_hist, values, engine.k_counts, K_BUCKETS)
+        for family, counts, bounds in tree_hists:  # zeros where no tree was verified
+            _add_histogram(family, values, counts(engine.spec), bounds)
     yield from gauges.values()
     yield from counters.values()
     yield from (per_pos, decisions, proposer, *by_proposer, *received, k_hist,
                 *(f for f, _, _ in tree_hists))
+
+
+def _counter_docs() -> dict[str, str]:
+    return {**_COUNTERS, **{name: doc for name, (doc, _) in _ENGINE_COUNTERS.items()}}
+
+
+def _by_rank(spec: SpecStats) -> dict[int, int]:
+    """Kept tree nodes per sibling rank, over every depth (the per-depth counts are in
+    ``/v1/units/stats``; a depth label on /metrics would multiply its series)."""
+    out: dict[int, int] = {}
+    for (_, rank), n in spec.tree_ranks.items():
+        out[rank] = out.get(rank, 0) + n
+    return out
 
 
 def _add_histogram(family: HistogramMetricFamily, values: list[str], counts: dict[int, int],

@@ -42,6 +42,7 @@ from pydantic_core import PydanticCustomError
 
 from specserve.config import SamplingParams, SpecMethod
 from specserve.engine.grammar import GrammarSpec
+from specserve.engine.stats import EngineCounters
 from specserve.errors import InvalidRequestError
 from specserve.serve.tools import ToolPlan
 
@@ -551,8 +552,9 @@ class StreamDelta:
 
 @dataclass(frozen=True)
 class UnitSnapshot:
-    """A unit's live numbers, sent to the metrics hub every few seconds. Each field is a
-    metric of ``serve/metrics.py`` of the same name (``docs/METRICS.md``)."""
+    """A unit's live numbers, sent to the metrics hub every few seconds: its own (each field a
+    metric of ``serve/metrics.py`` of the same name, ``docs/METRICS.md``) and its engine's
+    counters whole (``engine``: ``metrics.py`` names the metrics it feeds)."""
 
     method: str
     num_requests_running: int
@@ -565,30 +567,14 @@ class UnitSnapshot:
     estimated_speedup: float
     speculation_length_current: int
     concurrency_gate_open: int
-    spec_decode_num_drafts: int
-    spec_decode_num_draft_tokens: int
-    spec_decode_num_accepted_tokens: int
-    accepted_per_position: list[int]
-    draft_fallbacks: int
     requests_admitted: int
     requests_aborted: int
-    prefill_tokens: int
-    prefill_tokens_shared: int
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
-    k_counts: dict[int, int]                      # K -> decoding rows that drafted it
-    prefill_chunks: int = 0            # chunks of prompts prefilled (part of a prompt each)
-    preemptions: int = 0               # sequences sent back to wait for KV blocks
+    engine: EngineCounters = field(default_factory=EngineCounters)  # a copy (snapshot())
     kv_blocks_total: int = 0           # a paged target's KV blocks (0: the slot layout)
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0         # ... found there (not computed)
     proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()
-    # per drafting proposer (a hybrid's parts): (drafts, draft tokens, accepted tokens)
-    by_proposer: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    # token trees (SpecStats): nodes -> trees verified, kept depth -> trees, sibling rank ->
-    # kept nodes (over every depth)
-    tree_sizes: dict[int, int] = field(default_factory=dict)
-    tree_depths: dict[int, int] = field(default_factory=dict)
-    tree_ranks: dict[int, int] = field(default_factory=dict)
-    # what the coordinator received from each group: source -> (bytes, messages)
+    # what the unit received from each group: source -> (bytes, messages)
     received: dict[str, tuple[int, int]] = field(default_factory=dict)

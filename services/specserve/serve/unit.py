@@ -1,11 +1,11 @@
-"""SpeculationUnit: one Serve replica = one speculation coordinator with its two groups.
+"""SpeculationUnit: one Serve replica and the two groups it starts = one unit.
 
-The replica runs in bundle 0 of its placement group (``[coordinator, (draft), target ranks]``,
-STRICT_PACK) and starts the draft and target groups as child actors in the other bundles.
-Requests arrive as a :class:`~specserve.serve.protocol.UnitRequest` (token ids: the ingress
-tokenizes and validates) and leave as a stream: a :class:`~specserve.serve.protocol.StreamStart`
-with the speculation decision, then :class:`~specserve.serve.protocol.StreamDelta` chunks, the
-last one with usage.
+The replica (the unit's coordinator process) runs in bundle 0 of its placement group
+(``[coordinator, (draft), target ranks]``, STRICT_PACK) and starts the draft and target groups
+as child actors in the other bundles. Requests arrive as a
+:class:`~specserve.serve.protocol.UnitRequest` (token ids: the ingress tokenizes and validates)
+and leave as a stream: a :class:`~specserve.serve.protocol.StreamStart` with the speculation
+decision, then :class:`~specserve.serve.protocol.StreamDelta` chunks, the last one with usage.
 Scaling replicas scales whole units; KV caches never cross units.
 """
 
@@ -62,18 +62,19 @@ class SpeculationUnit:
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, resolve(cfg.engine.target.source,
                                                             cfg.engine.target.cache_dir))
-            self.target = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
-                                      name=f"target-{self.unit_id}")
-            self.draft = (DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
-                                            target_vocab_size=self.target.vocab_size,
-                                            eos_token_ids=self.target.info["eos_token_ids"])
-                          if cfg.has_draft_group else None)
+            self.target_group = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
+                                            name=f"target-{self.unit_id}")
+            self.draft_group = (
+                DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
+                                  target_vocab_size=self.target_group.vocab_size,
+                                  eos_token_ids=self.target_group.info["eos_token_ids"])
+                if cfg.has_draft_group else None)
             tokenizer = tokenizer.result()
-        eos = self.target.info["eos_token_ids"]
-        self.grammars = GrammarCompiler(tokenizer, self.target.vocab_size, eos)  # structured outputs
-        self.engine = assemble_engine(self.target, tokenizer,
-                                      frozenset(self.target.info["eos_token_ids"]), spec,
-                                      draft=self.draft,
+        eos = self.target_group.info["eos_token_ids"]
+        self.grammars = GrammarCompiler(tokenizer, self.target_group.vocab_size, eos)  # structured outputs
+        self.engine = assemble_engine(self.target_group, tokenizer,
+                                      frozenset(self.target_group.info["eos_token_ids"]), spec,
+                                      draft=self.draft_group,
                                       chunked_prefill_size=cfg.engine.chunked_prefill_size)
         self.policy = SpeculationPolicy(cfg.router, method=spec.method,
                                         default_k=spec.num_speculative_tokens,
@@ -81,12 +82,12 @@ class SpeculationUnit:
                                         max_num_seqs=cfg.engine.max_num_seqs)
         self.decisions: dict[tuple[str, str], int] = {}  # Decision.key -> requests, since start
         self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot)
-        self.core = EngineLoop(self.engine, max_queue_len=cfg.max_queue_len,
-                                draft_probe=self.draft.probe if self.draft else None,
-                                draft_retry_s=cfg.draft_retry_s,
-                                draft_max_retry_s=cfg.draft_retry_max_s,
-                                restart_target=self.target.restart,
-                                max_restarts=cfg.target_restart_attempts)
+        self.loop = EngineLoop(self.engine, max_queue_len=cfg.max_queue_len,
+                               draft_probe=self.draft_group.probe if self.draft_group else None,
+                               draft_retry_s=cfg.draft_retry_s,
+                               draft_max_retry_s=cfg.draft_retry_max_s,
+                               restart_target=self.target_group.restart,
+                               max_restarts=cfg.target_restart_attempts)
 
     async def generate(self, request: UnitRequest) -> AsyncIterator[StreamStart | StreamDelta]:
         """One :class:`StreamStart`, then :class:`StreamDelta` chunks of the request's ``n``
@@ -94,20 +95,29 @@ class SpeculationUnit:
         one of all carries the ``usage`` (the prompt once, the completions summed, as
         OpenAI's) and, for the ingress's metrics, the ``timing``."""
         params, n = request.params, request.n
-        self.core.check_admission(n)
-        grammar = None
-        if request.grammar is not None:  # off the event loop: milliseconds, bounded by fuel
-            grammar = await asyncio.to_thread(self.grammars.compile, request.grammar)
-        decision = self.policy.decide(request.speculation, max_tokens=params.max_tokens,
-                                      load=self.core.num_streams, key=request.class_key,
-                                      draft_available=self.engine.draft_available)
-        self.decisions[decision.key] = self.decisions.get(decision.key, 0) + 1
-        yield StreamStart(decision)
+        load = self.loop.num_streams  # the unit's load before this request
+        with self.loop.admission(n):  # 503 or 429 here, before the stream says 200
+            grammar = None
+            if request.grammar is not None:  # off the event loop: milliseconds, bounded by fuel
+                grammar = await asyncio.to_thread(self.grammars.compile, request.grammar)
+            decision = self.policy.decide(request.speculation, max_tokens=params.max_tokens,
+                                          load=load, key=request.class_key,
+                                          draft_available=self.engine.draft.available)
+            self.decisions[decision.key] = self.decisions.get(decision.key, 0) + 1
+            yield StreamStart(decision)
+            async for delta in self._stream(request, decision, grammar):
+                yield delta
+
+    async def _stream(self, request: UnitRequest, decision: Decision, grammar
+                      ) -> AsyncIterator[StreamDelta]:
+        """The request's chunks: per choice as its tokens come (streaming) or once, whole,
+        when it finishes (``_Choice`` gathers them: the one place a choice is regrouped)."""
+        params, n = request.params, request.n
         # A client that does not stream gets one chunk per choice: every yielded chunk is a
         # Ray message, and per token they cost the forward pass CPU time on a small machine.
         choices = [_Choice(time.perf_counter()) for _ in range(n)]
         prompt_logprobs, unfinished = None, n
-        async for out in self.core.generate(request.prompt_token_ids, params,
+        async for out in self.loop.generate(request.prompt_token_ids, params,
                                             num_speculative_tokens=decision.num_speculative_tokens,
                                             adaptive=decision.adaptive, n=n, grammar=grammar):
             choice = choices[out.index]
@@ -137,44 +147,30 @@ class SpeculationUnit:
 
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
-        engine, ctl = self.engine, self.engine.controller
-        spec, kv = engine.stats, self._kv_stats()
+        engine, ctl, kv = self.engine, self.engine.controller, self._kv_stats()
         return UnitSnapshot(
             method=self.method or "none",
-            num_requests_running=self.core.num_running,
-            num_requests_waiting=self.core.num_waiting,
+            num_requests_running=self.loop.num_running,
+            num_requests_waiting=self.loop.num_waiting,
             free_slots=engine.target.num_free_slots,
             num_slots=self.cfg.engine.max_num_seqs,
-            draft_available=int(engine.draft_available),
-            target_available=int(self.core.target_available),
-            target_restarts=self.core.num_target_restarts,
+            draft_available=int(engine.draft.available),
+            target_available=int(self.loop.target_available),
+            target_restarts=self.loop.num_target_restarts,
             estimated_speedup=ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0,
             speculation_length_current=ctl.k if ctl is not None else
             (engine.num_speculative_tokens if self.method else 0),
             concurrency_gate_open=int(self.policy.gate.open),
-            spec_decode_num_drafts=spec.num_drafts,
-            spec_decode_num_draft_tokens=spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            accepted_per_position=list(spec.accepted_per_position),
-            draft_fallbacks=engine.num_draft_fallbacks,
-            requests_admitted=self.core.num_admitted,
-            requests_aborted=self.core.num_aborted,
-            prefill_tokens=engine.num_prefill_tokens,
-            prefill_tokens_shared=engine.num_forked_tokens,
-            prefill_chunks=engine.num_prefill_chunks,
-            preemptions=engine.num_preemptions,
+            requests_admitted=self.loop.num_admitted,
+            requests_aborted=self.loop.num_aborted,
+            router_decisions=dict(self.decisions),
+            engine=engine.counters.snapshot(),
             kv_blocks_total=kv.get("blocks_total", 0), kv_blocks_free=kv.get("blocks_free", 0),
             prefix_cache_queries=kv.get("prefix_cache_queries", 0),
             prefix_cache_hits=kv.get("prefix_cache_hits", 0),
-            router_decisions=dict(self.decisions),
-            k_counts=dict(engine.k_counts),
-            proposer_state=engine.proposer.state() if engine.proposer is not None else {},
-            by_proposer={name: (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
-                         for name, s in engine.by_proposer.items()},
-            tree_sizes=dict(spec.tree_sizes), tree_depths=dict(spec.tree_depths),
-            tree_ranks=_by_rank(spec.tree_ranks),
+            proposer_state=engine.draft.proposer.state() if engine.draft.proposer is not None else {},
             received={name: (group.received.bytes, group.received.calls)
-                      for name, group in (("target", self.target), ("draft", self.draft))
+                      for name, group in (("target", self.target_group), ("draft", self.draft_group))
                       if group is not None},
         )
 
@@ -189,7 +185,7 @@ class SpeculationUnit:
     def _kv_stats(self) -> dict:
         """The target's KV layout and, paged, its blocks and prefix cache (tokens looked up
         and found cached, as vLLM counts its prefix cache queries and hits)."""
-        table = self.target.table
+        table = self.target_group.table
         if not hasattr(table, "pool"):
             return {"layout": "slots"}
         pool = table.pool
@@ -199,30 +195,30 @@ class SpeculationUnit:
                 "evictions": pool.evictions}
 
     def record_routing_stats(self) -> dict:
-        return {"load": self.core.load, "free_slots": self.engine.target.num_free_slots}
+        return {"load": self.loop.load, "free_slots": self.engine.target.num_free_slots}
 
     def stats(self) -> dict:
         """Live numbers of this unit: the JSON body of ``/v1/units/stats`` (the ingress passes
         it through; tests and operators read it)."""
-        return {"running": self.core.num_running, "waiting": self.core.num_waiting,
-                "requests_admitted": self.core.num_admitted,
-                "requests_aborted": self.core.num_aborted,
-                "prefill_tokens": self.engine.num_prefill_tokens,
-                "prefill_tokens_shared": self.engine.num_forked_tokens,
-                "prefill_chunks": self.engine.num_prefill_chunks,
-                "preemptions": self.engine.num_preemptions,
+        loop, counters = self.loop, self.engine.counters.snapshot()
+        return {"running": loop.num_running, "waiting": loop.num_waiting,
+                "requests_admitted": loop.num_admitted, "requests_aborted": loop.num_aborted,
+                "prefill_tokens": counters.num_prefill_tokens,
+                "prefill_tokens_shared": counters.num_forked_tokens,
+                "prefill_chunks": counters.num_prefill_chunks,
+                "preemptions": counters.num_preemptions,
                 "kv_cache": self._kv_stats(),
                 "free_slots": self.engine.target.num_free_slots,
                 "num_slots": self.cfg.engine.max_num_seqs,
-                "draft_available": self.engine.draft_available,
-                "draft_fallbacks": self.engine.num_draft_fallbacks,
-                "draft_probes": self.core.draft_watch.num_probes if self.core.draft_watch else 0,
-                "target_available": self.core.target_available,
-                "target_restarts": self.core.num_target_restarts,
-                "spec": self.engine.stats.as_dict(),
-                "spec_by_proposer": {name: s.as_dict() for name, s in self.engine.by_proposer.items()},
-                "spec_tree_drafts": self.engine.num_tree_drafts,
-                "times": self.engine.times.as_dict(),
+                "draft_available": self.engine.draft.available,
+                "draft_fallbacks": counters.num_draft_fallbacks,
+                "draft_probes": loop.draft_watch.num_probes if loop.draft_watch else 0,
+                "target_available": loop.target_available,
+                "target_restarts": loop.num_target_restarts,
+                "spec": counters.spec.as_dict(),
+                "spec_by_proposer": {name: s.as_dict() for name, s in counters.by_proposer.items()},
+                "spec_tree_drafts": counters.num_tree_drafts,
+                "times": counters.times.as_dict(),
                 "router": {"decisions": {f"{on}:{reason}": n
                                          for (on, reason), n in self.decisions.items()},
                            "concurrency_gate_open": self.policy.gate.open,
@@ -245,11 +241,11 @@ class SpeculationUnit:
 
     def draft_actor_name(self) -> str | None:
         """The draft actor's name in the ``specserve`` namespace (fault-injection tests)."""
-        return self.draft_name if self.draft else None
+        return self.draft_name if self.draft_group else None
 
     def target_actor_names(self) -> list[str]:
         """The current target ranks' names in the ``specserve`` namespace (fault injection)."""
-        return self.target.rank_names()
+        return self.target_group.rank_names()
 
     def inject_fault_token(self, token_id: int | None) -> None:
         """Fault injection (handle call only, not HTTP): a request whose prompt holds
@@ -258,27 +254,27 @@ class SpeculationUnit:
 
     def stall(self, seconds: float) -> None:
         """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``."""
-        self.core.stall(min(float(seconds), 60.0))
+        self.loop.stall(min(float(seconds), 60.0))
 
     def end_stall(self) -> None:
         """Fault injection: end a :meth:`stall` now."""
-        self.core.end_stall()
+        self.loop.end_stall()
 
     def check_health(self) -> None:
-        if not self.core._thread.is_alive():
-            raise RuntimeError("the coordinator loop has stopped")
-        if self.core.draft_watch is not None and not self.core.draft_watch._thread.is_alive():
+        if not self.loop._thread.is_alive():
+            raise RuntimeError("the engine loop has stopped")
+        if self.loop.draft_watch is not None and not self.loop.draft_watch._thread.is_alive():
             raise RuntimeError("the draft watch has stopped")
-        if self.core.broken:
+        if self.loop.broken:
             raise RuntimeError("the target group could not be restarted")
 
     def __del__(self) -> None:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             reporter.stop()
-        core = getattr(self, "core", None)
-        if core is not None:
-            core.shutdown()
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()
 
 
 class _Clock:
@@ -363,11 +359,3 @@ def _usage(prompt_tokens: int, choices: list[_Choice], decision: Decision,
                             "estimated_speedup": estimated_speedup,
                             **stats.as_dict()}}
 
-
-def _by_rank(ranks: dict[tuple[int, int], int]) -> dict[int, int]:
-    """Kept tree nodes per sibling rank, over every depth (the per-depth counts are in
-    ``/v1/units/stats``; a depth label on /metrics would multiply its series)."""
-    out: dict[int, int] = {}
-    for (_, rank), n in ranks.items():
-        out[rank] = out.get(rank, 0) + n
-    return out

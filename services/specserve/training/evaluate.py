@@ -22,11 +22,12 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import SamplingParams
-from specserve.draft.data import Sample
-from specserve.draft.options import MAX_K
-from specserve.engine.proposers.base import DraftRequest, Proposer
+from specserve.engine.proposal import DraftRequest
+from specserve.engine.proposers.base import Proposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
+from specserve.training.data import Sample
+from specserve.training.options import MAX_K
 
 
 def matched_lengths(proposer: Proposer, samples: list[Sample], *, max_k: int = MAX_K,
@@ -164,10 +165,10 @@ def end_to_end(engines: dict[str, tuple], prompts: list[list[int]], *,
 
 
 def _positions(engine: SpecDecodeEngine) -> tuple[list[int], list[int]]:
-    s = engine.stats
+    s = engine.counters.spec
     return list(s.accepted_per_position), list(s.drafted_per_position)
 
 
 def _counts(engine: SpecDecodeEngine) -> tuple[int, int, int]:
-    s = engine.stats
+    s = engine.counters.spec
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens

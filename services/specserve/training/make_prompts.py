@@ -1,11 +1,11 @@
 """Write the shipped training prompt sets (``prompts/{chat,code,summarize}.jsonl``).
 
 The sets are synthesized from templates and subject lists (no network, nothing downloaded),
-seeded, so ``python -m specserve.draft.make_prompts`` rewrites the same files. They are the
+seeded, so ``python -m specserve.training.make_prompts`` rewrites the same files. They are the
 *inputs* of self-distillation: the draft learns from what the target answers to them, so they
 only need to look like the traffic the draft will see, not to have good answers themselves.
 The held-out evaluation prompts (``load/prompts/chat.jsonl``, hand-written) are not among
-them; ``tests/draft`` checks that.
+them; ``tests/training`` checks that.
 """
 
 from __future__ import annotations

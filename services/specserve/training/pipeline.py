@@ -27,24 +27,6 @@ from pathlib import Path
 import torch
 
 from specserve.config import ModelConfig
-from specserve.draft.data import (
-    SHARD_SIZE,
-    build_dataset,
-    encode,
-    generation_seconds,
-    select_prompts,
-    self_prompt_count,
-)
-from specserve.draft.evaluate import (
-    acceptance_table,
-    end_to_end,
-    matched_lengths,
-    measure_costs,
-    predicted_speedup,
-)
-from specserve.draft.options import MAX_K, TrainConfig, check
-from specserve.draft.self_prompts import self_prompts
-from specserve.draft.train import Trainer
 from specserve.engine.draft_head import (
     DRAFT_FILE,
     draft_path,
@@ -63,6 +45,24 @@ from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 from specserve.machine import machine_label
+from specserve.training.data import (
+    SHARD_SIZE,
+    build_dataset,
+    encode,
+    generation_seconds,
+    select_prompts,
+    self_prompt_count,
+)
+from specserve.training.evaluate import (
+    acceptance_table,
+    end_to_end,
+    matched_lengths,
+    measure_costs,
+    predicted_speedup,
+)
+from specserve.training.options import MAX_K, TrainConfig, check
+from specserve.training.self_prompts import self_prompts
+from specserve.training.train import Trainer
 
 log = logging.getLogger(__name__)
 

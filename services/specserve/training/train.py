@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.draft.data import Sample
-from specserve.draft.options import TrainConfig
 from specserve.engine.draft_head import DraftHead, trainable_state
 from specserve.errors import ConfigError
+from specserve.training.data import Sample
+from specserve.training.options import TrainConfig
 
 
 def batches(samples: list[Sample], batch_tokens: int, max_len: int, seed: int) -> list[list[int]]:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
-from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer, TopK
+from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask, masked
+from specserve.engine.proposal import DraftRequest, Proposal, TopK
+from specserve.engine.proposers.base import Proposer
 from specserve.engine.sampling import DRAFT, NOISE, compute_probs, exponential_noise, noise_key, sample_from
-from specserve.engine.verification import masked
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
-from specserve.engine.grammar import allocate_bitmask
-from specserve.engine.proposers.base import DraftRequest, Proposal
+from specserve.engine.grammar import allocate_bitmask, masked
+from specserve.engine.proposal import DraftRequest, Proposal
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.tree_growth import TreeGrowth
 from specserve.engine.sampling import compute_probs_rows
-from specserve.engine.verification import masked
 from specserve.errors import InvalidRequestError
 
 # speculative.eagle: its fields, bounds and defaults are the registry's (specserve.methods).

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.proposal import DraftRequest, Proposal
+from specserve.engine.proposers.base import Proposer
 
 
 class DecayedMean:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.proposal import DraftRequest, Proposal
+from specserve.engine.proposers.base import Proposer
 
 
 def propose_ngram(token_ids: list[int] | np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:

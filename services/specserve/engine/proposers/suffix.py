@@ -45,7 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from specserve.config import PROPOSER_OPTIONS
-from specserve.engine.proposers.base import DraftRequest, Proposal, Proposer
+from specserve.engine.proposal import DraftRequest, Proposal
+from specserve.engine.proposers.base import Proposer
 
 SEP = -1  # between responses: never equal to a token, so no match or continuation crosses it
 
