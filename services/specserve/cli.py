@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 import typing
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -290,6 +291,90 @@ def cmd_train_draft(args) -> int:
     return 0
 
 
+def _preflight_parser(sub) -> None:
+    p = sub.add_parser("preflight", help="before `helm install`: whether the cluster can place the "
+                                         "values' units, and everything else they need")
+    p.add_argument("-f", "--values", action="append", default=[], metavar="FILE",
+                   help="a values file, as given to helm install (repeatable, merged in order)")
+    p.add_argument("--chart", default=str(CHART) if CHART.is_dir() else None,
+                   help="the chart, whose values.yaml the files override (default: this checkout's; "
+                        "'' for none: the files hold every value)")
+    p.add_argument("-n", "--namespace", default="default", help="the release's namespace (its secrets)")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    p.add_argument("--in-cluster", action="store_true", help="use the pod's service account (the Helm hook)")
+    p.set_defaults(func=cmd_preflight)
+
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "specserve"
+
+
+def cmd_preflight(args) -> int:
+    """One line per finding; exit 1 when the deployment cannot come up, 2 for bad input."""
+    from specserve.kube.cluster import connect, read_cluster
+    from specserve.kube.needs import load_values, needs_of
+    from specserve.kube.preflight import can_come_up, preflight
+
+    needs = needs_of(load_values([Path(f) for f in args.values], Path(args.chart) if args.chart else None))
+    api = connect(kubeconfig=args.kubeconfig, context=args.context, in_cluster=args.in_cluster)
+    view = read_cluster(api, args.namespace, [s.name for s in needs.secrets])
+    findings, units = preflight(needs, view.nodes, view.crds, view.storage_classes, view.secrets,
+                                args.namespace)
+    for finding in findings:
+        print(finding.line())
+    ok = can_come_up(findings)
+    print(f"specserve: {'the deployment can come up' if ok else 'the deployment cannot come up'} "
+          f"({units} of {needs.units} unit(s) fit)")
+    return 0 if ok else 1
+
+
+def _status_parser(sub) -> None:
+    p = sub.add_parser("status", help="after `helm install`: what the cluster is doing with a release "
+                                      "(RayService, Serve app, unit pods and why they wait, endpoints)")
+    p.add_argument("release", nargs="?", default="specserve", help="the Helm release (default: specserve)")
+    p.add_argument("-n", "--namespace", default="default", help="the release's namespace")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    p.add_argument("-w", "--watch", action="store_true", help="reprint every --interval seconds until Ctrl-C")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between rounds of --watch")
+    p.add_argument("--max-rounds", type=int, help=argparse.SUPPRESS)  # tests: a bounded --watch
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args) -> int:
+    """One line per fact; exit 0 when the Serve app is RUNNING and every pod is ready, 1 while
+    not, 2 for bad input. ``--watch`` reprints (an API error is then a line, not the end)
+    until Ctrl-C, which exits 0; with ``--max-rounds``, the last round's status."""
+    from specserve.errors import ConfigError
+    from specserve.kube.cluster import connect
+    from specserve.kube.status import read_status, report
+
+    if args.interval <= 0:
+        raise ConfigError(f"--interval must be positive, not {args.interval:g}")
+    api = connect(kubeconfig=args.kubeconfig, context=args.context)
+    rounds = 0
+    try:
+        while True:
+            if args.watch:
+                print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---", flush=True)
+            try:
+                result = report(read_status(api, args.namespace, args.release))
+            except SpecServeError as exc:
+                if not args.watch:
+                    raise
+                print(f"specserve: error: {exc}", flush=True)
+                code = 2
+            else:
+                print("\n".join(result.text()), flush=True)
+                code = 0 if result.serving else 1
+            rounds += 1
+            if not args.watch or (args.max_rounds and rounds >= args.max_rounds):
+                return code
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 def _memory_parser(sub) -> None:
     from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig, UnitConfig
 
@@ -396,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     _dashboards_parser(sub)
     _train_draft_parser(sub)
     _memory_parser(sub)
+    _preflight_parser(sub)
+    _status_parser(sub)
     return parser
 
 
