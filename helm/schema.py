@@ -112,6 +112,13 @@ def chart_schema(app_schema: dict) -> dict:
                                       "annotations": {"type": "object", "additionalProperties": STR}}),
             "commonLabels": {"type": "object", "additionalProperties": STR},
             "podAnnotations": {"type": "object", "additionalProperties": STR},
+            "preflight": strict({
+                "enabled": BOOL,
+                "image": strict({"repository": {"type": "string", "minLength": 1}, "tag": STR,
+                                 "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),
+                "resources": RESOURCES,
+                "backoffLimit": {"type": "integer", "minimum": 0},
+                "activeDeadlineSeconds": {"type": "integer", "minimum": 1}}),
             "global": OBJ,
         }),
         "$defs": defs,

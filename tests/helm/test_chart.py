@@ -252,3 +252,127 @@ def test_bad_values_are_refused_with_the_field_named(sets, message):
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
     assert message in proc.stderr, proc.stderr
+
+
+# The preflight hook (templates/preflight.yaml; docs/CLUSTER.md, "Preflight before install").
+
+PREFLIGHT = ("preflight.enabled=true",)
+HOOK_KINDS = ("ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+              "Job")
+
+
+def hooks(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+
+
+def hook(docs: list[dict], kind: str) -> dict:
+    [doc] = by_kind(hooks(docs), kind)
+    return doc
+
+
+def validate_builtin(docs: list[dict], tmp_path: Path) -> None:
+    """kubernetes-validate --strict over the built-in kinds, as test_ci_values_render_and_validate."""
+    manifest = tmp_path / "builtin.yaml"
+    manifest.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] not in CRD_SCHEMAS]))
+    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict",
+                           "--kubernetes-version", K8S_VERSION, str(manifest)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_preflight_is_off_by_default():
+    docs = render()
+    assert not hooks(docs)
+    assert not by_kind(docs, "Job") and not by_kind(docs, "ClusterRole") and not by_kind(docs, "Role")
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-preflight")]
+
+
+def test_preflight_hook_runs_the_check_with_the_release_values_and_read_only_rbac():
+    docs = render(sets=(*PREFLIGHT, "specserve.num_units=2", "specserve.unit.tensor_parallel_size=2",
+                        "hubToken.value=hf_abcdefghijklmnop"))
+    objects = hooks(docs)
+    # No secret named by the values: no Role (one without rules is invalid).
+    assert sorted(d["kind"] for d in objects) == sorted(set(HOOK_KINDS) - {"Role", "RoleBinding"})
+    for doc in objects:
+        notes = doc["metadata"]["annotations"]
+        assert notes["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert notes["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+    weight = {d["kind"]: int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for d in objects}
+    assert all(weight[k] < weight["Job"] for k in weight if k != "Job")
+    assert weight["ClusterRole"] < weight["ClusterRoleBinding"]
+
+    # Read-only, on exactly what the check lists.
+    role = hook(docs, "ClusterRole")
+    assert "llm" in role["metadata"]["name"]  # cluster-scoped: unique per release and namespace
+    granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert granted == {("", "nodes"), ("apiextensions.k8s.io", "customresourcedefinitions"),
+                       ("storage.k8s.io", "storageclasses")}
+    assert {v for rule in role["rules"] for v in rule["verbs"]} == {"get", "list"}
+    binding = hook(docs, "ClusterRoleBinding")
+    account = hook(docs, "ServiceAccount")["metadata"]["name"]
+    assert account == "rel-specserve-preflight"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "llm"}]
+
+    # The Job: the chart's image, the command, the values mounted where it reads them.
+    job = hook(docs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] == ["specserve", "preflight", "-f", "/etc/specserve-preflight/values.yaml",
+                                    "--chart", "", "-n", "llm", "--in-cluster"]
+    [svc] = by_kind(docs, "RayService")
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == head["image"]
+    assert pod["restartPolicy"] == "Never" and pod["serviceAccountName"] == account
+    assert pod["automountServiceAccountToken"] is True
+    assert job["spec"]["backoffLimit"] == 0 and job["spec"]["activeDeadlineSeconds"] > 0
+    assert container["resources"]["limits"]["memory"]
+    [mount] = container["volumeMounts"]
+    assert mount["mountPath"] == "/etc/specserve-preflight"
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    config_map = hook(docs, "ConfigMap")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+
+    # The values it checks are the ones the RayService was rendered from (less inline secrets),
+    # and the check's own reader takes them without the chart's defaults (--chart '').
+    from specserve.kube.needs import needs_of
+
+    values = yaml.safe_load(config_map["data"]["values.yaml"])
+    args = app_args(docs)
+    assert values["specserve"]["num_units"] == args["num_units"] == 2
+    assert values["specserve"]["unit"]["tensor_parallel_size"] == args["unit"]["tensor_parallel_size"] == 2
+    assert "hf_abcdefghijklmnop" not in config_map["data"]["values.yaml"]
+    needs = needs_of(values)
+    assert (needs.units, needs.tensor_parallel_size) == (2, 2)
+
+
+@pytest.mark.parametrize("values, sets, names", [
+    ((), ("hubToken.existingSecret=hf-token",), ["hf-token"]),
+    ((CHART / "ci" / "ingress-tls-values.yaml",), ("imagePullSecrets[0].name=regcred",),
+     ["specserve-api-keys", "regcred", "llm-example-com-tls"]),
+])
+def test_preflight_role_reads_only_the_named_secrets(values, sets, names):
+    docs = render(*values, sets=(*PREFLIGHT, *sets))
+    role = hook(docs, "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": names,
+                              "verbs": ["get"]}]
+    binding = hook(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-specserve-preflight",
+                                    "namespace": "llm"}]
+
+
+def test_preflight_image_can_be_overridden():
+    docs = render(sets=(*PREFLIGHT, "preflight.image.tag=checks", "preflight.image.pullPolicy=Always"))
+    [container] = hook(docs, "Job")["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/specserve/specserve:checks"
+    assert container["imagePullPolicy"] == "Always"
+
+
+def test_preflight_hook_lints_and_validates(tmp_path):
+    helm("lint", "--strict", str(CHART), "--set", "preflight.enabled=true")
+    docs = render(CHART / "ci" / "ingress-tls-values.yaml", sets=PREFLIGHT)
+    assert {d["kind"] for d in hooks(docs)} == set(HOOK_KINDS)
+    validate_builtin(docs, tmp_path)
