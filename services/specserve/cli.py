@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
@@ -136,9 +138,16 @@ def _app_args(path: str | None) -> dict:
 LOCAL_DEFAULT = {"auth": {"enabled": False}}  # no --config: the local default, keys off
 
 
+SERVER_ENV = "SPECSERVE_SERVER"  # "1" in the server process that `specserve serve` supervises
+
+
 def cmd_serve(args) -> int:
+    if os.environ.get(SERVER_ENV) != "1" and sys.platform.startswith("linux"):
+        return _supervise(args.argv)
     from specserve.config import AppConfig
 
+    stop = threading.Event()  # a stop signal, from the first moment: one during start-up
+    _stop_on_signal(stop)      # drains as soon as the app is up
     raw = _app_args(args.config) if args.config else LOCAL_DEFAULT
     cfg = AppConfig.model_validate(_default_draft_or_ngram(raw))
     from ray import serve
@@ -148,15 +157,17 @@ def cmd_serve(args) -> int:
 
     app = build_app(cfg.model_dump())  # validates and checks the draft's files: fail before Ray
     start_local_ray(metrics_export_port=args.metrics_port)
+    _stop_on_signal(stop)  # ray.init put its own SIGTERM handler (it exits the process) in place
     start_serve(args.host, args.port)
     serve.run(app, name="specserve", route_prefix="/")
+    _stop_on_signal(stop)
     if not cfg.auth.enabled:
         print("specserve: authentication is OFF (auth.enabled: false): anyone who reaches "
               f"{args.host}:{args.port} can use the API without a key", flush=True)
     print(f"specserve: {_speculation_line(cfg)}", flush=True)
     print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
           flush=True)
-    _wait_for_signal()
+    stop.wait()
     drain("specserve", cfg.drain_timeout_s)
     serve.shutdown()
     return 0
@@ -244,15 +255,46 @@ def drain(app_name: str, timeout_s: float, poll_s: float = 0.2) -> int:
     return status["in_flight"]
 
 
-def _wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM (a backgrounded process ignores SIGINT, so both count)."""
-    import signal
-    import threading
+def _supervise(argv: list[str]) -> int:
+    """Run the server in a session of its own and hand it each stop signal; its exit status.
 
-    stop = threading.Event()
+    Ray starts its GCS server and raylet in the process group of whoever calls ``ray.init``.
+    A signal to the group ``specserve serve`` was started in (``timeout``, systemd's
+    ``KillMode=control-group``, a supervisor's ``kill -TERM -- -PGID``) would reach them too:
+    the GCS died first and the drain then waited 60 s for it and failed. In a session of its
+    own the server and its Ray get only the SIGTERM this process forwards (for SIGINT, SIGTERM
+    or SIGHUP), drain, and stop in order; and the server gets SIGTERM too should this process
+    die without forwarding it (``PR_SET_PDEATHSIG``)."""
+    import signal
+    import subprocess
+
+    server = subprocess.Popen([sys.executable, "-m", "specserve.cli", *argv],
+                              env={**os.environ, SERVER_ENV: "1"}, start_new_session=True,
+                              preexec_fn=_terminate_with_parent)
+
+    def forward(*_) -> None:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    return server.wait()
+
+
+def _terminate_with_parent() -> None:
+    """In the server, before it runs: SIGTERM when the process that started it dies."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stop_on_signal(stop: threading.Event) -> None:
+    """SIGINT and SIGTERM set ``stop`` (a backgrounded process ignores SIGINT: both count)."""
+    import signal
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
 
 
 def _dashboards_parser(sub) -> None:
@@ -496,6 +538,7 @@ def _one_line(exc: ValidationError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (serve re-runs itself with them)
     # force: each call (tests call main in one process) writes to the sys.stderr of now, not
     # to the stream of the first call, which may be closed by then.
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

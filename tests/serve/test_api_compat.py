@@ -365,3 +365,46 @@ def test_the_router_class_key_separates_request_shapes():
               {"role": "user", "content": "shorter, please"}]
     assert len({key(MESSAGES, 40), key(MESSAGES, 600), key(revise, 40), key(MESSAGES, 5000)}) == 4
     assert key(revise, 40).endswith("|p<128,multi") and key(MESSAGES, 5000).endswith("|p>=2048,single")
+
+
+def _nested(levels: int) -> str:
+    """A JSON schema of arrays of arrays, ``levels`` deep, as text (Python's own encoder stops
+    short of 1000 levels)."""
+    return '{"type": "array", "items": ' * levels + '{"type": "integer"}' + "}" * levels
+
+
+@pytest.mark.parametrize("levels", [200, 1000])
+def test_a_body_nested_too_deep_names_the_parameter_that_holds_it(ngram_app, model, levels):
+    """pydantic's JSON parser stops at 201 levels; the 400 says so and names the field (it
+    said "not valid JSON" with no param)."""
+    head = f'{{"model": "{model}", "messages": {json.dumps(MESSAGES)}, "max_tokens": 2, '
+    schema = _nested(levels)
+    body = head + f'"response_format": {{"type": "json_schema", "json_schema": {{"name": "d", ' \
+                  f'"schema": {schema}}}}}}}'
+    error = assert_error(post(ngram_app, body.encode()), 400, "response_format.json_schema.schema")
+    assert error["code"] == "json_too_deep" and "at most 201 levels" in error["message"], error
+    body = head + f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": ' \
+                  f'{schema}}}}}]}}'
+    error = assert_error(post(ngram_app, body.encode()), 400, "tools[0].function.parameters")
+    assert error["code"] == "json_too_deep", error
+    assert assert_error(post(ngram_app, b'{"model": "x"')).get("param") is None  # truncated: not JSON
+
+
+def test_a_prompt_over_the_context_names_prompt_or_messages(ngram_app, model):
+    """Completions have no messages: their over-long prompt is ``prompt``'s fault."""
+    r = post(ngram_app, {"model": model, "prompt": [5] * 300, "max_tokens": 1}, chat=False)
+    assert assert_error(r, 400, "prompt")["code"] == "context_length_exceeded"
+    r = post(ngram_app, {"model": model, "messages": [{"role": "user", "content": "word " * 300}],
+                         "max_tokens": 1})
+    assert assert_error(r, 400, "messages")["code"] == "context_length_exceeded"
+
+
+def test_a_seed_whose_last_choice_leaves_the_range_is_refused(ngram_app, model):
+    """Choice i is the single request with seed + i, so seed + n - 1 must be a seed too (it
+    wrapped to 0 before)."""
+    top = 2**63 - 1
+    r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 2, "n": 2, "seed": top})
+    error = assert_error(r, 400, "seed")
+    assert f"at most {top - 1}" in error["message"], error
+    r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 2, "n": 2, "seed": top - 1})
+    assert r.status_code == 200, r.text

@@ -171,3 +171,61 @@ def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny
     assert_complete(results)
     stats = httpx.get(url + "/v1/units/stats", timeout=WAIT_S).json()
     assert stats["free_slots"] == stats["num_slots"]
+
+
+PLANTED: dict[str, str] = {}  # (SPECSERVE_SERVER=1 skips the supervisor: the old behaviour)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_to_the_whole_process_group_drains_and_exits_0(tiny_models, tmp_path):
+    """What ``timeout``, systemd (``KillMode=control-group``) and process supervisors send:
+    SIGTERM to every process of the group ``specserve serve`` runs in. It used to reach the
+    Ray GCS server too, which ``ray.init`` had started in that group: the drain then waited
+    60 s for the dead GCS, said ``Failed to connect to GCS``, and the process exited 1. Now the
+    server runs in a session of its own and gets one SIGTERM forwarded: it drains and stops,
+    exit status 0, no word of the GCS. (A real ``specserve serve`` process with its own Ray.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
+    args["drain_timeout_s"] = 10
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(args))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
+                             "--port", str(port), "--metrics-port", str(_free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True,  # its own group, as a supervisor starts it
+                            env={**os.environ, **PLANTED})
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=WAIT_S, json={
+            "model": Path(tiny_models[0]).name, "prompt": "hello", "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=args["drain_timeout_s"] + WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "GCS" not in out, out

@@ -215,7 +215,7 @@ def test_body_and_prompt_caps(secure_app, model):
     assert_openai_error(r, 413, "request_too_large")
     r = post(secure_app, {"model": model, "prompt": "word " * 100, "max_tokens": 1}, auth("caps"))
     error = assert_openai_error(r, 400, "context_length_exceeded")
-    assert "at most 64" in error["message"]
+    assert "at most 64" in error["message"] and error["param"] == "prompt"
     r = post(secure_app, {"model": model, "prompt": "x", "stop": ["s"] * 17}, auth("caps"))
     assert "at most 16 stop" in assert_openai_error(r, 400)["message"]
     r = post(secure_app, {"model": model, "prompt": "x", "stop": "s" * 2000}, auth("caps"))

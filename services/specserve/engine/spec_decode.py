@@ -120,7 +120,7 @@ class SpecDecodeEngine:
         docstring). Sample i draws from seed ``params.seed + i``, so each is reproducible and
         equals the single request of that seed; unseeded ones get a random seed each.
         ``grammar``: a structured output's, which every sample's text follows (a matcher each)."""
-        _check_request(prompt_token_ids, num_speculative_tokens, n, self.target)
+        _check_request(prompt_token_ids, num_speculative_tokens, n, params.seed, self.target)
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         seqs = [Sequence(
             seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
@@ -128,7 +128,7 @@ class SpecDecodeEngine:
             num_speculative_tokens=k if self.draft.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
-            seed=random_seed() if params.seed is None else (params.seed + i) % 2**63, index=i,
+            seed=random_seed() if params.seed is None else params.seed + i, index=i,
             grammar=grammar.matcher() if grammar is not None else None)
             for i in range(n)]
         self.scheduler.add(seqs)
@@ -373,7 +373,7 @@ class SpecDecodeEngine:
 
 
 def _check_request(prompt_token_ids: list[int], num_speculative_tokens: int | None, n: int,
-                   target: ModelWorker) -> None:
+                   seed: int | None, target: ModelWorker) -> None:
     """Refuse a request the engine cannot run, before any state of it exists."""
     if not prompt_token_ids:
         raise InvalidRequestError("the prompt is empty")
@@ -388,6 +388,8 @@ def _check_request(prompt_token_ids: list[int], num_speculative_tokens: int | No
     if not 1 <= n <= target.num_slots:
         raise InvalidRequestError(f"n must be in [1, {target.num_slots}] (this unit's "
                                   "max_num_seqs: the samples run side by side)")
+    if seed is not None and not 0 <= seed <= 2**63 - n:  # sample i draws with seed + i
+        raise InvalidRequestError(f"seed must be in [0, 2**63 - {n}] with n = {n}")
 
 
 def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:

@@ -91,6 +91,65 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     return APIError(400, f"{param}: {message}" if param else message, param=param)
 
 
+# pydantic's JSON parser refuses a body nested deeper than this (arrays and objects, the
+# body's own object counted): a schema in response_format or a tool's parameters can reach it.
+JSON_MAX_DEPTH = 201
+# Where a request's own structure ends and a client's JSON (a schema) begins.
+_SCHEMA_KEYS = ("schema", "parameters")
+
+
+def from_unparsable(body: bytes, errors: list[dict]) -> APIError:
+    """A 400 for a body pydantic could not parse: too deep (naming the parameter that
+    holds the depth), or not JSON at all."""
+    if "recursion limit" in errors[0]["msg"]:
+        param = _deep_param(body.decode("utf-8", "replace"))
+        where = f"{param}: " if param else ""
+        return APIError(400, f"{where}nested too deep: a request's JSON may nest at most "
+                             f"{JSON_MAX_DEPTH} levels, the body's own counted", code="json_too_deep",
+                        param=param)
+    return APIError(400, "the request body is not valid JSON (or not an object)")
+
+
+def _deep_param(text: str) -> str | None:
+    """The parameter whose value nests past :data:`JSON_MAX_DEPTH`: its path in the body
+    (``response_format.json_schema.schema``, ``tools[0].function.parameters``), cut where
+    the request's structure ends (a schema) or after three steps."""
+    stack: list[list] = []  # per open container: its kind, and the key or index in it now
+    last, i = None, 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':  # a string: skip it (escapes too), remember it as a key
+            j = i + 1
+            while j < len(text) and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            last, i = text[i + 1:j], j + 1
+            continue
+        if c in "{[":
+            if len(stack) >= JSON_MAX_DEPTH:
+                return _path(stack)
+            stack.append(["{", None] if c == "{" else ["[", 0])
+        elif c in "}]" and stack:
+            stack.pop()
+        elif c == ":" and stack and stack[-1][0] == "{":
+            stack[-1][1] = last
+        elif c == "," and stack and stack[-1][0] == "[":
+            stack[-1][1] += 1
+        i += 1
+    return None
+
+
+def _path(stack: list[list]) -> str | None:
+    parts = []
+    for kind, at in stack[:8]:
+        if at is None:
+            break
+        parts.append(f"[{at}]" if kind == "[" else ("." if parts else "") + str(at))
+        if at in _SCHEMA_KEYS:
+            break
+    path = "".join(parts if any(k in _SCHEMA_KEYS for _, k in stack[:8]) else parts[:3])
+    return path or None
+
+
 def _cause(exc: BaseException) -> BaseException:
     """The exception a unit raised. Serve re-raises it as a ``RayTaskError`` (also an instance
     of the cause's class, hence the unwrapping) whose text is the remote traceback, pid and

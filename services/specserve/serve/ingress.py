@@ -45,7 +45,13 @@ from specserve.engine.grammar import GrammarCompiler, GrammarSpec
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 from specserve.errors import InvalidRequestError
-from specserve.serve.api_errors import ERROR_RESPONSES, RETRY_AFTER_S, APIError, from_validation_errors
+from specserve.serve.api_errors import (
+    ERROR_RESPONSES,
+    RETRY_AFTER_S,
+    APIError,
+    from_unparsable,
+    from_validation_errors,
+)
 from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
@@ -210,7 +216,7 @@ class OpenAIIngress:
             req = model.model_validate_json(body)
         except ValidationError as exc:
             if exc.errors()[0]["type"] in ("json_invalid", "json_type"):
-                raise APIError(400, "the request body is not valid JSON (or not an object)") from exc
+                raise from_unparsable(body, exc.errors()) from exc
             raise from_validation_errors(exc.errors()) from exc
         if req.model != self.model_name:
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
@@ -220,17 +226,18 @@ class OpenAIIngress:
             raise APIError(400, refused[0], param=refused[1])
         return req
 
-    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+        """``prompt_param``: the field holding the prompt (chat: messages; completions: prompt)."""
         cap = self.limits.max_prompt_tokens
         if cap is not None and prompt_len > cap:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
                                 f"{cap} (limits.max_prompt_tokens)", code="context_length_exceeded",
-                           param="messages")
+                           param=prompt_param)
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {prompt_len}", code="context_length_exceeded",
-                           param="messages")
+                           param=prompt_param)
         if requested is None:
             return min(room, self.cfg.max_tokens_cap)
         if requested > self.cfg.max_tokens_cap:
@@ -257,7 +264,7 @@ class OpenAIIngress:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         requested = req.requested_max_tokens if chat else req.max_tokens
-        max_tokens = self._max_tokens(requested, len(prompt_ids))
+        max_tokens = self._max_tokens(requested, len(prompt_ids), "messages" if chat else "prompt")
         max_n = self.cfg.unit.engine.max_num_seqs
         if req.n > max_n:
             raise APIError(400, f"n: at most {max_n} (the unit's max_num_seqs: the choices are "

@@ -47,6 +47,7 @@ from specserve.errors import InvalidRequestError
 from specserve.serve.tools import ToolPlan
 
 UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
+MAX_SEED = 2**63 - 1  # seeds are int64 (a choice i of n samples with seed + i, so at most MAX_SEED - n + 1)
 
 
 def _only(harmless: Callable[[Any], bool], what: str | None = None, hint: str = "") -> AfterValidator:
@@ -152,7 +153,7 @@ class _Request(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
         [], max_length=64, description="vLLM extension: token ids that end generation.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
     speculation: SpeculationOptions | None = None
@@ -246,7 +247,13 @@ class _Request(_Lenient):
             asked.insert(0, "response_format")
         return asked
 
-    def _grammar_refusal(self) -> tuple[str, str] | None:
+    def _shared_refusal(self) -> tuple[str, str] | None:
+        """What both routes refuse: a seed whose choices leave the seed range (choice i is
+        the single request with seed + i, so the last must be a seed too), several
+        structured outputs at once."""
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            return (f"seed: with n = {self.n}, at most {MAX_SEED - self.n + 1} (choice i samples "
+                    f"with seed + i, which must stay at most 2**63 - 1)"), "seed"
         asked = self.grammar_fields()
         if len(asked) > 1:
             return f"{' and '.join(asked)}: give one structured output, not several", asked[1]
@@ -313,7 +320,7 @@ class CompletionRequest(_Request):
         could not name the param in the 400)."""
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens 0 generates nothing; it only makes sense with echo", "max_tokens"
-        return self._grammar_refusal()
+        return self._shared_refusal()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -433,7 +440,7 @@ class ChatCompletionRequest(_Request):
         if self.tool_plan() is not None and self.tool_plan().mode != "auto" and self.grammar_fields():
             return ("tool_choice and " + self.grammar_fields()[0] + ": give one structured "
                     "output, not several"), "tool_choice"
-        return self._grammar_refusal()
+        return self._shared_refusal()
 
     def tool_plan(self) -> ToolPlan | None:
         """What the tools ask of the output (None: no tools in play)."""
