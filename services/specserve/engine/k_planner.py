@@ -59,11 +59,10 @@ class KPlanner:
     def observe_forward(self, lengths: list[int], contexts: list[int], seconds: float,
                         padded: int) -> None:
         """The verify forward: each row's new tokens and the context they attend to (the
-        tokens after them included), its time without the sampler, its padded token rows."""
-        if self.controller is not None:
-            self.controller.observe_forward(len(lengths), sum(lengths),
-                                            sum(n * c for n, c in zip(lengths, contexts)),
-                                            seconds, padded)
+        tokens after them included), its time without the sampler, its padded token rows
+        (the engine calls it only with a controller)."""
+        self.controller.observe_forward(len(lengths), sum(lengths),
+                                        sum(n * c for n, c in zip(lengths, contexts)), seconds, padded)
 
     def observe_step(self, seqs: list[Sequence], ks: list[int], proposals: list[Proposal],
                      verdicts: list[Verdict], propose_s: float, accept_s: float) -> None:

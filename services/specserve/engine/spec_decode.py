@@ -235,10 +235,11 @@ class SpecDecodeEngine:
             if self.draft.wants_features(seq):
                 seq.hidden.append(result.chunk_hidden[j])
             self._chunk_done(seq, n)
-        self.k.observe_forward(
-            [len(inputs[i]) for i in order] + [len(ids) for ids in chunk_ids],
-            [len(seqs[i].token_ids) + len(proposals[i].token_ids) for i in order]
-            + [self.target.length(seq.slot) for seq, _ in chunks], seconds, layout.padded)
+        if self.controller is not None:  # (the lists cost a step's rows: not without one)
+            self.k.observe_forward(
+                [len(inputs[i]) for i in order] + [len(ids) for ids in chunk_ids],
+                [len(seqs[i].token_ids) + len(proposals[i].token_ids) for i in order]
+                + [self.target.length(seq.slot) for seq, _ in chunks], seconds, layout.padded)
         verdicts: list[Verdict | None] = [None] * len(seqs)
         hidden: list[torch.Tensor | None] = [None] * len(seqs)
         for j, i in enumerate(order):

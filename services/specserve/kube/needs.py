@@ -120,7 +120,7 @@ def _without_draft(spec: dict) -> dict:
 def _pod(group: str, values: dict, replicas: int, gpus: int) -> PodShape:
     requests = ((values.get("resources") or {}).get("requests")) or {}
     return PodShape(group=group, replicas=int(values.get("replicas") or replicas), gpus=gpus,
-                    cpu=cpu_cores(requests.get("cpu", 0)), memory=memory_bytes(requests.get("memory", 0)),
+                    cpu=quantity(requests.get("cpu", 0)), memory=memory_bytes(requests.get("memory", 0)),
                     node_selector=dict(values.get("nodeSelector") or {}),
                     tolerations=list(values.get("tolerations") or []),
                     gpu_memory_gib=values.get("gpuMemoryGiB"))
@@ -173,10 +173,6 @@ def quantity(value) -> float:
         if text.endswith(suffix):
             return float(text[:-len(suffix)]) * _SUFFIXES[suffix]
     return float(text)
-
-
-def cpu_cores(value) -> float:
-    return quantity(value)
 
 
 def memory_bytes(value) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.kube.needs import GPU, CRDNeed, Needs, PodShape, cpu_cores, memory_bytes, quantity
+from specserve.kube.needs import GPU, CRDNeed, Needs, PodShape, memory_bytes, quantity
 
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # GPU feature discovery: MiB per GPU
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -76,7 +76,7 @@ def why_not(node, pod: PodShape) -> str | None:
     allocatable = node.status.allocatable or {}
     if node_gpus(node) < pod.gpus:
         return f"has {node_gpus(node)} allocatable {GPU}, the {pod.group} pod asks {pod.gpus}"
-    if cpu_cores(allocatable.get("cpu", 0)) < pod.cpu:
+    if quantity(allocatable.get("cpu", 0)) < pod.cpu:
         return f"has {allocatable.get('cpu', 0)} allocatable CPU, the {pod.group} pod asks {pod.cpu:g}"
     if memory_bytes(allocatable.get("memory", 0)) < pod.memory:
         return (f"has {_gib(memory_bytes(allocatable.get('memory', 0)))} allocatable memory, the "
@@ -118,19 +118,19 @@ def place(nodes: list, needs: Needs) -> tuple[list[Finding], int]:
     """Findings on where each group's pods can go, and how many units fit (module docstring)."""
     findings = []
     shapes = {p.group: p for p in needs.pods}
+    eligible: dict[str, set[str]] = {}  # group -> the nodes that can take its pods
     for pod in needs.pods:
-        fits = [n for n in nodes if why_not(n, pod) is None]
+        fits = [n.metadata.name for n in nodes if why_not(n, pod) is None]
+        eligible[pod.group] = set(fits)
         if fits:
-            names = ", ".join(n.metadata.name for n in fits[:5]) + (" ..." if len(fits) > 5 else "")
+            names = ", ".join(fits[:5]) + (" ..." if len(fits) > 5 else "")
             findings.append(Finding(True, f"{pod.group} pods ({_ask(pod)}) fit on {len(fits)} "
                                           f"node(s): {names}"))
         else:
             findings.append(Finding(False, f"no node can hold a {pod.group} pod ({_ask(pod)}): "
                                            + _closest(nodes, pod)))
-    free = [_Free(n.metadata.name, node_gpus(n), cpu_cores(_allocatable(n, "cpu")),
+    free = [_Free(n.metadata.name, node_gpus(n), quantity(_allocatable(n, "cpu")),
                   memory_bytes(_allocatable(n, "memory"))) for n in nodes]
-    eligible = {group: {n.metadata.name for n in nodes if why_not(n, pod) is None}
-                for group, pod in shapes.items()}
     if not _take(free, shapes["head"], eligible["head"]):
         return findings, 0
     units = 0

@@ -166,7 +166,7 @@ class RayMirror:
         self.gauges = {name: RayGauge(f"specserve_{name}", doc, tag_keys=tags)
                        for name, doc in _GAUGES.items()}
         self.counters = {name: RayCounter(f"specserve_{name}", doc, tag_keys=tags)
-                         for name, doc in _counter_docs().items()}
+                         for name, doc in COUNTER_DOCS.items()}
         self._last: dict[str, float] = {}
 
     def update(self, snap: UnitSnapshot) -> None:
@@ -225,6 +225,10 @@ _ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineCounters], int]]] = {
 }
 
 
+# Every unit counter's help text, the unit's own and the engine's.
+COUNTER_DOCS = {**_COUNTERS, **{name: doc for name, (doc, _) in _ENGINE_COUNTERS.items()}}
+
+
 def _counter_values(snap: UnitSnapshot) -> dict[str, float]:
     """Every counter of ``_COUNTERS`` and ``_ENGINE_COUNTERS``: its value in ``snap``."""
     return {**{name: float(getattr(snap, name)) for name in _COUNTERS},
@@ -245,7 +249,7 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
     labels = ["unit", "method"]
     gauges = {n: GaugeMetricFamily(f"specserve:{n}", doc, labels=labels) for n, doc in _GAUGES.items()}
     counters = {n: CounterMetricFamily(f"specserve:{n}", doc, labels=labels)
-                for n, doc in _counter_docs().items()}
+                for n, doc in COUNTER_DOCS.items()}
     per_pos = CounterMetricFamily(
         "specserve:spec_decode_num_accepted_tokens_per_pos",
         "Accepted tokens by draft position (0 = the first drafted token).",
@@ -310,10 +314,6 @@ def unit_families(units: dict[str, UnitSnapshot]) -> Iterator:
     yield from counters.values()
     yield from (per_pos, decisions, proposer, *by_proposer, *received, k_hist,
                 *(f for f, _, _ in tree_hists))
-
-
-def _counter_docs() -> dict[str, str]:
-    return {**_COUNTERS, **{name: doc for name, (doc, _) in _ENGINE_COUNTERS.items()}}
 
 
 def _by_rank(spec: SpecStats) -> dict[int, int]:
