@@ -212,7 +212,7 @@ def test_features_do_not_pile_up_while_nothing_is_drafted(target_hf):
     proposer = EagleProposer(ModelWorker(eagle_head_of(target_hf), num_slots=8, max_seq_len=256))
     engine = make_engine(target_hf, None, controller=None)
     engine.draft.proposer, engine.draft.needs_hidden, engine.draft.available = proposer, True, True
-    engine.controller = ZeroThenK(3, zero_steps=30)
+    engine.k.controller = ZeroThenK(3, zero_steps=30)
     ids = [engine.add_request(p, GREEDY, adaptive=True) for p in batch]
     outputs: dict[int, list[int]] = {}
     most_waiting = 0

@@ -89,8 +89,8 @@ class SpecDecodeEngine:
         self.counters = EngineCounters()
         self.draft = DraftLink(proposer, target, self.counters, tokenizer, eos_token_ids)
         self.scheduler = Scheduler(target, self.draft, self.counters, chunked_prefill_size)
-        self.controller = controller if proposer is not None else None
-        self.k = KPlanner(self.controller, self.scheduler, self.draft, self.counters)
+        self.k = KPlanner(controller if proposer is not None else None, self.scheduler, self.draft,
+                          self.counters)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
         self.fault_token: int | None = None
@@ -100,6 +100,11 @@ class SpecDecodeEngine:
     @property
     def max_model_len(self) -> int:
         return self.target.max_seq_len
+
+    @property
+    def controller(self) -> SpecLengthController | None:
+        """The K controller (the K planner's: it is the one place that holds it)."""
+        return self.k.controller
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                     num_speculative_tokens: int | None = None, adaptive: bool = False,
@@ -170,7 +175,7 @@ class SpecDecodeEngine:
         result, so a failure up to there leaves only caches to restore. Then each row
         advances on its own, and a row that fails there fails alone. ``chunks``: prompts'
         chunks ``(row, tokens)`` prefilled in the verify's forward."""
-        self._inject_fault(seqs)
+        _inject_fault(self.fault_token, seqs)
         t0 = time.perf_counter()
         ks, caps = self.k.plan(seqs)
         proposals = self.draft.propose(seqs, ks, caps)
@@ -196,11 +201,6 @@ class SpecDecodeEngine:
             log.exception("step bookkeeping failed; the draft starts afresh")
             self.draft.lost()
         return outputs
-
-    def _inject_fault(self, seqs: list[Sequence]) -> None:
-        if self.fault_token is not None and any(
-                self.fault_token in s.token_ids[:s.prompt_len] for s in seqs):
-            raise RuntimeError("injected fault (fault_token)")
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
                 masks: list[torch.Tensor | None], chunks: list[tuple[Sequence, int]] = ()
@@ -391,6 +391,13 @@ def _check_request(prompt_token_ids: list[int], num_speculative_tokens: int | No
                                   "max_num_seqs: the samples run side by side)")
     if seed is not None and not 0 <= seed <= 2**63 - n:  # sample i draws with seed + i
         raise InvalidRequestError(f"seed must be in [0, 2**63 - {n}] with n = {n}")
+
+
+def _inject_fault(fault_token: int | None, seqs: list[Sequence]) -> None:
+    """Fault injection (tests): a step whose rows hold a prompt with ``fault_token`` raises,
+    as a request-caused failure would (``SpecDecodeEngine.fault_token``)."""
+    if fault_token is not None and any(fault_token in s.token_ids[:s.prompt_len] for s in seqs):
+        raise RuntimeError("injected fault (fault_token)")
 
 
 def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:
