@@ -39,7 +39,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .DEFAULT_GOAL := help
 
 help: ## List the targets, one line each
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -64,6 +64,14 @@ serve: install ## Serve the embedded default on http://127.0.0.1:8000/v1 (local 
 
 test: install ## Run the test suite (the command CI runs) on TEST_WORKERS workers; prints the 25 slowest tests
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+
+# The AVX2 machines' code paths on an AVX512 one: the C kernels built without AVX512, torch's
+# vectorized ops, oneDNN and MKL capped at AVX2 (every process of the run inherits them).
+AVX2_ENV := SPECSERVE_NATIVE_FLAGS=-mno-avx512f ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	MKL_ENABLE_INSTRUCTIONS=AVX2
+
+test-avx2: install ## The test suite on the AVX2 code paths (kernels, torch, oneDNN, MKL) of an AVX512 machine
+	$(AVX2_ENV) $(MAKE) --no-print-directory test
 
 dashboards: install ## Regenerate services/specserve/grafana/*.json from deploy/grafana/dashboards.py
 	$(PY) deploy/grafana/dashboards.py

@@ -12,7 +12,9 @@ The library is compiled once per source, compiler and CPU (``-O3 -march=native``
 OpenMP runtime torch already loaded, so both share one thread pool. A compiler that does not
 know this CPU (``-march=native`` fails) builds the portable kernels instead: the same code on
 the compiler's generic vectors, row-invariant the same way, slower (:func:`build_flags` says
-which). Where no C compiler works, or ``SPECSERVE_NATIVE=0``, :func:`library` returns None
+which). ``SPECSERVE_NATIVE_FLAGS`` adds flags to the native build: ``-mno-avx512f`` builds the
+AVX2 code on an AVX512 machine (``make test-avx2`` runs the suite so). Where no C compiler
+works, or ``SPECSERVE_NATIVE=0``, :func:`library` returns None
 and the runtime falls back to oneDNN's packed linears and the blocked attention in
 ``kernels.py`` (row-invariant too, slower); :func:`unavailable_reason` says why.
 """
@@ -70,8 +72,9 @@ def unavailable_reason() -> str | None:
 
 
 def build_flags() -> list[str] | None:
-    """The flags the loaded kernels were built with (:data:`FLAGS`, or :data:`PORTABLE_FLAGS`
-    where the compiler did not know this CPU); None without kernels."""
+    """The flags the loaded kernels were built with (:data:`FLAGS` and any of
+    ``SPECSERVE_NATIVE_FLAGS``, or :data:`PORTABLE_FLAGS` where the compiler did not know this
+    CPU); None without kernels."""
     library()
     return _flags
 
@@ -87,8 +90,9 @@ def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise _Unavailable("no C compiler on PATH")
+    native_flags = FLAGS + os.environ.get("SPECSERVE_NATIVE_FLAGS", "").split()
     try:
-        path, flags = _built_with(compiler, FLAGS), FLAGS
+        path, flags = _built_with(compiler, native_flags), native_flags
     except _Unavailable as exc:
         log.warning("%s; building the portable kernels", exc)
         path, flags = _built_with(compiler, PORTABLE_FLAGS), PORTABLE_FLAGS
