@@ -113,9 +113,12 @@ class ModelConfig(_Strict):
     kernels: Literal["auto", "invariant", "library", "compiled"] = Field(
         "auto", description="invariant: a token's logits do not depend on what else is in the "
                             "forward (greedy speculation is bit-identical to target-only); "
-                            "library: torch's F.linear and SDPA; compiled: library ops at "
-                            "bucketed static shapes under torch.compile, CUDA graphs on a GPU "
-                            "(not yet measured on one). auto: invariant on CPU, library on CUDA.")
+                            "library: torch's F.linear and SDPA (FlexAttention on CUDA); "
+                            "compiled: library ops at bucketed static shapes under "
+                            "torch.compile, CUDA graphs on a GPU (measured on an H100 and an "
+                            "H200: a Llama-3-8B-shaped decode at 55-60% of the memory "
+                            "bandwidth, 4-5x library, which is launch-bound there; "
+                            "docs/BENCHMARKS.md). auto: invariant on CPU, library on CUDA.")
     cache_dir: str | None = Field(
         None, description="Where dequantized GGUF models are cached; default $SPECSERVE_CACHE_DIR "
                           "or ~/.cache/specserve.")
@@ -136,8 +139,9 @@ class AdaptiveConfig(_Strict):
         16, ge=1, le=10_000, description="Steps at the configured K before the cost model is trusted.")
     probe_interval_steps: int = Field(
         16, ge=1, le=10_000,
-        description="Every this many steps one sequence drafts the full K, so acceptance at "
-                    "positions beyond the current K (or at all, when K is 0) stays measured.")
+        description="Every this many steps one sequence drafts twice the current K (at least "
+                    "4, at most its cap), so acceptance at positions beyond the current K (or "
+                    "at all, when K is 0) stays measured.")
     decay: float = Field(
         0.98, gt=0.5, lt=1.0,
         description="Per-observation decay of the cost and acceptance statistics (0.98: the "
@@ -222,12 +226,13 @@ class KVCacheConfig(_Strict):
     """How the target keeps keys and values (issue 34; ``engine/kv_cache.py``)."""
 
     layout: Literal["auto", "slots", "paged"] = Field(
-        "auto", description="auto: paged where the target's kernels read blocks (on a CPU), "
-                            "slots on a GPU (the compiled path and FlexAttention do not yet). "
-                            "slots: each sequence reserves max_model_len positions. paged: "
-                            "blocks of block_size positions, a block table per sequence, and "
-                            "prefix caching (the target's cache; kernels native and "
-                            "library, not compiled or flex yet).")
+        "auto", description="auto: paged where the target's kernels read blocks (on a CPU, "
+                            "invariant and library), slots where they do not yet (on a GPU, and "
+                            "compiled anywhere). slots: each sequence reserves max_model_len "
+                            "positions. paged: blocks of block_size positions, a block table "
+                            "per sequence, and prefix caching (the target's cache; kernels "
+                            "invariant and library with SDPA, not compiled or FlexAttention "
+                            "yet).")
     block_size: int = Field(16, ge=1, le=1024, description="paged: positions per KV block.")
     num_blocks: int | None = Field(
         None, ge=1, le=16_777_216,
