@@ -37,9 +37,10 @@ The design, for a forward of ``B`` rows of ``T`` queries each:
   compiled path builds :class:`KeyBlocks` outside its graph and the BlockMask inside it, so
   the mask's tensors are graph inputs and a bucket is one graph (``compiled.py``).
 
-A paged cache (issue 34) fits as it is: a block pool ``[blocks, Hk, 64, D]`` views the same
-way, a row's block-table row replaces :func:`slot_storage`, and the mask_mod maps a key to
-its position through that table instead of ``n - base[b]``.
+A paged cache (issue 34) fits this design, though it is not built yet
+(``LlamaRuntime.make_paged_cache`` refuses FlexAttention): a block pool ``[blocks, Hk, 64, D]``
+views the same way, a row's block-table row replaces :func:`slot_storage`, and the mask_mod
+maps a key to its position through that table instead of ``n - base[b]``.
 
 On a GPU FlexAttention must be compiled (eagerly it materializes the scores over the whole
 view): the compiled layer stack traces it with the rest, and the library path calls it
@@ -193,7 +194,7 @@ def kernel_options(dtype: torch.dtype) -> dict:
     block; some defaults (128 in bfloat16 on an H100) do not. In float32 the prefill kernel's
     default query tile (``BLOCK_M`` 128 on an H100) finds no config that fits (inductor's
     ``NoValidChoicesError``, measured on an H200); 64 does, for the prefill and the decoding
-    kernel alike (docs/BENCHMARKS.md, "GPU")."""
+    kernel alike (docs/BENCHMARKS.md, "The GPU path")."""
     options = {"BLOCK_N": KEY_BLOCK}
     if dtype == torch.float32:
         options["BLOCK_M"] = 64

@@ -241,11 +241,10 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
     Works on the floats' bits: AND with all-ones words where allowed and all-zeros where not,
     then OR in -inf's bit pattern where not. Exact (an allowed logit keeps its bits), and
-    branch-free: on this CPU about 0.15 ms for ``[5, 49152]`` float32 whatever the mask, where
-    unpacking to booleans and ``masked_fill_`` takes 0.24-0.30 ms on grammar masks and 0.6 ms
-    on random ones (its loop branches per element; ``load/bench_grammar.py``). llguidance's
-    own kernel is a ``torch.compile`` function: 5 s to compile in every process here, and
-    no faster (1.1 ms on random masks).
+    branch-free, so its time does not depend on the mask: faster than unpacking to booleans
+    and ``masked_fill_`` (whose loop branches per element), and than llguidance's own kernel,
+    a ``torch.compile`` function that also compiles in every process (figures:
+    docs/BENCHMARKS.md, "Structured outputs").
     """
     assert logits.ndim == 2 and bitmask.ndim == 2 and logits.shape[0] == bitmask.shape[0]
     assert bitmask.dtype == torch.int32 and logits.dtype in _SAME_WIDTH_INT

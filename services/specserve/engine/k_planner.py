@@ -35,8 +35,8 @@ class KPlanner:
         A prefill row drafts (its prompt and drafts in one forward) only where the target is
         row-invariant: elsewhere (``library`` and ``compiled`` kernels, every GPU) a prompt
         run with drafts after it is a GEMM of other rows than the target-only prefill, and
-        its keys and values round otherwise, which flipped 6 of 16 greedy outputs against
-        target-only on an H200 (1 or 2 of 16, late, without it; docs/BENCHMARKS.md, "GPU")."""
+        its keys and values round otherwise: far more greedy outputs then part from
+        target-only's, from the first tokens on (docs/BENCHMARKS.md, "The GPU path")."""
         decoding = [i for i, s in enumerate(seqs) if self.scheduler.decoding(s)]
         caps = [self.scheduler.draft_len(s) if s.draft_attached else 0 for s in seqs]
         if not self.scheduler.target.row_invariant:

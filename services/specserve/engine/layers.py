@@ -1,5 +1,5 @@
 """The decoder's building blocks: :func:`rms_norm`, :func:`apply_rope`, :class:`Attention`
-(over the slot cache: the C kernels, torch's ops, or the compiled path's static shapes),
+(over the KV cache: the C kernels, torch's ops, or the compiled path's static shapes),
 :class:`MLP` and :class:`DecoderLayer`. Head counts and sizes are *local* (per TP rank)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Self-attention over the slot cache. Head counts are *local* (per TP rank)."""
+    """Self-attention over the KV cache (slots or blocks). Head counts are *local* (per TP rank)."""
 
     def __init__(self, arch: ModelArch, layer_idx: int, in_features: int | None = None) -> None:
         super().__init__()

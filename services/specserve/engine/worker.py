@@ -1,4 +1,4 @@
-"""A model and its slot cache: what a target rank or a draft model holds.
+"""A model and its KV cache (slots or paged blocks): what a target rank or a draft model holds.
 
 The speculation loop only talks to this interface (``verify`` / ``allocate`` / ``free`` /
 ``rollback`` / ``keep`` / ``fork`` / ``length``), which is why the same loop drives an in-process model
@@ -97,7 +97,8 @@ class SlotOwner:
 
 
 class ModelWorker(SlotOwner):
-    """Owns a :class:`LlamaRuntime` and a :class:`SlotKVCache` shaped for it."""
+    """Owns a :class:`LlamaRuntime` and a KV cache shaped for it: a :class:`SlotKVCache`, or a
+    :class:`~specserve.engine.kv_cache.PagedKVCache` where ``kv`` resolves to paged."""
 
     def __init__(self, runtime: LlamaRuntime, *, num_slots: int, max_seq_len: int,
                  kv: KVCacheConfig | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The draft group's actor: a draft model with its own slot cache, behind the proposer API
+"""The draft group's actor: a draft model with its own KV cache, behind the proposer API
 (its coordinator-side client is :class:`specserve.serve.draft_group.DraftGroup`).
 
 On a CPU node the draft shares cores with the target, and the draft is optional while the

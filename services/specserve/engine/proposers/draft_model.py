@@ -1,4 +1,4 @@
-"""Draft-model proposer: a smaller model of the same tokenizer, with its own slot cache.
+"""Draft-model proposer: a smaller model of the same tokenizer, with its own KV cache.
 
 Each step it catches its cache up with the sequence (the tokens the target accepted since the
 last step, the first time the whole prompt), then decodes K tokens one at a time, sampling
