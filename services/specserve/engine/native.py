@@ -22,6 +22,7 @@ and the runtime falls back to oneDNN's packed linears and the blocked attention 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -102,10 +103,17 @@ def _load() -> ctypes.CDLL:
 
 
 def _built_with(compiler: str, flags: list[str]) -> Path:
-    """The cached build of the kernels with ``flags``, compiled first if it is not there."""
+    """The cached build of the kernels with ``flags``, compiled first if it is not there.
+
+    Processes that start at once (a unit's ranks, a test run's Serve apps on a new machine)
+    take turns on a lock file: the first compiles, the others find its build. Each compiling
+    its own copy cost a fresh machine a few CPU-seconds per process, on cores they share."""
     path = _cache_dir() / f"kernels-{_build_key(compiler, flags)}.so"
     if not path.exists():
-        _compile(compiler, flags, path)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                _compile(compiler, flags, path)
     return path
 
 
