@@ -245,7 +245,7 @@ def test_a_prefill_verifies_drafts_only_on_row_invariant_kernels(kernels):
     prefill does only where the kernels are row-invariant; elsewhere (every GPU) the prefill
     runs alone and drafting starts at the next step (``KPlanner.plan``). On an H200
     that took greedy speculation's divergences from target-only from 6 of 16 outputs (from
-    their first tokens) to 1 (docs/BENCHMARKS.md, "GPU")."""
+    their first tokens) to 1 (docs/BENCHMARKS.md, "The GPU path")."""
     worker = ModelWorker(runtime_of(tiny_hf_model("llama-gqa")).use_kernels(kernels),
                          num_slots=1, max_seq_len=128)
     assert worker.row_invariant == (kernels == "invariant")
