@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import socket
 
 import pytest
 from specserve.cli import main
+from specserve.serve.ports import bind_error
 
 
 @pytest.mark.parametrize("args, message", [
@@ -69,3 +73,69 @@ def test_serve_says_what_it_speculates_with(monkeypatch, capsys, tmp_path):
     assert spec["method"] == "suffix" and "draft" not in spec and "first" not in spec
     assert cli._speculation_line(AppConfig.model_validate(fallback)).startswith("speculation: suffix")
     assert args["unit"]["engine"]["speculative"]["method"] == "eagle"  # the input is untouched
+
+
+@pytest.fixture
+def listening():
+    """A port this process listens on (on 127.0.0.1, as a server would)."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_a_taken_port_in_one_line_naming_its_holder(monkeypatch, capsys, listening):
+    """The server's first step, before its config or Ray (here in this process, as the server
+    side of the supervisor): a taken ``--port`` or ``--metrics-port`` is one line naming the
+    flag, the address and the process holding it (this one), exit status 2.
+    ``tests/serve/test_lifecycle.py`` shows it with real servers."""
+    from specserve.cli import SERVER_ENV
+
+    monkeypatch.setenv(SERVER_ENV, "1")
+    holder = f"(pid {os.getpid()}: "
+    for flags in (["--port", str(listening)],
+                  ["--port", str(_free_port()), "--metrics-port", str(listening)]):
+        assert main(["serve", "--config", "/nope.yaml", *flags]) == 2
+        flag = flags[-2]
+        err = capsys.readouterr().err
+        assert err.startswith(f"specserve: error: {flag} {listening} on 127.0.0.1 is in use {holder}")
+        assert err.endswith(f"; pick another with {flag}\n") and err.count("\n") == 1
+
+
+def test_serve_chooses_a_free_metrics_port_when_the_default_is_taken(monkeypatch, capsys, listening):
+    """No ``--metrics-port`` and the default taken (a port this test holds stands for 8080):
+    a free one near it, said in one line that names the holder and what the Prometheus config
+    scrapes. The check runs where nothing has started yet: it reads only the flags."""
+    from specserve import cli
+
+    monkeypatch.setattr(cli, "DEFAULT_METRICS_PORT", listening)
+    chosen = cli._free_ports(cli.build_parser().parse_args(["serve", "--port", str(_free_port())]))
+    out = capsys.readouterr().out
+    assert chosen != listening and bind_error("127.0.0.1", chosen) is None
+    assert out.count("\n") == 1 and out.startswith(
+        f"specserve: Ray's metrics port {listening} is in use (pid {os.getpid()}: ")
+    assert f"on {chosen} instead" in out and f"prometheus.yml scrapes {listening}" in out
+
+
+def test_a_port_in_time_wait_is_free_and_a_listener_is_not(listening):
+    """The probe binds as Ray's metrics agent and Serve's proxy do (SO_REUSEADDR): a port a
+    stopped server left in TIME_WAIT (it closed a connection first) is free for them, so it
+    is free for the check; a listener is not, whichever options it was bound with. (A
+    TIME_WAIT left by a socket bound without SO_REUSEADDR would block them too.)"""
+    assert bind_error("127.0.0.1", listening).errno == errno.EADDRINUSE
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as they bind
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            conn, _ = server.accept()
+            conn.close()  # the server's side closes first: its port is left in TIME_WAIT
+    assert bind_error("127.0.0.1", port) is None

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-import specserve.serve.local  # noqa: F401  (sets the loopback env before anything imports ray)
 from specserve.errors import SpecServeError
+from specserve.serve.local import DEFAULT_METRICS_PORT  # (sets the loopback env before any ray import)
 
 log = logging.getLogger("specserve")
 
@@ -113,8 +113,10 @@ def _serve_parser(sub) -> None:
                                     "YAML; default: the embedded model with n-gram speculation")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--metrics-port", type=int, default=8080,
-                   help="Ray's metrics export port (deploy/prometheus/prometheus.yml scrapes it)")
+    p.add_argument("--metrics-port", type=int,
+                   help=f"Ray's metrics export port (default: {DEFAULT_METRICS_PORT}, which "
+                        "deploy/prometheus/prometheus.yml scrapes, or a free one near it, printed, "
+                        "when another process holds it)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -144,6 +146,7 @@ SERVER_ENV = "SPECSERVE_SERVER"  # "1" in the server process that `specserve ser
 def cmd_serve(args) -> int:
     if os.environ.get(SERVER_ENV) != "1" and sys.platform.startswith("linux"):
         return _supervise(args.argv)
+    metrics_port = _free_ports(args)  # the first thing the server does: a taken port is one line
     from specserve.config import AppConfig
 
     stop = threading.Event()  # a stop signal, from the first moment: one during start-up
@@ -156,7 +159,7 @@ def cmd_serve(args) -> int:
     from specserve.serve.local import start_local_ray, start_serve
 
     app = build_app(cfg.model_dump())  # validates and checks the draft's files: fail before Ray
-    start_local_ray(metrics_export_port=args.metrics_port)
+    start_local_ray(metrics_export_port=metrics_port)
     _stop_on_signal(stop)  # ray.init put its own SIGTERM handler (it exits the process) in place
     start_serve(args.host, args.port)
     serve.run(app, name="specserve", route_prefix="/")
@@ -171,6 +174,28 @@ def cmd_serve(args) -> int:
     drain("specserve", cfg.drain_timeout_s)
     serve.shutdown()
     return 0
+
+
+def _free_ports(args) -> int:
+    """Check that the server's ports are free before Ray starts (on a taken metrics port Ray's
+    start-up dies after 30 s with a traceback); the metrics port to use. A taken ``--port``,
+    or a taken ``--metrics-port`` that was asked for, is an error naming the flag; the default
+    metrics port, when taken (a second server on this machine), gives way to a free one."""
+    from specserve.serve.local import NODE_IP
+    from specserve.serve.ports import bind_error, first_free, holder_words, require_free
+
+    require_free("--port", args.host, args.port)
+    if args.metrics_port is not None:
+        require_free("--metrics-port", NODE_IP, args.metrics_port)
+        return args.metrics_port
+    if bind_error(NODE_IP, DEFAULT_METRICS_PORT) is None:
+        return DEFAULT_METRICS_PORT
+    port = first_free(NODE_IP, DEFAULT_METRICS_PORT + 1)
+    print(f"specserve: Ray's metrics port {DEFAULT_METRICS_PORT} is in use "
+          f"({holder_words(DEFAULT_METRICS_PORT)}); Ray's metrics are on {port} instead "
+          f"(deploy/prometheus/prometheus.yml scrapes {DEFAULT_METRICS_PORT}: point it at {port}, "
+          "or pass --metrics-port)", flush=True)
+    return port
 
 
 def _default_draft_or_ngram(app_args: dict) -> dict:

@@ -27,9 +27,12 @@ LOCAL_ENV = {
 for _key, _value in LOCAL_ENV.items():
     os.environ.setdefault(_key, _value)
 
+NODE_IP = "127.0.0.1"  # what the node advertises, and where Ray's metrics agent listens
+DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (deploy/prometheus/prometheus.yml)
+
 
 def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
-                    metrics_export_port: int | None = 8080,
+                    metrics_export_port: int | None = DEFAULT_METRICS_PORT,
                     resources: dict[str, float] | None = None) -> None:
     """``ray.init`` on 127.0.0.1 with this process's environment passed to the workers.
     Ray's metrics (and the units' ``ray_specserve_*`` mirror) are served on
@@ -42,7 +45,7 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
                            "a non-loopback address")
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
+    ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
              resources=resources,
              include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port,
              runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
@@ -52,3 +55,4 @@ def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port}, detached=False)
+
