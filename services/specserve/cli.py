@@ -156,7 +156,7 @@ def cmd_serve(args) -> int:
     from ray import serve
 
     from deploy.app import build_app
-    from specserve.serve.local import start_local_ray, start_serve
+    from specserve.serve.local import start_local_ray, start_serve, stop_serve
 
     app = build_app(cfg.model_dump())  # validates and checks the draft's files: fail before Ray
     start_local_ray(metrics_export_port=metrics_port)
@@ -172,7 +172,8 @@ def cmd_serve(args) -> int:
           flush=True)
     stop.wait()
     drain("specserve", cfg.drain_timeout_s)
-    serve.shutdown()
+    stop_serve("specserve")
+    print("specserve: stopped", flush=True)
     return 0
 
 

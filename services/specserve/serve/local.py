@@ -56,3 +56,23 @@ def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
 
     serve.start(http_options={"host": host, "port": port}, detached=False)
 
+
+def stop_serve(app_name: str) -> None:
+    """Stop the app, then Serve and this process's local Ray, without Ray reporting the stop
+    as failures.
+
+    Not ``serve.shutdown()``: Serve's controller kills itself there while calls of this
+    process to it wait (``graceful_shutdown``, the long polls of its handles). The controller's
+    calls are retried without limit, so this process's core worker reports each through the
+    driver's error channel (which ``log_to_driver=False`` does not silence), as the yellow
+    ``(raylet) Task ServeController.graceful_shutdown failed. There are infinite retries
+    remaining ... killed by ray.kill``; then each fails for good and Serve ignores it.
+    Deleting the app stops its replicas just as gracefully, and ``ray.shutdown()`` disconnects
+    this process before it stops the cluster with Serve's actors in it: no call of ours waits
+    on an actor that dies. Nothing else is silenced: an error still raises, and Ray's other
+    messages still print."""
+    import ray
+    from ray import serve
+
+    serve.delete(app_name)
+    ray.shutdown()
