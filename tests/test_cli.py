@@ -116,7 +116,7 @@ def test_serve_chooses_a_free_metrics_port_when_the_default_is_taken(monkeypatch
     from specserve import cli
 
     monkeypatch.setattr(cli, "DEFAULT_METRICS_PORT", listening)
-    chosen = cli._free_ports(cli.build_parser().parse_args(["serve", "--port", str(_free_port())]))
+    chosen = cli._check_ports(cli.build_parser().parse_args(["serve", "--port", str(_free_port())]))
     out = capsys.readouterr().out
     assert chosen != listening and bind_error("127.0.0.1", chosen) is None
     assert out.count("\n") == 1 and out.startswith(

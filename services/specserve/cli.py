@@ -146,7 +146,7 @@ SERVER_ENV = "SPECSERVE_SERVER"  # "1" in the server process that `specserve ser
 def cmd_serve(args) -> int:
     if os.environ.get(SERVER_ENV) != "1" and sys.platform.startswith("linux"):
         return _supervise(args.argv)
-    metrics_port = _free_ports(args)  # the first thing the server does: a taken port is one line
+    metrics_port = _check_ports(args)  # the first thing the server does: a taken port is one line
     from specserve.config import AppConfig
 
     stop = threading.Event()  # a stop signal, from the first moment: one during start-up
@@ -177,7 +177,7 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _free_ports(args) -> int:
+def _check_ports(args) -> int:
     """Check that the server's ports are free before Ray starts (on a taken metrics port Ray's
     start-up dies after 30 s with a traceback); the metrics port to use. A taken ``--port``,
     or a taken ``--metrics-port`` that was asked for, is an error naming the flag; the default
