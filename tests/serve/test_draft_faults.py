@@ -2,14 +2,16 @@
 load streams through the unit (real Ray actors, real HTTP):
 
 - no request fails, and every output is the target's own (greedy);
-- meanwhile the unit keeps stepping at target-only speed: steps per second over the fault
-  window are at least half those of the same load with speculation off, measured in this
-  run on the same unit, once for the module (the draft's timeout is paid once, when the
-  fault is found, not per step);
+- meanwhile the unit keeps stepping target-only: while the draft is lost, the engine's own
+  clock (``/v1/units/stats``' step times) shows its steps taking most of the wall time and
+  almost none of it waiting on a proposal (the draft's timeout is paid once, when the fault is
+  found, not per step);
 - speculation resumes once the draft answers again, and the draft actor holds no slot once
   the unit is idle (the slots of sequences that ended while it was away included).
 
-Rates are compared with each other, never with a number: the test holds on a slow machine.
+Times are compared within one window of one unit, never with a number or with another
+moment's rate: the test holds on a slow machine and on one whose load changes under it (a
+target-only rate measured a minute earlier, on a machine then quieter, failed it; issue 50).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -55,13 +58,6 @@ def app(ray_cluster, tiny_models):
 @pytest.fixture(scope="module")
 def expected(tiny_models) -> dict[str, str]:
     return target_only_texts(tiny_models[2], PROMPTS, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def reference(app, tiny_models, expected) -> float:
-    """The unit's steps per second under the load with speculation off (once: the faults'
-    windows are each compared with it, at half its rate)."""
-    return target_only_rate(app, Path(tiny_models[0]).name, expected)
 
 
 def stats(url: str) -> dict:
@@ -130,9 +126,15 @@ def wait_for(condition, what: str, timeout_s: float = DEADLINE_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sample_steps(url: str, load: Load, done, start=None) -> list[tuple[float, int, bool]]:
-    """``(time, steps, draft_available)`` of the unit every 0.1 s while ``load`` runs (after
-    ``start()``), until ``done(samples)``."""
+class Sample(NamedTuple):
+    time: float           # time.monotonic() here
+    times: dict           # the engine's step times: steps, propose_s, verify_s, accept_s
+    draft_available: bool
+
+
+def sample_steps(url: str, load: Load, done, start=None) -> list[Sample]:
+    """The unit's :class:`Sample` every 0.1 s while ``load`` runs (after ``start()``), until
+    ``done(samples)``."""
     wait_for(lambda: stats(url)["running"] >= WORKERS - 1, "the load to be running")
     samples = []
     if start is not None:
@@ -141,36 +143,23 @@ def sample_steps(url: str, load: Load, done, start=None) -> list[tuple[float, in
     while not done(samples):
         assert time.monotonic() < deadline, "the samples never showed what they wait for"
         s = stats(url)
-        samples.append((time.monotonic(), s["times"]["steps"], s["draft_available"]))
+        samples.append(Sample(time.monotonic(), s["times"], s["draft_available"]))
         time.sleep(0.1)
     return samples
 
 
-def lasted(window_s: float):
-    """A ``done`` for :func:`sample_steps`: once the samples span ``window_s``."""
-    return lambda samples: len(samples) > 1 and samples[-1][0] - samples[0][0] >= window_s
-
-
-def lost_and_back(samples: list[tuple[float, int, bool]]) -> bool:
+def lost_and_back(samples: list[Sample]) -> bool:
     """A ``done`` for :func:`sample_steps`: once the draft was lost and answers again."""
-    flags = [available for _, _, available in samples]
+    flags = [s.draft_available for s in samples]
     return False in flags and flags[-1]
 
 
-def rate(samples: list[tuple[float, int, bool]]) -> float:
-    (t0, n0, _), (t1, n1, _) = samples[0], samples[-1]
-    return (n1 - n0) / (t1 - t0)
-
-
-def target_only_rate(url: str, model: str, expected: dict[str, str]) -> float:
-    """Steps per second of the same load with speculation off."""
-    load = Load(url, model, expected, {"enabled": False})
-    try:
-        samples = sample_steps(url, load, lasted(FAULT_WINDOW_S / 2))
-    finally:
-        load.finish()
-    assert not load.failures, load.failures[:3]
-    return rate(samples)
+def clock(first: Sample, last: Sample) -> dict[str, float]:
+    """Between two samples: wall seconds, and the engine's steps, seconds stepping (its
+    three phases) and, of those, seconds waiting on proposals."""
+    d = {k: last.times[k] - first.times[k] for k in ("steps", "propose_s", "verify_s", "accept_s")}
+    return {"wall_s": last.time - first.time, "steps": d["steps"], "propose_s": d["propose_s"],
+            "stepping_s": d["propose_s"] + d["verify_s"] + d["accept_s"]}
 
 
 def kill(actor) -> None:
@@ -187,8 +176,7 @@ def slow(actor) -> None:
 
 @pytest.mark.parametrize("fault", [kill, hang, slow],
                          ids=lambda f: f.__name__)
-def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_models, expected,
-                                                                     reference, fault):
+def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_models, expected, fault):
     model = Path(tiny_models[0]).name
     before = wait_for(lambda: (s := stats(app))["draft_available"] and s, "the draft to be attached")
     load = Load(app, model, expected, None)
@@ -203,13 +191,18 @@ def test_a_draft_fault_under_load_fails_nothing_and_costs_one_timeout(app, tiny_
         load.finish()
     assert not load.failures, load.failures[:3]
     assert load.done > 0
-    # While the draft is lost, the unit steps target-only, at target-only speed.
-    lost = [s for s in samples if not s[2]]
+    # While the draft is lost, the unit steps target-only: its steps fill the time (measured:
+    # 91-97% of it; a step loop stalled between steps, by a probe of the draft say, would
+    # not) and wait on no proposal (measured: under 1% of the stepping; a step that called
+    # the lost draft would wait its whole timeout). The draft's one timeout came before the
+    # flag fell, in the step that found the fault.
+    lost = [s for s in samples if not s.draft_available]
     assert len(lost) >= 5, "the draft was lost too briefly to measure"
-    print(f"{fault.__name__}: lost for {lost[-1][0] - lost[0][0]:.1f} s of "
-          f"{samples[-1][0] - samples[0][0]:.1f}; {rate(lost):.1f} steps/s lost, "
-          f"{rate(samples):.1f} over the window, {reference:.1f} target-only")
-    assert rate(lost) >= 0.5 * reference, (rate(lost), reference)
+    seen = clock(lost[0], lost[-1])
+    print(f"{fault.__name__}: lost for {seen['wall_s']:.1f} s of {samples[-1].time - samples[0].time:.1f}: "
+          f"{seen['steps']} steps, stepping {seen['stepping_s']:.2f} s, proposing {seen['propose_s']:.3f} s")
+    assert seen["steps"] > 0 and seen["stepping_s"] >= 0.5 * seen["wall_s"], seen
+    assert seen["propose_s"] <= 0.25 * seen["stepping_s"], seen
     after = wait_for(lambda: (s := stats(app))["running"] == 0 and s, "the unit to be idle")
     assert after["free_slots"] == after["num_slots"] and after["target_restarts"] == 0
     wait_for(lambda: ray.get(draft_actor().slots_in_use.remote(), timeout=60) == 0,
