@@ -27,7 +27,9 @@ LOCAL_ENV = {
 for _key, _value in LOCAL_ENV.items():
     os.environ.setdefault(_key, _value)
 
-NODE_IP = "127.0.0.1"  # what the node advertises, and where Ray's metrics agent listens
+# What the node advertises; also where Ray's metrics agent listens (Ray's reporter agent binds
+# the node's address when it is a loopback one, else every address).
+NODE_IP = "127.0.0.1"
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (deploy/prometheus/prometheus.yml)
 
 

@@ -32,14 +32,17 @@ class PortInUse(SpecServeError):
 
 def bind_error(host: str, port: int) -> OSError | None:
     """Why ``port`` cannot be listened on at ``host`` (None: it can)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
             return exc
     return None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET  # as Serve's proxy chooses
 
 
 def require_free(flag: str, host: str, port: int) -> None:
@@ -60,7 +63,7 @@ def first_free(host: str, start: int, tries: int = 20) -> int:
     for port in range(start, start + tries):
         if bind_error(host, port) is None:
             return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
