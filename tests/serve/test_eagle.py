@@ -2,8 +2,12 @@
 ``train-draft`` writes), the draft actor reading only the target's embeddings from its files,
 features travelling from target rank 0 through the coordinator to the draft actor every step,
 prompt lookup in front (``ngram_first``). And a published EAGLE-3 head (the ``speculators``
-format; the other formats' loaders are served in-process in
-``tests/engine/test_published_drafts.py``): the target group returns the layers it names."""
+format; the other formats' loaders are tested in-process in
+``tests/engine/test_published_drafts.py``): the target group returns the layers it names.
+The other published layouts (the EAGLE authors' EAGLE-3 and EAGLE-1, SpecForge's) run through
+the real groups a unit starts, without the ingress and coordinator processes an app adds:
+over HTTP they would take the path the speculators head takes (issue 50: four fewer
+processes to start per layout, on the suite's slowest setup)."""
 
 from __future__ import annotations
 
@@ -14,9 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from specserve.config import SamplingParams
 from specserve.engine.draft_head import save_draft
+from specserve.engine.tokenizer import encode_prompt
 
 from tests.engine.test_published_drafts import eagle1_tensors, head_tensors, layer_config, write_checkpoint
+from tests.engine.test_spec_decode import make_engine
 from tests.models import eagle_head_of, tiny_hf_model, write_agreeing_eagle3_head
 from tests.serve.conftest import deployed, save_tiny, unit_args
 from tests.serve.test_fallback import unit_stats
@@ -27,6 +34,7 @@ from tests.serve.test_http import (  # noqa: F401
     model_name,
     read_sse,
 )
+from tests.serve.test_wire import Unit
 from tests.tiny import make_tiny_tokenizer
 
 MAX_TOKENS = 32
@@ -40,11 +48,7 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
     - ``eagle-tree``: the EAGLE head drafting token trees (issue 20): its options travel to
       the draft actor, the cost model chooses the node budget (up to 6) per step;
     - ``eagle3`` and ``eagle3-tree``: a published EAGLE-3 head (issue 37) in chains and trees,
-      on an MHA target of its own (``write_agreeing_eagle3_head``);
-    - ``eagle3-authors`` (chains), ``eagle3-specforge`` and ``eagle1-tree`` (trees): the EAGLE
-      authors' EAGLE-3 and EAGLE-1 layouts and SpecForge's (random heads: they draft and are
-      verified, and rarely accepted), on an 8-layer target (EAGLE-3's default layers 2, 4, 5;
-      SpecForge's config names 1, 4, 6).
+      on an MHA target of its own (``write_agreeing_eagle3_head``).
     """
     draft = tmp_path_factory.mktemp("eagle") / "draft"
     save_draft(eagle_head_of(tiny_models[2]), draft, target_name="tiny", tokenizer=make_tiny_tokenizer(),
@@ -71,28 +75,12 @@ def apps(ray_cluster, tiny_models, tmp_path_factory) -> dict[str, str]:
     eagle3[False]["unit"]["engine"]["kv_cache"] = {"layout": "paged", "block_size": 16}
     # A draft step takes milliseconds; the default 10 s limit could still call a draft that a
     # busy machine delayed dead, and these tests need it drafting.
-    tall = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0, num_hidden_layers=8)
-    tall_dir = save_tiny(tmp_path_factory.mktemp("tiny-tall"), tall)
-    authors = tmp_path_factory.mktemp("eagle3-authors") / "head"
-    eagle1 = tmp_path_factory.mktemp("eagle1") / "head"
-    specforge = tmp_path_factory.mktemp("eagle3-specforge") / "head"
-    write_checkpoint(authors, "eagle", head_tensors())
-    write_checkpoint(specforge, "specforge", head_tensors())
-    eagle1.mkdir()
-    torch.save(eagle1_tensors(), eagle1 / "pytorch_model.bin")
-    (eagle1 / "config.json").write_text(json.dumps(layer_config()))
-    published = {name: unit_args(tall_dir, max_num_seqs=4, speculative={
-        "method": "eagle", "num_speculative_tokens": 3, "draft": {"source": str(head)},
-        "eagle": {"tree": tree}, "adaptive": {"enabled": False}})
-        for name, head, tree in (("eagle3-authors", authors, False), ("eagle3-specforge", specforge, True),
-                                 ("eagle1-tree", eagle1, True))}
-    for args in (chain, tree, *eagle3.values(), *published.values()):
+    for args in (chain, tree, *eagle3.values()):
         args["unit"]["draft_timeout_s"] = 120
     apps = {"eagle": ("/eagle", chain), "eagle-tree": ("/eagle-tree", tree),
-            "eagle3": ("/eagle3", eagle3[False]), "eagle3-tree": ("/eagle3-tree", eagle3[True]),
-            **{name: ("/" + name, args) for name, args in published.items()}}
+            "eagle3": ("/eagle3", eagle3[False]), "eagle3-tree": ("/eagle3-tree", eagle3[True])}
     for urls in deployed(apps):
-        yield {**urls, "mha": (mha, Path(mha_dir).name), "tall": (tall, Path(tall_dir).name)}
+        yield {**urls, "mha": (mha, Path(mha_dir).name)}
 
 
 @pytest.fixture(scope="module")
@@ -166,14 +154,44 @@ def test_a_published_eagle3_head_serves_greedy_output_identical_to_target_only(a
         assert stats["spec_tree_drafts"] > 0
 
 
-@pytest.mark.parametrize("app", ["eagle3-authors", "eagle3-specforge", "eagle1-tree"])
-def test_the_other_published_layouts_serve_greedy_output_identical_to_target_only(apps, app):
+@pytest.fixture(scope="module")
+def tall(tmp_path_factory):
+    """An 8-layer target (EAGLE-3's default layers 2, 4, 5; SpecForge's config names 1, 4, 6)
+    and each other published layout's head for it (random heads: they draft and are verified,
+    and rarely accepted): ``(target_hf, target_dir, {layout: (head_dir, tree)})``."""
+    target = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0, num_hidden_layers=8)
+    target_dir = save_tiny(tmp_path_factory.mktemp("tiny-tall"), target)
+    authors = tmp_path_factory.mktemp("eagle3-authors") / "head"
+    eagle1 = tmp_path_factory.mktemp("eagle1") / "head"
+    specforge = tmp_path_factory.mktemp("eagle3-specforge") / "head"
+    write_checkpoint(authors, "eagle", head_tensors())
+    write_checkpoint(specforge, "specforge", head_tensors())
+    eagle1.mkdir()
+    torch.save(eagle1_tensors(), eagle1 / "pytorch_model.bin")
+    (eagle1 / "config.json").write_text(json.dumps(layer_config()))
+    heads = {"eagle3-authors": (authors, False), "eagle3-specforge": (specforge, True),
+             "eagle1-tree": (eagle1, True)}
+    return target, target_dir, heads
+
+
+@pytest.mark.parametrize("layout", ["eagle3-authors", "eagle3-specforge", "eagle1-tree"])
+def test_the_other_published_layouts_through_the_groups_keep_greedy_output(local_ray, tall, layout):
     """The EAGLE authors' EAGLE-3 (``midlayer.``, ``pytorch_model.bin``, default layers) in
     chains, SpecForge's (its own layer ids) and their EAGLE-1 (the target's final state and
     LM head) in trees: the draft group loads them on the target's files, the target group
-    returns what they read."""
-    tall, name = apps["tall"]
-    greedy_equals_target_only(apps[app], name, tall, PROMPTS[:3], MAX_TOKENS, "eagle")
-    stats = unit_stats(apps[app])
-    assert stats["draft_available"] and stats["spec"]["num_drafts"] > 0
-    assert stats["free_slots"] == stats["num_slots"] == 4
+    returns what they read, and the greedy output is the target's own."""
+    target, target_dir, heads = tall
+    head, tree = heads[layout]
+    draft = {"method": "eagle", "draft": {"source": str(head)}, "eagle": {"tree": tree}}
+    tok = make_tiny_tokenizer()
+    batch = [encode_prompt(tok, p) for p in PROMPTS[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    expected = make_engine(target, None, slots=4).generate(batch, greedy)
+    unit = Unit(target_dir, draft, tp=1, slots=4)
+    try:
+        done = unit.engine.generate(batch, greedy)
+        assert unit.engine.counters.spec.num_drafts > 0
+        assert [c.output_token_ids for c in done] == [c.output_token_ids for c in expected]
+        assert unit.target.num_free_slots == unit.target.num_slots == 4
+    finally:
+        unit.close()
