@@ -63,10 +63,13 @@ def _reproducible_unseeded_requests(monkeypatch):
     monkeypatch.setattr(spec_decode, "random_seed", lambda: stream.getrandbits(62))
 
 
-# Ray tests that use none of the session's apps: the actor tests without Serve, and the
-# two-unit routing test (its own app; it balances the two workers, issue 35).
+# Ray tests that use none of the session's apps: the actor tests without Serve, and modules
+# whose apps are their own, moved to balance the two workers: the two-unit routing test
+# (issue 35) and the draft faults (issue 50: 4.5 minutes of a 32-minute Serve group on an
+# AVX2-capped run with a CPU hog, whose other worker, by the durations, ran out of work
+# about 10 minutes earlier).
 ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py",
-               "tests/serve/test_unit_routing.py")
+               "tests/serve/test_unit_routing.py", "tests/serve/test_draft_faults.py")
 
 
 def worker_group(nodeid: str) -> str:
@@ -75,8 +78,8 @@ def worker_group(nodeid: str) -> str:
     through ``request.getfixturevalue``), so they are one group, run by one worker in file
     order. The Ray tests that use none of the session apps (``ACTOR_TESTS``) are a group of
     their own: where they run beside the Serve tests, their worker starts a Ray cluster (and
-    Serve, for the routing test) of its own on ports of its own, and they take about four
-    minutes off the Serve worker, the longer one.
+    Serve, for the modules with apps of their own) on ports of its own, and they take about
+    eight minutes (AVX512; more on AVX2) off the Serve worker, the longer one.
     Every other module is a group of its own (its module fixtures built once). No test
     outside tests/serve starts Ray."""
     module = nodeid.split("::")[0]
