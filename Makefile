@@ -69,7 +69,10 @@ test: install ## Run the test suite (the command CI runs) on TEST_WORKERS worker
 # vectorized ops and oneDNN capped at AVX2 (every process of the run inherits them). Not MKL:
 # capped on an Intel CPU it takes Intel's AVX2 kernels, whose bits change between 4 and 9 rows,
 # which the project's AVX2 machines (AMD EPYC) never showed (docs/RELIABILITY.md, issue 50).
-AVX2_ENV := SPECSERVE_NATIVE_FLAGS=-mno-avx512f ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# Inductor's cache of its own: its key does not cover the capped ISA, and a plain run that
+# loaded a graph compiled under the cap aborted (Fatal Python error, test_compiled.py).
+AVX2_ENV := SPECSERVE_NATIVE_FLAGS=-mno-avx512f ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/torchinductor-avx2
 
 test-avx2: install ## The test suite on the AVX2 code paths (kernels, torch, oneDNN, MKL) of an AVX512 machine
 	$(AVX2_ENV) $(MAKE) --no-print-directory test
