@@ -11,6 +11,8 @@ import pytest
 from specserve.cli import main
 from specserve.serve.ports import bind_error
 
+from tests.net import free_port
+
 
 @pytest.mark.parametrize("args, message", [
     (["-k", "0"], "num_speculative_tokens: Input should be greater than or equal to 1"),
@@ -85,12 +87,6 @@ def listening():
         yield held.getsockname()[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_refuses_a_taken_port_in_one_line_naming_its_holder(monkeypatch, capsys, listening):
     """The server's first step, before its config or Ray (here in this process, as the server
     side of the supervisor): a taken ``--port`` or ``--metrics-port`` is one line naming the
@@ -101,7 +97,7 @@ def test_serve_refuses_a_taken_port_in_one_line_naming_its_holder(monkeypatch, c
     monkeypatch.setenv(SERVER_ENV, "1")
     holder = f"(pid {os.getpid()}: "
     for flags in (["--port", str(listening)],
-                  ["--port", str(_free_port()), "--metrics-port", str(listening)]):
+                  ["--port", str(free_port()), "--metrics-port", str(listening)]):
         assert main(["serve", "--config", "/nope.yaml", *flags]) == 2
         flag = flags[-2]
         err = capsys.readouterr().err
@@ -116,7 +112,7 @@ def test_serve_chooses_a_free_metrics_port_when_the_default_is_taken(monkeypatch
     from specserve import cli
 
     monkeypatch.setattr(cli, "DEFAULT_METRICS_PORT", listening)
-    chosen = cli._check_ports(cli.build_parser().parse_args(["serve", "--port", str(_free_port())]))
+    chosen = cli._check_ports(cli.build_parser().parse_args(["serve", "--port", str(free_port())]))
     out = capsys.readouterr().out
     assert chosen != listening and bind_error("127.0.0.1", chosen) is None
     assert out.count("\n") == 1 and out.startswith(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from specserve.engine.tp import Split, apply_tp, split_of
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.models import TINY_CONFIGS, random_sequences, runtime_of, tiny_hf_model
+from tests.net import free_port
 from tests.serve.conftest import save_tiny
 from tests.tiny import make_tiny_tokenizer
 
@@ -124,12 +124,6 @@ def _rank_main(rank: int, world: int, port: int, big: str, tiny: dict[str, str],
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- world size 1: the sharded read is the full load ------------------------------------------
 
 
@@ -199,7 +193,7 @@ def test_tp2_ranks_read_half_the_weights_and_match_tp1(big_checkpoint, tmp_path)
     """Two ranks load through ``load_model(tp_group=...)``, as ``TargetRank.setup`` does."""
     big, model_bytes = big_checkpoint
     tiny = {kind: save_tiny(tmp_path / kind, tiny_model(kind, seed=5)) for kind in TINY_TP}
-    mp.spawn(_rank_main, args=(2, _free_port(), big, tiny, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), big, tiny, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     whole = load_model(ModelConfig(source=big, device="cpu", dtype="float32"), max_model_len=64)
     full = layer_bytes(whole.runtime)

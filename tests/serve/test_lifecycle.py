@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from specserve.cli import drain
 from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP
 from specserve.serve.ports import bind_error, parent
 
+from tests.net import free_port
 from tests.serve.conftest import deployed, unit_args
 from tests.serve.test_http import PROMPTS
 
@@ -202,12 +202,6 @@ START_BOUND_S = 15 * 60
 STOP_LINE = "specserve: stopped"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A real ``specserve serve --config CONFIG --port PORT [flags]`` in a session of its own
     (as a supervisor starts it), every line of its output (stdout and stderr) kept as it
@@ -215,7 +209,7 @@ class Server:
 
     def __init__(self, config: Path, *flags: str, port: int | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self.config, self.port = config, port or _free_port()
+        self.config, self.port = config, port or free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli", "serve", "--config", str(config),
              "--port", str(self.port), *flags], stdout=subprocess.PIPE,
