@@ -721,11 +721,11 @@ def test_the_tree_distribution_test_rejects_a_wrong_residual_update(target_hf, m
     """The chi-square test above, through EAGLE trees with several siblings per node
     (unseeded: multi-candidate rejection), fails when the residual after a rejected sibling
     is not updated (the rejected token stays in it and can be recovered after all): the
-    test has the power to see that mistake at this sample size. (test_tree_acceptance has
+    test has the power to see that mistake at this sample size. (test_acceptance has
     power checks against two more wrong updates, row by row.)"""
-    from specserve.engine import tree_acceptance
+    from specserve.engine import acceptance
 
-    monkeypatch.setattr(tree_acceptance, "_residual_after_rejection", lambda r, q, token: r)
+    monkeypatch.setattr(acceptance, "_residual_after_rejection", lambda r, q, token: r)
     torch.manual_seed(20261125)
     params = _reaching_k(SAMPLED[0], "eagle-tree")
     engine = make_engine(target_hf, "eagle-tree", 3, slots=256, eos=frozenset())

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from specserve.engine import layers, native
-from specserve.engine.tree_acceptance import tree_ancestors
+from specserve.engine.token_tree import tree_ancestors
 from specserve.errors import InvalidRequestError
 
 from tests.models import VOCAB, random_sequences, runtime_of, tiny_hf_model
@@ -170,7 +170,7 @@ def test_a_tree_after_a_long_prompt_tail_in_one_forward(rt):
     one forward; the tree is counted from its base, so it fits the 64-token masks."""
     rng = random.Random(4)
     tail = random_sequences((80,), seed=9)[0]
-    drafts = random_tree(rng, 12)[1:]  # parents among the drafts, in tree_acceptance's numbering
+    drafts = random_tree(rng, 12)[1:]  # parents among the drafts, in token_tree's numbering
     drafts = [p - 1 for p in drafts]
     parents = [-1, *range(len(tail) - 1)] + [len(tail) - 1 if p == -1 else len(tail) + p for p in drafts]
     ids = tail + [rng.randrange(3, VOCAB) for _ in drafts]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from specserve.engine.proposers.tree_growth import TreeGrowth
-from specserve.engine.tree_acceptance import validate_tree
+from specserve.engine.token_tree import validate_tree
 
 VOCAB = 16
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import SamplingParams
+from specserve.engine.acceptance import PLACEHOLDER
 from specserve.engine.proposal import Proposal
-from specserve.engine.rejection_sampler import PLACEHOLDER
 from specserve.engine.sampling import compute_probs, position_noise, sample_from
 from specserve.engine.verification import (
     SamplingRow,

@@ -14,7 +14,7 @@ from specserve.engine.block_attention import KeyBlocks
 from specserve.engine.compiled import bucket
 from specserve.engine.kernels import KV_BLOCK, hidden_keys
 from specserve.engine.kv_cache import SlotKVCache
-from specserve.engine.tree_acceptance import validate_tree
+from specserve.engine.token_tree import validate_tree
 from specserve.errors import InvalidRequestError
 
 
@@ -218,7 +218,7 @@ def _trees(trees: list[list[int] | None], starts: list[int], lens: list[int], t:
             raise InvalidRequestError(f"a tree needs one parent per new token and at most one "
                                       f"per cached token (row {b}: {len(parents)} parents, "
                                       f"{lens[b]} new tokens, {starts[b]} cached)")
-        try:  # the drafts after token 0, numbered as tree_acceptance numbers them
+        try:  # the drafts after token 0, numbered as token_tree numbers them
             if not parents or parents[0] != -1:
                 raise ValueError("token 0's parent must be -1 (it follows the cache)")
             validate_tree([p - 1 for p in parents[1:]])

@@ -87,7 +87,7 @@ class Proposal:
 
     ``parents``: the drafts form a token tree (issue 20): ``parents[i]`` is the index of token
     i's parent among them, -1 for a child of the row's last token, in topological order,
-    siblings in the order they were drawn (``tree_acceptance``'s convention; ``probs[i]`` is
+    siblings in the order they were drawn (``token_tree``'s convention; ``probs[i]`` is
     then the q token i was drawn from given its earlier siblings). None: a chain."""
 
     token_ids: list[int]

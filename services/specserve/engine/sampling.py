@@ -10,7 +10,7 @@ of the token it decides (its index in the sequence, prompt included) and a strea
 (:data:`NOISE`, :data:`UNIFORM`, :data:`DRAFT`), never of how many tokens were drafted, how
 many steps came before, or what else is in the batch. Seeded requests rely on it for
 "same seed, same text, with or without speculation, at any K" (see
-:func:`~specserve.engine.rejection_sampler.drafter_invariant_sample`).
+:func:`~specserve.engine.acceptance.drafter_invariant_sample`).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def position_uniform(seed: int, position: int) -> float:
 def step_generator(seed: int, position: int) -> torch.Generator:
     """The generator of a token tree's rejection draws at a step whose first new token is at
     ``position`` (the uniforms of the tried siblings, the final token's noise, in the order
-    :func:`~specserve.engine.tree_acceptance.tree_accept_sampled` takes them)."""
+    :func:`~specserve.engine.acceptance.tree_accept_sampled` takes them)."""
     return torch.Generator().manual_seed(_mix(seed, position, TREE))
 
 

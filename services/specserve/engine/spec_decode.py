@@ -14,8 +14,8 @@ the step names the module):
 3. **verify**: one target forward over each row's pending tokens plus its drafts, with
    logits at the last ``num_draft_tokens + 1`` positions (ragged: every row its own length),
    and ``verification.py`` turning those logits and the proposals into the tokens each row
-   emits (the rejection sampler of ``rejection_sampler.py`` keeps a prefix of the drafts and
-   adds one recovered or bonus token). Both happen in the target's ``verify``
+   emits (the rules of ``acceptance.py`` keep a prefix of the drafts, or a path of a tree, and
+   add one recovered or bonus token). Both happen in the target's ``verify``
    (``worker.py``), where the logits are: on a tensor-parallel group that is rank 0, and
    only the emitted tokens come back;
 4. **accept**: ``Sequence.append_tokens`` (``sequence.py``)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from specserve.engine.tree_acceptance import tree_children
+from specserve.engine.token_tree import tree_children
 
 
 @dataclass
@@ -93,7 +93,7 @@ class SpecStats:
 
 def sibling_ranks(parents: list[int], path: list[int]) -> list[int]:
     """Each accepted node's rank among its siblings (0: its parent's first child), root side
-    first. ``parents``: the tree (``tree_acceptance``'s convention); ``path``: accepted nodes.
+    first. ``parents``: the tree (``token_tree``'s convention); ``path``: accepted nodes.
 
     >>> sibling_ranks([-1, -1, 0, 0, 1], [0, 3])
     [0, 1]

@@ -6,8 +6,8 @@ The target forward (:meth:`SpecDecodeEngine._verify
 ``num_draft_tokens + 1`` positions. This module pads the ragged rows to one ``[B, K + 1]``
 batch (K = ``max_spec_len``, the most drafts of any row), turns logits into ``p`` and
 proposals into ``q`` with the request's sampling transform, draws the randomness of each
-position from the row's seed, and runs the matching sampler of
-:mod:`~specserve.engine.rejection_sampler`. Rows are verified in three calls, one per kind:
+position from the row's seed, and runs the matching rule of
+:mod:`~specserve.engine.acceptance`. Rows are verified in three calls, one per kind:
 
 - **greedy** rows: drafts kept while they equal the target argmax (:func:`verify_greedy`);
 - **seeded** sampled rows: drafter-invariant verification, so the text is the target-only
@@ -15,9 +15,9 @@ position from the row's seed, and runs the matching sampler of
 - **unseeded** sampled rows: the rejection test, which accepts more (:func:`verify_sampled`).
 
 A row whose proposal is a token tree (``Proposal.parents``) is verified alone by
-:func:`verify_tree` (:mod:`~specserve.engine.tree_acceptance`: the greedy walk, the
-drafter-invariant walk with the chain's noise per depth, or multi-candidate rejection with
-draws from :func:`~specserve.engine.sampling.step_generator`).
+:func:`verify_tree` (the tree rules of :mod:`~specserve.engine.acceptance`: the greedy
+walk, the drafter-invariant walk with the chain's noise per depth, or multi-candidate
+rejection with draws from :func:`~specserve.engine.sampling.step_generator`).
 
 Every draw is a function of (seed, position) alone (:mod:`~specserve.engine.sampling`), never
 of the batch or of K, which is why rows can be regrouped and padded freely.
@@ -31,16 +31,19 @@ from functools import partial
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.grammar import masked
-from specserve.engine.proposal import Proposal, TopK
-from specserve.engine.rejection_sampler import (
+from specserve.engine.acceptance import (
     PLACEHOLDER,
     RejectionOutput,
     drafter_invariant_sample,
     greedy_rejection_sample,
     rejection_sample,
     stochastic_num_accepted,
+    tree_accept_greedy,
+    tree_accept_sampled,
+    tree_accept_seeded,
 )
+from specserve.engine.grammar import masked
+from specserve.engine.proposal import Proposal, TopK
 from specserve.engine.sampling import (
     compute_probs,
     compute_probs_rows,
@@ -49,7 +52,6 @@ from specserve.engine.sampling import (
     position_uniform,
     step_generator,
 )
-from specserve.engine.tree_acceptance import tree_accept_greedy, tree_accept_sampled, tree_accept_seeded
 
 
 @dataclass(frozen=True)

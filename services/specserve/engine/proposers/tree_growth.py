@@ -23,7 +23,7 @@ child's score is at most its parent's, the nodes with the highest scores always 
   a prefix of a larger one's nodes and the budget can be chosen like K.
 
 The nodes are chosen deterministically from the context, so for sampled requests each is a
-point mass in multi-candidate rejection (``tree_acceptance``): no q is sent.
+point mass in multi-candidate rejection (``acceptance``): no q is sent.
 
 Worked example, ``topk = 2``, budget 4: the root's likeliest children are a (p 0.6) and b
 (0.3); expanding both gives a's children c (0.9 → score 0.54), d (0.05 → 0.03) and b's e (0.5 →

@@ -1,9 +1,14 @@
-"""Tree acceptance as pure functions: tree helpers, greedy and seeded walks (token for token
-against the chain and target-only decoding), and the sampled walk's distribution (chi-square
-against the exact joint of the first two tokens, with a power check)."""
+"""The acceptance rules as pure functions (engine/acceptance.py), in its order: the tree's
+shape (engine/token_tree.py), then each rule for chains and for trees. Greedy: a worked
+example, a reference loop over (K, batch), hand-made and random trees, the tree on a chain
+equal to the chain verifier. Seeded: the tree token for token against the chain and
+target-only decoding. Sampled: determinism for given draws; the chain's per-position
+goodness of fit (400k rows), the tree's chi-square against the exact joint of the first two
+tokens; power checks that the same tests catch planted wrong updates."""
 
 from __future__ import annotations
 
+import doctest
 import random
 from functools import cache
 
@@ -11,20 +16,24 @@ import pytest
 import torch
 from scipy import stats
 from specserve.config import SamplingParams
-from specserve.engine import tree_acceptance
-from specserve.engine.proposal import Proposal
-from specserve.engine.rejection_sampler import rejection_sample
-from specserve.engine.sampling import position_noise, sample_from
-from specserve.engine.tree_acceptance import (
-    chain_parents,
+from specserve.engine import acceptance, token_tree
+from specserve.engine.acceptance import (
+    PLACEHOLDER,
+    greedy_rejection_sample,
+    rejection_sample,
     tree_accept_greedy,
     tree_accept_sampled,
     tree_accept_seeded,
+    without_replacement,
+)
+from specserve.engine.proposal import Proposal
+from specserve.engine.sampling import compute_probs, position_noise, sample_from
+from specserve.engine.token_tree import (
+    chain_parents,
     tree_ancestors,
     tree_children,
     tree_depths,
     validate_tree,
-    without_replacement,
 )
 from specserve.engine.verification import SamplingRow, target_probs, verify_greedy, verify_seeded
 
@@ -39,7 +48,7 @@ TOKENS = [2, 0, 4, 1, 3, 1, 0, 2, 4, 3]
 
 
 # ---------------------------------------------------------------------------------------------
-# Tree helpers and validation
+# The tree's shape (token_tree) and validation
 
 
 def test_depths_ancestors_children():
@@ -69,11 +78,48 @@ def test_malformed_tokens_raise():
             tree_accept_sampled([-1, 0], [1, bad], p, None, torch.Generator().manual_seed(0))
 
 
+def test_the_doctests_hold():
+    assert doctest.testmod(token_tree).failed == 0
+    assert doctest.testmod(acceptance).failed == 0
+
+
 # ---------------------------------------------------------------------------------------------
-# Greedy
+# 1. Greedy: chains
 
 
-def test_greedy_docstring_example():
+def test_greedy_chain_docstring_example():
+    out = greedy_rejection_sample(torch.tensor([[5, 9, 2]]), torch.tensor([3]),
+                                  torch.tensor([[5, 9, 7, 4]]))
+    assert out.output_token_ids.tolist() == [[5, 9, 7, PLACEHOLDER]]
+    assert out.num_accepted_tokens.tolist() == [2]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_greedy_matches_a_reference_loop(k, batch):
+    gen = torch.Generator().manual_seed(k * 100 + batch)
+    argmax = torch.randint(0, 4, (batch, k + 1), generator=gen)  # small vocab: frequent matches
+    drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, argmax[:, :k],
+                         torch.randint(0, 4, (batch, k), generator=gen))
+    num_draft_tokens = torch.randint(0, k + 1, (batch,), generator=gen)
+    out = greedy_rejection_sample(drafts, num_draft_tokens, argmax)
+    for b in range(batch):
+        expected = []
+        for i in range(int(num_draft_tokens[b])):
+            if drafts[b, i] != argmax[b, i]:
+                break
+            expected.append(int(drafts[b, i]))
+        expected.append(int(argmax[b, len(expected)]))
+        assert out.emitted(b) == expected
+        assert out.num_accepted_tokens[b] == len(expected) - 1
+        assert (out.output_token_ids[b, len(expected):] == PLACEHOLDER).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Greedy: trees
+
+
+def test_greedy_tree_docstring_example():
     out = tree_accept_greedy([-1, -1, 0, 0, 1], [7, 5, 2, 9, 4], torch.tensor([5, 3, 8, 0, 0, 6]))
     assert out.path == [1] and out.emitted == [5, 8] and out.num_accepted == 1
 
@@ -170,7 +216,7 @@ def _greedy_chain_equals_the_chain_verifier(seed):
 
 
 # ---------------------------------------------------------------------------------------------
-# Seeded (drafter-invariant)
+# 2. Seeded (drafter-invariant): trees, token for token against chains and target-only text
 
 SEEDED = SamplingParams(temperature=0.8, top_k=4, seed=0)
 
@@ -234,7 +280,86 @@ def _append(parents: list[int], tokens: list[int], parent: int, token: int) -> i
 
 
 # ---------------------------------------------------------------------------------------------
-# Sampled: exact distribution of the first two emitted tokens
+# 3. Sampled: chains (per-position goodness of fit)
+
+
+def test_zero_drafts_is_plain_sampling():
+    p = torch.tensor([[[0.0, 1.0, 0.0]]])  # [1, 1, 3]
+    out = rejection_sample(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), p, None,
+                           torch.zeros(1, 0), torch.ones(1, 3))
+    assert out.emitted(0) == [1] and out.num_accepted_tokens.tolist() == [0]
+
+
+def test_deterministic_for_given_draws():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 4, 10, generator=gen), -1)
+    q = torch.softmax(torch.randn(4, 3, 10, generator=gen), -1)
+    drafts = sample_from(q.reshape(-1, 10), torch.empty(12, 10).exponential_(generator=gen)).view(4, 3)
+    u, noise = torch.rand(4, 3, generator=gen), torch.empty(4, 10).exponential_(generator=gen)
+    args = (drafts, torch.tensor([3, 2, 1, 0]), p, q, u, noise)
+    a, b = rejection_sample(*args), rejection_sample(*args)
+    assert torch.equal(a.output_token_ids, b.output_token_ids)
+
+
+def test_identical_draft_and_target_accept_everything():
+    p = torch.softmax(torch.randn(64, 4, 6), -1)
+    drafts = torch.multinomial(p[:, :3].reshape(-1, 6), 1).view(64, 3)
+    out = rejection_sample(drafts, torch.full((64,), 3), p, p[:, :3].clone(),
+                           torch.rand(64, 3) * 0.999, torch.empty(64, 6).exponential_())
+    assert (out.num_accepted_tokens == 3).all()
+
+
+def _marginals_match(p, q, *, deterministic: bool, n: int = 400_000, seed: int = 0):
+    """Run the sampler on ``n`` i.i.d. rows with context-free p (``[K+1, V]``) and q
+    (``[K, V]``). For every position j, the token emitted at j, among rows that reached j,
+    must be distributed as p_j. Returns the smallest chi-square p-value over positions."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = q.shape
+    if deterministic:  # n-gram style: one fixed draft per position, one-hot q
+        drafts = q.argmax(-1).expand(n, k)
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(q, n, replacement=True, generator=gen).T  # [n, K]
+        draft_probs = q.expand(n, k, v)
+    out = rejection_sample(drafts, torch.full((n,), k), p.expand(n, k + 1, v), draft_probs,
+                           torch.rand(n, k, generator=gen),
+                           torch.empty(n, v).exponential_(generator=gen))
+    pvalues = []
+    for j in range(k + 1):
+        reached = out.num_accepted_tokens >= j
+        counts = torch.bincount(out.output_token_ids[reached, j], minlength=v).double()
+        expected = p[j].double() / p[j].double().sum() * counts.sum()
+        keep = expected > 0
+        assert counts[~keep].sum() == 0, f"position {j} emitted a token p gives zero mass"
+        pvalues.append(stats.chisquare(counts[keep], expected[keep]).pvalue)
+    return min(pvalues)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_emitted_tokens_have_the_target_distribution(deterministic):
+    """Chi-square goodness of fit per position, 400k rows, V = 6, K = 3; threshold 1e-3
+    (seeded, so the outcome is fixed). ``test_power_of_the_distribution_test`` shows the
+    same test rejects q at this kind of mismatch."""
+    gen = torch.Generator().manual_seed(42)
+    p = compute_probs(torch.randn(4, 6, generator=gen) * 1.5, torch.full((4,), 0.7),
+                      torch.full((4,), 0), torch.full((4,), 1.0))
+    q = torch.softmax(torch.randn(3, 6, generator=gen) * 1.5, -1)  # deliberately mismatched
+    assert _marginals_match(p, q, deterministic=deterministic) > 1e-3
+
+
+def test_power_of_the_distribution_test():
+    """A sampler that always accepts the draft produces q, and the chi-square test on the
+    emitted first token rejects that at p < 1e-6 with 20k rows."""
+    gen = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(6, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(6, generator=gen) * 1.5, -1)
+    draws = torch.multinomial(q, 20_000, replacement=True, generator=gen)
+    counts = torch.bincount(draws, minlength=6).double()
+    assert stats.chisquare(counts, p.double() * 20_000).pvalue < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Sampled: trees (exact distribution of the first two emitted tokens)
 
 V = 5
 # The target: P1 at the root, P[a] after a token a (every node's row is P[its token]).
@@ -443,7 +568,7 @@ def _sampled_chain_equals_the_chain_sampler_given_the_same_draws(seed):
 def test_power_no_residual_update(monkeypatch):
     """Not updating r after a rejected sibling (trying the next sibling against p again)
     over-emits the drafted tokens: the test rejects it at p < 1e-6."""
-    monkeypatch.setattr(tree_acceptance, "_residual_after_rejection", lambda r, q, token: r)
+    monkeypatch.setattr(acceptance, "_residual_after_rejection", lambda r, q, token: r)
     assert _pvalue(_counts(_iid, n=N_POWER)) < 1e-6
 
 
@@ -453,7 +578,7 @@ def test_power_residual_not_renormalised(monkeypatch):
     def unnormalised(r, q, token):
         return (r - (torch.nn.functional.one_hot(torch.tensor(token), V) if q is None else q)).clamp(min=0)
 
-    monkeypatch.setattr(tree_acceptance, "_residual_after_rejection", unnormalised)
+    monkeypatch.setattr(acceptance, "_residual_after_rejection", unnormalised)
     assert _pvalue(_counts(_iid, n=N_POWER)) < 1e-6
 
 
@@ -485,6 +610,23 @@ def test_sampled_edge_cases():
     assert out.emitted == [1, 0]
     # q_i == r exactly but the token rejected by rounding: the residual would be all zeros.
     r = torch.tensor([0.5, 0.5, 0.0])
-    assert torch.equal(tree_acceptance._residual_after_rejection(r, r.clone(), 0), r)
+    assert torch.equal(acceptance._residual_after_rejection(r, r.clone(), 0), r)
     # No drafts at all: plain sampling from row 0.
     assert tree_accept_sampled([], [], p[:1], None, gen).emitted == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampling transform that p and q come from (sampling.compute_probs)
+
+
+def test_top_k_top_p_transform():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    one = torch.ones(1)
+    probs = compute_probs(logits, one, torch.tensor([2]), one)
+    assert (probs[0, 2:] == 0).all() and probs[0, :2].sum().item() == pytest.approx(1.0)
+    full = torch.softmax(logits, -1)[0]
+    # top_p just above the top token's mass keeps exactly two tokens.
+    probs = compute_probs(logits, one, torch.tensor([0]), torch.tensor([full[0].item() + 1e-3]))
+    assert (probs[0] > 0).tolist() == [True, True, False, False, False]
+    probs = compute_probs(logits, one, torch.tensor([0]), torch.tensor([full[0].item() - 1e-3]))
+    assert (probs[0] > 0).tolist() == [True, False, False, False, False]
