@@ -21,6 +21,7 @@ LLAMA_VENV ?= .llama
 # make gpu-check runs where nothing can be installed: the .venv's python here, python3 there.
 GPU_PY ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 GPU_OUT ?= results/gpu
+GOLDEN_OUT ?= results/golden.json
 PHASE ?= quick
 GPU_CHECK_ARGS ?=
 # What the GPU machine lacks (its python3 has torch, transformers, pytest...; docs/GPU.md):
@@ -168,9 +169,12 @@ bench-wire: install ## Bytes per row and step between a unit's groups (TP = 2 ta
 bench-grammar: install ## Structured outputs: the grammar's cost per verify step and per token end to end, embedded model (results/bench-grammar.json)
 	$(PY) load/bench_grammar.py $(BENCH_ARGS)
 
+golden: install ## HTTP golden for engine refactors: fixed greedy and seeded requests to GOLDEN_OUT (compare two runs on one machine)
+	$(PY) load/golden.py --out $(GOLDEN_OUT)
+
 bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separate: `make sweep`)
 
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema
+.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema golden
