@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 from specserve.config import EngineConfig
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.grammar import GrammarCompiler, GrammarSpec, apply_mask
 from specserve.engine.loader import load_model
 from specserve.engine.tokenizer import encode_chat
@@ -153,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
     slot = worker.allocate()
     prompt = encode_chat(target.tokenizer, [{"role": "user", "content": PROMPT}])
-    worker.forward([slot], [prompt], [1])
+    worker.forward(ForwardBatch([slot], [prompt], [1]))
     verify_tokens = (doc * 2)[:args.k + 1]
 
     def forward() -> None:
-        worker.forward([slot], [verify_tokens], [args.k + 1])
+        worker.forward(ForwardBatch([slot], [verify_tokens], [args.k + 1]))
         worker.rollback(slot, len(prompt))
 
     tensor_ops = {

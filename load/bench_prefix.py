@@ -202,6 +202,7 @@ def chunk_forwards(long_text: str) -> list[float]:
     so the largest gap, around the last chunk, is held to that chunk's forward."""
     from specserve.config import EngineConfig
     from specserve.engine.builder import build_engine
+    from specserve.engine.forward_batch import ForwardBatch
     from specserve.engine.tokenizer import encode_chat
 
     engine, loaded = build_engine(EngineConfig.model_validate(app_args()["unit"]["engine"]))
@@ -210,7 +211,8 @@ def chunk_forwards(long_text: str) -> list[float]:
     slot = target.allocate()
     for start in range(0, len(ids) - 1, CHUNK):
         t0 = time.perf_counter()
-        target.forward([slot], [ids[start:min(start + CHUNK, len(ids) - 1)]], [1], argmax_only=True)
+        target.forward(ForwardBatch([slot], [ids[start:min(start + CHUNK, len(ids) - 1)]], [1],
+                                    argmax=True))
         times.append(time.perf_counter() - t0)
     target.free(slot)
     return times

@@ -33,6 +33,7 @@ from pathlib import Path
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.builder import build_engine
 from specserve.engine.draft_head import EMBEDDED_DRAFT
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
 from specserve.training.data import read_prompts
@@ -50,7 +51,7 @@ def verify_costs(worker, prompt: list[int], sizes: list[int], batches: list[int]
     for batch in batches:
         slots = [worker.allocate() for _ in range(batch)]
         for slot in slots:
-            worker.forward([slot], [prompt[:-1]], [1])
+            worker.forward(ForwardBatch([slot], [prompt[:-1]], [1]))
         base = len(prompt) - 1
         out[batch] = {}
         for n in [0, *sizes]:
@@ -59,8 +60,8 @@ def verify_costs(worker, prompt: list[int], sizes: list[int], batches: list[int]
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                worker.forward(slots, [tokens] * batch, [n + 1] * batch,
-                               trees=[parents] * batch if n > 1 else None)
+                worker.forward(ForwardBatch(slots, [tokens] * batch, [n + 1] * batch,
+                                            trees=[parents] * batch if n > 1 else None))
                 times.append(time.perf_counter() - t0)
                 for slot in slots:
                     worker.rollback(slot, base)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from specserve.config import SamplingParams, UnitConfig
 from specserve.engine.builder import assemble_engine
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, machine_label
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         after_draft = (draft.received.bytes - start[1]) / row_steps
         # Before: rank 0 returned the logits of every verified position (float32).
         slots = [target.allocate() for _ in prompts]
-        target.forward(slots, [p[:-1] for p in prompts], [1] * len(prompts))
-        logits = target.forward(slots, [[p[-1]] * (args.k + 1) for p in prompts], [args.k + 1] * len(prompts))
+        target.forward(ForwardBatch(slots, [p[:-1] for p in prompts], [1] * len(prompts)))
+        logits = target.forward(ForwardBatch(slots, [[p[-1]] * (args.k + 1) for p in prompts],
+                                             [args.k + 1] * len(prompts))).logits
         before_target = wire_bytes(logits) / len(prompts)
         # Before: the draft sent its full q, [K, V] float32, with each row's K drafts.
         before_draft = wire_bytes(torch.zeros(args.k, target.vocab_size))

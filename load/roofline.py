@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+from specserve.engine.forward_batch import ForwardBatch
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 7, device: str | torch.device = "cpu") -> float:
@@ -67,7 +68,7 @@ def prefilled_cache(runtime, context: list[int], rows: int, max_new: int):
     slots = [cache.allocate() for _ in range(rows)]
     with torch.inference_mode():
         for slot in slots:
-            runtime(cache, [slot], [context])
+            runtime(cache, ForwardBatch([slot], [context]))
     return cache, slots
 
 
@@ -84,7 +85,7 @@ def forward_cost(runtime, cache, slots: list[int], context: list[int], t: int, r
                 cache.rollback(slot, len(context))
             _sync(device)
             start = time.perf_counter()
-            runtime(cache, slots, [context[:t]] * len(slots), [t] * len(slots))
+            runtime(cache, ForwardBatch(slots, [context[:t]] * len(slots), [t] * len(slots)))
             _sync(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times[warmup:]), times[0]

@@ -18,6 +18,7 @@ import torch
 from specserve.cli import main
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import tp
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.kernels import KV_BLOCK
 from specserve.engine.kv_cache import SlotKVCache
 from specserve.engine.loader import load_model
@@ -250,17 +251,18 @@ def test_workspace_bounds_a_real_forward_on_cuda(phase):
     worker = ModelWorker(runtime, num_slots=slots, max_seq_len=length)
     for _ in range(slots):
         worker.allocate()
-    worker.forward([0], [[1, 2, 3]], [1])  # loads the kernels and cuBLAS's workspace first
+    worker.forward(ForwardBatch([0], [[1, 2, 3]], [1]))  # loads the kernels and cuBLAS's workspace first
     worker.rollback(0, 0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     if phase == "prefill":
-        logits = worker.forward([0], [[i % 500 for i in range(length)]], [k + 1])
+        logits = worker.forward(ForwardBatch([0], [[i % 500 for i in range(length)]], [k + 1])).logits
     else:
         for slot in range(slots):
             worker.cache.lengths[slot] = length - k - 1
-        logits = worker.forward(list(range(slots)), [[7] * (k + 1)] * slots, [k + 1] * slots)
+        logits = worker.forward(ForwardBatch(list(range(slots)), [[7] * (k + 1)] * slots,
+                                             [k + 1] * slots)).logits
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del logits

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from specserve.config import SamplingParams, SpeculativeConfig
 from specserve.engine.builder import assemble_engine
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.worker import ModelWorker
 
 from load.bench_gpu import SHAPES, random_runtime
@@ -101,12 +102,12 @@ def row_invariance(worker: ModelWorker, contexts: list[list[int]], k: int) -> di
     """Part 1 (module docstring) over one row per context; the slots are freed after."""
     slots = [worker.allocate() for _ in contexts]
     for slot, ids in zip(slots, contexts):
-        worker.forward([slot], [ids[:-1]], [1])  # the cache holds all but the last token
+        worker.forward(ForwardBatch([slot], [ids[:-1]], [1]))  # the cache holds all but the last token
     last = [[ids[-1]] for ids in contexts]
     chains = [[ids[-1], *ids[:k]] for ids in contexts]  # any drafts: position 0 cannot see them
 
     def logits(rows: list[int], ids: list[list[int]], n: int) -> torch.Tensor:
-        out = worker.forward([slots[r] for r in rows], ids, [n] * len(rows)).float()
+        out = worker.forward(ForwardBatch([slots[r] for r in rows], ids, [n] * len(rows))).logits.float()
         for r in rows:
             worker.rollback(slots[r], len(contexts[r]) - 1)
         return out  # [len(rows) * n, vocab]

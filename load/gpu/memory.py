@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from specserve.config import SamplingParams
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.proposal import Proposal
 from specserve.engine.worker import ModelWorker
 from specserve.memory import MemoryEstimate, ModelShape, Workload, estimate, format_estimate
@@ -80,7 +81,7 @@ def cuda_now(device: str) -> dict:
 def prefill(worker: ModelWorker, s: Settings) -> None:
     """A prompt of ``max_model_len`` tokens in slot 0 (K + 1 logits, as a target's prefill)."""
     prompt = [3 + (7 * i) % (worker.vocab_size - 3) for i in range(s.max_model_len)]
-    worker.forward([0], [prompt], [s.k + 1])
+    worker.forward(ForwardBatch([0], [prompt], [s.k + 1]))
     worker.rollback(0, 0)
 
 

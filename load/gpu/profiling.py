@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import torch
+from specserve.engine.forward_batch import ForwardBatch
 from torch.profiler import ProfilerActivity, profile
 
 from load.bench_gpu import random_runtime
@@ -33,7 +34,7 @@ def step_calls(runtime, cache, slots: list[int], context: list[int], t: int, cal
     for _ in range(calls):
         for slot in slots:
             cache.rollback(slot, len(context))
-        runtime(cache, slots, [context[:t]] * len(slots), [t] * len(slots))
+        runtime(cache, ForwardBatch(slots, [context[:t]] * len(slots), [t] * len(slots)))
 
 
 def table(prof, cuda: bool) -> str:

@@ -22,6 +22,7 @@ from specserve.engine.block_attention import (
     key_blocks,
     storage_view,
 )
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.errors import ConfigError
 from torch.nn.attention.flex_attention import create_mask
 
@@ -165,9 +166,10 @@ def test_library_on_flex_matches_transformers(kind):
     seqs = random_sequences((70, 17, 9))
     slots = [cache.allocate() for _ in seqs][::-1]  # slots 2, 1, 0: not the rows' order
     cut = [60, 11, 8]
-    first = rt(cache, slots, [s[:c] for s, c in zip(seqs, cut)], cut)
-    second = rt(cache, slots[:2], [s[c:] for s, c in zip(seqs[:2], cut[:2])], [10, 6])
-    third = rt(cache, slots[2:], [[seqs[2][-1]]])
+    first = rt(cache, ForwardBatch(slots, [s[:c] for s, c in zip(seqs, cut)], cut)).logits
+    second = rt(cache, ForwardBatch(slots[:2], [s[c:] for s, c in zip(seqs[:2], cut[:2])],
+                                    [10, 6])).logits
+    third = rt(cache, ForwardBatch(slots[2:], [[seqs[2][-1]]])).logits
     got = [*first.split(cut), *second.split([10, 6]), third]
     want = [reference_logits(hf, s) for s in seqs]
     for ours, ref in zip(got, [want[0][:60], want[1][:11], want[2][:8], want[0][60:],
@@ -187,11 +189,11 @@ def test_library_on_flex_takes_trees_as_the_c_kernels_do():
     for rt in (runtime_of(hf), library_flex(hf)):
         cache = rt.make_cache(num_slots=3, max_seq_len=128)
         slots = [cache.allocate() for _ in prefixes]
-        rt(cache, slots, prefixes)
+        rt(cache, ForwardBatch(slots, prefixes))
         first = [ids[:5] for ids in tokens]  # row 2's tree continues in a second forward
-        rt(cache, slots[2:], [first[2]], [5], trees=[trees[2][:5]])
-        logits = rt(cache, slots, [tokens[0], tokens[1], tokens[2][5:]], [12, 3, 4],
-                    trees=[trees[0], None, trees[2]])
+        rt(cache, ForwardBatch(slots[2:], [first[2]], [5], trees=[trees[2][:5]]))
+        logits = rt(cache, ForwardBatch(slots, [tokens[0], tokens[1], tokens[2][5:]], [12, 3, 4],
+                                        trees=[trees[0], None, trees[2]])).logits
         outs.append(logits)
     assert torch.allclose(outs[0], outs[1], atol=ATOL)
 
@@ -209,8 +211,10 @@ def test_library_pads_decodes_to_the_verify_width(monkeypatch):
     cache = rt.make_cache(num_slots=2, max_seq_len=64)
     seq = random_sequences((16,))[0]
     slot = cache.allocate()
-    logits = [rt(cache, [slot], [seq[:9]], [9]), rt(cache, [slot], [seq[9:10]]),
-              rt(cache, [slot], [seq[10:13]], [3]), rt(cache, [slot], [seq[13:]], [3])]
+    logits = [rt(cache, ForwardBatch([slot], [seq[:9]], [9])).logits,
+              rt(cache, ForwardBatch([slot], [seq[9:10]])).logits,
+              rt(cache, ForwardBatch([slot], [seq[10:13]], [3])).logits,
+              rt(cache, ForwardBatch([slot], [seq[13:]], [3])).logits]
     assert widths == [9, 5, 5, 5] and cache.lengths[slot] == 16
     assert (torch.cat(logits) - reference_logits(hf, seq)).abs().max() <= ATOL
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from specserve.config import SamplingParams
 from specserve.engine.compiled import BUCKET_TOKENS, bucket, token_bucket
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
@@ -54,12 +55,13 @@ def test_static_forward_matches_transformers_through_rollbacks(kind):
     cache = rt.make_cache(num_slots=3, max_seq_len=64)
     seqs = random_sequences((9, 30, 14))
     slots = [cache.allocate() for _ in seqs]
-    got = [rt(cache, slots, [s[:3] for s in seqs], [3, 3, 3]).split(3)]
+    got = [rt(cache, ForwardBatch(slots, [s[:3] for s in seqs], [3, 3, 3])).logits.split(3)]
     for start in range(3, 9, 3):  # verify-sized chunks, with garbage written and rolled back
-        rt(cache, slots, [[(t + 5) % VOCAB for t in s[start:start + 3]] for s in seqs])
+        rt(cache, ForwardBatch(slots, [[(t + 5) % VOCAB for t in s[start:start + 3]] for s in seqs]))
         for slot in slots:
             cache.rollback(slot, start)
-        got.append(rt(cache, slots, [s[start:start + 3] for s in seqs], [3, 3, 3]).split(3))
+        got.append(rt(cache, ForwardBatch(slots, [s[start:start + 3] for s in seqs],
+                                          [3, 3, 3])).logits.split(3))
     for row, seq in enumerate(seqs):
         ours = torch.cat([step[row] for step in got])
         assert (ours - reference_logits(hf, seq[:9])).abs().max() <= ATOL, row
@@ -73,14 +75,14 @@ def test_one_graph_per_bucket_and_long_prefills_stay_eager():
     rt = compiled(tiny_hf_model("llama-gqa"), backend=counter)
     cache = rt.make_cache(num_slots=4, max_seq_len=128)
     slots = [cache.allocate() for _ in range(3)]
-    rt(cache, slots[:1], [list(range(3, 40))])           # 37 tokens: eager, no graph
+    rt(cache, ForwardBatch(slots[:1], [list(range(3, 40))]))         # 37 tokens: eager, no graph
     assert counter.frame_count == 0
-    for n in (1, 2, 3, 4):                               # tokens 1, 2, 4, 4
-        rt(cache, slots[:1], [[5] * n], [n])
+    for n in (1, 2, 3, 4):                                           # tokens 1, 2, 4, 4
+        rt(cache, ForwardBatch(slots[:1], [[5] * n], [n]))
     assert counter.frame_count == 3
-    rt(cache, slots, [[5], [6, 7, 8], [9]], [1, 3, 1])   # 3 rows x 3 tokens -> (4, 4)
-    rt(cache, slots[:2], [[5], [6]])                     # (2, 1)
-    rt(cache, slots[:2], [[5], [6]])
+    rt(cache, ForwardBatch(slots, [[5], [6, 7, 8], [9]], [1, 3, 1]))  # 3 rows x 3 tokens -> (4, 4)
+    rt(cache, ForwardBatch(slots[:2], [[5], [6]]))                   # (2, 1)
+    rt(cache, ForwardBatch(slots[:2], [[5], [6]]))
     assert counter.frame_count == 5
     assert rt.static.buckets == {(1, 1), (1, 2), (1, 4), (4, 4), (2, 1)}
 
@@ -93,9 +95,9 @@ def test_padding_writes_only_the_spare_slot(attention):
     cache = rt.make_cache(num_slots=4, max_seq_len=64)
     a, b, idle = (cache.allocate() for _ in range(3))
     for slot, n in ((a, 20), (b, 7), (idle, 11)):
-        rt(cache, [slot], [list(range(3, 3 + n))])
+        rt(cache, ForwardBatch([slot], [list(range(3, 3 + n))]))
     before = [t.clone() for t in cache.k + cache.v]
-    rt(cache, [a, b], [[4], [5, 6, 7]], [1, 3])  # bucket (2, 4): a's row has 3 padding tokens
+    rt(cache, ForwardBatch([a, b], [[4], [5, 6, 7]], [1, 3]))  # bucket (2, 4): a's row has 3 padding tokens
     for old, new in zip(before, cache.k + cache.v):
         changed = (old != new).any(-1).any(1)  # [slots + 1, S]: positions that changed
         assert changed[a].nonzero().flatten().tolist() == [20]
@@ -115,8 +117,8 @@ def test_inductor_computes_the_same_model_and_speculation_keeps_greedy_output():
     for name, model in (("library", library), ("compiled", rt)):
         cache = model.make_cache(num_slots=2, max_seq_len=256)
         slots = [cache.allocate() for _ in range(2)]
-        model(cache, slots, [list(range(3, 50)), list(range(7, 30))])
-        logits[name] = model(cache, slots, [[4, 5, 6, 7, 8], [9]], [5, 1])
+        model(cache, ForwardBatch(slots, [list(range(3, 50)), list(range(7, 30))]))
+        logits[name] = model(cache, ForwardBatch(slots, [[4, 5, 6, 7, 8], [9]], [5, 1])).logits
     assert torch.allclose(logits["compiled"], logits["library"], atol=ATOL)
 
     outputs = {}
@@ -145,14 +147,14 @@ def test_flex_attention_matches_transformers_through_rollbacks(kind, backend):
     cache = rt.make_cache(num_slots=4, max_seq_len=128)
     seqs, starts = random_sequences((66, 26, 23)), [60, 20, 17]
     slots = [cache.allocate() for _ in seqs][::-1]
-    rt(cache, slots, [s[:c] for s, c in zip(seqs, starts)])  # prefills: the library path
+    rt(cache, ForwardBatch(slots, [s[:c] for s, c in zip(seqs, starts)]))  # prefills: the library path
     got = []
     for at in (0, 3):
         chunks = [s[c + at:c + at + 3] for s, c in zip(seqs, starts)]
-        rt(cache, slots, [[(t + 5) % VOCAB for t in chunk] for chunk in chunks])
+        rt(cache, ForwardBatch(slots, [[(t + 5) % VOCAB for t in chunk] for chunk in chunks]))
         for slot, c in zip(slots, starts):
             cache.rollback(slot, c + at)
-        got.append(rt(cache, slots, chunks, [3, 3, 3]).split(3))
+        got.append(rt(cache, ForwardBatch(slots, chunks, [3, 3, 3])).logits.split(3))
     for row, (seq, c) in enumerate(zip(seqs, starts)):
         ours = torch.cat([step[row] for step in got])
         assert (ours - reference_logits(hf, seq[:c + 6])[c:]).abs().max() <= ATOL, row
@@ -168,8 +170,9 @@ def test_a_decode_runs_in_the_verify_bucket():
     cache = rt.make_cache(num_slots=2, max_seq_len=64)
     seq = random_sequences((12,))[0]
     slot = cache.allocate()
-    logits = [rt(cache, [slot], [seq[:6]], [6]), rt(cache, [slot], [seq[6:7]]),
-              rt(cache, [slot], [seq[7:12]], [5])]
+    logits = [rt(cache, ForwardBatch([slot], [seq[:6]], [6])).logits,
+              rt(cache, ForwardBatch([slot], [seq[6:7]])).logits,
+              rt(cache, ForwardBatch([slot], [seq[7:12]], [5])).logits]
     assert rt.static.buckets == {(1, 8)} and counter.frame_count == 1
     assert (torch.cat(logits) - reference_logits(hf, seq)).abs().max() <= ATOL
 
@@ -190,8 +193,10 @@ def test_decodes_and_verifies_run_the_lm_head_at_one_shape(kernels):
     cache = rt.make_cache(num_slots=2, max_seq_len=64)
     seq = random_sequences((27,))[0]
     slot = cache.allocate()
-    logits = [rt(cache, [slot], [seq[:20]], [20]), rt(cache, [slot], [seq[20:21]])]
-    verified, hidden = rt(cache, [slot], [seq[21:26]], [5], return_hidden=True)
+    logits = [rt(cache, ForwardBatch([slot], [seq[:20]], [20])).logits,
+              rt(cache, ForwardBatch([slot], [seq[20:21]])).logits]
+    out = rt(cache, ForwardBatch([slot], [seq[21:26]], [5], hidden=True))
+    verified, hidden = out.logits, out.hidden
     width = 8 if kernels == "compiled" else 5
     assert head_rows == [20, width, width]
     assert (torch.cat([*logits, verified]) - reference_logits(hf, seq[:26])).abs().max() <= ATOL
@@ -207,7 +212,7 @@ def test_warm_up_compiles_every_bucket_and_leaves_the_cache_as_it_was(caplog):
     rt = compiled(tiny_hf_model("llama-gqa"), backend=counter, attention="flex", verify_tokens=3)
     cache = rt.make_cache(num_slots=3, max_seq_len=64)
     busy = cache.allocate()
-    rt(cache, [busy], [list(range(3, 23))])  # a sequence in flight keeps its slot and keys
+    rt(cache, ForwardBatch([busy], [list(range(3, 23))]))  # a sequence in flight keeps its slot and keys
     keys = cache.k[0][busy, :, :20].clone()
     lengths, free = list(cache.lengths), cache.num_free_slots
     with caplog.at_level(logging.INFO, logger="specserve.engine.compiled"):
@@ -219,12 +224,12 @@ def test_warm_up_compiles_every_bucket_and_leaves_the_cache_as_it_was(caplog):
     assert cache.lengths == lengths and cache.num_free_slots == free
     assert torch.equal(cache.k[0][busy, :, :20], keys)
     slots = [busy, cache.allocate(), cache.allocate()]
-    rt(cache, slots[:1], [[7]])
-    rt(cache, slots[:2], [[7, 8], [9]], [2, 1])
-    rt(cache, slots, [[7]] * 3)
+    rt(cache, ForwardBatch(slots[:1], [[7]]))
+    rt(cache, ForwardBatch(slots[:2], [[7, 8], [9]], [2, 1]))
+    rt(cache, ForwardBatch(slots, [[7]] * 3))
     assert counter.frame_count == 3
     with caplog.at_level(logging.WARNING, logger="specserve.engine.compiled"):
-        rt(cache, slots[:1], [list(range(3, 12))], [9])  # 9 tokens: bucket (1, 16)
+        rt(cache, ForwardBatch(slots[:1], [list(range(3, 12))], [9]))  # 9 tokens: bucket (1, 16)
     assert "while serving" in caplog.text and counter.frame_count == 4
 
 
@@ -252,9 +257,9 @@ def test_a_prefill_verifies_drafts_only_on_row_invariant_kernels(kernels):
     widths = []
     forward = worker.forward
 
-    def recording(slots, token_ids, *args, **kwargs):
-        widths.append(len(token_ids[0]))
-        return forward(slots, token_ids, *args, **kwargs)
+    def recording(batch):
+        widths.append(len(batch.token_ids[0]))
+        return forward(batch)
 
     worker.forward = recording
     engine = SpecDecodeEngine(worker, make_tiny_tokenizer(), eos_token_ids=EOS,

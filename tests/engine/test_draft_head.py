@@ -18,6 +18,7 @@ from specserve.engine.draft_head import (
     read_draft_meta,
     save_draft,
 )
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.loader import load_target_parts
 from specserve.engine.proposal import DraftRequest
 from specserve.engine.proposers.draft_model import DraftModelProposer
@@ -45,16 +46,16 @@ def _target_features(target_hf, tokens: list[int]) -> torch.Tensor:
     """The target's final hidden state at every position of ``tokens``: ``[len, hidden]``."""
     worker = worker_of(target_hf, 1)
     slot = worker.allocate()
-    _, hidden = worker.forward([slot], [tokens], [1], return_hidden=True)
-    return hidden
+    return worker.forward(ForwardBatch([slot], [tokens], [1], hidden=True)).hidden
 
 
-def test_return_hidden_is_what_the_lm_head_reads(target_hf):
+def test_the_hidden_states_are_what_the_lm_head_reads(target_hf):
     """The features a target returns give back its own logits through its LM head."""
     worker = worker_of(target_hf, 2)
     a, b = worker.allocate(), worker.allocate()
     rows = [prompts(2)[0], prompts(2)[1][:5]]
-    logits, hidden = worker.forward([a, b], rows, [2, 1], return_hidden=True)
+    out = worker.forward(ForwardBatch([a, b], rows, [2, 1], hidden=True))
+    logits, hidden = out.logits, out.hidden
     assert hidden.shape == (sum(map(len, rows)), target_hf.config.hidden_size)
     wanted = torch.cat([hidden[len(rows[0]) - 2:len(rows[0])], hidden[-1:]])
     torch.testing.assert_close(worker.runtime.logits(wanted), logits)
@@ -102,7 +103,7 @@ def test_reduced_vocabulary_drafts_only_its_tokens(target_hf):
     vocab = torch.arange(3, 512, 5)
     head = new_draft_head(runtime_of(target_hf), kind="decoder", num_layers=1, draft_vocab=vocab)
     worker = ModelWorker(head.requires_grad_(False), num_slots=1, max_seq_len=256)
-    logits = worker.forward([worker.allocate()], [prompts(1)[0]], [3])
+    logits = worker.forward(ForwardBatch([worker.allocate()], [prompts(1)[0]], [3])).logits
     outside = torch.ones(512, dtype=torch.bool)
     outside[vocab] = False
     assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, vocab]).all()
@@ -236,8 +237,8 @@ def test_a_head_on_the_gpus_attention_drafts_as_the_default(target_hf):
         cache = head.make_cache(num_slots=2, max_seq_len=128)
         slot = cache.allocate()
         n = len(seq) - 2  # position t reads (x_{t+1}, f_t)
-        catch_up = head(cache, [slot], [seq[1:n + 1]], [3], features=feats[:n])
-        fed = head(cache, [slot], [seq[n + 1:n + 2]], features=feats[n:n + 1])
+        catch_up = head(cache, ForwardBatch([slot], [seq[1:n + 1]], [3], features=feats[:n])).logits
+        fed = head(cache, ForwardBatch([slot], [seq[n + 1:n + 2]], features=feats[n:n + 1])).logits
         outs.append(torch.cat([catch_up, fed]))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 

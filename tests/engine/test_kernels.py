@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from specserve.engine import native
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
 from specserve.engine.layers import rms_norm
 
@@ -264,22 +265,22 @@ def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind, kernels)
     others = [seeded(n, seed=6 + n).abs().mul(100).long().remainder(500).tolist() for n in (3, 90, 130)]
     cache = rt.make_cache(num_slots=8, max_seq_len=256)
     slot = cache.allocate()
-    rt(cache, [slot], [prompt[:60]])
+    rt(cache, ForwardBatch([slot], [prompt[:60]]))
     # One token at a time (a target-only decode).
     alone = []
     for tok in prompt[60:70]:
-        alone.append(rt(cache, [slot], [[tok]]))
+        alone.append(rt(cache, ForwardBatch([slot], [[tok]])).logits)
     alone = torch.cat(alone)
     for t in range(1, 10):  # a verify of t tokens from position 60
         cache.rollback(slot, 60)
-        assert torch.equal(rt(cache, [slot], [prompt[60:60 + t]], [t]), alone[:t]), t
+        assert torch.equal(rt(cache, ForwardBatch([slot], [prompt[60:60 + t]], [t])).logits, alone[:t]), t
     # Inside a ragged batch, decode and verify rows mixed.
     cache.rollback(slot, 60)
     extra = [cache.allocate() for _ in others]
     for s_, ids in zip(extra, others):
-        rt(cache, [s_], [ids])
-    got = rt(cache, [extra[0], slot, extra[1], extra[2]],
-             [[7], prompt[60:65], [8, 9], [10]], [1, 5, 2, 1])
+        rt(cache, ForwardBatch([s_], [ids]))
+    got = rt(cache, ForwardBatch([extra[0], slot, extra[1], extra[2]],
+                                 [[7], prompt[60:65], [8, 9], [10]], [1, 5, 2, 1])).logits
     assert torch.equal(got[1:6], alone[:5])
 
 
@@ -295,8 +296,8 @@ def test_library_kernels_compute_the_same_logits_up_to_rounding(kernels):
     for name, rt in (("invariant", ours), ("library", library)):
         cache = rt.make_cache(num_slots=1, max_seq_len=256)
         slot = cache.allocate()
-        got[name] = torch.cat([rt(cache, [slot], [prompt[:70]], [5]),
-                               rt(cache, [slot], [prompt[70:]], [7])])
+        got[name] = torch.cat([rt(cache, ForwardBatch([slot], [prompt[:70]], [5])).logits,
+                               rt(cache, ForwardBatch([slot], [prompt[70:]], [7])).logits])
     assert torch.allclose(got["invariant"], got["library"], atol=1e-4)
     with pytest.raises(ConfigError, match="kernels"):
         ours.use_kernels("fast")

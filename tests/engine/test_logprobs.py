@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import SamplingParams
+from specserve.engine.forward_batch import ForwardBatch
 
 from tests.engine.test_spec_decode import make_engine, prompts
 from tests.models import perturbed, runtime_of, tiny_hf_model
@@ -54,7 +55,8 @@ def test_logprobs_are_the_engines_own_forward(target_hf, reference):
     for prompt, completion in zip(batch, expected[0.0]):
         out = completion.output_token_ids
         cache.rollback(0, 0)
-        logits = runtime(cache, [0], [prompt + out[:-1]], [len(out)])  # [len(out), V]
+        # [len(out), V]
+        logits = runtime(cache, ForwardBatch([0], [prompt + out[:-1]], [len(out)])).logits
         logp = torch.log_softmax(logits.float(), dim=-1)
         truth = logp.gather(1, torch.tensor(out)[:, None])[:, 0]
         got = torch.tensor([lp for lp, _ in completion.logprobs])
@@ -105,7 +107,8 @@ def test_prompt_logprobs_score_the_prompt_with_the_engines_own_forward(target_hf
     scored = engine.generate(batch, SamplingParams(max_tokens=0, prompt_logprobs=2))
     for prompt, done in zip(batch, scored):
         cache.rollback(0, 0)
-        logp = torch.log_softmax(runtime(cache, [0], [prompt], [len(prompt)])[:-1].float(), dim=-1)
+        logits = runtime(cache, ForwardBatch([0], [prompt], [len(prompt)])).logits
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
         truth = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         assert done.output_token_ids == [] and done.finish_reason == "length"
         assert len(done.prompt_logprobs) == len(prompt) - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specserve.engine.forward_batch import ForwardBatch
 
 from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
 
@@ -28,8 +29,9 @@ def test_ragged_batch_matches_transformers(kind):
     slots = [cache.allocate() for _ in seqs]
     # Prefill ragged prompts of different lengths (partial), then ragged continuations.
     cut = [3, 11, 9]
-    first = rt(cache, slots, [s[:c] for s, c in zip(seqs, cut)], cut)
-    second = rt(cache, slots[:2], [s[c:] for s, c in zip(seqs[:2], cut[:2])], [2, 6])
+    first = rt(cache, ForwardBatch(slots, [s[:c] for s, c in zip(seqs, cut)], cut)).logits
+    second = rt(cache, ForwardBatch(slots[:2], [s[c:] for s, c in zip(seqs[:2], cut[:2])],
+                                    [2, 6])).logits
     out = list(first.split(cut)) + list(second.split([2, 6]))
     expected = [reference_logits(hf, s) for s in seqs]
     for got, ref in zip(out[:3], [e[:c] for e, c in zip(expected, cut)]):
@@ -47,13 +49,13 @@ def test_rollback_then_continue_matches_transformers(kind):
     cache = rt.make_cache(num_slots=2, max_seq_len=64)
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     slot = cache.allocate()
-    rt(cache, [slot], [ids[:10]])
+    rt(cache, ForwardBatch([slot], [ids[:10]]))
     for start in range(10, 30, 4):
         garbage = [(t + 7) % VOCAB for t in ids[start:start + 6]]
-        rt(cache, [slot], [garbage], [len(garbage)])
+        rt(cache, ForwardBatch([slot], [garbage], [len(garbage)]))
         cache.rollback(slot, start)
         chunk = ids[start:start + 4]
-        got = rt(cache, [slot], [chunk], [len(chunk)])
+        got = rt(cache, ForwardBatch([slot], [chunk], [len(chunk)])).logits
         ref = reference_logits(hf, ids[:start + len(chunk)])[start:]
         assert (got - ref).abs().max() <= ATOL, f"after rollback to {start}"
 
@@ -67,9 +69,9 @@ def test_non_contiguous_slots_and_decode_batch():
     cache.free(b)
     gen = torch.Generator().manual_seed(2)
     x, y = (torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (12, 4))
-    rt(cache, [a], [x[:-1]])
-    rt(cache, [c], [y[:-1]])
-    got = rt(cache, [a, c], [[x[-1]], [y[-1]]])
+    rt(cache, ForwardBatch([a], [x[:-1]]))
+    rt(cache, ForwardBatch([c], [y[:-1]]))
+    got = rt(cache, ForwardBatch([a, c], [[x[-1]], [y[-1]]])).logits
     assert (got[0] - reference_logits(hf, x)[-1]).abs().max() <= ATOL
     assert (got[1] - reference_logits(hf, y)[-1]).abs().max() <= ATOL
 
@@ -80,9 +82,9 @@ def test_context_overflow_is_refused_without_state_change():
     rt = runtime_of(tiny_hf_model())
     cache = rt.make_cache(num_slots=1, max_seq_len=8)
     slot = cache.allocate()
-    rt(cache, [slot], [[1, 2, 3, 4, 5]])
+    rt(cache, ForwardBatch([slot], [[1, 2, 3, 4, 5]]))
     with pytest.raises(InvalidRequestError, match="context length"):
-        rt(cache, [slot], [[1, 2, 3, 4]])
+        rt(cache, ForwardBatch([slot], [[1, 2, 3, 4]]))
     assert cache.lengths[slot] == 5
 
 
@@ -103,12 +105,12 @@ def test_smollm2_matches_transformers(smollm2):
     gen = torch.Generator().manual_seed(3)
     x, y = (torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (40, 23))
     sa, sb = cache.allocate(), cache.allocate()
-    got = rt(cache, [sa, sb], [x[:30], y], [30, 23])
+    got = rt(cache, ForwardBatch([sa, sb], [x[:30], y], [30, 23])).logits
     assert (got[:30] - reference_logits(hf, x)[:30]).abs().max() <= ATOL_SMOLLM2
     assert (got[30:] - reference_logits(hf, y)).abs().max() <= ATOL_SMOLLM2
-    rt(cache, [sa], [[5] * 6], [6])
+    rt(cache, ForwardBatch([sa], [[5] * 6], [6]))
     cache.rollback(sa, 30)
-    got = rt(cache, [sa], [x[30:]], [10])
+    got = rt(cache, ForwardBatch([sa], [x[30:]], [10])).logits
     assert (got - reference_logits(hf, x)[30:]).abs().max() <= ATOL_SMOLLM2
 
 
@@ -133,13 +135,14 @@ def test_row_groups_in_one_pass_are_the_bits_of_separate_forwards(kind, layout):
             slots = [cache.allocate() for _ in range(4)]
             for slot, history, start in zip(slots, histories, starts):
                 if start:
-                    rt(cache, [slot], [history[:start]])
+                    rt(cache, ForwardBatch([slot], [history[:start]]))
             if grouped:
-                outs.append(rt(cache, slots, inputs, asked, return_hidden=True, groups=[2, 1, 1]))
+                out = rt(cache, ForwardBatch(slots, inputs, asked, groups=[2, 1, 1], hidden=True))
+                outs.append((out.logits, out.hidden))
             else:
-                parts = [rt(cache, slots[a:b], inputs[a:b], asked[a:b], return_hidden=True)
+                parts = [rt(cache, ForwardBatch(slots[a:b], inputs[a:b], asked[a:b], hidden=True))
                          for a, b in ((0, 2), (2, 3), (3, 4))]
-                outs.append(tuple(torch.cat(x) for x in zip(*parts)))
+                outs.append((torch.cat([p.logits for p in parts]), torch.cat([p.hidden for p in parts])))
             caches.append((cache, slots))
         (logits, hidden), (ref_logits, ref_hidden) = outs
         assert logits.shape == (sum(asked), VOCAB) and hidden.shape[0] == sum(map(len, inputs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.kv_cache import PagedKVCache
 
 from tests.models import random_sequences, runtime_of, tiny_hf_model
@@ -41,19 +42,20 @@ def steps(rt, cache, prompts, chunks=None):
         for size in chunks or [len(prompt)]:
             piece = prompt[cache_len:cache_len + size]
             if piece:
-                out.append(rt(cache, [slot], [piece]))
+                out.append(rt(cache, ForwardBatch([slot], [piece])).logits)
                 cache_len += len(piece)
         assert cache_len == len(prompt)
     last = [int(o.argmax()) for o in out[-len(prompts):]] if not chunks else \
         [int(out[-1].argmax())] * len(prompts)
     for i in range(7):
         if i == 3:  # a verify: drafts 1..4, two kept
-            logits = rt(cache, slots, [[t, 1, 2, 3, 4] for t in last], [5] * len(slots))
+            logits = rt(cache, ForwardBatch(slots, [[t, 1, 2, 3, 4] for t in last],
+                                            [5] * len(slots))).logits
             for slot in slots:
                 cache.rollback(slot, cache.lengths[slot] - 2)
             last = [int(x) for x in logits.view(len(slots), 5, -1)[:, 2].argmax(-1)]
         else:
-            logits = rt(cache, slots, [[t] for t in last])
+            logits = rt(cache, ForwardBatch(slots, [[t] for t in last])).logits
             last = [int(x) for x in logits.argmax(-1)]
         out.append(logits)
     return torch.cat(out), slots
@@ -105,15 +107,15 @@ def test_a_fork_shares_the_prompt_and_copies_its_last_block(hf):
     prompt = random_sequences((37,), seed=4)[0]
     cache = paged(rt)
     a = cache.allocate()
-    rt(cache, [a], [prompt])
+    rt(cache, ForwardBatch([a], [prompt]))
     b = cache.allocate()
     cache.fork(a, b, len(prompt))
     assert cache.manager.tables[b][:2] == cache.manager.tables[a][:2]
-    forked = rt(cache, [a, b], [[7, 8], [9, 10]], [2, 2])
+    forked = rt(cache, ForwardBatch([a, b], [[7, 8], [9, 10]], [2, 2])).logits
     ref = rt.make_cache(num_slots=4, max_seq_len=256)
     x, y = ref.allocate(), ref.allocate()
-    rt(ref, [x, y], [prompt, prompt])
-    assert torch.equal(forked, rt(ref, [x, y], [[7, 8], [9, 10]], [2, 2]))
+    rt(ref, ForwardBatch([x, y], [prompt, prompt]))
+    assert torch.equal(forked, rt(ref, ForwardBatch([x, y], [[7, 8], [9, 10]], [2, 2])).logits)
     cache.free(a)
     cache.free(b)
     cache.manager.check()
@@ -128,10 +130,10 @@ def test_a_tree_verify_keeps_its_path_through_the_block_table(hf):
     out = []
     for cache in (rt.make_cache(num_slots=4, max_seq_len=256), paged(rt)):
         slot = cache.allocate()
-        rt(cache, [slot], [prompt])
-        tree = rt(cache, [slot], [[5, 6, 7, 8, 9, 10]], [6], trees=[parents])
+        rt(cache, ForwardBatch([slot], [prompt]))
+        tree = rt(cache, ForwardBatch([slot], [[5, 6, 7, 8, 9, 10]], [6], trees=[parents])).logits
         cache.keep(slot, [14, 16, 18, 19], at=14)  # the path 0 -> 2 -> 4 -> 5
-        out.append(torch.cat([tree, rt(cache, [slot], [[11]])]))
+        out.append(torch.cat([tree, rt(cache, ForwardBatch([slot], [[11]])).logits]))
     assert torch.equal(out[0], out[1])
 
 
@@ -144,7 +146,8 @@ def test_padding_queries_read_nothing_past_a_rows_blocks(hf):
     for cache in (rt.make_cache(num_slots=4, max_seq_len=256), paged(rt)):
         a, b = cache.allocate(), cache.allocate()
         first, second = random_sequences((63, 10), seed=6)
-        rt(cache, [a], [first])
-        rt(cache, [b], [second])
-        outs.append(rt(cache, [a, b], [[5], [1, 2, 3, 4, 5]], [1, 5]))  # a: positions 63..67
+        rt(cache, ForwardBatch([a], [first]))
+        rt(cache, ForwardBatch([b], [second]))
+        # a: positions 63..67
+        outs.append(rt(cache, ForwardBatch([a, b], [[5], [1, 2, 3, 4, 5]], [1, 5])).logits)
     assert len(cache.manager.tables[a]) == 4 and torch.equal(outs[0], outs[1])

@@ -95,7 +95,7 @@ def test_a_long_prompt_never_stops_a_running_stream(target_hf):
     engine.scheduler.chunked_prefill_size = 32
     forwards = []
     forward = engine.target.forward
-    engine.target.forward = lambda *args, **kwargs: forwards.append(len(args[0])) or forward(*args, **kwargs)
+    engine.target.forward = lambda batch: forwards.append(len(batch.slots)) or forward(batch)
     running = engine.add_request(prompts(1, seed=9)[0], SamplingParams(temperature=0, max_tokens=60))
     for _ in range(3):
         engine.step()
@@ -130,9 +130,9 @@ def test_a_failed_step_with_a_chunk_steps_every_row_alone_the_chunk_too(target_h
         events.append(("verify", len(slots), len(chunks)))
         return verify(slots, *args, **kwargs)
 
-    def logged_forward(slots, ids, *args, **kwargs):
-        events.append(("forward", [len(x) for x in ids]))
-        return forward(slots, ids, *args, **kwargs)
+    def logged_forward(batch):
+        events.append(("forward", [len(x) for x in batch.token_ids]))
+        return forward(batch)
 
     engine.target.verify, engine.target.forward = failing_verify, logged_forward
     assert [c.output_token_ids for c in engine.generate(LONG, PARAMS)] == whole

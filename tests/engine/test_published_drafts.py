@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import check_draft_files, load_draft_proposer
 from specserve.engine.draft_head import eagle3_target_layers, is_draft_dir, load_draft_head, read_draft_meta
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.model import rope_tables
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
@@ -198,11 +199,11 @@ def test_a_published_eagle1_head_loads_and_drafts_what_its_formula_gives(target_
     assert head.kind == "eagle1" and target.feature_layers is None
     ids = list(range(5, 40, 3)) + [7, 9, 11]
     cache = target.make_cache(num_slots=1, max_seq_len=64)
-    _, features = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    features = target(cache, ForwardBatch([cache.allocate()], [ids], hidden=True)).hidden
     n = len(ids) - 1
     head_cache = head.make_cache(num_slots=1, max_seq_len=64)
-    logits, _ = head(head_cache, [head_cache.allocate()], [ids[1:]], [n],
-                     features=head.from_target(features[:n]), return_hidden=True)
+    logits = head(head_cache, ForwardBatch([head_cache.allocate()], [ids[1:]], [n],
+                                           features=head.from_target(features[:n]), hidden=True)).logits
     ref = eagle1_reference(target_hf, tensors, ids)
     assert torch.allclose(logits, ref, atol=1e-4), (logits - ref).abs().max()
     # "bias": false with an fc.bias present says so in one line
@@ -233,12 +234,12 @@ def test_a_published_head_loads_and_drafts_what_the_published_formula_gives(targ
     target.feature_layers = head.target_layers
     ids = list(range(5, 40, 3)) + [7, 9, 11]
     cache = target.make_cache(num_slots=1, max_seq_len=64)
-    _, features = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    features = target(cache, ForwardBatch([cache.allocate()], [ids], hidden=True)).hidden
     assert features.shape == (len(ids), 3 * H)
     n = len(ids) - 1
     head_cache = head.make_cache(num_slots=1, max_seq_len=64)
-    logits, _ = head(head_cache, [head_cache.allocate()], [ids[1:]], [n],
-                     features=head.from_target(features[:n]), return_hidden=True)
+    logits = head(head_cache, ForwardBatch([head_cache.allocate()], [ids[1:]], [n],
+                                           features=head.from_target(features[:n]), hidden=True)).logits
     ref = reference_logits(target_hf, tensors, ids, FORMATS[fmt], norm_before_residual=fmt == "speculators")
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(logits), finite)
@@ -302,10 +303,10 @@ def test_the_target_returns_its_final_hidden_states_unless_a_head_asks_for_layer
     target = worker_of(target_hf).runtime
     ids = list(range(3, 20))
     cache = target.make_cache(num_slots=2, max_seq_len=64)
-    _, final = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    final = target(cache, ForwardBatch([cache.allocate()], [ids], hidden=True)).hidden
     assert final.shape == (len(ids), H)
     target.feature_layers = (1, 4, 6)
-    _, layers = target(cache, [cache.allocate()], [ids], return_hidden=True)
+    layers = target(cache, ForwardBatch([cache.allocate()], [ids], hidden=True)).hidden
     with torch.no_grad():
         states = target_hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     assert torch.allclose(layers, torch.cat([states[i][0] for i in (1, 4, 6)], -1), atol=1e-4)
@@ -402,8 +403,8 @@ def test_the_library_kernels_return_the_same_layer_states_at_a_fixed_head_shape(
         rt.feature_layers = FORMATS["eagle"]
         cache = rt.make_cache(num_slots=1, max_seq_len=64)
         slot = cache.allocate()
-        rt(cache, [slot], [list(range(3, 30))])
-        got[name] = rt(cache, [slot], [[5, 6, 7, 8]], [4], return_hidden=True)  # a verify of 4
-    assert torch.allclose(got["invariant"][0], got["library"][0], atol=1e-4)
-    assert got["library"][1].shape == (4, 3 * H)
-    assert torch.allclose(got["invariant"][1], got["library"][1], atol=1e-4)
+        rt(cache, ForwardBatch([slot], [list(range(3, 30))]))
+        got[name] = rt(cache, ForwardBatch([slot], [[5, 6, 7, 8]], [4], hidden=True))  # a verify of 4
+    assert torch.allclose(got["invariant"].logits, got["library"].logits, atol=1e-4)
+    assert got["library"].hidden.shape == (4, 3 * H)
+    assert torch.allclose(got["invariant"].hidden, got["library"].hidden, atol=1e-4)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from specserve.config import ModelConfig
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.loader import load_hf_model, load_model, resolve
 from specserve.engine.model import build_runtime
 from specserve.engine.shard_loader import INDEX_FILE, load_sharded
@@ -59,7 +60,7 @@ def tiny_model(kind: str, seed: int):
 def forward(runtime) -> torch.Tensor:
     """``[sum(NUM_LOGITS), vocab]`` logits of one ragged batch from empty slots."""
     cache = runtime.make_cache(num_slots=len(BATCH), max_seq_len=64)
-    return runtime(cache, list(range(len(BATCH))), BATCH, NUM_LOGITS)
+    return runtime(cache, ForwardBatch(list(range(len(BATCH))), BATCH, NUM_LOGITS)).logits
 
 
 def same_params(a, b) -> bool:

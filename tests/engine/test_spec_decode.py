@@ -14,6 +14,7 @@ import torch
 from scipy import stats
 from specserve.config import AdaptiveConfig, SamplingParams
 from specserve.engine.adaptive import Row, SpecLengthController
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.proposers.draft_model import DraftModelProposer
 from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
 from specserve.engine.proposers.hybrid import HybridProposer
@@ -399,7 +400,7 @@ def test_after_every_tree_step_the_cache_is_a_fresh_prefills(target_hf, method):
             n = spec.target.length(seq.slot)
             assert n == len(seq.token_ids) - 1
             slot = fresh.allocate()
-            fresh.forward([slot], [seq.token_ids[:-1]], [1])
+            fresh.forward(ForwardBatch([slot], [seq.token_ids[:-1]], [1]))
             for mine, theirs in zip(spec.target.cache.k + spec.target.cache.v,
                                     fresh.cache.k + fresh.cache.v):
                 assert torch.equal(mine[seq.slot, :, :n], theirs[slot, :, :n])
@@ -422,8 +423,8 @@ def test_a_long_row_is_verified_apart_from_the_short_ones(target_hf, close_draft
         return [lengths[a:b] for a, b in zip(bounds, bounds[1:])]
 
     forward = engine.target.forward
-    engine.target.forward = lambda slots, ids, *a, **kw: calls.extend(
-        split([len(x) for x in ids], kw.get("groups"))) or forward(slots, ids, *a, **kw)
+    engine.target.forward = lambda batch: calls.extend(
+        split([len(x) for x in batch.token_ids], batch.groups)) or forward(batch)
     ids = [engine.add_request(p, GREEDY, num_speculative_tokens=8 if i == 0 else 0)
            for i, p in enumerate(batch)]
     seqs = {s.seq_id: s for s in engine.scheduler.waiting}
@@ -448,9 +449,9 @@ def test_a_new_prompt_is_fed_to_the_draft_apart_from_the_decoding_rows(target_hf
     runtime = engine.draft.proposer.worker.runtime
     forward = runtime.forward
 
-    def record(cache, slots, token_ids, *args, **kwargs):
-        calls.append([len(x) for x in token_ids])
-        return forward(cache, slots, token_ids, *args, **kwargs)
+    def record(cache, batch):
+        calls.append([len(x) for x in batch.token_ids])
+        return forward(cache, batch)
 
     runtime.forward = record  # the draft's every forward, through nn.Module.__call__
     ids = [engine.add_request(p, GREEDY) for p in short]

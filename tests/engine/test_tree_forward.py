@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from specserve.engine import layers, native
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.token_tree import tree_ancestors
 from specserve.errors import InvalidRequestError
 
@@ -35,8 +36,8 @@ def chain_logits(rt, prefix: list[int], tokens: list[int]) -> torch.Tensor:
     cache (prefix prefilled, then the tokens in one forward, as a verify would)."""
     cache = rt.make_cache(num_slots=1, max_seq_len=128)
     slot = cache.allocate()
-    rt(cache, [slot], [prefix])
-    return rt(cache, [slot], [tokens], [len(tokens)])[-1]
+    rt(cache, ForwardBatch([slot], [prefix]))
+    return rt(cache, ForwardBatch([slot], [tokens], [len(tokens)])).logits[-1]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,9 @@ def test_every_node_has_its_paths_chain_logits_beside_chain_rows(rt):
                   for t in trees]
         cache = rt.make_cache(num_slots=4, max_seq_len=128)
         slots = [cache.allocate() for _ in range(rows)]
-        rt(cache, slots, prefixes)
-        logits = rt(cache, slots, tokens, [len(t) for t in tokens], trees=trees).split(
-            [len(t) for t in tokens])
+        rt(cache, ForwardBatch(slots, prefixes))
+        out = rt(cache, ForwardBatch(slots, tokens, [len(t) for t in tokens], trees=trees))
+        logits = out.logits.split([len(t) for t in tokens])
         for prefix, parents, ids, got in zip(prefixes, trees, tokens, logits):
             for j in range(len(ids)):
                 path = path_of(parents, j) if parents else list(range(j + 1))
@@ -78,14 +79,14 @@ def test_the_kept_path_leaves_the_cache_a_chains(rt):
         ids = [rng.randrange(3, VOCAB) for _ in parents]
         cache = rt.make_cache(num_slots=2, max_seq_len=128)
         slot = cache.allocate()
-        rt(cache, [slot], [prefix])
-        rt(cache, [slot], [ids], [len(ids)], trees=[parents])
+        rt(cache, ForwardBatch([slot], [prefix]))
+        rt(cache, ForwardBatch([slot], [ids], [len(ids)], trees=[parents]))
         leaf = rng.randrange(0, len(ids))
         path = path_of(parents, leaf)  # starts at the root, token 0
         cache.keep(slot, [len(prefix) + j for j in path[1:]], len(prefix) + 1)
         assert cache.lengths[slot] == len(prefix) + len(path)
         nxt = rng.randrange(3, VOCAB)
-        got = rt(cache, [slot], [[nxt]])[0]
+        got = rt(cache, ForwardBatch([slot], [[nxt]])).logits[0]
         want = chain_logits(rt, prefix, [ids[j] for j in path] + [nxt])
         assert torch.equal(got, want), (trial, path)
 
@@ -103,11 +104,11 @@ def test_trees_on_the_torch_paths_agree_up_to_rounding(monkeypatch):
         rt = runtime_of(hf).use_kernels(kernels)
         cache = rt.make_cache(num_slots=1, max_seq_len=64)
         slot = cache.allocate()
-        rt(cache, [slot], [prefix])
+        rt(cache, ForwardBatch([slot], [prefix]))
         with monkeypatch.context() as patch:
             if not native_on:  # the attention of a machine without a C compiler
                 patch.setattr(layers, "native_ready", lambda x: False)
-            outs.append(rt(cache, [slot], [ids], [len(ids)], trees=[parents]))
+            outs.append(rt(cache, ForwardBatch([slot], [ids], [len(ids)], trees=[parents])).logits)
     for other in outs[1:]:
         assert torch.allclose(outs[0], other, atol=1e-4)
 
@@ -116,20 +117,20 @@ def test_trees_on_the_torch_paths_agree_up_to_rounding(monkeypatch):
 def test_malformed_trees_are_refused(rt, parents):
     cache = rt.make_cache(num_slots=1, max_seq_len=64)
     slot = cache.allocate()
-    rt(cache, [slot], [[5, 6, 7]])
+    rt(cache, ForwardBatch([slot], [[5, 6, 7]]))
     with pytest.raises(InvalidRequestError):
-        rt(cache, [slot], [[9] * len(parents)], trees=[parents])
+        rt(cache, ForwardBatch([slot], [[9] * len(parents)], trees=[parents]))
     with pytest.raises(InvalidRequestError):  # one parent per token
-        rt(cache, [slot], [[9, 9, 9]], trees=[[-1, 0]])
+        rt(cache, ForwardBatch([slot], [[9, 9, 9]], trees=[[-1, 0]]))
 
 
 def test_trees_are_refused_with_sliding_windows():
     rt = runtime_of(tiny_hf_model("mistral-window"))
     cache = rt.make_cache(num_slots=1, max_seq_len=64)
     slot = cache.allocate()
-    rt(cache, [slot], [[5, 6, 7]])
+    rt(cache, ForwardBatch([slot], [[5, 6, 7]]))
     with pytest.raises(InvalidRequestError, match="sliding-window"):
-        rt(cache, [slot], [[9, 9]], trees=[[-1, 0]])
+        rt(cache, ForwardBatch([slot], [[9, 9]], trees=[[-1, 0]]))
 
 
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
@@ -176,7 +177,8 @@ def test_a_tree_after_a_long_prompt_tail_in_one_forward(rt):
     ids = tail + [rng.randrange(3, VOCAB) for _ in drafts]
     cache = rt.make_cache(num_slots=1, max_seq_len=128)
     slot = cache.allocate()
-    got = rt(cache, [slot], [ids], [len(drafts) + 1], trees=[parents])  # the root's, then each node's
+    # the root's logits, then each node's
+    got = rt(cache, ForwardBatch([slot], [ids], [len(drafts) + 1], trees=[parents])).logits
     sub = [-1] + [p + 1 for p in drafts]  # the root (the tail's last token) and the drafts
     for m in range(len(sub)):
         path = [len(tail) - 1 + k for k in path_of(sub, m)]
@@ -196,13 +198,13 @@ def test_a_tree_grown_over_several_forwards_equals_it_in_one(rt):
         ids = [rng.randrange(3, VOCAB) for _ in parents]
         cache = rt.make_cache(num_slots=2, max_seq_len=128)
         slot, chain_slot = cache.allocate(), cache.allocate()
-        rt(cache, [slot, chain_slot], [prefix, other])
+        rt(cache, ForwardBatch([slot, chain_slot], [prefix, other]))
         cuts = sorted(rng.sample(range(1, len(parents)), 3)) + [len(parents)]
         got, done = [], 0
         for cut in cuts:  # nodes [done, cut) arrive now; the chain row decodes a token each time
             nxt = rng.randrange(3, VOCAB)
-            out = rt(cache, [slot, chain_slot], [ids[done:cut], [nxt]], [cut - done, 1],
-                     trees=[parents[:cut], None])
+            out = rt(cache, ForwardBatch([slot, chain_slot], [ids[done:cut], [nxt]], [cut - done, 1],
+                                         trees=[parents[:cut], None])).logits
             got.append(out[:-1])
             other = other + [nxt]
             assert torch.equal(out[-1], chain_logits(rt, other[:-1], other[-1:])[None][0]), trial

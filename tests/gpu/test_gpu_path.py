@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.engine.block_attention import KEY_BLOCK, attend, key_blocks
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.model import build_runtime
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,10 +55,10 @@ def test_compiled_matches_library_in_bfloat16(hf):
         assert rt.attention == "flex"
         cache = rt.make_cache(num_slots=2, max_seq_len=128)
         slots = [cache.allocate() for _ in seqs]
-        rt(cache, slots, [s[:20] for s in seqs])  # prefill: the library path either way
-        steps = [rt(cache, slots, [s[20:24] for s in seqs], [4, 4]),
-                 rt(cache, slots, [s[24:25] for s in seqs]),
-                 rt(cache, slots, [seqs[0][25:28], seqs[1][25:26]], [3, 1])]
+        rt(cache, ForwardBatch(slots, [s[:20] for s in seqs]))  # prefill: the library path either way
+        steps = [rt(cache, ForwardBatch(slots, [s[20:24] for s in seqs], [4, 4])).logits,
+                 rt(cache, ForwardBatch(slots, [s[24:25] for s in seqs])).logits,
+                 rt(cache, ForwardBatch(slots, [seqs[0][25:28], seqs[1][25:26]], [3, 1])).logits]
         logits[kernels] = torch.cat(steps).float().cpu()
     library, compiled = logits["library"], logits["compiled"]
     scale = library.abs().max()
@@ -78,13 +79,14 @@ def test_row_groups_run_each_group_at_its_own_shape(hf):
         rt = gpu_runtime(hf, "compiled", verify_tokens=4)
         cache = rt.make_cache(num_slots=3, max_seq_len=128)
         slots = [cache.allocate() for _ in seqs]
-        rt(cache, slots[:2], [s[:20] for s in seqs[:2]])
+        rt(cache, ForwardBatch(slots[:2], [s[:20] for s in seqs[:2]]))
         if grouped:
-            outs.append(rt(cache, slots, rows, [4, 1, 0], return_hidden=True, groups=[2, 1]))
+            out = rt(cache, ForwardBatch(slots, rows, [4, 1, 0], groups=[2, 1], hidden=True))
+            outs.append((out.logits, out.hidden))
         else:
-            parts = [rt(cache, slots[:2], rows[:2], [4, 1], return_hidden=True),
-                     rt(cache, slots[2:], rows[2:], [0], return_hidden=True)]
-            outs.append(tuple(torch.cat(x) for x in zip(*parts)))
+            parts = [rt(cache, ForwardBatch(slots[:2], rows[:2], [4, 1], hidden=True)),
+                     rt(cache, ForwardBatch(slots[2:], rows[2:], [0], hidden=True))]
+            outs.append((torch.cat([p.logits for p in parts]), torch.cat([p.hidden for p in parts])))
     (logits, hidden), (ref_logits, ref_hidden) = outs
     assert logits.shape[0] == 5 and hidden.shape[0] == 37
     assert torch.equal(logits, ref_logits) and torch.equal(hidden, ref_hidden)
@@ -97,9 +99,9 @@ def test_padding_writes_only_the_spare_slot(hf):
     cache = rt.make_cache(num_slots=4, max_seq_len=64)
     a, b, idle = (cache.allocate() for _ in range(3))
     for slot, n in ((a, 20), (b, 17), (idle, 18)):  # prefills: the library path
-        rt(cache, [slot], [list(range(3, 3 + n))])
+        rt(cache, ForwardBatch([slot], [list(range(3, 3 + n))]))
     before = [t.clone() for t in cache.k + cache.v]
-    rt(cache, [a, b], [[4], [5, 6, 7]], [1, 3])  # a's row has 3 padding tokens
+    rt(cache, ForwardBatch([a, b], [[4], [5, 6, 7]], [1, 3]))  # a's row has 3 padding tokens
     for old, new in zip(before, cache.k + cache.v):
         changed = (old != new).any(-1).any(1).cpu()  # [slots + 1, S]: positions that changed
         assert changed[a].nonzero().flatten().tolist() == [20]
@@ -122,13 +124,13 @@ def test_warm_up_leaves_one_cuda_graph_per_bucket_and_nothing_to_compile(hf):
     assert [p["tokens"] for p in report["prefills"]] == [17, 18]
     assert cache.num_free_slots == 2 and cache.lengths == [0, 0]
     slots = [cache.allocate(), cache.allocate()]
-    rt(cache, slots[:1], [list(range(3, 30))])  # prefills before counting: not buckets
-    rt(cache, slots[1:], [list(range(3, 25))])
+    rt(cache, ForwardBatch(slots[:1], [list(range(3, 30))]))  # prefills before counting: not buckets
+    rt(cache, ForwardBatch(slots[1:], [list(range(3, 25))]))
     graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
     for _ in range(3):  # replays
-        rt(cache, slots, [[5], [6]])
-        rt(cache, slots, [[5, 6, 7, 8], [9, 10]], [4, 2])
-        rt(cache, slots[:1], [[5]])
+        rt(cache, ForwardBatch(slots, [[5], [6]]))
+        rt(cache, ForwardBatch(slots, [[5, 6, 7, 8], [9, 10]], [4, 2]))
+        rt(cache, ForwardBatch(slots[:1], [[5]]))
     assert counters["stats"]["unique_graphs"] == graphs
     assert counters["inductor"]["cudagraph_skips"] == skips
     assert rt.static.buckets == {(1, 4), (2, 4)}
@@ -142,11 +144,11 @@ def test_trees_and_prefills_take_the_library_path_and_match_transformers(hf):
     cache = rt.make_cache(num_slots=2, max_seq_len=128)
     prefix, other = random_sequences((70, 33), seed=2)
     slots = [cache.allocate(), cache.allocate()]
-    got = rt(cache, slots, [prefix, other], [70, 33]).cpu().split([70, 33])
+    got = rt(cache, ForwardBatch(slots, [prefix, other], [70, 33])).logits.cpu().split([70, 33])
     for ids, logits in zip((prefix, other), got):
         torch.testing.assert_close(logits, reference_logits(hf, ids), atol=FP32_ATOL, rtol=1e-3)
     parents, tokens = [-1, 0, 0, 1, 1, 2], [11, 12, 13, 14, 15, 16]
-    tree = rt(cache, slots[:1], [tokens], [6], trees=[parents]).cpu()
+    tree = rt(cache, ForwardBatch(slots[:1], [tokens], [6], trees=[parents])).logits.cpu()
     for j, path in enumerate([[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 2, 5]]):
         want = reference_logits(hf, prefix + [tokens[i] for i in path])[-1]
         torch.testing.assert_close(tree[j], want, atol=FP32_ATOL, rtol=1e-3)

@@ -12,6 +12,7 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from specserve.config import SamplingParams, UnitConfig
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.proposers.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
@@ -73,9 +74,9 @@ def test_tp2_logits_equal_tp1(groups):
     results = {}
     for tp, group in groups.items():
         slots = [group.allocate() for _ in batch]
-        first = group.forward(slots, batch, [len(b) for b in batch])
+        first = group.forward(ForwardBatch(slots, batch, [len(b) for b in batch])).logits
         group.rollback(slots[1], 9)  # a rejected draft: continue from an earlier position
-        second = group.forward(slots[:2], [[7, 8], [9]], [2, 1])
+        second = group.forward(ForwardBatch(slots[:2], [[7, 8], [9]], [2, 1])).logits
         results[tp] = torch.cat([first, second])
         for slot in slots:
             group.free(slot)
@@ -102,8 +103,9 @@ def test_tp2_returns_tp1_hidden_states_and_feeds_eagle(groups, tiny_models):
     hidden = {}
     for tp, group in groups.items():
         slots = [group.allocate() for _ in batch]
-        logits, hidden[tp] = group.forward(slots, batch, [1, 2], return_hidden=True)
-        assert logits.shape[0] == 3 and hidden[tp].shape[0] == sum(map(len, batch))
+        out = group.forward(ForwardBatch(slots, batch, [1, 2], hidden=True))
+        hidden[tp] = out.hidden
+        assert out.logits.shape[0] == 3 and hidden[tp].shape[0] == sum(map(len, batch))
         for slot in slots:
             group.free(slot)
     assert (hidden[2] - hidden[1]).abs().max() <= 1e-4

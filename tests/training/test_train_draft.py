@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from specserve.cli import main
 from specserve.config import ModelConfig
 from specserve.engine.draft_head import new_draft_head
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.loader import load_model
 from specserve.engine.proposers.eagle import EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
@@ -128,11 +129,11 @@ def test_an_eagle3_head_is_trained_exported_as_speculators_and_loaded_back(tiny,
     loaded.runtime.feature_layers = head.target_layers
     ids = list(range(5, 40, 3))
     cache = loaded.runtime.make_cache(num_slots=1, max_seq_len=64)
-    _, features = loaded.runtime(cache, [cache.allocate()], [ids], return_hidden=True)
+    features = loaded.runtime(cache, ForwardBatch([cache.allocate()], [ids], hidden=True)).hidden
     head_cache = head.make_cache(num_slots=1, max_seq_len=64)
     n = len(ids) - 1
-    logits, _ = head(head_cache, [head_cache.allocate()], [ids[1:]], [n],
-                     features=head.from_target(features[:n]), return_hidden=True)
+    logits = head(head_cache, ForwardBatch([head_cache.allocate()], [ids[1:]], [n],
+                                           features=head.from_target(features[:n]), hidden=True)).logits
     ref = reference_logits(hf, {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}, ids,
                            (0, 1), norm_before_residual=False, eps=hf.config.rms_norm_eps)
     finite = torch.isfinite(ref)

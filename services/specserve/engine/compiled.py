@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.block_attention import KeyBlocks, key_blocks
+from specserve.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ def _timed(runtime, cache, num_rows: int, tokens: int, repeats: int, rows: int) 
     start = time.perf_counter()
     with _free_slots(cache, num_rows) as slots:
         for _ in range(repeats):
-            runtime.forward(cache, slots, [[0] * tokens] * num_rows)
+            runtime.forward(cache, ForwardBatch(slots, [[0] * tokens] * num_rows))
             for slot in set(slots):
                 cache.lengths[slot] = 0
         if cache.k[0].is_cuda:

@@ -35,6 +35,7 @@ from torch import nn
 
 from specserve.engine.arch import ModelArch
 from specserve.engine.compiled import StaticForward, warm_up
+from specserve.engine.forward_batch import ForwardBatch, Forwarded
 from specserve.engine.forward_context import ForwardContext, logit_positions, prepare
 from specserve.engine.grouped_forward import forward_groups
 from specserve.engine.kernels import KV_BLOCK, Linear
@@ -67,10 +68,11 @@ class LlamaRuntime(nn.Module):
     decode_width: int | None = None      # library on CUDA: decodes and verifies padded to it
     static: StaticForward | None = None  # set by use_kernels("compiled")
     fixed_head = True                    # decodes' and verifies' LM head at one shape (_head_shape)
-    # What ``return_hidden`` returns (the features an EAGLE head reads): by default the final
-    # hidden state after the last norm; with ``feature_layers`` (a target serving an EAGLE-3
-    # head) the residual stream entering each of those layers, concatenated in their order;
-    # with ``hidden_prenorm`` (an EAGLE-3 head itself) the final hidden state before the norm.
+    # The hidden states a forward returns (``ForwardBatch.hidden``: the features an EAGLE head
+    # reads): by default the final hidden state after the last norm; with ``feature_layers``
+    # (a target serving an EAGLE-3 head) the residual stream entering each of those layers,
+    # concatenated in their order; with ``hidden_prenorm`` (an EAGLE-3 head itself) the final
+    # hidden state before the norm.
     feature_layers: tuple[int, ...] | None = None
     hidden_prenorm = False
 
@@ -155,58 +157,57 @@ class LlamaRuntime(nn.Module):
         return cache
 
     @torch.inference_mode()
-    def forward(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
-                num_logits: list[int] | None = None, *,
-                features: torch.Tensor | None = None, return_hidden: bool = False,
-                trees: list[list[int] | None] | None = None, groups: list[int] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Append ``token_ids[i]`` to slot ``slots[i]`` and return logits.
+    def forward(self, cache: SlotKVCache, batch: ForwardBatch) -> Forwarded:
+        """Append ``batch.token_ids[i]`` to slot ``batch.slots[i]``; return what the batch
+        asks for (:class:`~specserve.engine.forward_batch.ForwardBatch`, its fields' meanings).
 
-        Returns ``[sum(num_logits), vocab]``: for each row, in order, the logits after each of
-        its last ``num_logits[i]`` new tokens (default 1; 0 for a row whose logits nobody
-        reads, a prompt's chunk). Each slot's length advances by its number of new tokens;
+        :attr:`Forwarded.logits` is ``[sum(num_logits), vocab]``: for each row, in order, the
+        logits after each of its last ``num_logits[i]`` new tokens (default 1; 0 for a row
+        whose logits nobody reads, a prompt's chunk), or with ``batch.argmax`` their argmax in
+        :attr:`Forwarded.token_ids`. Each slot's length advances by its number of new tokens;
         callers roll back what the rejection sampler did not keep.
 
-        ``groups``: the rows as consecutive groups of these sizes (default: one group). A
-        forward pads its rows to the longest, so a prompt's chunk of 256 tokens beside decode
-        rows of 5 would make each of them 256 wide; in groups, each is padded to its own
-        group's longest row. On the ``invariant`` kernels the groups share one pass through
-        the layers (every linear over all groups' tokens at once, attention group by group:
-        :class:`PackedContext`), and a token's bits are those of its group run alone (the
-        kernels are row-invariant). The other kernels run each group as a forward of its own,
-        at the shapes it has alone: their bits depend on the shape.
+        ``groups``: a forward pads its rows to the longest, so a prompt's chunk of 256 tokens
+        beside decode rows of 5 would make each of them 256 wide; in groups, each is padded to
+        its own group's longest row. On the ``invariant`` kernels the groups share one pass
+        through the layers (every linear over all groups' tokens at once, attention group by
+        group: :class:`PackedContext`), and a token's bits are those of its group run alone
+        (the kernels are row-invariant). The other kernels run each group as a forward of its
+        own, at the shapes it has alone: their bits depend on the shape.
 
-        ``return_hidden``: also return the final hidden state (after the last norm, what the
-        LM head reads) of *every* new token, ``[sum(len(ids)), hidden]`` in row order: the
-        features an EAGLE draft head reads. ``features``: per-token inputs of that shape for
-        a model that takes them (:class:`~specserve.engine.draft_head.DraftHead`).
+        ``hidden``: :attr:`Forwarded.hidden` holds the final hidden state (after the last
+        norm, what the LM head reads) of *every* new token, ``[sum(len(ids)), hidden]`` in row
+        order: the features an EAGLE draft head reads (other features with
+        :attr:`feature_layers` and :attr:`hidden_prenorm`). ``features``: per-token inputs of
+        that shape for a model that takes them (:class:`~specserve.engine.draft_head.DraftHead`).
 
-        ``trees``: per row, None (a chain: each new token follows the one before) or a token
-        tree over its new tokens: ``trees[i][j]`` is the index of new token j's parent among
-        them (``[-1, 0, 0, 1]``: token 0 follows the cache, 1 and 2 both follow 0, 3 follows
-        1). A node sits at the position of its depth and attends to the cache and its
-        ancestors only, so its logits are those of its root-to-node path as a chain (bit for
-        bit on the C kernels). The new tokens are stored in the slot in their order; the
-        caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a
-        tree after its base (``forward_context._trees``); not with sliding-window layers.
-
-        A tree may grow over several forwards (a draft expanding it a level at a time,
-        ``proposers/eagle.py``): ``trees[i]`` longer than ``token_ids[i]`` covers the row's
-        last ``len(trees[i])`` tokens *after* this forward, the first of them stored by earlier
-        forwards of the same tree (their parents as they were given then), so a new token's
-        parent may be a token already in the cache.
+        ``trees``: a tree node sits at the position of its depth and attends to the cache and
+        its ancestors only, so its logits are those of its root-to-node path as a chain (bit
+        for bit on the C kernels). The new tokens are stored in the slot in their order; the
+        caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a tree
+        after its base (``forward_context._trees``); not with sliding-window layers.
         """
-        num_logits = num_logits or [1] * len(slots)
+        logits, hidden = self._outputs(cache, batch)
+        if batch.argmax:
+            return Forwarded(None, logits.argmax(dim=-1), hidden)
+        return Forwarded(logits, None, hidden)
+
+    def _outputs(self, cache: SlotKVCache, batch: ForwardBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`'s logits ``[sum(num_logits), vocab]`` and hidden states (None
+        unless ``batch.hidden``)."""
+        slots, token_ids = batch.slots, batch.token_ids
+        num_logits = batch.num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
+        groups = batch.groups
         if groups is not None and len(groups) > 1:
             if sum(groups) != len(slots) or min(groups) < 1:
                 raise ValueError(f"groups {groups} do not split {len(slots)} rows")
-            return forward_groups(self, cache, slots, token_ids, num_logits, features,
-                                  return_hidden, trees, groups)
-        ctx, tokens = self._prepare(cache, slots, token_ids, trees)
-        x = self._inputs(tokens, ctx, features)  # [B, T, hidden]
+            return forward_groups(self, cache, batch, num_logits)
+        ctx, tokens = self._prepare(cache, slots, token_ids, batch.trees)
+        x = self._inputs(tokens, ctx, batch.features)  # [B, T, hidden]
         captured: list[torch.Tensor] = []  # feature_layers' inputs
-        capture = return_hidden and self.feature_layers is not None
+        capture = batch.hidden and self.feature_layers is not None
         if (self.static is not None and ctx.tree is None and self.static.takes(x.shape[1])
                 and not capture):
             x = self.static(x, ctx, cache)
@@ -216,13 +217,13 @@ class LlamaRuntime(nn.Module):
             cache.lengths[slot] += len(ids)
         rows, cols = logit_positions(token_ids, num_logits, x.device)
         head = self._head_shape(ctx, cache.num_slots, *x.shape[:2])
+        own = self._own_features(batch.hidden)
         if head is not None:
-            out = self._padded_head(x, head, rows, cols, ctx.valid, return_hidden)
-            return (out[0], self._features(x, captured)[ctx.valid]) if self._own_features(
-                return_hidden) else out
-        if not return_hidden:
-            return self.logits(self.final_norm(x[rows, cols]))
-        if self._own_features(return_hidden):
+            logits, hidden = self._padded_head(x, head, rows, cols, ctx.valid, batch.hidden and not own)
+            return logits, (self._features(x, captured)[ctx.valid] if own else hidden)
+        if not batch.hidden:
+            return self.logits(self.final_norm(x[rows, cols])), None
+        if own:
             return (self.logits(self.final_norm(x[rows, cols])),
                     self._features(x, captured)[ctx.valid])
         hidden = self.final_norm(x[ctx.valid])  # [sum(len), hidden]
@@ -240,13 +241,13 @@ class LlamaRuntime(nn.Module):
             x = layer(x, ctx, cache)
         return x, captured
 
-    def _own_features(self, return_hidden: bool) -> bool:
-        """The hidden states asked for are not the final normed ones (``feature_layers``,
-        ``hidden_prenorm``)."""
-        return return_hidden and (self.feature_layers is not None or self.hidden_prenorm)
+    def _own_features(self, hidden: bool) -> bool:
+        """Hidden states are asked for (``hidden``) and are not the final normed ones
+        (``feature_layers``, ``hidden_prenorm``)."""
+        return hidden and (self.feature_layers is not None or self.hidden_prenorm)
 
     def _features(self, x: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
-        """Per position, what ``return_hidden`` returns when :meth:`_own_features`. A layer
+        """Per position, the hidden states a forward returns when :meth:`_own_features`. A layer
         index equal to the number of layers in ``feature_layers`` stands for the final hidden
         state after the norm (what the LM head reads: ``train-draft``'s soft labels)."""
         if self.feature_layers is None:
@@ -287,17 +288,17 @@ class LlamaRuntime(nn.Module):
         return None
 
     def _padded_head(self, x: torch.Tensor, shape: tuple[int, int], rows: torch.Tensor,
-                     cols: torch.Tensor, valid: torch.Tensor, return_hidden: bool):
-        """:meth:`forward`'s outputs with the final norm and LM head run over every position of
-        ``shape`` (:meth:`_head_shape`; padding is zeros, whose rows nothing reads)."""
+                     cols: torch.Tensor, valid: torch.Tensor, hidden: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`'s logits, and with ``hidden`` the final normed hidden states, with
+        the final norm and LM head run over every position of ``shape`` (:meth:`_head_shape`;
+        padding is zeros, whose rows nothing reads)."""
         b, t, size = x.shape
         padded = x.new_zeros(*shape, size)                                    # [R, W, hidden]
         padded[:b, :t] = x
         normed = self.final_norm(padded)
         logits = self.lm_head(normed.flatten(0, 1))[rows * shape[1] + cols].float()
-        if not return_hidden:
-            return logits
-        return logits, normed[:b, :t][valid]
+        return logits, normed[:b, :t][valid] if hidden else None
 
     def _prepare(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
                  trees: list[list[int] | None] | None = None) -> tuple[ForwardContext, torch.Tensor]:

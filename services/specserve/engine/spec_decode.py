@@ -57,6 +57,7 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.adaptive import SpecLengthController
 from specserve.engine.draft_link import DraftLink
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.grammar import CompiledGrammar, constrain_drafts
 from specserve.engine.k_planner import KPlanner
 from specserve.engine.proposal import Proposal
@@ -292,11 +293,10 @@ class SpecDecodeEngine:
         for seq, n in chunks:
             ids = self._chunk_ids(seq, n)
             if self.draft.wants_features(seq):
-                _, hidden = self.target.forward([seq.slot], [ids], [1], argmax_only=True,
-                                                return_hidden=True)
-                seq.hidden.append(hidden)
+                seq.hidden.append(self.target.forward(
+                    ForwardBatch([seq.slot], [ids], [1], hidden=True, argmax=True)).hidden)
             else:
-                self.target.forward([seq.slot], [ids], [1], argmax_only=True)
+                self.target.forward(ForwardBatch([seq.slot], [ids], [1], argmax=True))
             self._chunk_done(seq, n)
 
     def _chunk_ids(self, seq: Sequence, n: int) -> list[int]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specserve.config import KVCacheConfig, SamplingParams
+from specserve.engine.forward_batch import ForwardBatch, Forwarded
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.malloc import keep_freed_memory
 from specserve.engine.model import LlamaRuntime
@@ -175,9 +176,9 @@ class ModelWorker(SlotOwner):
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
                           and not s for r, s in zip(rows, scored))
         every_slot, every_ids, every_tree = with_chunks(slots, token_ids, chunks, trees)
-        out = self.forward(every_slot, every_ids, asked + [0] * len(chunks), argmax_only,
-                           return_hidden=return_hidden, trees=every_tree, groups=groups)
-        logits, hidden = out if return_hidden else (out, None)
+        out = self.forward(ForwardBatch(every_slot, every_ids, asked + [0] * len(chunks), trees=every_tree,
+                                        groups=groups, hidden=return_hidden, argmax=argmax_only))
+        logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         _sync(logits)
         t1 = time.perf_counter()
         per_row = list(logits.split(asked))
@@ -195,22 +196,10 @@ class ModelWorker(SlotOwner):
             chunk_hidden = [h.cpu() for h in per_row[len(token_ids):]]
         return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1, chunk_hidden)
 
-    def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
-                argmax_only: bool = False, return_hidden: bool = False,
-                trees: list[list[int] | None] | None = None, groups: list[int] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Append tokens to slots; ``[sum(num_logits), vocab]`` float32 logits, or with
-        ``argmax_only`` just ``[sum(num_logits)]`` token ids (all a greedy batch needs, and
-        much less to move when the model is in another process). ``return_hidden``:
-        ``(logits, hidden)``, with the final hidden state of every new token (what an EAGLE
-        proposer reads; see ``LlamaRuntime.forward``). ``trees``: token trees over rows' new
-        tokens; ``groups``: row groups (both ``LlamaRuntime.forward``)."""
-        out = self.runtime(self.cache, slots, token_ids, num_logits, return_hidden=return_hidden,
-                           trees=trees, groups=groups)
-        logits, hidden = out if return_hidden else (out, None)
-        if argmax_only:
-            logits = logits.argmax(dim=-1)
-        return (logits, hidden) if return_hidden else logits
+    def forward(self, batch: ForwardBatch) -> Forwarded:
+        """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
+        for (:meth:`LlamaRuntime.forward <specserve.engine.model.LlamaRuntime.forward>`)."""
+        return self.runtime(self.cache, batch)
 
 
 def _sync(x: torch.Tensor) -> None:

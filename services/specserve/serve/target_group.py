@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+from typing import NamedTuple
 
 import ray
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from specserve.config import EngineConfig, SamplingParams, UnitConfig
 from specserve.engine.draft_head import eagle3_target_layers
+from specserve.engine.forward_batch import ForwardBatch, Forwarded
 from specserve.engine.kv_cache import SlotTable
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.loader import load_model
@@ -75,6 +77,17 @@ def _table(cfg: UnitConfig) -> SlotTable | KVManager:
                      block_size=kv.block_size,
                      num_slots=engine.max_num_seqs, max_seq_len=engine.max_model_len,
                      prefix_caching=kv.prefix_caching)
+
+
+class RankStep(NamedTuple):
+    """What rank 0 broadcasts to the other ranks each step: the forward, and what brings each
+    rank's cache to the coordinator's view before it (:meth:`TargetRank._prepare`)."""
+
+    batch: ForwardBatch
+    starts: list[int]                  # [rows]: each row's slot length before the forward
+    moves: list | None = None          # token-tree compactions (slot, positions, at)
+    forks: list | None = None          # slot copies (src, dst, length); paged: (src_block, dst_block)
+    tables: list | None = None         # paged: [rows] each row's block table
 
 
 @ray.remote(concurrency_groups={"watch": 1})
@@ -142,36 +155,34 @@ class TargetRank:
         self.sampling.update(sampling)
         chunks = chunks or []
         every_slot, every_ids, every_tree = with_chunks(slots, token_ids, chunks, trees)
-        batch = (every_slot, starts, every_ids, [len(p.token_ids) + 1 for p in proposals]
-                 + [0] * len(chunks), every_tree, moves, forks, tables, groups)
+        batch = ForwardBatch(every_slot, every_ids, [len(p.token_ids) + 1 for p in proposals]
+                             + [0] * len(chunks), trees=every_tree, groups=groups, hidden=return_hidden)
+        step = RankStep(batch, starts, moves, forks, tables)
         if self.world_size > 1:
-            dist.broadcast_object_list([batch], src=0)
-        self._prepare(batch)
+            dist.broadcast_object_list([step], src=0)
+        self._prepare(step)
         return host_only(self.worker.verify(slots, token_ids, proposals,
                                             [self.sampling[s] for s in slots],
                                             return_hidden=return_hidden, trees=trees, masks=masks,
                                             chunks=chunks, groups=groups))
 
-    def forward(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
-                num_logits: list[int], argmax_only: bool = False,
-                return_hidden: bool = False, trees: list | None = None,
-                moves: list | None = None, forks: list | None = None,
-                tables: list | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Rank 0: broadcast the batch, run this rank's shard, return ``[N, V]`` CPU logits
-        (``[N]`` token ids with ``argmax_only``; with ``return_hidden`` also the final hidden
-        states, which every rank has in full after the last all-reduce). ``moves``: the
-        coordinator's pending token-tree compactions ``(slot, positions, at)`` and ``forks``
-        its pending slot copies ``(src, dst, length)`` (``n > 1``), applied before the batch
-        (like rollback, they ride on the next forward). For tests and tools: serving
+    def forward(self, batch: ForwardBatch, starts: list[int], moves: list | None = None,
+                forks: list | None = None, tables: list | None = None) -> Forwarded:
+        """Rank 0: broadcast the batch, run this rank's shard, return what the batch asks for
+        on the CPU (hidden states: every rank has them in full after the last all-reduce).
+        ``starts``: the coordinator's length of each row's slot; ``moves``: its pending
+        token-tree compactions ``(slot, positions, at)`` and ``forks`` its pending slot copies
+        ``(src, dst, length)`` (``n > 1``), applied before the batch (like rollback, they ride
+        on the next forward); ``tables``: :meth:`verify`'s. For tests and tools: serving
         verifies (:meth:`verify`), and logits stay here."""
-        batch = (slots, starts, token_ids, num_logits, trees, moves, forks, tables, None)
+        step = RankStep(batch, starts, moves, forks, tables)
         if self.world_size > 1:
-            dist.broadcast_object_list([batch], src=0)
-        out = self._run(batch, argmax_only, return_hidden)
-        return (out[0].cpu(), out[1].cpu()) if return_hidden else out.cpu()
+            dist.broadcast_object_list([step], src=0)
+        return self._run(step).cpu()
 
-    def _prepare(self, batch) -> None:
-        slots, starts, _, _, _, moves, forks, tables, _ = batch
+    def _prepare(self, step: RankStep) -> None:
+        """Bring this rank's cache to the coordinator's view before ``step``'s forward."""
+        batch, starts, moves, forks, tables = step
         cache = self.worker.cache
         for fork in forks or ():  # first: a fork's source may be in the batch
             if tables is None:
@@ -180,19 +191,17 @@ class TargetRank:
                 cache.copy_block(*fork)      # (src_block, dst_block): the coordinator's tables
         for slot, positions, at in moves or ():
             self.worker.keep(slot, positions, at)
-        for i, (slot, start) in enumerate(zip(slots, starts)):  # the coordinator's lengths
+        for i, (slot, start) in enumerate(zip(batch.slots, starts)):  # the coordinator's lengths
             if tables is None:
                 self.worker.rollback(slot, start)  # rollback for free
             else:
                 cache.follow(slot, start, tables[i])
 
-    def _run(self, batch, argmax_only: bool = False, return_hidden: bool = False):
-        """Every rank's forward of a batch (rank 0's verify runs the same one: the followers
+    def _run(self, step: RankStep) -> Forwarded:
+        """Every rank's forward of a step (rank 0's verify runs the same one: the followers
         need not know what rank 0 does with its logits)."""
-        slots, _, token_ids, num_logits, trees, _, _, _, groups = batch
-        self._prepare(batch)
-        return self.worker.forward(slots, token_ids, num_logits, argmax_only,
-                                   return_hidden=return_hidden, trees=trees, groups=groups)
+        self._prepare(step)
+        return self.worker.forward(step.batch)
 
     def _follow(self) -> None:
         """Ranks > 0: run whatever rank 0 broadcasts, for as long as the actor lives."""
@@ -352,21 +361,17 @@ class TargetGroup(SlotOwner):
             self.table.lengths[slot] += len(ids)
         return result
 
-    def forward(self, slots: list[int], token_ids: list[list[int]], num_logits: list[int],
-                argmax_only: bool = False, return_hidden: bool = False,
-                trees: list[list[int] | None] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits from rank 0 (tests and tools; serving calls :meth:`verify`)."""
-        starts = [self.table.lengths[s] for s in slots]
-        tables = self._tables(slots, token_ids)
-        moves = [(s, *self._moves.pop(s)) for s in slots if s in self._moves]
+    def forward(self, batch: ForwardBatch) -> Forwarded:
+        """What the batch asks for, from rank 0, on the CPU (tests and tools; serving calls
+        :meth:`verify`)."""
+        starts = [self.table.lengths[s] for s in batch.slots]
+        tables = self._tables(batch.slots, batch.token_ids)
+        moves = [(s, *self._moves.pop(s)) for s in batch.slots if s in self._moves]
         forks, self._forks = self._forks, []
-        logits = self._call(self.ranks[0].forward.remote(slots, starts, token_ids, num_logits,
-                                                         argmax_only, return_hidden, trees, moves,
-                                                         forks, tables))
-        for slot, ids in zip(slots, token_ids):
+        out = self._call(self.ranks[0].forward.remote(batch, starts, moves, forks, tables))
+        for slot, ids in zip(batch.slots, batch.token_ids):
             self.table.lengths[slot] += len(ids)
-        return logits
+        return out
 
     def _call(self, ref):
         """Rank 0's answer, or :class:`TargetUnavailable` when a rank dies or the step

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.tokenizer import encode_chat
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
@@ -113,9 +114,9 @@ def greedy_with_features(worker: ModelWorker, prompts: list[list[int]], *, max_n
         feats: list[list[torch.Tensor]] = [[] for _ in prompts]
         nxt: list[int] = []
         for i, p in enumerate(prompts):
-            logits, hidden = worker.forward([slots[i]], [p], [1], argmax_only=True, return_hidden=True)
-            feats[i].append(hidden.half())
-            nxt.append(int(logits[0]))
+            out = worker.forward(ForwardBatch([slots[i]], [p], [1], hidden=True, argmax=True))
+            feats[i].append(out.hidden.half())
+            nxt.append(int(out.token_ids[0]))
         live = list(range(len(prompts)))
         for _ in range(max_new_tokens):
             for i in live:
@@ -125,11 +126,11 @@ def greedy_with_features(worker: ModelWorker, prompts: list[list[int]], *, max_n
                     and len(tokens[i]) < worker.max_seq_len]
             if not live:
                 break
-            logits, hidden = worker.forward([slots[i] for i in live], [[nxt[i]] for i in live],
-                                            [1] * len(live), argmax_only=True, return_hidden=True)
+            out = worker.forward(ForwardBatch([slots[i] for i in live], [[nxt[i]] for i in live],
+                                              [1] * len(live), hidden=True, argmax=True))
             for j, i in enumerate(live):
-                feats[i].append(hidden[j:j + 1].half())
-                nxt[i] = int(logits[j])
+                feats[i].append(out.hidden[j:j + 1].half())
+                nxt[i] = int(out.token_ids[j])
         return [Sample(t, len(p), torch.cat(f)[:len(t) - 1]) for t, p, f in zip(tokens, prompts, feats)]
     finally:
         for slot in slots:

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import SamplingParams
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.proposal import DraftRequest
 from specserve.engine.proposers.base import Proposer
 from specserve.engine.spec_decode import SpecDecodeEngine
@@ -82,14 +83,14 @@ def measure_costs(target: ModelWorker, proposer: Proposer, context: list[int], *
     draft step per drafted token (from a K = max_k proposal)."""
     slot = target.allocate()
     try:  # the prefill also gives the features an EAGLE proposer catches up on below
-        _, hidden = target.forward([slot], [context[:-1]], [1], return_hidden=True)
+        hidden = target.forward(ForwardBatch([slot], [context[:-1]], [1], hidden=True)).hidden
         base = target.length(slot)
         verify = {}
         for n in range(1, max_k + 2):
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                target.forward([slot], [context[-1:] * n], [n], argmax_only=True)
+                target.forward(ForwardBatch([slot], [context[-1:] * n], [n], argmax=True))
                 times.append(time.perf_counter() - t0)
                 target.rollback(slot, base)
             verify[n] = statistics.median(times)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask, masked
 from specserve.engine.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.proposers.base import Proposer
@@ -206,7 +207,7 @@ class DraftModelProposer(Proposer):
         # drafts after it are worse, never wrong (the target verifies them).
         limit = self.worker.vocab_size
         tokens = [[t if t < limit else 0 for t in ids] for ids, _ in feeds]
-        return self.worker.forward(slots, tokens, [1] * len(feeds)), None
+        return self.worker.forward(ForwardBatch(slots, tokens)).logits, None
 
     def _sample(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int],
                 masks: torch.Tensor | None = None

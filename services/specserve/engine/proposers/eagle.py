@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
+from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.grammar import allocate_bitmask, masked
 from specserve.engine.proposal import DraftRequest, Proposal
 from specserve.engine.proposers.draft_model import DraftModelProposer
@@ -119,13 +120,12 @@ class EagleProposer(DraftModelProposer):
             paths = {i: [_path(trees[i], n) for n in trees[i].frontier] for i in growing if i in matchers}
             fed = [trees[i].feed() for i in growing]
             counts = [len(tokens) for tokens, _, _ in fed]
-            logits, hidden = self.worker.runtime(
-                self.worker.cache, [self.slots[requests[i].seq_id] for i in growing],
-                [tokens for tokens, _, _ in fed], counts,
-                features=torch.cat([f for _, features, _ in fed for f in features]),
-                return_hidden=True, trees=[parents for _, _, parents in fed])
-            scored = self._logprobs_of([requests[i] for i in growing], list(logits.split(counts)))
-            for i, x, h in zip(growing, scored, hidden.split(counts)):
+            out = self.worker.forward(ForwardBatch(
+                [self.slots[requests[i].seq_id] for i in growing], [tokens for tokens, _, _ in fed],
+                counts, trees=[parents for _, _, parents in fed],
+                features=torch.cat([f for _, features, _ in fed for f in features]), hidden=True))
+            scored = self._logprobs_of([requests[i] for i in growing], list(out.logits.split(counts)))
+            for i, x, h in zip(growing, scored, out.hidden.split(counts)):
                 if i in matchers:
                     x = self._within_grammar(x, matchers[i], paths[i])
                 trees[i].expand(x, h.split(1))
@@ -179,11 +179,10 @@ class EagleProposer(DraftModelProposer):
     def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = [t for t, _ in feeds]
-        logits, hidden = self.worker.runtime(
-            self.worker.cache, slots, tokens, [1] * len(feeds),
-            features=torch.cat([f for _, f in feeds]), return_hidden=True)
-        last = torch.tensor([len(t) for t in tokens], device=hidden.device).cumsum(0) - 1
-        return logits, hidden[last]  # f-hat at each row's newest position
+        out = self.worker.forward(ForwardBatch(slots, tokens, [1] * len(feeds),
+                                               features=torch.cat([f for _, f in feeds]), hidden=True))
+        last = torch.tensor([len(t) for t in tokens], device=out.hidden.device).cumsum(0) - 1
+        return out.logits, out.hidden[last]  # f-hat at each row's newest position
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], torch.Tensor] | None:
         """The pairs from ``real`` up to the sequence's last token, or None while the target
