@@ -10,7 +10,9 @@ differs between CPUs, so a file from another machine is no reference.
 
 The requests: completions with logprobs, chat, n = 2 seeded, a json_schema response, a stream
 with usage, the first request again (a prefix-cache hit), a prompt prefilled in chunks; once
-per ``--methods`` entry (the default's suffix decoding, and target-only).
+per ``--methods`` entry (the default's suffix decoding at its K, not adaptive: the controller
+picks K from measured times; and target-only). The responses' speculation counts are in the
+file too: at a fixed K they are the same run to run.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ LONG = ("Write down, one after the other, the names of the planets, the days of 
 def requests(model: str) -> list[tuple[str, str, dict]]:
     """(name, route, body) of every request, in the order they are sent."""
     chat = [{"role": "user", "content": "Name three colours and one fruit of each colour."}]
-    completion = {"model": model, "prompt": "The capital of France is", "max_tokens": 24,
+    completion = {"model": model, "max_tokens": 24,  # a prompt of full blocks: the hit is one
+                  "prompt": "Paris is the capital of France. Berlin is the capital of Germany. "
+                            "Rome is the capital of Italy. Madrid is the capital of",
                   "temperature": 0, "logprobs": 3, "echo": False}
     return [
         ("completion_logprobs", "/v1/completions", completion),
@@ -88,6 +92,10 @@ def app_args(method: str, chunk: int) -> dict:
     args = app["args"]
     engine = args["unit"]["engine"]
     engine["chunked_prefill_size"] = chunk
+    # K fixed: the adaptive controller picks K from measured times, so its speculation
+    # counts (and only those) would differ run to run.
+    engine["speculative"]["adaptive"] = {"enabled": False}
+    args["unit"]["router"]["short_output_tokens"] = 0  # every request speculates
     if method == "off":
         engine["speculative"] = {"method": None}
     return args
