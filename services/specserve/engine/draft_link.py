@@ -24,10 +24,11 @@ from collections.abc import Iterable
 import torch
 
 from specserve.engine.grammar import GrammarCompiler
-from specserve.engine.proposal import DraftRequest, Proposal
+from specserve.engine.proposal import DraftRequest
 from specserve.engine.proposers.base import Proposer
 from specserve.engine.sequence import Sequence
 from specserve.engine.stats import EngineCounters
+from specserve.engine.step_batch import StepBatch, StepRow
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError, ProposerUnavailable
 
@@ -105,51 +106,56 @@ class DraftLink:
         self.attached.pop(seq.seq_id, None)
 
     # -- the step ---------------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence], ks: list[int], caps: list[int]) -> list[Proposal]:
-        """Each row's drafts: at most ``ks[i]`` (a proposer that ``drafts_to_cap``: ``caps[i]``);
-        empty where the row asked for none, or for every row when the proposer is lost."""
-        requests = [DraftRequest(s.seq_id, s.token_ids, k, s.params.temperature, s.params.top_k,
-                                 s.params.top_p, seeded=s.params.seed is not None, cap=cap,
-                                 grammar=s.grammar.spec if s.grammar is not None else None,
-                                 output_start=s.prompt_len)
-                    for s, k, cap in zip(seqs, ks, caps)]
-        to_cap = self.proposer is not None and self.proposer.drafts_to_cap
+    def propose(self, rows: list[StepRow]) -> None:
+        """Each row's drafts (``proposal``, and the ``source`` that drafted them): at most
+        its ``k`` (a proposer that ``drafts_to_cap``: its ``cap``); none where the row asked
+        for none, or for every row when the proposer is lost."""
+        if self.proposer is None:
+            return
+        to_cap = self.proposer.drafts_to_cap
+        requests = [self._request(row) for row in rows]
         active = [i for i, r in enumerate(requests) if r.k > 0 or (to_cap and r.cap > 0)]
         if self.needs_hidden:  # features go out every step, drafting or not: none pile up here
             asked = set(active)
-            active = [i for i, s in enumerate(seqs) if i in asked or (s.draft_attached and s.hidden)]
+            active = [i for i, row in enumerate(rows)
+                      if i in asked or (row.seq.draft_attached and row.seq.hidden)]
             for i in active:
-                if seqs[i].hidden:
-                    requests[i].hidden = torch.cat(seqs[i].hidden)
-                    seqs[i].hidden = []
-        proposals = [Proposal([]) for _ in seqs]
-        if active:
-            try:
-                drafted = self.proposer.propose([requests[i] for i in active])
-            except ProposerUnavailable:
-                self.lost()
-                return proposals  # this step is target-only; nobody's output changes
-            for i, proposal in zip(active, drafted):
-                limit = requests[i].cap if to_cap else requests[i].k
-                assert len(proposal.token_ids) <= limit, "proposer drafted too many"
-                proposals[i] = proposal
-        return proposals
+                if rows[i].seq.hidden:
+                    requests[i].hidden = torch.cat(rows[i].seq.hidden)
+                    rows[i].seq.hidden = []
+        for row in rows:
+            row.source = self.proposer.method
+        if not active:
+            return
+        try:
+            drafted = self.proposer.propose([requests[i] for i in active])
+        except ProposerUnavailable:
+            self.lost()
+            return  # this step is target-only; nobody's output changes
+        for i, proposal in zip(active, drafted):
+            limit = requests[i].cap if to_cap else requests[i].k
+            assert len(proposal.token_ids) <= limit, "proposer drafted too many"
+            rows[i].proposal, rows[i].source = proposal, proposal.source or self.proposer.method
+
+    @staticmethod
+    def _request(row: StepRow) -> DraftRequest:
+        seq, params = row.seq, row.seq.params
+        return DraftRequest(seq.seq_id, seq.token_ids, row.k, params.temperature, params.top_k,
+                            params.top_p, seeded=params.seed is not None, cap=row.cap,
+                            grammar=seq.grammar.spec if seq.grammar is not None else None,
+                            output_start=seq.prompt_len)
 
     def wants_features(self, seq: Sequence) -> bool:
         """Whether the target's features of ``seq``'s positions go to the proposer."""
         return self.needs_hidden and seq.draft_attached
 
-    def keep_features(self, seqs: list[Sequence], starts: list[int],
-                      hidden: list[torch.Tensor | None]) -> None:
+    def keep_features(self, batch: StepBatch) -> None:
         """Queue the target features of each row's tokens that are now final (positions from
         the step's start to the cache length after rollback)."""
-        for seq, start, rows in zip(seqs, starts, hidden):
-            if rows is not None and seq.draft_attached and seq.finish_reason is None:
-                seq.hidden.append(rows[:self.target.length(seq.slot) - start])
-
-    def source(self, proposal: Proposal) -> str:
-        """The registry method that drafted ``proposal`` (a hybrid names its part)."""
-        return proposal.source or self.proposer.method
+        for row in batch.rows:
+            seq = row.seq
+            if row.hidden is not None and seq.draft_attached and seq.finish_reason is None:
+                seq.hidden.append(row.hidden[:self.target.length(seq.slot) - row.start])
 
     # -- availability -----------------------------------------------------------------------
     def call(self, method, *args) -> None:

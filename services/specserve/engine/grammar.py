@@ -541,12 +541,10 @@ def _ancestry(parents: list[int], node: int) -> list[int]:
 
 
 # -- drafts under a grammar -----------------------------------------------------------------------
-def constrain_drafts(matchers: list[Matcher | None], params: list,
-                     proposals: list) -> list[torch.Tensor | None]:
-    """Structured outputs in a verify: each constrained row's grammar masks at its verified
-    positions (None for a free row: ``matchers[i]`` None), after cutting the drafts its
-    grammar forbids from its proposal (``proposals[i]``, replaced in place; ``params[i]``:
-    its request's ``SamplingParams``).
+def constrain(matcher: Matcher, params, proposal) -> tuple:
+    """A structured output's row in a verify: its proposal less the drafts its grammar
+    forbids, and the grammar's masks at its verified positions (``[drafts kept + 1, W]``);
+    ``params``: its request's ``SamplingParams``.
 
     A chain keeps its drafts up to the first forbidden one. That one is dropped too,
     except where the rejection test reads the draft's q (:func:`keeps_forbidden`): there it
@@ -556,30 +554,22 @@ def constrain_drafts(matchers: list[Matcher | None], params: list,
     alone, and a one-hot q's residual is p itself, so dropping it there changes nothing. A
     tree loses its forbidden nodes and their subtrees (tree proposals are one-hot: same
     argument)."""
-    masks: list[torch.Tensor | None] = [None] * len(proposals)
-    for i, matcher in enumerate(matchers):
-        if matcher is None:
-            continue
-        proposal = proposals[i]
-        if proposal.parents is not None:
-            rows, allowed = matcher.walk_tree(proposal.token_ids, proposal.parents)
-            kept = [j for j, ok in enumerate(allowed) if ok]
-            proposals[i] = proposal.subtree(kept)
-            masks[i] = rows[[0, *(j + 1 for j in kept)]]
-            continue
-        rows, num_allowed = matcher.walk(proposal.token_ids)
-        keep = num_allowed
-        if num_allowed < len(proposal.token_ids) and keeps_forbidden(params[i], proposal):
-            keep += 1
-            rows = torch.cat([rows, torch.full_like(rows[:1], -1)])  # (never reached)
-        if keep < len(proposal.token_ids):
-            proposals[i] = proposal.prefix(keep)
-        masks[i] = rows
-    return masks
+    if proposal.parents is not None:
+        rows, allowed = matcher.walk_tree(proposal.token_ids, proposal.parents)
+        kept = [j for j, ok in enumerate(allowed) if ok]
+        return proposal.subtree(kept), rows[[0, *(j + 1 for j in kept)]]
+    rows, num_allowed = matcher.walk(proposal.token_ids)
+    keep = num_allowed
+    if num_allowed < len(proposal.token_ids) and keeps_forbidden(params, proposal):
+        keep += 1
+        rows = torch.cat([rows, torch.full_like(rows[:1], -1)])  # (never reached)
+    if keep < len(proposal.token_ids):
+        proposal = proposal.prefix(keep)
+    return proposal, rows
 
 
 def keeps_forbidden(params, proposal) -> bool:
     """Whether a chain keeps its first draft a grammar forbids, as a certain rejection
-    (:func:`constrain_drafts`): where the rejection test reads the draft's q (a model's
+    (:func:`constrain`): where the rejection test reads the draft's q (a model's
     probabilities, an unseeded sampled request)."""
     return proposal.probs is not None and not params.greedy and params.seed is None

@@ -35,13 +35,12 @@ so a new request waits rather than push a running one out.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import torch
-
-from specserve.engine.draft_link import DraftLink
 from specserve.engine.sequence import Sequence
 from specserve.engine.stats import EngineCounters
+from specserve.engine.step_batch import ChunkRow, StepBatch, StepRow
 from specserve.engine.worker import ModelWorker
 
 
@@ -91,74 +90,6 @@ def plan_step(rows: list[BudgetRow], budget: int | None) -> StepPlan:
     return plan
 
 
-@dataclass(frozen=True)
-class ForwardLayout:
-    """Where a step's rows sit in its one target forward: consecutive row groups
-    (``LlamaRuntime.forward``'s ``groups``), each padded to its own longest row."""
-
-    rows: list[int]    # the verifying rows (indices), in forward order
-    chunks: list[int]  # the prompt chunks (indices), in forward order, after the rows
-    groups: list[int]  # sizes of the consecutive groups over rows, then chunks
-    padded: int        # token rows the forward computes: each group x its longest row
-
-
-def layout_forward(decoding: list[bool], lengths: list[int], chunk_lengths: list[int]) -> ForwardLayout:
-    """Decode rows (``decoding[i]``, ``lengths[i]`` new tokens each) in one group, or two
-    where a few long rows (an exploration probe, a big tree) would pad the others to their
-    length (:func:`split_padded`); rows still prefilling, then chunks, one group per input
-    length, so no row is padded to a prompt's length.
-
-    >>> layout_forward([True, False, True], [5, 40, 1], [256])
-    ForwardLayout(rows=[0, 2, 1], chunks=[0], groups=[2, 1, 1], padded=306)
-    """
-    groups: dict[int, list[int]] = {}
-    for i, (decode, n) in enumerate(zip(decoding, lengths)):
-        groups.setdefault(0 if decode else n, []).append(i)  # 0: decode rows
-    if 0 in groups:
-        groups[0], long_rows = split_padded(groups[0], lengths)
-        if long_rows:
-            groups[-1] = long_rows
-    chunks = sorted(range(len(chunk_lengths)), key=lambda j: chunk_lengths[j])
-    chunk_groups = {n: chunk_lengths.count(n) for n in sorted(set(chunk_lengths))}
-    return ForwardLayout(
-        rows=[i for rows in groups.values() for i in rows], chunks=chunks,
-        groups=[len(rows) for rows in groups.values()] + list(chunk_groups.values()),
-        padded=sum(len(rows) * max(lengths[i] for i in rows) for rows in groups.values())
-        + sum(n * count for n, count in chunk_groups.items()))
-
-
-# Splitting the decode rows in two costs a second group: on the invariant kernels an
-# attention call per layer in the same pass, elsewhere (each group its own forward) about one
-# decode of weight reads, which on this project's CPUs costs about as much as 16 padded token
-# rows of compute (bench-tree's verify costs: 17 tokens at batch 1 cost 2.2 decodes).
-# Splitting pays where it saves twice that; on the packed pass that is conservative.
-SPLIT_MIN_PADDING = 32
-
-
-def split_padded(rows: list[int], lengths: list[int],
-                 min_saving: int = SPLIT_MIN_PADDING) -> tuple[list[int], list[int]]:
-    """Decode rows as one group, or two: ``(short rows, long rows)``. A group computes
-    every row at its longest row's length, so one row drafting 16 while seven draft nothing
-    costs 8 x 17 token rows; apart, 7 x 1 and 1 x 17. Split at the length that saves the most
-    padded token rows, when that is at least ``min_saving`` (the second group's own cost).
-
-    >>> split_padded([0, 1, 2, 3], [1, 1, 17, 1])
-    ([0, 1, 3], [2])
-    >>> split_padded([0, 1], [3, 5])
-    ([0, 1], [])
-    """
-    longest = max(lengths[i] for i in rows)
-    best, cut = 0, None
-    for length in sorted({lengths[i] for i in rows} - {longest}):
-        short = [i for i in rows if lengths[i] <= length]
-        saving = len(short) * (longest - length)
-        if saving > best:
-            best, cut = saving, length
-    if cut is None or best < min_saving:
-        return rows, []
-    return ([i for i in rows if lengths[i] <= cut], [i for i in rows if lengths[i] > cut])
-
-
 def newest_preemptable(preemptable: list[bool]) -> int | None:
     """The row to preempt: the newest (last admitted) that may be, never the only row left.
 
@@ -172,13 +103,21 @@ def newest_preemptable(preemptable: list[bool]) -> int | None:
 
 class Scheduler:
     """The engine's sequences and which of them each step runs: the queue and its admission,
-    the step's plan with preemption (module docstring), and the ``n`` samples of a request
-    that wait for its first to share its prefill (:meth:`fork`)."""
+    the step's rows with preemption (module docstring), and the ``n`` samples of a request
+    that wait for its first to share its prefill (:meth:`fork`).
 
-    def __init__(self, target: ModelWorker, draft: DraftLink, counters: EngineCounters,
-                 chunked_prefill_size: int | None) -> None:
-        self.target, self.draft, self.counters = target, draft, counters
+    It knows nothing of drafts: what they need of it comes in as two answers. ``lookahead``:
+    the positions a row's drafts may take beyond its tokens this step (the K planner's cap),
+    which its blocks must hold; ``match_prefix``: whether a new sequence may start from the
+    prefix cache (not where the proposer reads target features: cached positions' are not
+    kept). The engine hands the sequences it admits, preempts and releases to the draft link."""
+
+    def __init__(self, target: ModelWorker, counters: EngineCounters, chunked_prefill_size: int | None,
+                 *, lookahead: Callable[[Sequence], int] = lambda seq: 0,
+                 match_prefix: bool = True) -> None:
+        self.target, self.counters = target, counters
         self.chunked_prefill_size = chunked_prefill_size
+        self.lookahead, self.match_prefix = lookahead, match_prefix
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.forks: dict[int, list[Sequence]] = {}  # a request's first sample -> its others
@@ -193,10 +132,12 @@ class Scheduler:
         return bool(self.waiting or self.running)  # (a waiting sibling's first is in either)
 
     # -- admission --------------------------------------------------------------------------
-    def admit(self) -> None:
+    def admit(self) -> list[Sequence]:
         """Waiting requests in order, while slots are free and (a paged cache) the blocks
         their first step needs beside the running rows': a request of ``n`` samples takes
-        its ``n`` slots at once (its first prefills; the others wait in them)."""
+        its ``n`` slots at once (its first prefills; the others wait in them). Returns the
+        sequences that started running."""
+        admitted = []
         while self.waiting and self._room_for(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.slot = self.target.allocate()
@@ -206,8 +147,8 @@ class Scheduler:
             for sibling in self.forks.get(seq.seq_id, []):
                 sibling.slot = self.target.allocate()
             self.running[seq.seq_id] = seq
-            if seq.num_speculative_tokens > 0 and self.draft.available:
-                self.draft.attach(seq)
+            admitted.append(seq)
+        return admitted
 
     def _room_for(self, seq: Sequence) -> bool:
         """Slots for ``seq`` and its samples, and (a paged cache) the blocks its first step
@@ -222,27 +163,31 @@ class Scheduler:
     def _match(self, seq: Sequence) -> int:
         """The tokens ``seq`` finds in the target's prefix cache (its slot starts with them;
         the engine prefills the rest): of its prompt, or of its prompt and output after a
-        preemption. Zero for a request that wants every prompt position's logprobs, and (so
-        far) where the proposer reads target features: those of cached positions are not kept."""
-        if seq.params.prompt_logprobs is not None or self.draft.needs_hidden:
+        preemption. Zero for a request that wants every prompt position's logprobs, and
+        without ``match_prefix``."""
+        if seq.params.prompt_logprobs is not None or not self.match_prefix:
             return 0
         return self.target.match(seq.slot, seq.token_ids, seq.params.cache_salt)
 
-    # -- the step's plan --------------------------------------------------------------------
-    def schedule(self) -> tuple[list[Sequence], StepPlan]:
-        """The step's rows and plan (:func:`plan_step`). Where a paged cache lacks the blocks
-        they need, the newest rows are preempted (:meth:`_preempt`) until it does not; the
-        last row always runs (the pool holds a sequence of ``max_model_len``)."""
+    # -- the step's rows --------------------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        """The step's rows (:func:`plan_step`): those that verify, the prompt chunks. Where a
+        paged cache lacks the blocks they need, the newest rows are preempted
+        (:meth:`_preempt`; :attr:`StepBatch.preempted`) until it does not; the last row
+        always runs (the pool holds a sequence of ``max_model_len``)."""
         seqs = list(self.running.values())
         plan = self._budget(seqs)
+        preempted = []
         while self._short_of_blocks(seqs, plan):
             victim = newest_preemptable([s.params.prompt_logprobs is None or not s.output_token_ids
                                          for s in seqs])  # prompt scores already sent: not again
             if victim is None:
                 break
-            self._preempt(seqs.pop(victim))
+            preempted.append(self._preempt(seqs.pop(victim)))
             plan = self._budget(seqs)
-        return seqs, plan
+        return StepBatch(rows=[StepRow(seqs[i], self.held(seqs[i])) for i in plan.verify],
+                         chunks=[ChunkRow(seqs[i], self.held(seqs[i]), n) for i, n in plan.chunks],
+                         preempted=preempted)
 
     def _budget(self, seqs: list[Sequence]) -> StepPlan:
         rows = [BudgetRow(True, 0) if self.decoding(s)
@@ -258,22 +203,22 @@ class Scheduler:
         if not self.target.paged:
             return False
         needs = [(seqs[i].slot, self.held(seqs[i]) + n) for i, n in plan.chunks]
-        needs += [(seqs[i].slot, len(seqs[i].token_ids) + self.draft_len(seqs[i]))
+        needs += [(seqs[i].slot, len(seqs[i].token_ids) + self.lookahead(seqs[i]))
                   for i in plan.verify]
         forked = sum(len(self.forks.get(seqs[i].seq_id, ())) for i in plan.verify)
         return self.target.kv_shortfall(needs, forked) > 0
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> Sequence:
         """``seq`` gives its KV blocks back (and its samples not forked yet, their slots) and
         waits at the head of the queue; admitted again, it recomputes its KV from its tokens."""
         del self.running[seq.seq_id]
         for s in (seq, *self.forks.get(seq.seq_id, ())):
             self.target.free(s.slot)
             s.slot = -1
-        self.draft.detach(seq)
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
         self.waiting.appendleft(seq)
+        return seq
 
     def held(self, seq: Sequence) -> int:
         """Positions the target holds for ``seq`` (none before it is admitted)."""
@@ -285,35 +230,27 @@ class Scheduler:
         prompt with more of it to compute still prefills."""
         return len(seq.token_ids) - self.held(seq) <= 1
 
-    def draft_len(self, seq: Sequence) -> int:
-        """K for this step: at most the request's K, and never more than can be emitted.
-        A step emits up to K + 1 tokens; they must fit in both ``max_tokens`` and the context."""
-        remaining = self.target.max_seq_len - len(seq.token_ids)
-        if seq.params.max_tokens is not None:
-            remaining = min(remaining, seq.params.max_tokens - len(seq.output_token_ids))
-        return max(0, min(seq.num_speculative_tokens, remaining - 1))
-
     # -- samples, endings -------------------------------------------------------------------
-    def fork(self, first: Sequence, start: int, hidden: torch.Tensor | None) -> None:
-        """``first`` has verified its prompt: its samples start from copies of its caches over
-        the prompt but its last token (which each feeds itself, as a decoding row does, and
-        samples its first token from with its own seed). ``start``: where ``first``'s verify
-        began; ``hidden``: its kept features, for a proposer that reads them."""
+    def fork(self, first: Sequence) -> Iterator[Sequence]:
+        """``first`` has verified its prompt: its samples start from copies of its target
+        cache over the prompt but its last token (which each feeds itself, as a decoding row
+        does, and samples its first token from with its own seed). Yields each sample once it
+        runs, for the engine to start its draft; one at a time, so a fork that raises leaves
+        the rest to the retry."""
         shared = first.prompt_len - 1
         siblings = self.forks[first.seq_id]
-        while siblings:  # one at a time: a fork that raises leaves the rest to the retry
+        while siblings:
             seq = siblings[0]
             self.target.fork(first.slot, seq.slot, shared)
             self.running[seq.seq_id] = siblings.pop(0)
             self.counters.num_forked_tokens += shared
-            self.draft.fork(seq, first, shared, start, hidden)
+            yield seq
         del self.forks[first.seq_id]
 
     def release(self, seq: Sequence) -> None:
-        """``seq`` ended (its ``finish_reason`` says how): its slot and its draft state go."""
+        """``seq`` ended (its ``finish_reason`` says how): its slot goes."""
         self.running.pop(seq.seq_id, None)
         self.target.free(seq.slot)
-        self.draft.detach(seq, learn=seq.finish_reason not in ("abort", "error"))
 
     def drop_samples(self, seq_id: int, finish_reason: str) -> list[Sequence]:
         """End the samples still waiting to share ``seq_id``'s prefill; they are returned."""
@@ -324,10 +261,10 @@ class Scheduler:
                 self.target.free(sibling.slot)
         return siblings
 
-    def abort(self, seq_id: int) -> bool:
-        """Drop a request wherever it is; frees its slots. False if it is unknown or done.
-        Aborting the first of ``n`` samples before its prefill was shared aborts the samples
-        waiting for it (the API aborts all of a request's samples together)."""
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a request wherever it is; frees its slots. Returns the sequence, None if it
+        is unknown or done. Aborting the first of ``n`` samples before its prefill was shared
+        aborts the samples waiting for it (the API aborts all of a request's samples together)."""
         seq = next((s for s in self.waiting if s.seq_id == seq_id), None)
         if seq is not None:
             self.waiting.remove(seq)
@@ -338,9 +275,9 @@ class Scheduler:
         else:
             return self._abort_sample(seq_id)
         self.drop_samples(seq_id, "abort")
-        return True
+        return seq
 
-    def _abort_sample(self, seq_id: int) -> bool:
+    def _abort_sample(self, seq_id: int) -> Sequence | None:
         """Abort a sample still waiting for its first to share the prefill."""
         for first, siblings in self.forks.items():
             for seq in siblings:
@@ -351,5 +288,5 @@ class Scheduler:
                         self.target.free(seq.slot)
                     if not siblings:
                         del self.forks[first]
-                    return True
-        return False
+                    return seq
+        return None

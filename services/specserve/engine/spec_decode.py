@@ -10,7 +10,7 @@ the step names the module):
    per running sequence (K is capped so the step can neither overrun ``max_tokens`` nor the
    context; for adaptive requests the controller of ``adaptive.py`` picks K under that cap:
    ``k_planner.py``), then cut the drafts a structured output's grammar forbids
-   (``grammar.constrain_drafts``);
+   (``grammar.constrain``);
 3. **verify**: one target forward over each row's pending tokens plus its drafts, with
    logits at the last ``num_draft_tokens + 1`` positions (ragged: every row its own length),
    and ``verification.py`` turning those logits and the proposals into the tokens each row
@@ -50,24 +50,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-
-import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.adaptive import SpecLengthController
 from specserve.engine.draft_link import DraftLink
 from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.grammar import CompiledGrammar, constrain_drafts
+from specserve.engine.grammar import CompiledGrammar, constrain
 from specserve.engine.k_planner import KPlanner
-from specserve.engine.proposal import Proposal
 from specserve.engine.proposers.base import Proposer
 from specserve.engine.sampling import random_seed
-from specserve.engine.scheduler import Scheduler, layout_forward
+from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Completion, Sequence, StepOutput
 from specserve.engine.stats import EngineCounters
+from specserve.engine.step_batch import ChunkRow, StepBatch, StepRow
 from specserve.engine.tokenizer import IncrementalDetokenizer
-from specserve.engine.verification import Verdict
 from specserve.engine.worker import ModelWorker, Verified
 from specserve.errors import InvalidRequestError, RequestFailed, TargetUnavailable
 
@@ -89,9 +85,11 @@ class SpecDecodeEngine:
         self.num_speculative_tokens = num_speculative_tokens
         self.counters = EngineCounters()
         self.draft = DraftLink(proposer, target, self.counters, tokenizer, eos_token_ids)
-        self.scheduler = Scheduler(target, self.draft, self.counters, chunked_prefill_size)
-        self.k = KPlanner(controller if proposer is not None else None, self.scheduler, self.draft,
-                          self.counters)
+        self.k = KPlanner(controller if proposer is not None else None, self.counters,
+                          max_model_len=target.max_seq_len, row_invariant=target.row_invariant,
+                          k_source=proposer.method if proposer is not None else None)
+        self.scheduler = Scheduler(target, self.counters, chunked_prefill_size, lookahead=self.k.cap,
+                                   match_prefix=not self.draft.needs_hidden)
         # Fault injection (tests): a step whose rows include a prompt with this token raises,
         # as a request-caused failure would; only that request may fail.
         self.fault_token: int | None = None
@@ -141,8 +139,11 @@ class SpecDecodeEngine:
         return [s.seq_id for s in seqs]
 
     def abort(self, seq_id: int) -> bool:
-        """Drop a request wherever it is (:meth:`Scheduler.abort`)."""
-        return self.scheduler.abort(seq_id)
+        """Drop a request wherever it is (:meth:`Scheduler.abort`); False if it is unknown or done."""
+        seq = self.scheduler.abort(seq_id)
+        if seq is not None:
+            self.draft.detach(seq)
+        return seq is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -153,116 +154,103 @@ class SpecDecodeEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        self.scheduler.admit()
+        for seq in self.scheduler.admit():
+            if seq.num_speculative_tokens > 0 and self.draft.available:
+                self.draft.attach(seq)
         if not self.scheduler.running:
             return []
-        seqs, chunks = list(self.scheduler.running.values()), []
+        batch = None
         try:
-            seqs, plan = self.scheduler.schedule()
-            chunks = [(seqs[i], n) for i, n in plan.chunks]
-            rows = [seqs[i] for i in plan.verify]
-            if not rows:  # nothing to verify: the chunks alone
-                self._prefill_chunks(chunks)
+            batch = self.scheduler.schedule()
+            for seq in batch.preempted:
+                self.draft.detach(seq)
+            if not batch.rows:  # nothing to verify: the chunks alone
+                self._prefill_chunks(batch.chunks)
                 return []
-            return self._step(rows, chunks)
+            return self._step(batch)
         except TargetUnavailable:
             raise
         except Exception:  # noqa: BLE001  whose fault? Each row alone tells (module docstring)
-            log.exception("a step of %d rows failed; stepping each row alone", len(seqs))
-            return self._step_alone(seqs, chunks)
+            rows = self._rows_alone(batch)
+            log.exception("a step of %d rows failed; stepping each row alone", len(rows))
+            return self._step_alone(rows)
 
-    def _step(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()) -> list[StepOutput]:
+    def _step(self, batch: StepBatch) -> list[StepOutput]:
         """Plan, draft, verify, sample: nothing of a sequence changes until every row has its
-        result, so a failure up to there leaves only caches to restore. Then each row
-        advances on its own, and a row that fails there fails alone. ``chunks``: prompts'
-        chunks ``(row, tokens)`` prefilled in the verify's forward."""
-        _inject_fault(self.fault_token, seqs)
-        t0 = time.perf_counter()
-        ks, caps = self.k.plan(seqs)
-        proposals = self.draft.propose(seqs, ks, caps)
-        masks = constrain_drafts([s.grammar for s in seqs], [s.params for s in seqs], proposals)
-        t1 = time.perf_counter()
-        starts = [self.target.length(s.slot) for s in seqs]
-        verdicts, hidden, sample_s = self._verify(seqs, proposals, masks, chunks)
-        t2 = time.perf_counter() - sample_s  # the sampler ran inside verify; it is accept time
-        self.counters.num_prefill_tokens += sum(len(s.token_ids) - start for s, start in zip(seqs, starts)
-                                                if start < s.prompt_len and s.index == 0)  # not forks
-        for i, seq in enumerate(seqs):  # before advancing: that may end and free the first
-            if seq.seq_id in self.scheduler.forks:
-                self.scheduler.fork(seq, starts[i], hidden[i] if hidden is not None else None)
-        outputs = [out for seq, prop, verdict in zip(seqs, proposals, verdicts)
-                   for out in self._advance_or_fail(seq, prop, verdict)]
-        t3 = time.perf_counter()
+        verdict, so a failure up to there leaves only caches to restore. Then each row
+        advances on its own, and a row that fails there fails alone."""
+        _inject_fault(self.fault_token, batch)
+        clock = batch.clock
+        clock.lap()
+        self.k.plan(batch.rows)
+        self.draft.propose(batch.rows)
+        for row in batch.rows:
+            if row.seq.grammar is not None:
+                row.proposal, row.mask = constrain(row.seq.grammar, row.seq.params, row.proposal)
+        clock.propose_s = clock.lap()
+        self._verify(batch)
+        clock.verify_s = clock.lap() - clock.sample_s
+        self.counters.num_prefill_tokens += sum(row.num_pending for row in batch.rows  # not forks
+                                                if row.start < row.seq.prompt_len and row.seq.index == 0)
+        for row in batch.rows:  # before advancing: that may end and free the first
+            if row.seq.seq_id in self.scheduler.forks:
+                self._fork(row)
+        outputs = [out for row in batch.rows for out in self._advance_or_fail(row)]
+        clock.advance_s = clock.lap()
         try:  # bookkeeping of the unit, not of a request: it must not fail the outputs above
-            if hidden is not None:
-                self.draft.keep_features(seqs, starts, hidden)
-            self.counters.times.add(t1 - t0, t2 - t1, t3 - t2)
-            self.k.observe_step(seqs, ks, proposals, verdicts, t1 - t0, t3 - t2)
+            if batch.hidden:
+                self.draft.keep_features(batch)
+            self.counters.times.add(clock.propose_s, clock.verify_s, clock.accept_s)
+            self.k.observe(batch, drafted=self.draft.available)
         except Exception:  # noqa: BLE001
             log.exception("step bookkeeping failed; the draft starts afresh")
             self.draft.lost()
         return outputs
 
-    def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
-                masks: list[torch.Tensor | None], chunks: list[tuple[Sequence, int]] = ()
-                ) -> tuple[list[Verdict], list[torch.Tensor | None] | None, float]:
-        """The target's verdict per row; for a proposer that reads them, the final hidden
-        states of each row's tokens that are now final (None otherwise); and the seconds the
-        rejection sampler took. One target call, whose forward holds every row and the
-        prompts' ``chunks`` in row groups (:func:`~specserve.engine.scheduler.layout_forward`),
-        so a running stream waits for one forward, not a chunk's and then its own (the stall
-        ``make bench-prefix`` measures)."""
-        want_hidden = self.draft.needs_hidden and (
-            any(s.draft_attached for s in seqs) or any(self.draft.wants_features(s) for s, _ in chunks))
-        inputs = [s.token_ids[self.target.length(s.slot):] + p.token_ids
-                  for s, p in zip(seqs, proposals)]
-        trees = [_input_tree(len(inputs[i]) - len(p.token_ids), p.parents)
-                 for i, p in enumerate(proposals)]
-        chunk_ids = [self._chunk_ids(seq, n) for seq, n in chunks]
-        layout = layout_forward([self.scheduler.decoding(s) for s in seqs], [len(x) for x in inputs],
-                                [len(ids) for ids in chunk_ids])
-        order, chunk_order = layout.rows, layout.chunks
-        t0 = time.perf_counter()
-        row_trees = [trees[i] for i in order]
-        result: Verified = self.target.verify(
-            [seqs[i].slot for i in order], [inputs[i] for i in order], [proposals[i] for i in order],
-            [(seqs[i].params, seqs[i].seed) for i in order], return_hidden=want_hidden,
-            trees=row_trees if any(row_trees) else None,
-            masks=[masks[i] for i in order] if any(masks[i] is not None for i in order) else None,
-            chunks=[(chunks[j][0].slot, chunk_ids[j]) for j in chunk_order], groups=layout.groups)
-        seconds = time.perf_counter() - t0 - result.sample_s
-        for j, k in enumerate(chunk_order):
-            seq, n = chunks[k]
-            if self.draft.wants_features(seq):
-                seq.hidden.append(result.chunk_hidden[j])
-            self._chunk_done(seq, n)
-        if self.controller is not None:  # (the lists cost a step's rows: not without one)
-            self.k.observe_forward(
-                [len(inputs[i]) for i in order] + [len(ids) for ids in chunk_ids],
-                [len(seqs[i].token_ids) + len(proposals[i].token_ids) for i in order]
-                + [self.target.length(seq.slot) for seq, _ in chunks], seconds, layout.padded)
-        verdicts: list[Verdict | None] = [None] * len(seqs)
-        hidden: list[torch.Tensor | None] = [None] * len(seqs)
-        for j, i in enumerate(order):
-            verdicts[i] = result.verdicts[j]
-            if want_hidden:
-                hidden[i] = result.hidden[j]
-        return verdicts, hidden if want_hidden else None, result.sample_s
+    def _verify(self, batch: StepBatch) -> None:
+        """One target call: every row's verdict (and, for a proposer that reads them, the
+        features of its tokens that are now final), the prompts' chunks prefilled in the
+        same forward in row groups (:meth:`StepBatch.arrange`), so a running stream waits
+        for one forward, not a chunk's and then its own (the stall ``make bench-prefix``
+        measures)."""
+        batch.hidden = self.draft.needs_hidden and (
+            any(row.seq.draft_attached for row in batch.rows)
+            or any(self.draft.wants_features(chunk.seq) for chunk in batch.chunks))
+        batch.arrange()
+        args, kwargs = batch.verify_args()
+        result: Verified = self.target.verify(*args, **kwargs)
+        batch.clock.sample_s = result.sample_s
+        for i, row in enumerate(batch.rows):
+            row.verdict = result.verdicts[i]
+            row.hidden = result.hidden[i] if batch.hidden else None
+        for j, chunk in enumerate(batch.chunks):
+            if self.draft.wants_features(chunk.seq):
+                chunk.seq.hidden.append(result.chunk_hidden[j])
+            self._chunk_done(chunk)
 
-    def _advance_or_fail(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> list[StepOutput]:
+    def _fork(self, row: StepRow) -> None:
+        """``row``'s sequence verified its prompt: its samples start from its caches
+        (:meth:`Scheduler.fork`), and on the draft from its draft state
+        (:meth:`DraftLink.fork`: its kept features, for a proposer that reads them)."""
+        first = row.seq
+        for seq in self.scheduler.fork(first):
+            self.draft.fork(seq, first, first.prompt_len - 1, row.start, row.hidden)
+
+    def _advance_or_fail(self, row: StepRow) -> list[StepOutput]:
         try:
-            return [self._advance(seq, proposal, verdict)]
+            return [self._advance(row)]
         except Exception as exc:  # noqa: BLE001  this row's own fault
-            log.exception("request %d failed while advancing; ending it", seq.seq_id)
-            return self._fail(seq, exc)
+            log.exception("request %d failed while advancing; ending it", row.seq.seq_id)
+            return self._fail(row.seq, exc)
 
-    def _advance(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> StepOutput:
+    def _advance(self, row: StepRow) -> StepOutput:
         """Append the emitted tokens through the stop checks, then roll caches back."""
+        seq, proposal, verdict = row.seq, row.proposal, row.verdict
         num_before = len(seq.token_ids)
         num_draft_tokens, num_accepted_tokens = len(proposal.token_ids), verdict.num_accepted
         tree = (proposal.parents, verdict.path) if verdict.path is not None else None
         seq.stats.observe(num_draft_tokens, num_accepted_tokens, tree)
-        self.counters.observe(self.draft.source(proposal) if num_draft_tokens else "",
+        self.counters.observe(row.source if num_draft_tokens else "",
                               num_draft_tokens, num_accepted_tokens, tree, proposal.parents is not None)
         if verdict.prompt_logprobs is not None:
             seq.prompt_logprobs = verdict.prompt_logprobs
@@ -281,49 +269,56 @@ class SpecDecodeEngine:
         self.target.rollback(seq.slot, num_before + num_accepted_tokens)
         self.target.commit(seq.slot, seq.token_ids)
         if seq.finish_reason:
-            self.scheduler.release(seq)
+            self._release(seq)
         else:
             self.draft.commit(seq, num_before + num_accepted_tokens)
         return seq.step_output(verdict.prompt_logprobs)
 
+    def _release(self, seq: Sequence) -> None:
+        """``seq`` ended: its slot (the scheduler) and its draft state (``learn``: a proposer
+        that drafts from earlier responses keeps one that ended normally) go."""
+        self.scheduler.release(seq)
+        self.draft.detach(seq, learn=seq.finish_reason not in ("abort", "error"))
+
     # -- prompt chunks (scheduler.py) -------------------------------------------------------
-    def _prefill_chunks(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """Prefill prompt chunks ``(row, tokens)`` in forwards of their own (a step with no
-        row to verify; :meth:`_verify` takes them into its forward otherwise)."""
-        for seq, n in chunks:
-            ids = self._chunk_ids(seq, n)
+    def _prefill_chunks(self, chunks: list[ChunkRow]) -> None:
+        """Prefill prompt chunks in forwards of their own (a step with no row to verify;
+        :meth:`_verify` takes them into its forward otherwise)."""
+        for chunk in chunks:
+            seq = chunk.seq
             if self.draft.wants_features(seq):
                 seq.hidden.append(self.target.forward(
-                    ForwardBatch([seq.slot], [ids], [1], hidden=True, argmax=True)).hidden)
+                    ForwardBatch([seq.slot], [chunk.input_ids], [1], hidden=True, argmax=True)).hidden)
             else:
-                self.target.forward(ForwardBatch([seq.slot], [ids], [1], argmax=True))
-            self._chunk_done(seq, n)
+                self.target.forward(ForwardBatch([seq.slot], [chunk.input_ids], [1], argmax=True))
+            self._chunk_done(chunk)
 
-    def _chunk_ids(self, seq: Sequence, n: int) -> list[int]:
-        start = self.target.length(seq.slot)
-        return seq.token_ids[start:start + n]
-
-    def _chunk_done(self, seq: Sequence, n: int) -> None:
+    def _chunk_done(self, chunk: ChunkRow) -> None:
         """After a chunk's forward: its full blocks join the prefix cache; counters."""
-        self.target.commit(seq.slot, seq.token_ids)
-        self.counters.num_prefill_tokens += n
+        self.target.commit(chunk.seq.slot, chunk.seq.token_ids)
+        self.counters.num_prefill_tokens += chunk.num_tokens
         self.counters.num_prefill_chunks += 1
 
     # -- one request's fault (module docstring) ---------------------------------------------
-    def _step_alone(self, seqs: list[Sequence], chunks: list[tuple[Sequence, int]] = ()
-                    ) -> list[StepOutput]:
-        """After a failed step: restore the caches, then step every row on its own (a row
-        that was prefilling a chunk, that chunk); a row that fails alone fails, with its
-        error."""
-        self._restore(seqs)
-        chunk_of = {seq.seq_id: n for seq, n in chunks}
+    def _rows_alone(self, batch: StepBatch | None) -> list[StepRow | ChunkRow]:
+        """The rows of a failed step, to step one at a time: its rows and chunks (every
+        running sequence, where the step failed before it had rows)."""
+        if batch is not None:
+            return [*batch.rows, *batch.chunks]
+        return [StepRow(seq, self.scheduler.held(seq)) for seq in self.scheduler.running.values()]
+
+    def _step_alone(self, rows: list[StepRow | ChunkRow]) -> list[StepOutput]:
+        """After a failed step: restore the caches, then step every row on its own (a chunk
+        row, its chunk); a row that fails alone fails, with its error."""
+        self._restore([row.seq for row in rows])
         outputs = []
-        for seq in seqs:
+        for row in rows:
+            seq = row.seq
             try:
-                if seq.seq_id in chunk_of:
-                    self._prefill_chunks([(seq, chunk_of[seq.seq_id])])
+                if isinstance(row, ChunkRow):
+                    self._prefill_chunks([ChunkRow(seq, self.scheduler.held(seq), row.num_tokens)])
                 else:
-                    outputs += self._step([seq])
+                    outputs += self._step(StepBatch([StepRow(seq, self.scheduler.held(seq))], []))
             except TargetUnavailable:
                 raise
             except Exception as exc:  # noqa: BLE001  this row's own fault
@@ -347,7 +342,7 @@ class SpecDecodeEngine:
         and the samples that were to share its prefill with it."""
         seq.finish_reason = "error"
         if self.scheduler.running.get(seq.seq_id) is seq:
-            self.scheduler.release(seq)
+            self._release(seq)
         error = exc if isinstance(exc, InvalidRequestError) else RequestFailed(
             "the server could not process this request")
         failed = [seq, *self.scheduler.drop_samples(seq.seq_id, "error")]
@@ -393,17 +388,8 @@ def _check_request(prompt_token_ids: list[int], num_speculative_tokens: int | No
         raise InvalidRequestError(f"seed must be in [0, 2**63 - {n}] with n = {n}")
 
 
-def _inject_fault(fault_token: int | None, seqs: list[Sequence]) -> None:
+def _inject_fault(fault_token: int | None, batch: StepBatch) -> None:
     """Fault injection (tests): a step whose rows hold a prompt with ``fault_token`` raises,
     as a request-caused failure would (``SpecDecodeEngine.fault_token``)."""
-    if fault_token is not None and any(fault_token in s.token_ids[:s.prompt_len] for s in seqs):
+    if fault_token is not None and any(fault_token in s.token_ids[:s.prompt_len] for s in batch.seqs):
         raise RuntimeError("injected fault (fault_token)")
-
-
-def _input_tree(num_before: int, parents: list[int] | None) -> list[int] | None:
-    """A row's tree over its forward's new tokens: the ``num_before`` tokens before the drafts
-    (its last token, or a prompt's tail) as a chain, then the drafts' tree (None: a chain)."""
-    if parents is None:
-        return None
-    return ([-1, *range(num_before - 1)]
-            + [num_before - 1 if p == -1 else num_before + p for p in parents])
