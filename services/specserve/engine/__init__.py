@@ -30,16 +30,27 @@ Vocabulary (every name in this package uses it):
   and values stored. Rollback is setting the length back.
 
 The engine's step (``spec_decode.py``, :class:`SpecDecodeEngine`) is a thin loop over named
-parts, one module each:
+parts, one module each, side by side (none of the three below imports another: the engine
+hands each what it needs):
 
+- **step batch** (``step_batch.py``, :class:`StepBatch`): one step's rows in forward order,
+  each a **row** (a sequence that verifies: its start, K cap, K, proposal, grammar mask,
+  verdict, features) or a **chunk** (a prompt chunk it prefills); every part fills its fields
+  of the same rows, and the step's phase times are its **clock**.
 - **scheduler** (``scheduler.py``): the sequences, waiting and running; admission, the step's
-  prefill budget (chunks), preemption, and the ``n`` samples of a request waiting to **fork**
-  from its first sample's prefill.
+  rows under its prefill budget (chunks), preemption, and the ``n`` samples of a request
+  waiting to **fork** from its first sample's prefill.
 - **draft link** (``draft_link.py``): the proposer as the step sees it: which sequences are
   **attached** to it, the proposer call, the target features it reads, and its loss and
   re-attachment (a lost draft costs speed, never output).
-- **K planner** (``k_planner.py``): K per row each step, and what the step tells the K
+- **K planner** (``k_planner.py``): every decision about K: a row's **cap** (its request's K,
+  ``max_tokens``, the context), its K each step, and what the step tells the K
   **controller** (``adaptive.py``, the cost model that picks K).
+- **acceptance** (``acceptance.py``): the rules that decide the accepted, recovered and bonus
+  tokens, for chains and token trees side by side; ``verification.py`` runs them over a
+  step's rows, next to the logits.
+- **forward batch** (``forward_batch.py``): what one model forward takes
+  (:class:`ForwardBatch`) and returns (:class:`Forwarded`), for the target and every draft.
 - **counters** (``stats.py``, :class:`EngineCounters`): everything the engine counts, filled by
   the step and read whole (a snapshot) by the unit, its metrics and ``/v1/units/stats``.
 - **proposal** (``proposal.py``): what crosses between a proposer and the target

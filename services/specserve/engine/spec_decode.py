@@ -3,9 +3,10 @@
 One :meth:`SpecDecodeEngine.step` (this module schedules it; where a piece lives elsewhere,
 the step names the module):
 
-1. **schedule**: admit waiting requests while KV slots (and blocks) are free, and plan the
-   step: which rows verify, which prefill a prompt's chunk, which are preempted
-   (``scheduler.py``);
+1. **schedule**: admit waiting requests while KV slots (and blocks) are free, and build the
+   step's :class:`~specserve.engine.step_batch.StepBatch`: which rows verify, which prefill
+   a prompt's chunk, which are preempted (``scheduler.py``); every phase below fills its
+   fields of the same rows;
 2. **draft**: ask the proposer (``proposers/``, through ``draft_link.py``) for up to K tokens
    per running sequence (K is capped so the step can neither overrun ``max_tokens`` nor the
    context; for adaptive requests the controller of ``adaptive.py`` picks K under that cap:
