@@ -9,7 +9,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 
 USER root
-# gcc: the CPU kernels (engine/kernels.c) are built at first use for the node's CPU; without
+# gcc: the CPU kernels (engine/runtime/kernels.c) are built at first use for the node's CPU; without
 # a compiler a CPU model falls back to slower oneDNN kernels.
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tini gcc libc6-dev \

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specserve.config import EngineConfig
 from specserve.engine.builder import build_engine
-from specserve.engine.draft_head import EMBEDDED_DRAFT, EMBEDDED_EAGLE3, draft_path, is_draft_dir
+from specserve.engine.drafts.draft_head import EMBEDDED_DRAFT, EMBEDDED_EAGLE3, draft_path, is_draft_dir
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
 from specserve.training.data import read_prompts

@@ -58,7 +58,7 @@ import transformers
 from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import build_engine
 from specserve.engine.loader import embedded_gguf, load_hf_model, load_tokenizer, resolve
-from specserve.engine.stats import SpecStats
+from specserve.engine.step.stats import SpecStats
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, cpu_name
 from tqdm import tqdm

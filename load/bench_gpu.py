@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from common import TableSpec, format_table  # noqa: E402
 from roofline import decode_bytes, forward_cost, prefilled_cache, read_bandwidth  # noqa: E402
-from specserve.engine.arch import ModelArch  # noqa: E402
-from specserve.engine.compiled import bucket  # noqa: E402
-from specserve.engine.model import LlamaRuntime, rope_tables  # noqa: E402
+from specserve.engine.runtime.arch import ModelArch  # noqa: E402
+from specserve.engine.runtime.compiled import bucket  # noqa: E402
+from specserve.engine.runtime.model import LlamaRuntime, rope_tables  # noqa: E402
 
 from load.gpu.output import setup_logging, write_json  # noqa: E402
 from load.gpu.runtime import cudagraph_skips, use_kernels, warm_up  # noqa: E402

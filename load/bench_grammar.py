@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 from specserve.config import EngineConfig
-from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.grammar import GrammarCompiler, GrammarSpec, apply_mask
 from specserve.engine.loader import load_model
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.tokenizer import encode_chat
 from specserve.engine.worker import ModelWorker
 from specserve.machine import cpu_flags, machine_label

@@ -202,7 +202,7 @@ def chunk_forwards(long_text: str) -> list[float]:
     so the largest gap, around the last chunk, is held to that chunk's forward."""
     from specserve.config import EngineConfig
     from specserve.engine.builder import build_engine
-    from specserve.engine.forward_batch import ForwardBatch
+    from specserve.engine.runtime.forward_batch import ForwardBatch
     from specserve.engine.tokenizer import encode_chat
 
     engine, loaded = build_engine(EngineConfig.model_validate(app_args()["unit"]["engine"]))

@@ -17,7 +17,7 @@ against the baseline runs of the same K (paired).
 Per setting: tokens/s (tokens / wall seconds, prefill included: what a client sees; the
 plot and the choice of the best setting use it), the decode-only speedup (every step after
 the prefill step), acceptance rate, mean acceptance length, tokens per decode step, and the
-cost model's prediction (:func:`specserve.engine.cost_model.expected_speedup`) with
+cost model's prediction (:func:`specserve.engine.step.cost_model.expected_speedup`) with
 α = the measured acceptance rate, γ = K, c = (propose time per step / K) / T and
 v = (verify time per step) / T, where T is the baseline's decode wall time per token and the
 step times are ``engine.counters.times`` deltas over each run's decode steps. The prediction sits next
@@ -133,7 +133,7 @@ def cost_terms(setting: Tally, baseline: Tally, k: int) -> tuple[float, float]:
 
 def setting_row(method: str, k: int, tally: Tally, paired: Tally, baseline: Tally) -> dict:
     """One table row: measured numbers, and the cost model's prediction from them."""
-    from specserve.engine.cost_model import expected_speedup, expected_tokens_per_step
+    from specserve.engine.step.cost_model import expected_speedup, expected_tokens_per_step
 
     c, v = cost_terms(tally, baseline, k)
     alpha = 0.0 if math.isnan(tally.acceptance_rate) else tally.acceptance_rate

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.builder import build_engine
-from specserve.engine.draft_head import EMBEDDED_DRAFT
+from specserve.engine.drafts.draft_head import EMBEDDED_DRAFT
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, machine_label
 from specserve.training.data import read_prompts
@@ -66,8 +66,8 @@ def proposer_cost(tokenizer, repeats: int = 200) -> list[dict]:
     import random
     import statistics
 
-    from specserve.engine.proposal import DraftRequest
-    from specserve.engine.proposers.suffix import SuffixOptions, SuffixProposer
+    from specserve.engine.drafts.suffix import SuffixOptions, SuffixProposer
+    from specserve.engine.step.proposal import DraftRequest
 
     root = Path(__file__).resolve().parent.parent
     text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(root.glob("docs/*.md"))
@@ -109,7 +109,7 @@ def proposer_cost(tokenizer, repeats: int = 200) -> list[dict]:
 
 def _broadcast(proposers: list):
     """A ``learn`` that hands each finished response to every proposer's cache."""
-    from specserve.engine.proposers.suffix import SuffixProposer
+    from specserve.engine.drafts.suffix import SuffixProposer
 
     def learn(token_ids: list[int], prompt_len: int) -> None:
         for proposer in proposers:

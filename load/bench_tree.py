@@ -32,8 +32,8 @@ from pathlib import Path
 
 from specserve.config import EngineConfig, SamplingParams
 from specserve.engine.builder import build_engine
-from specserve.engine.draft_head import EMBEDDED_DRAFT
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.drafts.draft_head import EMBEDDED_DRAFT
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import machine_label
 from specserve.training.data import read_prompts

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from specserve.config import SamplingParams, UnitConfig
 from specserve.engine.builder import assemble_engine
-from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.loader import load_tokenizer, resolve
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.tokenizer import encode_chat
 from specserve.machine import cpu_flags, machine_label
 from specserve.serve.wire import wire_bytes

@@ -14,7 +14,7 @@ import statistics
 import time
 
 import torch
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 7, device: str | torch.device = "cpu") -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from specserve.engine.model import LlamaRuntime, build_runtime
+from specserve.engine.runtime.model import LlamaRuntime, build_runtime
 from specserve.engine.worker import ModelWorker
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -89,7 +89,7 @@ def eagle_head_of(hf_model, *, feature_mix: float = 0.01, seed: int = 0, max_len
     the features matter: without them the drafts change). Acceptance about 0.45 (greedy and
     T = 0.7) on ``tiny_hf_model("llama-gqa", logit_scale=3)``.
     """
-    from specserve.engine.draft_head import new_draft_head
+    from specserve.engine.drafts.draft_head import new_draft_head
 
     target = runtime_of(hf_model, max_len)
     head = new_draft_head(target, kind="eagle", num_layers=target.arch.num_layers,
@@ -107,7 +107,7 @@ def decoder_head_of(hf_model, *, keep_every: int = 4, max_len: int = 256):
     """A decoder draft: the target's layers under a reduced vocabulary that leaves out every
     ``keep_every``-th id (so the draft's q is zero there, and the target must still get its
     own distribution back). Acceptance about 0.5 to 0.6."""
-    from specserve.engine.draft_head import new_draft_head
+    from specserve.engine.drafts.draft_head import new_draft_head
 
     target = runtime_of(hf_model, max_len)
     vocab = torch.tensor([i for i in range(target.arch.vocab_size) if i % keep_every != keep_every - 1])

@@ -54,8 +54,8 @@ def test_a_model_free_proposer_in_front_of_a_model_is_speculative_first():
     """``first`` names a model-free proposer of the registry; ``ngram_first`` is first: ngram.
     Behind it the builder puts the model's proposer; n-gram lookup there matches 2+ tokens."""
     from specserve.engine.builder import build_proposer
-    from specserve.engine.proposers.base import Proposer
-    from specserve.engine.proposers.hybrid import HybridProposer
+    from specserve.engine.drafts.base import Proposer
+    from specserve.engine.drafts.hybrid import HybridProposer
 
     class Model(Proposer):
         method = "eagle"

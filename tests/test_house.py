@@ -2,9 +2,10 @@
 so these take milliseconds.
 
 - no module of ``services/`` over 600 lines, no class over 300;
-- no import loop between modules, and none between the engine's folders: a module the
-  proposers import (directly or not) never imports a proposer, so ``proposers/`` sits on the
-  engine's parts and the engine's step sits on the proposers;
+- no import loop between modules, and none between the engine's rooms (its folders
+  ``kv/``, ``runtime/``, ``step/``, ``drafts/`` and its loose modules, as ``farm-studio look``
+  draws them): the engine is a stack, no folder holds more than 15 files, and the step's
+  parts (scheduler, draft link, K planner) import none of each other (issue 51);
 - the names the project retired stay retired, and every ``specserve.<module>`` a docstring or
   a doc names exists.
 """
@@ -74,20 +75,34 @@ def test_no_import_loop_between_modules_or_the_engines_folders():
     graph = _graph()
     loops = sorted(m for m in graph if m in _reach(graph, m))
     assert not loops, f"modules in an import loop: {loops}"
-    proposers = [m for m in graph if m.startswith("specserve.engine.proposers.")]
-    below = set().union(*(_reach(graph, p) for p in proposers)) - set(proposers)
-    back = sorted(m for m in below if any(i.startswith("specserve.engine.proposers") for i in graph[m]))
-    assert not back, f"imported by the proposers, yet importing a proposer: {back}"
+    rooms = {room: set() for room in map(_room, graph) if room.startswith("specserve.engine.")}
+    for module, imported in graph.items():
+        if _room(module) in rooms:
+            rooms[_room(module)] |= {_room(m) for m in imported if _room(m) in rooms} - {_room(module)}
+    room_loops = sorted(r for r in rooms if r in _reach(rooms, r))
+    assert not room_loops, f"engine folders in an import loop: {room_loops}"
+    parts = {"specserve.engine.step.scheduler", "specserve.engine.drafts.draft_link",
+             "specserve.engine.step.k_planner"}
+    assert not [(m, i) for m in parts for i in _reach(graph, m) & parts], "the step's parts import each other"
+    crowded = [d for d in (PACKAGE / "engine").rglob("*") if d.is_dir() and d.name != "__pycache__"
+               and sum(1 for f in d.iterdir() if f.is_file()) > 15]
+    assert not crowded, f"folders of more than 15 files: {crowded}"
+
+
+def _room(module: str) -> str:
+    """An engine module's room: its folder below ``specserve.engine``, or itself."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[:2] == ["specserve", "engine"] else module
 
 
 def test_the_loop_check_catches_a_planted_loop():
     """Planted: ``verification`` importing a proposer again (as before issue 38)."""
     graph = _graph()
-    graph["specserve.engine.verification"].add("specserve.engine.proposers.base")
-    proposers = [m for m in graph if m.startswith("specserve.engine.proposers.")]
+    graph["specserve.engine.step.verification"].add("specserve.engine.drafts.base")
+    proposers = [m for m in graph if m.startswith("specserve.engine.drafts.")]
     below = set().union(*(_reach(graph, p) for p in proposers)) - set(proposers)
-    assert "specserve.engine.verification" in below
-    assert any(i.startswith("specserve.engine.proposers") for i in graph["specserve.engine.verification"])
+    assert "specserve.engine.step.verification" in below
+    assert any(i.startswith("specserve.engine.drafts") for i in graph["specserve.engine.step.verification"])
 
 
 # Names issue 38 retired: what each stood for now has one name (engine/__init__.py's glossary).
@@ -127,7 +142,7 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_every_specserve_name_in_code_and_docs_exists():
-    """``specserve.engine.proposal.TopK`` in a docstring or a doc names something real (the
+    """``specserve.engine.step.proposal.TopK`` in a docstring or a doc names something real (the
     package's modules are imported to check). Checked: names under a module or package of
     ``specserve`` (or one it had); a Helm values path or template (``specserve.auth.enabled``,
     ``specserve.fullname``), a logger's or a file's name is no module path."""

@@ -17,11 +17,11 @@ import pytest
 import torch
 from specserve.cli import main
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine import tp
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.kernels import KV_BLOCK
-from specserve.engine.kv_cache import SlotKVCache
+from specserve.engine.kv.kv_cache import SlotKVCache
 from specserve.engine.loader import load_model
+from specserve.engine.runtime import tp
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.kernels import KV_BLOCK
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 from specserve.memory import (
@@ -242,7 +242,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(config_files, tmp_path, capsys, ar
 def test_workspace_bounds_a_real_forward_on_cuda(phase):
     """The workspace estimate is at least the peak a forward allocates on a GPU (library
     kernels, bf16): a prefill of a full-length prompt, a verify of every slot at full context."""
-    from specserve.engine.model import build_runtime
+    from specserve.engine.runtime.model import build_runtime
 
     length, slots, k = 2048, 4, 4
     hf = tiny_hf_model("llama-gqa", seed=0, max_position_embeddings=length)
@@ -282,7 +282,7 @@ def test_a_paged_pool_is_its_blocks_and_names_its_own_fix(capsys, config_files):
     """Paged (issue 34): the pool's tensors are ``num_blocks x block_size`` positions, whatever
     ``max_num_seqs``; by default the slots' memory; the fix a GPU too small gets is fewer
     blocks, and the CLI prints the blocks and the most that fit."""
-    from specserve.engine.kv_cache import PagedKVCache
+    from specserve.engine.kv.kv_cache import PagedKVCache
 
     shape = ModelShape.from_config(LLAMA_32_1B)
     two_layers = ModelShape(**{**vars(shape), "num_layers": 2})

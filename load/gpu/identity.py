@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from specserve.config import SamplingParams, SpeculativeConfig
 from specserve.engine.builder import assemble_engine
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.worker import ModelWorker
 
 from load.bench_gpu import SHAPES, random_runtime

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.proposal import Proposal
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.step.proposal import Proposal
 from specserve.engine.worker import ModelWorker
 from specserve.memory import MemoryEstimate, ModelShape, Workload, estimate, format_estimate
 

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 import torch
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from torch.profiler import ProfilerActivity, profile
 
 from load.bench_gpu import random_runtime

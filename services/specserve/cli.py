@@ -203,7 +203,7 @@ def _default_draft_or_ngram(app_args: dict) -> dict:
     """The shipped EAGLE draft (``embedded-eagle``) is used when it is there; a checkout or
     install without it serves with the model-free proposer configured in front of it (n-gram
     lookup if none) instead, and says so."""
-    from specserve.engine.draft_head import EMBEDDED_DRAFT, is_draft_dir
+    from specserve.engine.drafts.draft_head import EMBEDDED_DRAFT, is_draft_dir
 
     spec = app_args.get("unit", {}).get("engine", {}).get("speculative", {})
     if (spec.get("draft") or {}).get("source") != EMBEDDED_DRAFT or is_draft_dir(EMBEDDED_DRAFT):
@@ -218,7 +218,7 @@ def _default_draft_or_ngram(app_args: dict) -> dict:
 
 def _speculation_line(cfg) -> str:
     """Which proposer and which draft the app speculates with (and what the draft measured)."""
-    from specserve.engine.draft_head import draft_path, is_draft_dir
+    from specserve.engine.drafts.draft_head import draft_path, is_draft_dir
     from specserve.methods import PROPOSERS
 
     spec = cfg.unit.engine.speculative

@@ -223,7 +223,7 @@ SpeculativeConfig = create_model(
 
 
 class KVCacheConfig(_Strict):
-    """How the target keeps keys and values (issue 34; ``engine/kv_cache.py``)."""
+    """How the target keeps keys and values (issue 34; ``engine/kv/kv_cache.py``)."""
 
     layout: Literal["auto", "slots", "paged"] = Field(
         "auto", description="auto: paged where the target's kernels read blocks (on a CPU, "
@@ -310,7 +310,7 @@ class EngineConfig(_Strict):
     @property
     def verify_tokens(self) -> int:
         """New tokens per row in a verify (K + 1; 1 target-only): the one token shape the
-        target's GPU kernels use for decodes and verifies alike (``engine/compiled.py``)."""
+        target's GPU kernels use for decodes and verifies alike (``engine/runtime/compiled.py``)."""
         return self.speculative.num_speculative_tokens + 1 if self.speculative.method else 1
 
 

@@ -5,7 +5,7 @@ arithmetic over the same shapes the code allocates (``tests/test_memory.py`` che
 and KV bytes against a real runtime's tensors, at TP 1 and TP 2):
 
 - **sharded weights**: this rank's ``1 / tp`` of q/k/v, o, gate/up and down (and their
-  column-parallel biases): :func:`specserve.engine.tp.split_of` cuts them;
+  column-parallel biases): :func:`specserve.engine.runtime.tp.split_of` cuts them;
 - **replicated weights**: what every rank holds whole: the embeddings, the LM head (untied;
   a tied head *is* the embedding), every norm, the row-parallel biases (rank 0's copy, zeros
   elsewhere, the same bytes) and the rope tables ``2 x min(max_model_len, max_positions) x
@@ -13,9 +13,9 @@ and KV bytes against a real runtime's tensors, at TP 1 and TP 2):
   = 3.9 GiB on *every* rank;
 - **KV cache**: ``2 (k, v) x layers x kv_heads / tp x head_dim x dtype bytes`` per position,
   times the positions the cache allocates. The slot layout
-  (:class:`~specserve.engine.kv_cache.SlotKVCache`) keeps every slot at full length:
+  (:class:`~specserve.engine.kv.kv_cache.SlotKVCache`) keeps every slot at full length:
   ``slots x max_model_len``, rounded up to whole blocks of :data:`KV_BLOCK`, and one spare slot
-  with ``kernels: compiled``. The paged layout (:class:`~specserve.engine.kv_cache.PagedKVCache`)
+  with ``kernels: compiled``. The paged layout (:class:`~specserve.engine.kv.kv_cache.PagedKVCache`)
   allocates its pool: ``kv_cache.num_blocks x block_size`` (by default the slots' positions);
   sequences share it by the tokens they hold, so a pool below ``max_num_seqs x max_model_len``
   serves as many sequences as their actual lengths fit (the scheduler preempts beyond);
@@ -52,7 +52,7 @@ from specserve.config import KVCacheConfig
 from specserve.errors import ConfigError
 
 GIB = 1 << 30
-KV_BLOCK = 64  # positions per KV block: specserve.engine.kernels.KV_BLOCK (a test keeps them equal)
+KV_BLOCK = 64  # positions per KV block: specserve.engine.runtime.kernels.KV_BLOCK (a test keeps them equal)
 FP32 = 4
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}  # auto: bfloat16 on CUDA
 
@@ -74,7 +74,7 @@ SAMPLER_FP32_COPIES = 10
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a Llama-family ``config.json`` the estimate reads (the same rules as
-    :class:`specserve.engine.arch.ModelArch`: head_dim defaults to hidden / heads, kv heads
+    :class:`specserve.engine.runtime.arch.ModelArch`: head_dim defaults to hidden / heads, kv heads
     to heads, Qwen2 has q/k/v biases and no o bias, Qwen3 a norm over each q and k head)."""
 
     hidden_size: int
@@ -193,8 +193,8 @@ def weight_bytes(shape: ModelShape, tp: int, nbytes: int, max_len: int) -> tuple
 
 
 def kv_cache_bytes(shape: ModelShape, load: Workload) -> int:
-    """One rank's KV tensors: a :class:`~specserve.engine.kv_cache.SlotKVCache`'s, or a
-    paged pool's (:class:`~specserve.engine.kv_cache.PagedKVCache`)."""
+    """One rank's KV tensors: a :class:`~specserve.engine.kv.kv_cache.SlotKVCache`'s, or a
+    paged pool's (:class:`~specserve.engine.kv.kv_cache.PagedKVCache`)."""
     per_position = (2 * shape.num_layers * (shape.num_kv_heads // load.tp) * shape.head_dim
                     * dtype_bytes(load.dtype))
     if load.paged:

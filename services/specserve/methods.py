@@ -3,7 +3,7 @@
 The configuration's ``speculative.method`` values, the API's ``speculation.method``, the
 CLI's ``--method`` choices, the kinds ``specserve train-draft`` makes, and how a unit wires
 a proposer (a draft group or not, the target's features sent or not) all read this table.
-Adding a proposer is its module in ``specserve/engine/proposers/`` and one line in
+Adding a proposer is its module in ``specserve/engine/drafts/`` and one line in
 :data:`PROPOSERS`; its settings, if it has any, are :class:`Option` rows on that line, from
 which the configuration builds ``speculative.<method>`` (bounds, defaults and descriptions
 included), so the configuration module is not edited either.
@@ -39,7 +39,7 @@ class ProposerSpec:
     """One proposer: its method name and what serving it takes."""
 
     method: str                # speculative.method in the config, speculation.method in the API
-    module: str                # specserve.engine.proposers.<module>
+    module: str                # specserve.engine.drafts.<module>
     cls: str                   # the class in that module
     draft_model: bool          # needs a draft model (speculative.draft) and, in a unit, a draft group
     reads_features: bool       # reads the target's final hidden states, sent with each request
@@ -111,6 +111,6 @@ DRAFT_KINDS = tuple(spec.draft_kind for spec in PROPOSERS.values() if spec.draft
 
 
 def proposer_class(method: str) -> type:
-    """The :class:`~specserve.engine.proposers.base.Proposer` subclass of ``method``."""
+    """The :class:`~specserve.engine.drafts.base.Proposer` subclass of ``method``."""
     spec = PROPOSERS[method]
-    return getattr(importlib.import_module(f"specserve.engine.proposers.{spec.module}"), spec.cls)
+    return getattr(importlib.import_module(f"specserve.engine.drafts.{spec.module}"), spec.cls)

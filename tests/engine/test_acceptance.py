@@ -1,5 +1,5 @@
-"""The acceptance rules as pure functions (engine/acceptance.py), in its order: the tree's
-shape (engine/token_tree.py), then each rule for chains and for trees. Greedy: a worked
+"""The acceptance rules as pure functions (engine/step/acceptance.py), in its order: the tree's
+shape (engine/runtime/token_tree.py), then each rule for chains and for trees. Greedy: a worked
 example, a reference loop over (K, batch), hand-made and random trees, the tree on a chain
 equal to the chain verifier. Seeded: the tree token for token against the chain and
 target-only decoding. Sampled: determinism for given draws; the chain's per-position
@@ -16,8 +16,16 @@ import pytest
 import torch
 from scipy import stats
 from specserve.config import SamplingParams
-from specserve.engine import acceptance, token_tree
-from specserve.engine.acceptance import (
+from specserve.engine.runtime import token_tree
+from specserve.engine.runtime.token_tree import (
+    chain_parents,
+    tree_ancestors,
+    tree_children,
+    tree_depths,
+    validate_tree,
+)
+from specserve.engine.step import acceptance
+from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     greedy_rejection_sample,
     rejection_sample,
@@ -26,16 +34,9 @@ from specserve.engine.acceptance import (
     tree_accept_seeded,
     without_replacement,
 )
-from specserve.engine.proposal import Proposal
-from specserve.engine.sampling import compute_probs, position_noise, sample_from
-from specserve.engine.token_tree import (
-    chain_parents,
-    tree_ancestors,
-    tree_children,
-    tree_depths,
-    validate_tree,
-)
-from specserve.engine.verification import SamplingRow, target_probs, verify_greedy, verify_seeded
+from specserve.engine.step.proposal import Proposal
+from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
+from specserve.engine.step.verification import SamplingRow, target_probs, verify_greedy, verify_seeded
 
 # A depth-3 tree with several siblings per node (used by the hand-made cases):
 #   root ─ 0:2 ─ 3:1 ─ 6:0

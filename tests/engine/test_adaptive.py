@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 from specserve.config import AdaptiveConfig
-from specserve.engine.adaptive import (
+from specserve.engine.step.adaptive import (
     DecayedLeastSquares,
     PositionAcceptance,
     Row,

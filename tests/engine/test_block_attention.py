@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from specserve.engine.block_attention import (
+from specserve.engine.runtime.block_attention import (
     KEY_BLOCK,
     QUERY_BLOCK,
     attend,
@@ -22,7 +22,7 @@ from specserve.engine.block_attention import (
     key_blocks,
     storage_view,
 )
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.errors import ConfigError
 from torch.nn.attention.flex_attention import create_mask
 

@@ -1,4 +1,4 @@
-"""The KV block pool (``engine/block_pool.py``): reference counts, the prefix cache's hashes,
+"""The KV block pool (``engine/kv/block_pool.py``): reference counts, the prefix cache's hashes,
 and the order free blocks are handed out in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from specserve.engine.block_pool import BlockPool, hash_blocks
+from specserve.engine.kv.block_pool import BlockPool, hash_blocks
 from specserve.errors import CapacityError
 
 
@@ -29,7 +29,7 @@ def test_hashes_are_stable_across_processes():
     """BLAKE2b, not Python's ``hash`` (salted per process for strings): two units compare
     hashes when the router looks for a prefix."""
     assert len(hash_blocks([1, 2], 2)[0]) == 16
-    code = ("from specserve.engine.block_pool import hash_blocks; "
+    code = ("from specserve.engine.kv.block_pool import hash_blocks; "
             "print(hash_blocks([1, 2, 3], 3, salt='s')[0].hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PYTHONPATH": ":".join(sys.path)})

@@ -17,9 +17,9 @@ import logging
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.compiled import BUCKET_TOKENS, bucket, token_bucket
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.proposers.ngram import NgramProposer
+from specserve.engine.drafts.ngram import NgramProposer
+from specserve.engine.runtime.compiled import BUCKET_TOKENS, bucket, token_bucket
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from torch._dynamo.testing import CompileCounter
@@ -215,7 +215,7 @@ def test_warm_up_compiles_every_bucket_and_leaves_the_cache_as_it_was(caplog):
     rt(cache, ForwardBatch([busy], [list(range(3, 23))]))  # a sequence in flight keeps its slot and keys
     keys = cache.k[0][busy, :, :20].clone()
     lengths, free = list(cache.lengths), cache.num_free_slots
-    with caplog.at_level(logging.INFO, logger="specserve.engine.compiled"):
+    with caplog.at_level(logging.INFO, logger="specserve.engine.runtime.compiled"):
         report = rt.warm_up(cache)
     assert [(b["rows"], b["tokens"]) for b in report["buckets"]] == [(1, 4), (2, 4), (3, 4)]
     assert report["graphs"] >= counter.frame_count == 3 and report["cudagraph_skips"] == 0
@@ -228,7 +228,7 @@ def test_warm_up_compiles_every_bucket_and_leaves_the_cache_as_it_was(caplog):
     rt(cache, ForwardBatch(slots[:2], [[7, 8], [9]], [2, 1]))
     rt(cache, ForwardBatch(slots, [[7]] * 3))
     assert counter.frame_count == 3
-    with caplog.at_level(logging.WARNING, logger="specserve.engine.compiled"):
+    with caplog.at_level(logging.WARNING, logger="specserve.engine.runtime.compiled"):
         rt(cache, ForwardBatch(slots[:1], [list(range(3, 12))], [9]))  # 9 tokens: bucket (1, 16)
     assert "while serving" in caplog.text and counter.frame_count == 4
 

@@ -13,11 +13,12 @@ import itertools
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine import sampling, spec_decode
-from specserve.engine.proposal import Proposal, TopK
-from specserve.engine.proposers.draft_model import DraftModelProposer
-from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
+from specserve.engine import spec_decode
+from specserve.engine.drafts.draft_model import DraftModelProposer
+from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step import sampling
+from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.worker import ModelWorker, Verified
 from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
 

@@ -9,20 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import AdaptiveConfig, EngineConfig, ModelConfig
-from specserve.engine.adaptive import Row, SpecLengthController
 from specserve.engine.builder import build_engine, check_draft_files, load_draft_proposer
-from specserve.engine.draft_head import (
+from specserve.engine.drafts.draft_head import (
     is_draft_dir,
     load_draft_head,
     new_draft_head,
     read_draft_meta,
     save_draft,
 )
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.drafts.draft_model import DraftModelProposer
+from specserve.engine.drafts.eagle import EagleProposer
 from specserve.engine.loader import load_target_parts
-from specserve.engine.proposal import DraftRequest
-from specserve.engine.proposers.draft_model import DraftModelProposer
-from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.step.adaptive import Row, SpecLengthController
+from specserve.engine.step.proposal import DraftRequest
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError, ProposerUnavailable
 

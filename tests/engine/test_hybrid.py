@@ -3,9 +3,9 @@ acceptance, and the bookkeeping both see."""
 
 from __future__ import annotations
 
-from specserve.engine.proposal import DraftRequest, Proposal
-from specserve.engine.proposers.base import Proposer
-from specserve.engine.proposers.hybrid import HybridProposer
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.drafts.hybrid import HybridProposer
+from specserve.engine.step.proposal import DraftRequest, Proposal
 
 
 class Scripted(Proposer):

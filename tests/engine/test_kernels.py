@@ -7,7 +7,7 @@ The old runtime failed these on both CPUs this project has met (AVX2 and AVX512)
 (MKL) at 1 vs 2-3 vs >= 4 rows, and ``scaled_dot_product_attention`` for a query inside a
 masked call (docs/BENCHMARKS.md, "Row invariance").
 
-Every kernel set is checked: the C kernels (``engine/kernels.c``, built here at first use
+Every kernel set is checked: the C kernels (``engine/runtime/kernels.c``, built here at first use
 for this CPU), their portable build (what a compiler that does not know the CPU builds: the
 generic-vector code), their AVX2 build where this CPU has AVX512 (the code of the AVX2
 machines), and the fallback where no C compiler works (oneDNN-packed linears, blocked
@@ -23,10 +23,10 @@ import stat
 import pytest
 import torch
 import torch.nn.functional as F
-from specserve.engine import native
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.kernels import KV_BLOCK, Linear, attention, hidden_keys
-from specserve.engine.layers import rms_norm
+from specserve.engine.runtime import native
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.kernels import KV_BLOCK, Linear, attention, hidden_keys
+from specserve.engine.runtime.layers import rms_norm
 
 from tests.models import runtime_of, tiny_hf_model
 

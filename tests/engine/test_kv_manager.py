@@ -1,4 +1,4 @@
-"""The paged KV cache's bookkeeping (``engine/kv_manager.py``): block tables, the prefix cache,
+"""The paged KV cache's bookkeeping (``engine/kv/kv_manager.py``): block tables, the prefix cache,
 forks and rollback, with the planted bugs the identity tests must catch named where they are
 guarded: a wrong hash chain, a reused block whose tokens differ, a write into a shared block."""
 
@@ -8,8 +8,9 @@ import doctest
 import random
 
 import pytest
-from specserve.engine import block_pool, scheduler
-from specserve.engine.kv_manager import KVManager
+from specserve.engine.kv import block_pool
+from specserve.engine.kv.kv_manager import KVManager
+from specserve.engine.step import scheduler
 from specserve.errors import CapacityError
 
 BS = 4

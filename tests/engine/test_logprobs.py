@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 
 from tests.engine.test_spec_decode import make_engine, prompts
 from tests.models import perturbed, runtime_of, tiny_hf_model

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 
 from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
 
 ATOL = 1e-4
 # SmolLM2: 30 layers and logits of about 20; the runtime's kernels sum in another order than
-# transformers' (see specserve.engine.kernels), which shows at the 6th significant digit.
+# transformers' (see specserve.engine.runtime.kernels), which shows at the 6th significant digit.
 ATOL_SMOLLM2 = 3e-4
 
 
@@ -89,7 +89,7 @@ def test_context_overflow_is_refused_without_state_change():
 
 
 def test_unsupported_architecture_is_refused():
-    from specserve.engine.arch import ModelArch
+    from specserve.engine.runtime.arch import ModelArch
     from specserve.errors import ConfigError
     from transformers import GPT2Config
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.kv_cache import PagedKVCache
+from specserve.engine.kv.kv_cache import PagedKVCache
+from specserve.engine.runtime.forward_batch import ForwardBatch
 
 from tests.models import random_sequences, runtime_of, tiny_hf_model
 
@@ -66,7 +66,7 @@ def test_paged_logits_are_the_slot_caches_bit_for_bit(hf, kernels, monkeypatch):
     """Three rows of 21, 40 and 5 tokens (blocks part-filled, and a row past two blocks)."""
     rt = runtime_of(hf).use_kernels("library" if kernels == "library" else "invariant")
     if kernels == "torch":  # the invariant kernels' torch fallback: reads through gather
-        monkeypatch.setattr("specserve.engine.layers.native_ready", lambda x: False)
+        monkeypatch.setattr("specserve.engine.runtime.layers.native_ready", lambda x: False)
     prompts = random_sequences((21, 40, 5), seed=1)
     slot_out, _ = steps(rt, rt.make_cache(num_slots=4, max_seq_len=256), prompts)
     paged_out, _ = steps(rt, paged(rt), prompts)

@@ -225,7 +225,7 @@ def test_the_scheduler_doctests_hold():
     """The step's plan, its forward's row groups and the preemption choice, as documented."""
     import doctest
 
-    from specserve.engine import scheduler, step_batch
+    from specserve.engine.step import scheduler, step_batch
 
     plan, layout = doctest.testmod(scheduler), doctest.testmod(step_batch)
     assert plan.attempted >= 5 and layout.attempted >= 3 and plan.failed == layout.failed == 0

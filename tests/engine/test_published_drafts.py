@@ -14,10 +14,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from specserve.config import EngineConfig, ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import check_draft_files, load_draft_proposer
-from specserve.engine.draft_head import eagle3_target_layers, is_draft_dir, load_draft_head, read_draft_meta
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.model import rope_tables
-from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.drafts.draft_head import (
+    eagle3_target_layers,
+    is_draft_dir,
+    load_draft_head,
+    read_draft_meta,
+)
+from specserve.engine.drafts.eagle import EagleProposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.model import rope_tables
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.errors import ConfigError
 from transformers import LlamaConfig
@@ -364,7 +369,7 @@ def test_a_head_by_hub_id_is_read_from_the_hub_cache(target_hf, checkpoints, tmp
     """``draft.source: org/name``: downloaded once into the hub cache, then read from it. No
     network here: the cache is laid out as a download leaves it and the hub is offline."""
     import huggingface_hub.constants as hub
-    from specserve.engine import draft_head
+    from specserve.engine.drafts import draft_head
 
     root, _ = checkpoints
     cache = tmp_path / "hub"

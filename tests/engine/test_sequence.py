@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from specserve.config import SamplingParams
-from specserve.engine.sequence import Sequence
+from specserve.engine.step.sequence import Sequence
 from specserve.engine.tokenizer import IncrementalDetokenizer
 
 from tests.tiny import make_tiny_tokenizer

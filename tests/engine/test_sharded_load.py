@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from specserve.config import ModelConfig
-from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.loader import load_hf_model, load_model, resolve
-from specserve.engine.model import build_runtime
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.model import build_runtime
+from specserve.engine.runtime.tp import Split, apply_tp, split_of
 from specserve.engine.shard_loader import INDEX_FILE, load_sharded
-from specserve.engine.tp import Split, apply_tp, split_of
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.models import TINY_CONFIGS, random_sequences, runtime_of, tiny_hf_model

@@ -13,15 +13,15 @@ import pytest
 import torch
 from scipy import stats
 from specserve.config import AdaptiveConfig, SamplingParams
-from specserve.engine.adaptive import Row, SpecLengthController
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.proposers.draft_model import DraftModelProposer
-from specserve.engine.proposers.eagle import EagleOptions, EagleProposer
-from specserve.engine.proposers.hybrid import HybridProposer
-from specserve.engine.proposers.ngram import NgramProposer
-from specserve.engine.proposers.suffix import SuffixOptions, SuffixProposer
-from specserve.engine.sequence import StepOutput
+from specserve.engine.drafts.draft_model import DraftModelProposer
+from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
+from specserve.engine.drafts.hybrid import HybridProposer
+from specserve.engine.drafts.ngram import NgramProposer
+from specserve.engine.drafts.suffix import SuffixOptions, SuffixProposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.adaptive import Row, SpecLengthController
+from specserve.engine.step.sequence import StepOutput
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError, ProposerUnavailable, RequestFailed
 
@@ -176,7 +176,7 @@ def twin_target_hf():
     """A target where every token has a near-tie twin: LM-head rows 256.. are rows 0..255
     times (1 + 2**-22), so two logits differ by about two float32 ulps at every step. A
     runtime whose rounding depends on the shape of the forward flips between the twins: on
-    the runtime before ``specserve.engine.kernels`` every speculative output below differed
+    the runtime before ``specserve.engine.runtime.kernels`` every speculative output below differed
     from target-only (48 of 48 with n-gram, AVX512, 2026-11-23)."""
     hf = tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
     with torch.no_grad():
@@ -494,7 +494,7 @@ def test_abort_frees_slots(target_hf, close_draft_hf):
 
 def exact_joint(target_hf, prompt, params: SamplingParams) -> np.ndarray:
     """P(t1, t2) of target-only sampling under ``params``, from the model directly: ``[V, V]``."""
-    from specserve.engine.sampling import compute_probs
+    from specserve.engine.step.sampling import compute_probs
 
     def probs(logits):  # [N, V] -> transformed p
         n = logits.shape[0]
@@ -669,7 +669,7 @@ def test_a_draft_truncated_to_its_top_k_keeps_the_target_distribution(target_hf,
 def test_the_truncated_q_test_rejects_a_q_that_is_not_the_one_sampled_from(target_hf):
     """Power: the same test fails when the q sent with the drafts is not the truncated q the
     draft sampled from (here its argmax's probability before renormalising, k = 1)."""
-    from specserve.engine.proposal import TopK
+    from specserve.engine.step.proposal import TopK
 
     torch.manual_seed(20261126)
     params = SAMPLED[0]
@@ -724,7 +724,7 @@ def test_the_tree_distribution_test_rejects_a_wrong_residual_update(target_hf, m
     is not updated (the rejected token stays in it and can be recovered after all): the
     test has the power to see that mistake at this sample size. (test_acceptance has
     power checks against two more wrong updates, row by row.)"""
-    from specserve.engine import acceptance
+    from specserve.engine.step import acceptance
 
     monkeypatch.setattr(acceptance, "_residual_after_rejection", lambda r, q, token: r)
     torch.manual_seed(20261125)

@@ -125,7 +125,7 @@ PROMPT = [5, 301, 45, 17, 5, 301]
 def constrained_joint(target_hf, compiled, prompt: list[int], params: SamplingParams) -> np.ndarray:
     """P(t1, t2) of target-only sampling under the grammar: each position's distribution is
     the target's (after the request's transform) with the grammar's disallowed tokens at 0."""
-    from specserve.engine.sampling import compute_probs
+    from specserve.engine.step.sampling import compute_probs
 
     def probs(logits, masks):  # [N, V] -> masked, transformed p
         n = logits.shape[0]

@@ -14,9 +14,9 @@ from collections import Counter
 import numpy as np
 import pytest
 from specserve.config import SamplingParams, SpeculativeConfig
-from specserve.engine.proposal import DraftRequest
-from specserve.engine.proposers.suffix import SEP, SuffixOptions, SuffixProposer
+from specserve.engine.drafts.suffix import SEP, SuffixOptions, SuffixProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.proposal import DraftRequest
 
 from tests.engine.test_spec_decode import EOS, prompts
 from tests.models import tiny_hf_model, worker_of
@@ -201,7 +201,7 @@ def test_greedy_output_is_target_only_output_cold_and_warm(k):
 def test_the_doctests_hold():
     import doctest
 
-    from specserve.engine.proposers import suffix
+    from specserve.engine.drafts import suffix
 
     assert doctest.testmod(suffix).failed == 0
 
@@ -238,8 +238,8 @@ def test_the_cache_is_reported_as_proposer_state_on_metrics():
     """Proposer.state() reaches /metrics as specserve:proposer_state{name=...} (a hybrid
     reports its first proposer's)."""
     from prometheus_client.parser import text_string_to_metric_families
-    from specserve.engine.proposers.base import Proposer
-    from specserve.engine.proposers.hybrid import HybridProposer
+    from specserve.engine.drafts.base import Proposer
+    from specserve.engine.drafts.hybrid import HybridProposer
     from specserve.serve.metrics import exposition
     from specserve.serve.protocol import UnitSnapshot
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
-from specserve.engine import layers, native
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.token_tree import tree_ancestors
+from specserve.engine.runtime import layers, native
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.token_tree import tree_ancestors
 from specserve.errors import InvalidRequestError
 
 from tests.models import VOCAB, random_sequences, runtime_of, tiny_hf_model
@@ -138,7 +138,7 @@ def test_native_tree_attention_equals_the_chain_of_each_nodes_path(heads):
     """The C attention alone, at head size 64: a tree row's node reads its prefix and
     ancestors gathered in order, with the arithmetic of the same keys stored as a chain
     (queries grouped 4 at a time with other nodes and heads, prefixes across KV blocks)."""
-    from specserve.engine.kernels import KV_BLOCK
+    from specserve.engine.runtime.kernels import KV_BLOCK
 
     h, hk = heads
     d, s, n = 64, 4 * KV_BLOCK, 13
@@ -187,7 +187,7 @@ def test_a_tree_after_a_long_prompt_tail_in_one_forward(rt):
 
 
 def test_a_tree_grown_over_several_forwards_equals_it_in_one(rt):
-    """A draft expands its tree a level at a time (``proposers/eagle.py``): each forward
+    """A draft expands its tree a level at a time (``drafts/eagle.py``): each forward
     brings new nodes whose parents were stored by earlier forwards (``trees[i]`` covers the
     cached part too). Every node's logits equal those of the whole tree in one forward, and
     so those of its path as a chain; a chain row beside it is unaffected."""

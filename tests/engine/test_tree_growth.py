@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic tree (engine/proposers/tree_growth.py) against a synthetic draft: the
+"""EAGLE-2's dynamic tree (engine/drafts/tree_growth.py) against a synthetic draft: the
 worked example, best-first topological proposals, nested budgets, and pruning that never
 expands a node whose children could not be drafted."""
 
@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from specserve.engine.proposers.tree_growth import TreeGrowth
-from specserve.engine.token_tree import validate_tree
+from specserve.engine.drafts.tree_growth import TreeGrowth
+from specserve.engine.runtime.token_tree import validate_tree
 
 VOCAB = 16
 

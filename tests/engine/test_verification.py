@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.acceptance import PLACEHOLDER
-from specserve.engine.proposal import Proposal
-from specserve.engine.sampling import compute_probs, position_noise, sample_from
-from specserve.engine.verification import (
+from specserve.engine.step.acceptance import PLACEHOLDER
+from specserve.engine.step.proposal import Proposal
+from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
+from specserve.engine.step.verification import (
     SamplingRow,
     draft_probs,
     pad_drafts,
@@ -125,7 +125,7 @@ def test_noise_is_exponential_and_a_function_of_its_key_alone():
     process draw the same noise for one position), and it is Exp(1) (Kolmogorov-Smirnov,
     fixed keys, so the outcome is fixed), independent across keys and across entries."""
     from scipy import stats
-    from specserve.engine.sampling import NOISE, exponential_noise, noise_key
+    from specserve.engine.step.sampling import NOISE, exponential_noise, noise_key
 
     rows = exponential_noise([5, 9, 5], 50_000)
     assert torch.equal(rows[0], rows[2]) and torch.equal(rows[0], exponential_noise([5], 50_000)[0])
@@ -142,8 +142,8 @@ def test_the_c_noise_is_the_torch_formulas(monkeypatch):
     same floats. libm's and torch's double ``log`` may part in the last place, which can
     move a float by one ulp: none did in 200 million entries here; the test allows one in a
     million, no more than one ulp."""
-    from specserve.engine import native
-    from specserve.engine.sampling import exponential_noise, noise_key
+    from specserve.engine.runtime import native
+    from specserve.engine.step.sampling import exponential_noise, noise_key
 
     if native.library() is None:
         pytest.skip(f"no C kernels here: {native.unavailable_reason()}")
@@ -161,7 +161,7 @@ def test_topk_q_is_dense_where_verified_and_compact_on_the_wire():
     pickled as raw bytes (8 per entry) and back unchanged."""
     import pickle
 
-    from specserve.engine.proposal import TopK
+    from specserve.engine.step.proposal import TopK
 
     ids = torch.tensor([[3, 1], [0, 15]])
     probs = torch.tensor([[0.75, 0.25], [0.5, 0.5]])

@@ -1,6 +1,6 @@
 """The runtime's GPU path on a GPU (issue 33): what no CPU test can run. Triton's
-FlexAttention kernels (``engine/block_attention.py``), inductor's CUDA code and CUDA graphs
-(``kernels: compiled``, ``engine/compiled.py``), and the library path on CUDA.
+FlexAttention kernels (``engine/runtime/block_attention.py``), inductor's CUDA code and CUDA graphs
+(``kernels: compiled``, ``engine/runtime/compiled.py``), and the library path on CUDA.
 
 Run only by ``make gpu-check`` on a lent GPU machine (every test is marked ``gpu``;
 ``tests/conftest.py`` skips them elsewhere). The machine has torch, transformers and pytest
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specserve.engine.block_attention import KEY_BLOCK, attend, key_blocks
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.model import build_runtime
+from specserve.engine.runtime.block_attention import KEY_BLOCK, attend, key_blocks
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.model import build_runtime
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -275,7 +275,7 @@ def test_bench_speculative_rows_cost_model_and_best():
     per_token = 4.5 / 99  # the baseline's decode seconds per token
     c, v = 0.08 / 40 / 2 / per_token, 2.4 / 40 / per_token
     assert (ngram2["c"], ngram2["v"]) == (pytest.approx(c), pytest.approx(v))
-    from specserve.engine.cost_model import expected_speedup
+    from specserve.engine.step.cost_model import expected_speedup
 
     assert ngram2["predicted_speedup"] == pytest.approx(expected_speedup(0.75, 2, c, v))
     # the best is the fastest, not the longest acceptance

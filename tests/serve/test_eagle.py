@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.draft_head import save_draft
+from specserve.engine.drafts.draft_head import save_draft
 from specserve.engine.tokenizer import encode_prompt
 
 from tests.engine.test_published_drafts import eagle1_tensors, head_tensors, layer_config, write_checkpoint

@@ -12,9 +12,9 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from specserve.config import SamplingParams, UnitConfig
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.proposers.eagle import EagleProposer
-from specserve.engine.proposers.ngram import NgramProposer
+from specserve.engine.drafts.eagle import EagleProposer
+from specserve.engine.drafts.ngram import NgramProposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import TargetUnavailable

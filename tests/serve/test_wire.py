@@ -24,7 +24,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from specserve.config import SamplingParams, UnitConfig
 from specserve.engine.builder import assemble_engine
-from specserve.engine.draft_head import save_draft
+from specserve.engine.drafts.draft_head import save_draft
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.placement import unit_bundles
 from specserve.serve.target_group import TargetGroup

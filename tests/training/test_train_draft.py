@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from specserve.cli import main
 from specserve.config import ModelConfig
-from specserve.engine.draft_head import new_draft_head
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.drafts.draft_head import new_draft_head
+from specserve.engine.drafts.eagle import EagleProposer
 from specserve.engine.loader import load_model
-from specserve.engine.proposers.eagle import EagleProposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
@@ -98,7 +98,7 @@ def test_an_eagle3_head_is_trained_exported_as_speculators_and_loaded_back(tiny,
     """``--kind eagle3``: data with the target's layer states, training, the ``speculators``
     format (the tensor names and config fields vLLM reads), loaded back by the published-head
     loader and checked against the published formula; it beats its untrained self."""
-    from specserve.engine.draft_head import load_draft_head
+    from specserve.engine.drafts.draft_head import load_draft_head
     from transformers import AutoModelForCausalLM
 
     from tests.engine.test_published_drafts import reference_logits

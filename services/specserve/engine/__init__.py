@@ -29,31 +29,43 @@ Vocabulary (every name in this package uses it):
 - **slot**: a sequence's row in a KV cache; its **length** is how many tokens have their keys
   and values stored. Rollback is setting the length back.
 
-The engine's step (``spec_decode.py``, :class:`SpecDecodeEngine`) is a thin loop over named
-parts, one module each, side by side (none of the three below imports another: the engine
-hands each what it needs):
+The engine is four folders and the loop over them (``farm-studio look`` draws them as a
+stack: each imports only those below it):
 
-- **step batch** (``step_batch.py``, :class:`StepBatch`): one step's rows in forward order,
+- ``kv/``: the KV cache (slots or paged blocks with prefix caching);
+- ``runtime/``: the model's forward and its kernels, over the KV cache;
+- ``step/``: a step's rows, the scheduler, K, verification and sampling;
+- ``drafts/``: the proposers, trained heads and published formats, and the draft link;
+- loose modules: the loop (``spec_decode.py``), the target's worker (``worker.py``: a model,
+  its cache and the verify next to the logits), loading (``loader.py``, ``shard_loader.py``),
+  the tokenizer, structured outputs' grammars (``grammar.py``) and ``builder.py``, which
+  assembles an engine from its configuration.
+
+The engine's step (``spec_decode.py``, :class:`SpecDecodeEngine`) is a thin loop over named
+parts, one module each, side by side (the scheduler, the draft link and the K planner import
+none of each other: the engine hands each what it needs):
+
+- **step batch** (``step/step_batch.py``, :class:`StepBatch`): one step's rows in forward order,
   each a **row** (a sequence that verifies: its start, K cap, K, proposal, grammar mask,
   verdict, features) or a **chunk** (a prompt chunk it prefills); every part fills its fields
   of the same rows, and the step's phase times are its **clock**.
-- **scheduler** (``scheduler.py``): the sequences, waiting and running; admission, the step's
+- **scheduler** (``step/scheduler.py``): the sequences, waiting and running; admission, the step's
   rows under its prefill budget (chunks), preemption, and the ``n`` samples of a request
   waiting to **fork** from its first sample's prefill.
-- **draft link** (``draft_link.py``): the proposer as the step sees it: which sequences are
+- **draft link** (``drafts/draft_link.py``): the proposer as the step sees it: which sequences are
   **attached** to it, the proposer call, the target features it reads, and its loss and
   re-attachment (a lost draft costs speed, never output).
-- **K planner** (``k_planner.py``): every decision about K: a row's **cap** (its request's K,
+- **K planner** (``step/k_planner.py``): every decision about K: a row's **cap** (its request's K,
   ``max_tokens``, the context), its K each step, and what the step tells the K
-  **controller** (``adaptive.py``, the cost model that picks K).
-- **acceptance** (``acceptance.py``): the rules that decide the accepted, recovered and bonus
+  **controller** (``step/adaptive.py``, the cost model that picks K).
+- **acceptance** (``step/acceptance.py``): the rules that decide the accepted, recovered and bonus
   tokens, for chains and token trees side by side; ``verification.py`` runs them over a
   step's rows, next to the logits.
-- **forward batch** (``forward_batch.py``): what one model forward takes
+- **forward batch** (``runtime/forward_batch.py``): what one model forward takes
   (:class:`ForwardBatch`) and returns (:class:`Forwarded`), for the target and every draft.
-- **counters** (``stats.py``, :class:`EngineCounters`): everything the engine counts, filled by
+- **counters** (``step/stats.py``, :class:`EngineCounters`): everything the engine counts, filled by
   the step and read whole (a snapshot) by the unit, its metrics and ``/v1/units/stats``.
-- **proposal** (``proposal.py``): what crosses between a proposer and the target
+- **proposal** (``step/proposal.py``): what crosses between a proposer and the target
   (``DraftRequest``, ``Proposal``, ``TopK``), imported by both sides.
 
 Around the engine (``specserve/serve/``), one word each:
@@ -66,7 +78,7 @@ Around the engine (``specserve/serve/``), one word each:
   clients (the card's "speculation coordinator").
 - **engine loop** (``serve/engine_loop.py``): the coordinator's thread that owns the engine,
   and the asyncio side that feeds it requests.
-- **draft head** (``draft_head.py``): a trained draft (EAGLE's head, or a small decoder on the
+- **draft head** (``drafts/draft_head.py``): a trained draft (EAGLE's head, or a small decoder on the
   target's embeddings); **training** (``specserve/training/``, ``specserve train-draft``) makes
   one.
 """

@@ -10,8 +10,8 @@ they run before an engine loads a model, and once before Ray starts (``deploy/ap
 from __future__ import annotations
 
 from specserve.config import EngineConfig, KVCacheConfig, ModelConfig, SpeculativeConfig
-from specserve.engine.adaptive import SpecLengthController
-from specserve.engine.draft_head import (
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.drafts.draft_head import (
     draft_path,
     is_draft_dir,
     load_draft_head,
@@ -19,6 +19,7 @@ from specserve.engine.draft_head import (
     read_draft_meta,
     serves,
 )
+from specserve.engine.drafts.hybrid import HybridProposer
 from specserve.engine.loader import (
     LoadedModel,
     ResolvedSource,
@@ -28,9 +29,8 @@ from specserve.engine.loader import (
     resolve_device,
     resolve_dtype,
 )
-from specserve.engine.proposers.base import Proposer
-from specserve.engine.proposers.hybrid import HybridProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.adaptive import SpecLengthController
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 from specserve.methods import PROPOSERS, proposer_class

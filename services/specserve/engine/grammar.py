@@ -27,7 +27,7 @@ drafts forward, filling one mask per position, stops at the first draft the gram
 (the masked target gives it probability 0, so the verifier rejects it and no later position
 is reached) and rolls back: the matcher only ever advances by the tokens a step emits.
 :meth:`Matcher.walk_tree` does the same over a token tree, in the row layout of
-:mod:`~specserve.engine.token_tree` (row 0 at the root, row i + 1 after node i).
+:mod:`~specserve.engine.runtime.token_tree` (row 0 at the root, row i + 1 after node i).
 
 **The library: llguidance** (docs/STRUCTURED.md has the measurements and the comparison with
 xgrammar and outlines-core). It has no dependencies, refuses JSON-schema keywords it cannot
@@ -487,7 +487,7 @@ class Matcher:
         return masks[:num_allowed + 1], num_allowed
 
     def walk_tree(self, tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, list[bool]]:
-        """:meth:`walk` over a token tree (:mod:`~specserve.engine.token_tree`'s layout:
+        """:meth:`walk` over a token tree (:mod:`~specserve.engine.runtime.token_tree`'s layout:
         ``parents[i] < i``, -1 for a child of the root).
 
         Returns ``(masks, allowed)``: masks ``[N + 1, W]`` int32, row 0 the mask at the root

@@ -253,10 +253,10 @@ def load_model(cfg, *, max_model_len: int,
     with ``tp_group`` this rank's tensor-parallel shard of it (read as a shard: see
     :mod:`specserve.engine.shard_loader`). ``verify_tokens``: new tokens per row of a
     verify (``EngineConfig.verify_tokens``), the token shape the GPU kernels give decodes
-    too (``engine/compiled.py``); None: the kernels' default."""
+    too (``engine/runtime/compiled.py``); None: the kernels' default."""
     from transformers.utils import logging as hf_logging
 
-    from specserve.engine.model import default_kernels
+    from specserve.engine.runtime.model import default_kernels
     from specserve.engine.shard_loader import load_sharded
 
     src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)
@@ -294,11 +294,11 @@ def load_target_lm_head(cfg) -> torch.Tensor:
 
 def load_target_parts(cfg, *, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's input embeddings and rope tables, without loading the rest of it: what a
-    trained draft (``specserve.engine.draft_head``) needs in a process that has no target.
+    trained draft (``specserve.engine.drafts.draft_head``) needs in a process that has no target.
     Reads one tensor from the target's safetensors."""
     from safetensors import safe_open
 
-    from specserve.engine.model import rope_tables
+    from specserve.engine.runtime.model import rope_tables
     from specserve.engine.shard_loader import weight_files
 
     src = resolve(cfg.source, Path(cfg.cache_dir) if cfg.cache_dir else None)

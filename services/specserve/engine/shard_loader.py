@@ -6,7 +6,7 @@ some 280 GB per rank for a 70B model. Here the :class:`LlamaRuntime` is built on
 device and each parameter is filled from the checkpoint's safetensors files one at a time:
 for each of its parts (q, k and v are fused into ``qkv``, gate and up into ``gate_up``) this
 rank's rows or columns are read through ``safe_open(...).get_slice(name)[index]``, with the
-split and index of :mod:`specserve.engine.tp`, and copied straight into a tensor of the
+split and index of :mod:`specserve.engine.runtime.tp`, and copied straight into a tensor of the
 serving dtype on the serving device. Peak host memory per rank is then what the rank keeps on
 the host (nothing beyond rope tables on a GPU; its shard on a CPU) plus one tensor
 (``docs/LOADING.md`` has the measured numbers).
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from specserve.engine import tp
-from specserve.engine.arch import ModelArch
-from specserve.engine.model import LlamaRuntime, checkpoint_names, rope_tables
+from specserve.engine.runtime import tp
+from specserve.engine.runtime.arch import ModelArch
+from specserve.engine.runtime.model import LlamaRuntime, checkpoint_names, rope_tables
 from specserve.errors import ConfigError, ModelNotFoundError
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -4,10 +4,10 @@ One :meth:`SpecDecodeEngine.step` (this module schedules it; where a piece lives
 the step names the module):
 
 1. **schedule**: admit waiting requests while KV slots (and blocks) are free, and build the
-   step's :class:`~specserve.engine.step_batch.StepBatch`: which rows verify, which prefill
+   step's :class:`~specserve.engine.step.step_batch.StepBatch`: which rows verify, which prefill
    a prompt's chunk, which are preempted (``scheduler.py``); every phase below fills its
    fields of the same rows;
-2. **draft**: ask the proposer (``proposers/``, through ``draft_link.py``) for up to K tokens
+2. **draft**: ask the proposer (``drafts/``, through ``drafts/draft_link.py``) for up to K tokens
    per running sequence (K is capped so the step can neither overrun ``max_tokens`` nor the
    context; for adaptive requests the controller of ``adaptive.py`` picks K under that cap:
    ``k_planner.py``), then cut the drafts a structured output's grammar forbids
@@ -24,7 +24,7 @@ the step names the module):
    max_tokens, context), so a stop inside a draft window truncates exactly where
    target-only decoding would have stopped;
 5. **roll back** both caches to the tokens that are now final, and free finished slots;
-   everything counted goes to the engine's :class:`~specserve.engine.stats.EngineCounters`.
+   everything counted goes to the engine's :class:`~specserve.engine.step.stats.EngineCounters`.
 
 **One request's fault stays its own.** If a step raises anything but
 :class:`~specserve.errors.TargetUnavailable` (a dead rank or a step timeout, which only the
@@ -53,17 +53,17 @@ import itertools
 import logging
 
 from specserve.config import SamplingParams
-from specserve.engine.adaptive import SpecLengthController
-from specserve.engine.draft_link import DraftLink
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.drafts.draft_link import DraftLink
 from specserve.engine.grammar import CompiledGrammar, constrain
-from specserve.engine.k_planner import KPlanner
-from specserve.engine.proposers.base import Proposer
-from specserve.engine.sampling import random_seed
-from specserve.engine.scheduler import Scheduler
-from specserve.engine.sequence import Completion, Sequence, StepOutput
-from specserve.engine.stats import EngineCounters
-from specserve.engine.step_batch import ChunkRow, StepBatch, StepRow
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.step.adaptive import SpecLengthController
+from specserve.engine.step.k_planner import KPlanner
+from specserve.engine.step.sampling import random_seed
+from specserve.engine.step.scheduler import Scheduler
+from specserve.engine.step.sequence import Completion, Sequence, StepOutput
+from specserve.engine.step.stats import EngineCounters
+from specserve.engine.step.step_batch import ChunkRow, StepBatch, StepRow
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.engine.worker import ModelWorker, Verified
 from specserve.errors import InvalidRequestError, RequestFailed, TargetUnavailable

@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from specserve.config import KVCacheConfig, SamplingParams
-from specserve.engine.forward_batch import ForwardBatch, Forwarded
-from specserve.engine.kv_cache import SlotTable
-from specserve.engine.malloc import keep_freed_memory
-from specserve.engine.model import LlamaRuntime
-from specserve.engine.proposal import Proposal
-from specserve.engine.verification import SamplingRow, Verdict, token_logprobs, verify_rows
+from specserve.engine.kv.kv_cache import SlotTable
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
+from specserve.engine.runtime.malloc import keep_freed_memory
+from specserve.engine.runtime.model import LlamaRuntime
+from specserve.engine.step.proposal import Proposal
+from specserve.engine.step.verification import SamplingRow, Verdict, token_logprobs, verify_rows
 
 
 @dataclass
@@ -99,7 +99,7 @@ class SlotOwner:
 
 class ModelWorker(SlotOwner):
     """Owns a :class:`LlamaRuntime` and a KV cache shaped for it: a :class:`SlotKVCache`, or a
-    :class:`~specserve.engine.kv_cache.PagedKVCache` where ``kv`` resolves to paged."""
+    :class:`~specserve.engine.kv.kv_cache.PagedKVCache` where ``kv`` resolves to paged."""
 
     def __init__(self, runtime: LlamaRuntime, *, num_slots: int, max_seq_len: int,
                  kv: KVCacheConfig | None = None) -> None:
@@ -131,18 +131,18 @@ class ModelWorker(SlotOwner):
 
     def warm_up(self) -> dict:
         """A forward in every shape serving will use, before the first request
-        (:meth:`LlamaRuntime.warm_up <specserve.engine.model.LlamaRuntime.warm_up>`): the
+        (:meth:`LlamaRuntime.warm_up <specserve.engine.runtime.model.LlamaRuntime.warm_up>`): the
         compiled kernels compile and capture here, not inside a step."""
         return self.runtime.warm_up(self.cache)
 
     def keep(self, slot: int, positions: list[int], at: int) -> None:
         """A verified token tree's accepted path moves to ``at, at + 1, ...`` (the cache's
-        :meth:`~specserve.engine.kv_cache.SlotKVCache.keep`)."""
+        :meth:`~specserve.engine.kv.kv_cache.SlotKVCache.keep`)."""
         self.cache.keep(slot, positions, at)
 
     def fork(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst`` starts as a copy of ``src``'s first ``length`` positions (the cache's
-        :meth:`~specserve.engine.kv_cache.SlotKVCache.fork`)."""
+        :meth:`~specserve.engine.kv.kv_cache.SlotKVCache.fork`)."""
         self.cache.fork(src, dst, length)
 
     def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
@@ -162,7 +162,7 @@ class ModelWorker(SlotOwner):
         after the rows (no logits, no verdict; with ``return_hidden`` their hidden states come
         back in :attr:`Verified.chunk_hidden`); ``groups``: the forward's row groups over the
         rows, then the chunks (:meth:`LlamaRuntime.forward
-        <specserve.engine.model.LlamaRuntime.forward>`)."""
+        <specserve.engine.runtime.model.LlamaRuntime.forward>`)."""
         counts = [len(p.token_ids) + 1 for p in proposals]
         masks = masks or [None] * len(slots)
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
@@ -198,7 +198,7 @@ class ModelWorker(SlotOwner):
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
-        for (:meth:`LlamaRuntime.forward <specserve.engine.model.LlamaRuntime.forward>`)."""
+        for (:meth:`LlamaRuntime.forward <specserve.engine.runtime.model.LlamaRuntime.forward>`)."""
         return self.runtime(self.cache, batch)
 
 

@@ -19,8 +19,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from specserve.config import UnitConfig
-from specserve.engine.proposal import DraftRequest, Proposal
-from specserve.engine.proposers.base import Proposer
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.step.proposal import DraftRequest, Proposal
 from specserve.errors import ProposerUnavailable
 from specserve.methods import PROPOSERS
 from specserve.serve.draft_worker import DraftWorker, process_start

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:
-    from specserve.engine.proposal import DraftRequest, Proposal
+    from specserve.engine.step.proposal import DraftRequest, Proposal
 
 log = logging.getLogger(__name__)
 

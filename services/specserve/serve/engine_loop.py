@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import CompiledGrammar
-from specserve.engine.sequence import StepOutput
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.sequence import StepOutput
 from specserve.errors import CapacityError, SpecServeError, TargetUnavailable
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 
-from specserve.engine.stats import EngineCounters, SpecStats
+from specserve.engine.step.stats import EngineCounters, SpecStats
 from specserve.serve.protocol import StreamDelta, Timing, UnitSnapshot
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from pydantic_core import PydanticCustomError
 
 from specserve.config import SamplingParams, SpecMethod
 from specserve.engine.grammar import GrammarSpec
-from specserve.engine.stats import EngineCounters
+from specserve.engine.step.stats import EngineCounters
 from specserve.errors import InvalidRequestError
 from specserve.serve.tools import ToolPlan
 

@@ -1,7 +1,7 @@
 """Serve request router for the units: the unit that holds a request's prompt prefix, unless
 it is too busy; otherwise the least-loaded unit.
 
-Units share nothing, so a prefix cached in one unit (``engine/kv_manager.py``) helps only
+Units share nothing, so a prefix cached in one unit (``engine/kv/kv_manager.py``) helps only
 requests sent to that unit. With ``routing.prefix_affinity`` the router remembers, per block
 of the prompt (the same chained hashes as the units' caches, salt included), which unit it
 last sent that prefix to, and sends a request to the unit of its longest remembered prefix:
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from specserve.engine.block_pool import BlockHash, hash_blocks
+from specserve.engine.kv.block_pool import BlockHash, hash_blocks
 
 MAX_REMEMBERED = 1 << 16  # blocks: 2 MiB of hashes and ids, a million tokens at block size 16
 

@@ -9,7 +9,7 @@ per step, however large N is), every rank runs its shard, and rank 0, which has 
 logits after the last all-reduce, runs the rejection sampler next to them
 (:meth:`~specserve.engine.worker.ModelWorker.verify`) and returns only what each row keeps:
 no logits tensor crosses a process boundary. The coordinator sends token ids, the draft's
-proposals (ids, and for sampled rows a truncated q, :class:`~specserve.engine.proposal.TopK`)
+proposals (ids, and for sampled rows a truncated q, :class:`~specserve.engine.step.proposal.TopK`)
 and each sequence's sampling parameters once, when its slot first verifies. The
 coordinator owns the slot table and sends each row's start length, so rollback costs nothing.
 A rank that dies or a step slower than ``target_step_timeout_s`` raises
@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from specserve.config import EngineConfig, SamplingParams, UnitConfig
-from specserve.engine.draft_head import eagle3_target_layers
-from specserve.engine.forward_batch import ForwardBatch, Forwarded
-from specserve.engine.kv_cache import SlotTable
-from specserve.engine.kv_manager import KVManager
+from specserve.engine.drafts.draft_head import eagle3_target_layers
+from specserve.engine.kv.kv_cache import SlotTable
+from specserve.engine.kv.kv_manager import KVManager
 from specserve.engine.loader import load_model
-from specserve.engine.proposal import Proposal
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
+from specserve.engine.step.proposal import Proposal
 from specserve.engine.worker import ModelWorker, SlotOwner, Verified, with_chunks
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import (

@@ -24,8 +24,8 @@ from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.grammar import GrammarCompiler
 from specserve.engine.loader import load_tokenizer, resolve
-from specserve.engine.sequence import StepOutput
-from specserve.engine.stats import SpecStats
+from specserve.engine.step.sequence import StepOutput
+from specserve.engine.step.stats import SpecStats
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter

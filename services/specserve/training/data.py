@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.tokenizer import encode_chat
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError

@@ -22,10 +22,10 @@ import torch
 from tqdm import tqdm
 
 from specserve.config import SamplingParams
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.proposal import DraftRequest
-from specserve.engine.proposers.base import Proposer
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.proposal import DraftRequest
 from specserve.engine.worker import ModelWorker
 from specserve.training.data import Sample
 from specserve.training.options import MAX_K

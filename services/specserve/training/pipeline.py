@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import ModelConfig
-from specserve.engine.draft_head import (
+from specserve.engine.drafts.draft_head import (
     DRAFT_FILE,
     draft_path,
     is_draft_dir,
@@ -37,10 +37,10 @@ from specserve.engine.draft_head import (
     read_draft_meta,
     save_draft,
 )
+from specserve.engine.drafts.draft_model import DraftModelProposer
+from specserve.engine.drafts.eagle import EagleProposer
+from specserve.engine.drafts.published_drafts import checked_layers, default_target_layers, save_speculators
 from specserve.engine.loader import EMBEDDED, load_configs, load_model, local_folder, resolve
-from specserve.engine.proposers.draft_model import DraftModelProposer
-from specserve.engine.proposers.eagle import EagleProposer
-from specserve.engine.published_drafts import checked_layers, default_target_layers, save_speculators
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.engine.draft_head import DraftHead, trainable_state
+from specserve.engine.drafts.draft_head import DraftHead, trainable_state
 from specserve.errors import ConfigError
 from specserve.training.data import Sample
 from specserve.training.options import TrainConfig

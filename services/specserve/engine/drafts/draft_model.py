@@ -1,0 +1,263 @@
+"""Draft-model proposer: a smaller model of the same tokenizer, with its own KV cache.
+
+Each step it catches its cache up with the sequence (the tokens the target accepted since the
+last step, the first time the whole prompt), then decodes K tokens one at a time, sampling
+from q, the same temperature / top-k / top-p transform the target uses (argmax for greedy).
+After verification the coordinator calls :meth:`commit` with how many tokens are final and
+the cache is rolled back to that, so a rejected draft never leaks into the next proposal.
+
+For unseeded sampled requests q is the draft's distribution truncated to its ``q_top_k``
+likeliest ids and renormalised (``speculative.draft_model.q_top_k``): the draft samples from
+exactly that and sends only those ids and probabilities (:class:`~.base.TopK`), so the
+rejection test is exact and a drafted token costs ``8 * q_top_k`` bytes on the wire instead
+of ``4 * V``. Greedy and seeded rows send token ids only.
+
+Sampling noise is fixed by the request's seed and the drafted token's position
+(:mod:`~specserve.engine.step.sampling`): the target's own noise for seeded requests (verified
+drafter-invariantly, so the draft agrees with the target as often as shared noise allows),
+a stream of its own otherwise (the rejection test needs q's samples independent of p's).
+
+Vocabularies: a draft may have more or fewer embedding rows than the target while sharing its
+tokenizer (Qwen2.5-0.5B has 151936, Qwen2.5-7B 152064: padding). Drafting is done over the
+target's ids: draft logits beyond the target's vocabulary are dropped before sampling and ids
+the draft lacks get probability 0, so q is a distribution over exactly the ids the target
+verifies and the rejection test stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import PROPOSER_OPTIONS
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask, masked
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
+from specserve.engine.step.sampling import (
+    DRAFT,
+    NOISE,
+    compute_probs,
+    exponential_noise,
+    noise_key,
+    sample_from,
+)
+from specserve.engine.worker import ModelWorker
+from specserve.errors import InvalidRequestError
+
+# speculative.draft_model: its fields, bounds and defaults are the registry's (specserve.methods).
+DraftModelOptions = PROPOSER_OPTIONS["draft_model"]
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, worker: ModelWorker, target_vocab_size: int | None = None, *,
+                 q_top_k: int = DraftModelOptions().q_top_k) -> None:
+        self.worker = worker
+        self.vocab_size = target_vocab_size or worker.vocab_size  # ids the target verifies
+        self.q_top_k = q_top_k
+        self.slots: dict[int, int] = {}  # seq_id -> slot in the draft cache
+        self.seeds: dict[int, int] = {}  # seq_id -> the request's seed
+        self.grammars: GrammarCompiler | None = None  # use_grammars
+        self.matchers: dict[int, Matcher] = {}  # seq_id -> its grammar's state after its output
+
+    @classmethod
+    def from_draft(cls, draft: ModelWorker, *, target_vocab_size: int | None = None,
+                   options: dict | None = None) -> DraftModelProposer:
+        q_top_k = DraftModelOptions.model_validate(options or {}).q_top_k
+        return cls(draft, target_vocab_size=target_vocab_size, q_top_k=q_top_k)
+
+    def start(self, seq_id: int, seed: int) -> None:
+        self.finish(seq_id)  # a sequence started again (a re-attached draft) keeps one slot
+        self.slots[seq_id] = self.worker.allocate()
+        self.seeds[seq_id] = seed
+
+    def fork(self, seq_id: int, parent_id: int, seed: int, num_tokens: int) -> None:
+        """Start ``seq_id`` with a copy of the parent's cache over its first ``num_tokens``
+        tokens, as far as the draft has them (the rest it catches up on as usual)."""
+        self.start(seq_id, seed)
+        parent = self.slots.get(parent_id)
+        if parent is not None:
+            self.worker.fork(parent, self.slots[seq_id], min(self.worker.length(parent), num_tokens))
+
+    def use_grammars(self, compiler: GrammarCompiler | None) -> None:
+        self.grammars = compiler
+        self.matchers.clear()
+
+    def finish(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id, None)
+        self.seeds.pop(seq_id, None)
+        self.matchers.pop(seq_id, None)
+        if slot is not None:
+            self.worker.free(slot)
+
+    def reset(self) -> None:
+        for seq_id in list(self.slots):
+            self.finish(seq_id)
+
+    @property
+    def num_slots_in_use(self) -> int:
+        return len(self.slots)
+
+    def commit(self, seq_id: int, num_valid_tokens: int) -> None:
+        slot = self.slots.get(seq_id)
+        if slot is None:  # a restarted draft actor never saw this sequence; nothing to drop
+            return
+        self.worker.rollback(slot, min(self.worker.length(slot), num_valid_tokens))
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        # The first forward catches each cache up with its sequence; later ones feed the draft.
+        return self._draft(requests, {i: (r.token_ids[self.worker.length(self.slots[r.seq_id]):], None)
+                                      for i, r in enumerate(requests) if r.k > 0})
+
+    def _draft(self, requests: list[DraftRequest], feeds: dict[int, tuple[list[int], torch.Tensor | None]],
+               silent: frozenset[int] | set[int] = frozenset()) -> list[Proposal]:
+        """Decode from ``feeds`` (row -> its input tokens and features, None for a model that
+        reads none) until every fed row has its ``k`` drafts; ``silent`` rows are fed once and
+        draft nothing. Each draft feeds back its token (and the model's predicted feature).
+        A row with a grammar draws each draft under the grammar's mask (its q is the masked
+        distribution), so its drafts stay within what the target may emit."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
+        matchers = {i: m for i in feeds if i not in silent and (m := self._matcher(requests[i]))}
+        try:
+            while feeds:
+                rows = list(feeds)
+                logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
+                                                          [feeds[i] for i in rows])
+                masks = self._masks(requests, rows, matchers, drafts)
+                tokens, row_q = self._sample([requests[i] for i in rows], logits,
+                                             [len(requests[i].token_ids) + len(drafts[i]) for i in rows],
+                                             masks)
+                feeds = {}
+                for j, i in enumerate(rows):
+                    if i in silent:
+                        continue
+                    if i in matchers:
+                        if not matchers[i].accepts(tokens[j]):  # (a mask the draft cannot meet)
+                            continue
+                        matchers[i].advance(tokens[j])
+                    drafts[i].append(tokens[j])
+                    if row_q[j] is not None:
+                        qs[i].append(row_q[j])
+                    if len(drafts[i]) < requests[i].k:
+                        feeds[i] = ([tokens[j]], None if predicted is None else predicted[j:j + 1])
+        finally:  # the grammar's state is the output's again: drafts are only proposals
+            for i, matcher in matchers.items():
+                matcher.rollback(len(drafts[i]))
+        return [Proposal(d, TopK(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
+                         if q else None) for d, q in zip(drafts, qs)]
+
+    def _matcher(self, r: DraftRequest) -> Matcher | None:
+        """Row ``r``'s grammar state after its output so far (None: no grammar, or none this
+        proposer can follow: it then drafts freely and the coordinator cuts what is forbidden)."""
+        if r.grammar is None or self.grammars is None or r.k == 0:
+            return None
+        matcher = self.matchers.get(r.seq_id)
+        output = r.token_ids[r.output_start:]
+        try:
+            if matcher is None or matcher.spec != r.grammar or matcher.num_tokens > len(output):
+                matcher = self.matchers[r.seq_id] = self.grammars.compile(r.grammar).matcher()
+            for token in output[matcher.num_tokens:]:
+                matcher.advance(token)
+        except (InvalidRequestError, ValueError):
+            self.matchers.pop(r.seq_id, None)
+            return None
+        return matcher
+
+    def _masks(self, requests: list[DraftRequest], rows: list[int], matchers: dict[int, Matcher],
+               drafts: list[list[int]]) -> torch.Tensor | None:
+        """``[len(rows), W]`` packed masks of this draft position (all-allowed for free rows).
+        A grammar too costly to follow here (past its fuel) frees its row, here only: the
+        coordinator's own mask fails that request alone, and the draft keeps drafting."""
+        if not any(i in matchers for i in rows):
+            return None
+        masks = allocate_bitmask(len(rows), self.vocab_size)
+        masks.fill_(-1)
+        for j, i in enumerate(rows):
+            if i in matchers:
+                try:
+                    matchers[i].fill_mask(masks, j)
+                except InvalidRequestError:
+                    matchers.pop(i).rollback(len(drafts[i]))
+                    self.matchers.pop(requests[i].seq_id, None)
+                    masks[j] = -1
+        return masks
+
+    # Rows feeding at most this many tokens (a step's catch-up: the accepted drafts and the
+    # bonus token) share a forward; a longer feed (a new sequence's prompt) goes in its own,
+    # per length, so it never pads the others to its length (memory: docs/MEMORY.md).
+    SHORT_FEED = 16
+
+    def _forward_grouped(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_forward` over ``feeds``, in forwards grouped by length (``SHORT_FEED``);
+        the outputs in the order of ``feeds``."""
+        groups: dict[int, list[int]] = {}
+        for j, (tokens, _) in enumerate(feeds):
+            groups.setdefault(0 if len(tokens) <= self.SHORT_FEED else len(tokens), []).append(j)
+        if len(groups) == 1:
+            return self._forward(slots, feeds)
+        outs = [self._forward([slots[j] for j in rows], [feeds[j] for j in rows])
+                for rows in groups.values()]
+        order = torch.tensor([j for rows in groups.values() for j in rows])
+        back = order.argsort().to(outs[0][0].device)  # row j's place in the groups' order
+        logits = torch.cat([x for x, _ in outs])[back]
+        features = None if outs[0][1] is None else torch.cat([f for _, f in outs])[back]
+        return logits, features
+
+    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[n, V]`` after each row's last fed token, and the features to feed with
+        the next drafts (None: this model reads no features)."""
+        # An id the draft's table lacks (one of the target's padding rows) is fed as id 0:
+        # drafts after it are worse, never wrong (the target verifies them).
+        limit = self.worker.vocab_size
+        tokens = [[t if t < limit else 0 for t in ids] for ids, _ in feeds]
+        return self.worker.forward(ForwardBatch(slots, tokens)).logits, None
+
+    def _sample(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int],
+                masks: torch.Tensor | None = None
+                ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+        """One draft token per row, for the token at ``positions[j]``: argmax for greedy rows,
+        a sample from q otherwise: seeded rows from the full q with the target's noise,
+        unseeded ones from q's top ``q_top_k`` (renormalised), returned with that q as
+        ``([k] ids, [k] probs)`` CPU tensors for the rejection test. ``masks``: grammar masks
+        (``[n, W]`` packed) applied to the logits first."""
+        logits = self._to_target_vocab(logits)  # [n, V_target]
+        if masks is not None:
+            logits = masked(logits, masks)
+        device = logits.device
+        tokens = logits.argmax(dim=-1).tolist()
+        row_q: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(requests)
+        sampled = [j for j, r in enumerate(requests) if r.temperature > 0]
+        if not sampled:
+            return tokens, row_q
+        reqs = [requests[j] for j in sampled]
+        q = compute_probs(logits[sampled], torch.tensor([r.temperature for r in reqs], device=device),
+                          torch.tensor([r.top_k for r in reqs], device=device),
+                          torch.tensor([r.top_p for r in reqs], device=device))  # [n, V_target]
+        noise = exponential_noise([noise_key(self.seeds[r.seq_id], positions[j], NOISE if r.seeded else DRAFT)
+                                   for r, j in zip(reqs, sampled)], q.shape[-1], device)  # [n, V_target]
+        picks = sample_from(q, noise)                                       # seeded rows' tokens
+        free = [n for n, r in enumerate(reqs) if not r.seeded]
+        if free:
+            probs, ids = q[free].topk(min(self.q_top_k, q.shape[-1]), dim=-1)  # [m, k]
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            choice = sample_from(probs, noise[free].gather(1, ids))            # [m]
+            picks[free] = ids.gather(1, choice[:, None])[:, 0]
+            ids, probs = ids.cpu(), probs.cpu()
+            for m, n in enumerate(free):
+                row_q[sampled[n]] = (ids[m], probs[m])
+        for n, j in enumerate(sampled):
+            tokens[j] = int(picks[n])
+        return tokens, row_q
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[n, V_draft]`` -> ``[n, V_target]``: extra rows dropped, missing ones -inf."""
+        extra = self.vocab_size - logits.shape[-1]
+        if extra < 0:
+            return logits[:, :self.vocab_size]
+        if extra > 0:
+            return torch.cat([logits, logits.new_full((logits.shape[0], extra), float("-inf"))], dim=-1)
+        return logits

@@ -1,0 +1,246 @@
+"""Attention that reads only each row's own keys: FlexAttention over the cache's storage.
+
+The GPU's attention (``attention: flex``, the default on CUDA for ``kernels: library`` and
+``compiled``). Why not torch's SDPA: with a boolean mask and grouped-query heads SDPA runs
+its math backend (float32 upcast, keys and values repeated per query head), and a
+static-shape forward that gathers each row's whole slot reads ``max_seq_len`` keys per row
+and layer whatever the row's length, so its cost grew with batch x max_model_len.
+FlexAttention (Dong et al. 2024, ``torch.nn.attention.flex_attention``) takes grouped-query
+heads natively, bfloat16 as it is (float32 accumulators), and a *block mask*: per row, the
+list of key blocks to read, plus a ``mask_mod`` for the exact rule inside those blocks.
+
+The design, for a forward of ``B`` rows of ``T`` queries each:
+
+- **Keys in place.** A layer's cache tensor ``[slots, Hk, S, D]`` is viewed, without a copy,
+  as one long key sequence per KV head ``[1, Hk, L, D]`` (:func:`storage_view`): key ``n``
+  of head ``h`` is storage row ``h * S + n``, so position ``p`` of slot ``s`` is key
+  ``s * Hk * S + p`` for every head (the view overlaps itself, which reading allows).
+  FlexAttention broadcasts a key/value batch of 1 against the queries' batch, so the queries
+  stay ``[B, H, T, D]``, one row per sequence: no gather of slots, and no scatter of queries
+  into a ``[slots, H, T, D]`` tensor either (its output and the decoding kernel's split
+  buffers would grow with the slot count, not with the batch).
+- **Blocks of the row's own keys** (:func:`key_blocks`): for each row and 128-query tile, the
+  64-key blocks of its own slot from the one holding its first visible key to the one
+  holding its last, ``ceil((last + 1) / 64)`` blocks for full attention, as block indices
+  into that view. A row reads nothing past its own last token, and a slot outside the batch
+  is never read. Blocks every query of a tile sees whole are listed apart (``full_*``: no
+  mask_mod there) for prefills only: torch's decoding kernel (under 128 queries) splits a
+  row's keys across thread blocks by the whole key length once it is given full blocks.
+- **The exact rule** (:func:`block_mask`'s mask_mod): key ``n`` is row ``b``'s position
+  ``n - base[b]``, visible to a query when it is in the row's slot (>= 0) and at most the
+  query's last key (its position, capped at the row's last real token so a padding query
+  reads nothing the blocks leave out); inside the sliding window; on the query's path of a
+  token tree (``ForwardContext.visible``'s bitmask). The mask_mod alone is the whole rule
+  (torch's eager FlexAttention, on a CPU, reads every key and ignores the block lists); the
+  block lists are what a GPU kernel reads.
+- **Static shapes.** Every tensor here has a shape fixed by ``(B, T, slots, S)``; the
+  compiled path builds :class:`KeyBlocks` outside its graph and the BlockMask inside it, so
+  the mask's tensors are graph inputs and a bucket is one graph (``compiled.py``).
+
+A paged cache (issue 34) fits this design, though it is not built yet
+(``LlamaRuntime.make_paged_cache`` refuses FlexAttention): a block pool ``[blocks, Hk, 64, D]``
+views the same way, a row's block-table row replaces :func:`slot_storage`, and the mask_mod
+maps a key to its position through that table instead of ``n - base[b]``.
+
+On a GPU FlexAttention must be compiled (eagerly it materializes the scores over the whole
+view): the compiled layer stack traces it with the rest, and the library path calls it
+through one ``torch.compile`` (:func:`attend`), its rows padded to a power of two (the
+decoding kernel needs a static batch). On a CPU it runs eagerly, for the tests: the C
+kernels are the CPU's path, and inductor's CPU FlexAttention wants block lists as long as
+the whole view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from specserve.engine.runtime.kernels import KV_BLOCK
+
+KEY_BLOCK = KV_BLOCK  # keys per block: the cache's own allocation unit, so a slot is whole blocks
+QUERY_BLOCK = 128     # queries per tile: torch's default; decodes and verifies are one tile
+# Torch's FlexAttention takes its decoding kernel below this many queries (a tile); only
+# longer forwards (prefills) get full blocks (module docstring).
+DECODE_QUERIES = 128
+
+
+@dataclasses.dataclass
+class KeyBlocks:
+    """What one FlexAttention call reads, for ``B`` rows of ``T`` queries: made once per
+    forward (and window kind), shared by the layers. Shapes fixed by ``(B, T, slots, S)``."""
+
+    base: torch.Tensor              # [B] int64: the key (in storage_view) of each row's position 0
+    last: torch.Tensor              # [B, T] int64: the last position each query may see
+    num_blocks: torch.Tensor        # [B, 1, NQ] int32: blocks to read (masked) per query tile
+    indices: torch.Tensor           # [B, 1, NQ, J] int32: their storage_view block indices, in order
+    full_num_blocks: torch.Tensor | None = None  # the same for blocks every query sees whole
+    full_indices: torch.Tensor | None = None
+    window: int | None = None       # the sliding window, or None (full attention)
+    tree: torch.Tensor | None = None         # [B, T] int64 bitmasks (ForwardContext.tree)
+    tree_starts: torch.Tensor | None = None  # [B] int64: each tree row's base (-1: a chain)
+
+    def to(self, device: torch.device) -> KeyBlocks:
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
+
+def storage_view(storage: torch.Tensor) -> torch.Tensor:
+    """A layer's keys or values ``[slots, Hk, S, D]`` as ``[1, Hk, L, D]``, no copy: key
+    ``n`` of head ``h`` is row ``h * S + n`` of the storage, so slot ``s``'s position ``p``
+    is key ``s * Hk * S + p`` in every head (L = ((slots - 1) * Hk + 1) * S)."""
+    assert storage.ndim == 4 and storage.is_contiguous()
+    slots, hk, s, d = storage.shape
+    length = ((slots - 1) * hk + 1) * s
+    return storage.as_strided((1, hk, length, d), (storage.numel(), s * d, d, 1))
+
+
+def slot_storage(slots: torch.Tensor, num_kv_heads: int, slot_len: int) -> torch.Tensor:
+    """``[B, J]``: the storage_view block holding each row's logical block ``j`` (J = S / 64).
+    The slot cache's block table: a slot's blocks are consecutive."""
+    first = slots.long() * (num_kv_heads * slot_len // KEY_BLOCK)   # [B]
+    return first[:, None] + torch.arange(slot_len // KEY_BLOCK)      # [B, J]
+
+
+def key_blocks(positions: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, *,
+               num_kv_heads: int, slot_len: int, window: int | None = None,
+               tree: torch.Tensor | None = None,
+               tree_starts: torch.Tensor | None = None) -> KeyBlocks:
+    """The blocks and rule of a forward: ``positions`` ``[B, T]`` int64, each query's
+    position (padding included); ``last`` ``[B]``, each row's last real key; ``slots``
+    ``[B]``, each row's slot (rows may share one: padding); ``slot_len``: the cache's S.
+
+    >>> kb = key_blocks(torch.tensor([[70, 71], [5, 6]]), torch.tensor([70, 6]),
+    ...                 torch.tensor([3, 0]), num_kv_heads=2, slot_len=128)
+    >>> kb.num_blocks.flatten().tolist(), kb.indices[:, 0, 0].tolist()  # rows end in blocks 1, 0
+    ([2, 1], [[12, 13], [0, 1]])
+    """
+    assert positions.ndim == 2 and last.shape == slots.shape == positions.shape[:1]
+    assert slot_len % KEY_BLOCK == 0, "a slot is whole key blocks"
+    query_last = torch.minimum(positions, last[:, None])                       # [B, T]
+    storage = slot_storage(slots, num_kv_heads, slot_len)                      # [B, J]
+    seen, whole = block_visibility(query_last, slot_len // KEY_BLOCK, window, tree_starts)
+    if positions.shape[1] < DECODE_QUERIES:
+        whole = torch.zeros_like(whole)
+    num_blocks, indices = _ordered(seen & ~whole, storage)
+    full = _ordered(whole, storage) if whole.any() else (None, None)
+    return KeyBlocks(base=slots.long() * num_kv_heads * slot_len, last=query_last,
+                     num_blocks=num_blocks, indices=indices, full_num_blocks=full[0],
+                     full_indices=full[1], window=window, tree=tree,
+                     tree_starts=None if tree_starts is None else tree_starts.long())
+
+
+def block_visibility(query_last: torch.Tensor, num_blocks: int, window: int | None,
+                     tree_starts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, query tile and logical key block ``[B, NQ, J]``: whether any query of the
+    tile sees a key of the block (``seen``), and whether every query sees all of it
+    (``whole``, a subset of ``seen``). ``query_last``: ``[B, T]``."""
+    b, t = query_last.shape
+    tiles = -(-t // QUERY_BLOCK)
+    columns = torch.arange(tiles * QUERY_BLOCK).clamp(max=t - 1)  # a short last tile repeats its last query
+    tile = query_last[:, columns].view(b, tiles, QUERY_BLOCK)     # [B, NQ, 128]
+    low, high = tile.amin(-1, keepdim=True), tile.amax(-1, keepdim=True)  # [B, NQ, 1]
+    start = torch.arange(num_blocks) * KEY_BLOCK                   # [J]
+    end = start + KEY_BLOCK - 1
+    seen, whole = start <= high, end <= low                        # [B, NQ, J]
+    if window is not None:  # a query at p sees p - window + 1 .. p
+        seen &= end > low - window
+        whole &= start > high - window
+    if tree_starts is not None:  # a tree row's queries see only their own path after its base
+        base = tree_starts.long()[:, None, None]                   # [B, 1, 1]
+        whole &= (base < 0) | (end < base)
+    return seen, whole
+
+
+def _ordered(listed: torch.Tensor, storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[B, NQ, J]`` choice of logical blocks as FlexAttention's ``(num_blocks [B, 1, NQ],
+    indices [B, 1, NQ, J])``: the chosen blocks' storage indices first, in key order (the
+    entries after them are unread, and still the row's own blocks)."""
+    order = torch.argsort((~listed).to(torch.int8), dim=-1, stable=True)    # [B, NQ, J]
+    indices = storage[:, None, :].expand(listed.shape).gather(-1, order)   # [B, NQ, J]
+    return (listed.sum(-1, dtype=torch.int32)[:, None],
+            indices[:, None].to(torch.int32))
+
+
+def block_mask(blocks: KeyBlocks, num_queries: int, num_keys: int) -> BlockMask:
+    """FlexAttention's BlockMask of ``blocks`` over ``num_keys`` keys (storage_view's L), its
+    mask_mod the exact rule (module docstring). Made inside a compiled graph as outside."""
+    base, last, window = blocks.base, blocks.last, blocks.window
+    tree, tree_starts = blocks.tree, blocks.tree_starts
+
+    def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        pos = kv - base[b]
+        seen = (pos >= 0) & (pos <= last[b, q])
+        if window is not None:
+            seen = seen & (pos > last[b, q] - window)
+        if tree is not None:  # bit i: the i-th token after the row's base is on the path
+            rel = pos - tree_starts[b]
+            bit = (tree[b, q] >> rel.clamp(0, 63)) & 1
+            seen = seen & ((tree_starts[b] < 0) | (rel < 0) | ((rel < 64) & (bit == 1)))
+        return seen
+
+    return BlockMask.from_kv_blocks(
+        blocks.num_blocks, blocks.indices, blocks.full_num_blocks, blocks.full_indices,
+        BLOCK_SIZE=(QUERY_BLOCK, KEY_BLOCK), mask_mod=visible,
+        seq_lengths=(num_queries, num_keys), compute_q_blocks=False)  # no backward
+
+
+def kernel_options(dtype: torch.dtype) -> dict:
+    """FlexAttention's tile sizes. ``BLOCK_N``, the kernels' key tile, must divide a key
+    block; some defaults (128 in bfloat16 on an H100) do not. In float32 the prefill kernel's
+    default query tile (``BLOCK_M`` 128 on an H100) finds no config that fits (inductor's
+    ``NoValidChoicesError``, measured on an H200); 64 does, for the prefill and the decoding
+    kernel alike (docs/BENCHMARKS.md, "The GPU path")."""
+    options = {"BLOCK_N": KEY_BLOCK}
+    if dtype == torch.float32:
+        options["BLOCK_M"] = 64
+    return options
+
+
+def flex_attend(q: torch.Tensor, key_storage: torch.Tensor, value_storage: torch.Tensor,
+                blocks: KeyBlocks, scale: float) -> torch.Tensor:
+    """``[B, T, H * D]`` attention outputs of queries ``q`` ``[B, T, H, D]`` over a layer's
+    cache tensors ``[slots, Hk, S, D]``, reading what ``blocks`` lists."""
+    b, t, h, d = q.shape
+    keys, values = storage_view(key_storage), storage_view(value_storage)  # [1, Hk, L, D]
+    mask = block_mask(blocks, t, keys.shape[2])
+    out = flex_attention(q.transpose(1, 2), keys, values, block_mask=mask, scale=scale,
+                         enable_gqa=h != keys.shape[1],
+                         kernel_options=kernel_options(q.dtype))      # [B, H, T, D]
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+def attend(q: torch.Tensor, key_storage: torch.Tensor, value_storage: torch.Tensor,
+           blocks: KeyBlocks, scale: float) -> torch.Tensor:
+    """:func:`flex_attend`, compiled where it must be: traced with the layer stack inside a
+    compiled graph, through :func:`_compiled` on a GPU, eagerly elsewhere. ``blocks`` may
+    have more rows than ``q`` (padding rows, which repeat a real row): the output has
+    ``q``'s."""
+    b = q.shape[0]
+    rows = blocks.last.shape[0]
+    if rows > b:
+        q = torch.cat([q, q[:1].expand(rows - b, *q.shape[1:])])  # [rows, T, H, D]
+    if torch.compiler.is_compiling():
+        out = flex_attend(q, key_storage, value_storage, blocks, scale)
+    elif q.is_cuda:
+        for tensor in (q, blocks.base, blocks.last, blocks.num_blocks, blocks.indices):
+            torch._dynamo.mark_static(tensor, 0)  # the decoding kernel wants a static batch
+        out = _compiled()(q, key_storage, value_storage, blocks, scale)
+    else:
+        with warnings.catch_warnings():  # "called without torch.compile": meant, on a CPU
+            warnings.filterwarnings("ignore", message="flex_attention called without")
+            out = flex_attend(q, key_storage, value_storage, blocks, scale)
+    return out[:b]
+
+
+@functools.cache
+def _compiled():
+    """The library path's compiled :func:`flex_attend`, one per process. Its shapes: rows in
+    powers of two, decode and verify widths, prefill lengths (dynamic after the second),
+    trees and windows: more graphs than dynamo's default limit of 8, each small."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+    return torch.compile(flex_attend, fullgraph=True)

@@ -1,0 +1,320 @@
+"""Static shapes for ``torch.compile`` and CUDA graphs: the runtime's GPU path (``kernels: compiled``).
+
+On a GPU, a decode step of a model that fits is short enough that launching its kernels
+costs as much as running them: ~15 kernels per layer at a few microseconds each is a few
+milliseconds a step over 32 layers, the time an H100 takes to read 8B bfloat16 weights.
+gpt-fast's recipe removes that: compile the layer stack with static shapes and replay it as
+one CUDA graph. A graph needs every shape and address fixed, so this module
+
+- pads a ragged decode or verify batch up to a *bucket*: rows to the next power of two, new
+  tokens per row to the verify's bucket ("One token shape", below; else to 1, 2, 4, 8 or
+  16: :data:`BUCKET_TOKENS`), and compiles the layer stack once per bucket
+  (``dynamic=False``). A unit with ``S`` slots decodes and verifies in ``log2(S) + 1``
+  shapes;
+- reads each row's own keys in place (:mod:`specserve.engine.runtime.block_attention`,
+  ``attention: flex``, the default on CUDA): FlexAttention over the cache's storage with a
+  block mask listing each row's key blocks up to its last token, so no shape depends on a
+  sequence's length and the cost follows the rows' real contexts. The mask's tensors are
+  inputs of the graph (made per forward from the rows' positions). ``attention: sdpa``
+  keeps gpt-fast's way (each row's whole slot, gathered, with a mask: ``max_seq_len`` keys
+  per row per layer), the CPU default;
+- writes the new keys and values with one ``index_put`` per layer, in place on the cache
+  tensors (marked static so the graph keeps their addresses). Padding tokens write to the
+  cache's spare slot (:class:`~specserve.engine.kv.kv_cache.SlotKVCache` ``spare``), which no
+  sequence owns;
+- leaves prefill (more than :data:`BUCKET_TOKENS`\\ [-1] new tokens in a row) and token
+  trees to the library path: a prefill's shapes vary anyway, and its cost is compute, not
+  launches.
+
+Compiles happen in :func:`warm_up` (every bucket serving will use, before the first request;
+the unit calls it under its own timeout), and a bucket first met while serving logs a
+warning. The warm-up reports inductor's ``cudagraph_skips``: a graph that runs without CUDA
+graphs pays every launch again, silently otherwise.
+
+One token shape (``verify_tokens`` = the unit's K + 1). Greedy speculation gives the
+target-only output when a token's logits do not depend on whether it was decoded alone or
+verified among drafts. On a GPU nothing is row-invariant by construction (the C kernels are
+the CPU's way: ``kernels.py``): a GEMM's tiling, split and reduction order follow its shape,
+so the design is to give decodes and verifies the *same* shapes. Every decode and verify
+(T <= bucket(K + 1)) runs at the verify's token bucket, so a decode row and a verify row of
+one row bucket go through the same compiled graph: the same GEMM shapes (M = rows x
+bucket(K + 1)), the same kernels, one row's outputs computed as any other row's; the final
+norm and LM head too, over the whole bucket (``LlamaRuntime._head_shape``). A decode
+pays the verify's width; on a memory-bound GPU that is nearly free, the premise of
+speculation itself. Rows stay bucketed to powers of two. (The library path on CUDA pads a
+decode's tokens to K + 1 for the same reason; ``LlamaRuntime.use_kernels``.)
+
+What it does not promise: invariance across row buckets. A step with 3 rows and one with 5
+run different graphs (rows 4 vs 8), whose GEMMs may tile differently; and FlexAttention's
+decoding kernel splits a row's keys across thread blocks by the row's block count when the
+batch is small, so a verify whose last draft enters a new 64-key block can sum a token's
+attention in another order than its decode. Both can flip a near tie (forcing one split did
+not make an H200's outputs identical: docs/BENCHMARKS.md, "Second window"). How often is measured
+on a GPU (``tests/gpu``, ``make gpu-check``), not promised here (README, "Precision"). On a
+CPU the same code runs under inductor (``attention: sdpa``) or dynamo alone, which is how the
+tests check it; the C kernels are faster there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.runtime.block_attention import KeyBlocks, key_blocks
+from specserve.engine.runtime.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+BUCKET_TOKENS = (1, 2, 4, 8, 16)  # new tokens per row a compiled forward takes
+
+
+def bucket(n: int, limit: int | None = None) -> int:
+    """The static size ``n`` rows or tokens are padded to: the next power of two (at most
+    ``limit``, itself allowed where it is not a power of two).
+
+    >>> [bucket(n) for n in (1, 2, 3, 5, 9)]
+    [1, 2, 4, 8, 16]
+    >>> bucket(5, limit=6)
+    6
+    """
+    size = 1 << max(n - 1, 0).bit_length()
+    return min(size, limit) if limit is not None else size
+
+
+def token_bucket(n: int, verify_tokens: int | None = None) -> int:
+    """The token bucket of a forward whose longest row has ``n`` new tokens: the verify's,
+    ``bucket(verify_tokens)``, for every decode and verify that fit in it (one graph for
+    both: module docstring), else :func:`bucket`. A verify wider than the last bucket
+    leaves decodes at 1.
+
+    >>> [token_bucket(n, verify_tokens=5) for n in (1, 5, 8, 9)]
+    [8, 8, 8, 16]
+    >>> token_bucket(1), token_bucket(3), token_bucket(1, verify_tokens=17)
+    (1, 4, 1)
+    """
+    width = bucket(verify_tokens) if verify_tokens is not None else 1
+    if width > BUCKET_TOKENS[-1]:
+        width = 1
+    return width if n <= width else bucket(n)
+
+
+@dataclass
+class StaticInputs:
+    """What the layers of one padded forward share; every shape fixed by the bucket
+    ``(B, T)`` and the cache's storage (``slots``, ``S``). Padding rows and padding tokens
+    carry the cache's spare slot. Attention reads ``keys`` (``flex``: each row's own key
+    blocks) or ``visible`` (``sdpa``: each row's whole slot, masked)."""
+
+    cos: torch.Tensor              # [B, T, 1, D]
+    sin: torch.Tensor              # [B, T, 1, D]
+    slots: torch.Tensor            # [B] int64: each row's slot
+    write_slots: torch.Tensor      # [B, T] int64: where each token's key goes (spare: padding)
+    write_positions: torch.Tensor  # [B, T] int64
+    keys: KeyBlocks | None = None         # flex: the blocks each row reads
+    window_keys: KeyBlocks | None = None  # the same inside the sliding window
+    visible: torch.Tensor | None = None   # sdpa: [B, 1, T, S] bool, the keys each query sees
+    window_visible: torch.Tensor | None = None  # the same inside the sliding window
+
+
+class StaticForward:
+    """The layer stack of a :class:`~specserve.engine.runtime.model.LlamaRuntime` run at bucketed
+    static shapes, compiled (``backend``; ``None`` runs the same code eagerly).
+    ``verify_tokens``: the unit's K + 1, whose bucket decodes share (:func:`token_bucket`)."""
+
+    def __init__(self, runtime, *, backend: str | None = "inductor",
+                 verify_tokens: int | None = None) -> None:
+        self.runtime = runtime
+        self.verify_tokens = verify_tokens
+        self.buckets: set[tuple[int, int]] = set()  # (rows, tokens) compiled so far
+        self.warmed = False  # set by warm_up: a new bucket afterwards compiles while serving
+        self.cuda_graphs = False
+        self._step = self._layers
+        if backend is not None:
+            self.cuda_graphs = runtime.embed.weight.device.type == "cuda" and backend == "inductor"
+            # one graph per bucket: raise dynamo's recompile limit (8) to the bucket count
+            limit = len(BUCKET_TOKENS) * 16
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+            self._step = torch.compile(self._layers, backend=backend, fullgraph=True, dynamic=False,
+                                       mode="reduce-overhead" if self.cuda_graphs else None)
+
+    def takes(self, num_new: int) -> bool:
+        """Whether a forward whose longest row has ``num_new`` tokens runs here."""
+        return num_new <= BUCKET_TOKENS[-1]
+
+    def bucket_of(self, num_rows: int, num_new: int, num_slots: int) -> tuple[int, int]:
+        """The ``(rows, tokens)`` bucket a forward of ``num_rows`` rows, the longest with
+        ``num_new`` new tokens, runs in (a cache of ``num_slots`` slots)."""
+        return bucket(num_rows, limit=num_slots), token_bucket(num_new, self.verify_tokens)
+
+    def __call__(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
+        """``x`` ``[B, T, hidden]`` (a ragged
+        :class:`~specserve.engine.runtime.forward_context.ForwardContext` batch) through every
+        layer; returns ``[B, T, hidden]``."""
+        b, t, hidden = x.shape
+        rows, tokens = self.bucket_of(b, t, cache.num_slots)
+        if (rows, tokens) not in self.buckets:
+            if self.warmed:
+                log.warning("compiling the layer stack for %d rows x %d tokens while serving "
+                            "(a bucket warm_up did not cover)", rows, tokens)
+            else:
+                log.info("compiling the layer stack for %d rows x %d tokens", rows, tokens)
+            self.buckets.add((rows, tokens))
+        padded = x.new_zeros(rows, tokens, hidden)
+        padded[:b, :t] = x
+        out = self._step(padded, static_inputs(self.runtime, ctx, cache, rows, tokens), cache)
+        return out[:b, :t].clone()  # a CUDA graph's output is overwritten by its next replay
+
+    def _layers(self, x: torch.Tensor, inputs: StaticInputs, cache) -> torch.Tensor:
+        for layer in self.runtime.layers:
+            x = layer(x, inputs, cache)
+        return x
+
+
+def static_inputs(runtime, ctx, cache, rows: int, tokens: int) -> StaticInputs:
+    """The padded positions, cache writes and attention inputs of a ragged batch (``ctx``)."""
+    device = runtime.embed.weight.device
+    positions, slots, valid, last = _padded_rows(ctx, cache.spare_slot, rows, tokens)
+    write_slots = torch.where(valid, slots[:, None], cache.spare_slot)   # [B', T']
+    write_positions = torch.where(valid, positions, torch.arange(tokens))
+    table = positions.clamp(max=runtime.max_positions - 1).to(device)
+    if runtime.attention == "flex":
+        attend = _flex_inputs(positions, last, slots, cache, ctx.window, device)
+    else:
+        attend = _slot_masks(positions, cache, ctx.window, device)
+    return StaticInputs(
+        cos=runtime.rope_cos[table].unsqueeze(2), sin=runtime.rope_sin[table].unsqueeze(2),
+        slots=slots.to(device), write_slots=write_slots.to(device),
+        write_positions=write_positions.to(device), **attend)
+
+
+def _padded_rows(ctx, spare: int, rows: int,
+                 tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ragged batch padded to ``(rows, tokens)``, on the CPU: positions ``[B', T']``,
+    slots ``[B']`` (spare: padding rows), real tokens ``[B', T']`` and each row's last key
+    position ``[B']``. Padding rows write their tokens at ``0 .. T' - 1`` of the spare slot
+    and read those; a real row's padding tokens continue its positions."""
+    b, t = ctx.positions.shape
+    steps = torch.arange(tokens)
+    positions = steps.repeat(rows, 1)                                     # [B', T']
+    positions[:b, :t] = ctx.positions
+    positions[:b, t:] = ctx.positions[:, -1:] + steps[1:tokens - t + 1]
+    slots = torch.full((rows,), spare, dtype=torch.int64)
+    slots[:b] = torch.tensor(ctx.slots)
+    valid = torch.zeros(rows, tokens, dtype=torch.bool)
+    valid[:b, :t] = steps[None, :t] < ctx.lens[:, None]                   # no device sync
+    last = torch.full((rows,), tokens - 1, dtype=torch.int64)
+    last[:b] = ctx.positions[:, 0] + ctx.lens - 1
+    return positions, slots, valid, last
+
+
+def _flex_inputs(positions: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, cache,
+                 window: int | None, device: torch.device) -> dict:
+    """``keys`` (and ``window_keys``): the key blocks of each padded row."""
+    def blocks(w: int | None) -> KeyBlocks:
+        return key_blocks(positions, last, slots, num_kv_heads=cache.k[0].shape[1],
+                          slot_len=cache.k[0].shape[2], window=w).to(device)
+
+    return {"keys": blocks(None), "window_keys": None if window is None else blocks(window)}
+
+
+def _slot_masks(positions: torch.Tensor, cache, window: int | None, device: torch.device) -> dict:
+    """``visible`` (and ``window_visible``) ``[B', 1, T', S]``: keys up to each query's
+    position in its row's whole slot."""
+    keys = torch.arange(cache.k[0].shape[2], device=device)               # [S]
+    query = positions.to(device)[:, None, :, None]                        # [B', 1, T', 1]
+    visible = keys <= query                                               # [B', 1, T', S]
+    return {"visible": visible,
+            "window_visible": None if window is None else visible & (keys > query - window)}
+
+
+# -- warm-up ----------------------------------------------------------------------------------
+
+def warm_up(runtime, cache) -> dict:
+    """Run a forward in every shape serving will use, so its compiles happen here.
+
+    ``compiled``: every ``(rows, tokens)`` bucket: rows in powers of two up to the slots,
+    tokens the verify's bucket (every decode and verify runs there). ``library`` with
+    ``flex``: the row counts its attention is compiled for, at the decode width. With
+    ``flex`` on CUDA, prefills of 17 and 18 tokens too (the second compiles the graph every
+    prefill length of a row then shares). Other kernels compile nothing: one small forward,
+    no buckets. On CUDA graphs each bucket runs three times (warm-up, capture, replay). The
+    forwards use free slots, which stay free at their lengths.
+
+    Returns ``{"kernels", "buckets": [{"rows", "tokens", "seconds"}], "prefills": [...],
+    "graphs", "cudagraph_skips"}``: graphs dynamo compiled and graphs inductor left without
+    CUDA graphs during the warm-up (0 is the pass).
+    """
+    from torch._dynamo.utils import counters
+
+    graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+    width = decode_tokens(runtime)
+    repeats = 3 if runtime.static is not None and runtime.static.cuda_graphs else 1
+    buckets = [_timed(runtime, cache, n, width, repeats, rows)
+               for rows, n in row_buckets(runtime, cache.num_slots).items()]
+    if not buckets:
+        _timed(runtime, cache, 1, width, 1, 1)
+    prefills = []
+    if runtime.kernels != "invariant" and runtime.attention == "flex" and cache.k[0].is_cuda:
+        first = max(BUCKET_TOKENS[-1], width) + 1
+        prefills = [_timed(runtime, cache, 1, n, 1, 1) for n in (first, first + 1)
+                    if n <= cache.max_seq_len]
+    if runtime.static is not None:
+        runtime.static.warmed = True
+    return {"kernels": runtime.kernels, "buckets": buckets, "prefills": prefills,
+            "graphs": counters["stats"]["unique_graphs"] - graphs,
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips}
+
+
+def decode_tokens(runtime) -> int:
+    """New tokens per row a decode runs with: the verify's bucket (``compiled``), the
+    verify's width (``library`` on CUDA), else 1."""
+    if runtime.static is not None:
+        return token_bucket(1, runtime.verify_tokens)
+    return runtime.decode_width or 1
+
+
+def row_buckets(runtime, num_slots: int) -> dict[int, int]:
+    """``{row bucket: rows to run for it}``: every bucket a decode of 1 .. ``num_slots``
+    rows compiles for (the most rows of each), or none where nothing compiles per shape.
+    ``compiled`` buckets rows up to the slots; the library's FlexAttention pads rows to
+    powers of two (``ForwardContext.key_blocks``)."""
+    if runtime.static is not None:
+        return {bucket(n, limit=num_slots): n for n in range(1, num_slots + 1)}
+    if runtime.kernels == "library" and runtime.attention == "flex":
+        return {bucket(n): n for n in range(1, num_slots + 1)}
+    return {}
+
+
+def _timed(runtime, cache, num_rows: int, tokens: int, repeats: int, rows: int) -> dict:
+    """Seconds of ``repeats`` forwards of ``num_rows`` rows x ``tokens`` new tokens on free
+    slots (logged; ``rows``: the bucket, for the log and the report)."""
+    start = time.perf_counter()
+    with _free_slots(cache, num_rows) as slots:
+        for _ in range(repeats):
+            runtime.forward(cache, ForwardBatch(slots, [[0] * tokens] * num_rows))
+            for slot in set(slots):
+                cache.lengths[slot] = 0
+        if cache.k[0].is_cuda:
+            torch.cuda.synchronize(cache.k[0].device)
+    seconds = time.perf_counter() - start
+    log.info("compiled %d rows x %d tokens in %.1f s", rows, tokens, seconds)
+    return {"rows": rows, "tokens": tokens, "seconds": seconds}
+
+
+@contextmanager
+def _free_slots(cache, num_rows: int):
+    """``num_rows`` slots to write into: free slots, allocated for the forward and freed
+    after (a free slot's length is 0 either way), repeated where fewer are free (rows of a
+    warm-up may share a slot: what they write is never read)."""
+    if cache.num_free_slots == 0:
+        raise RuntimeError("warm-up needs a free KV cache slot")
+    taken = [cache.allocate() for _ in range(min(num_rows, cache.num_free_slots))]
+    try:
+        yield [taken[i % len(taken)] for i in range(num_rows)]
+    finally:
+        for slot in taken:
+            cache.free(slot)

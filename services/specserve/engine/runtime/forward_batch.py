@@ -1,0 +1,69 @@
+"""What one model forward takes and what it returns: a :class:`ForwardBatch` in, a
+:class:`Forwarded` out, the same two types for every caller (decodes, verifies, prompt
+chunks, a draft head's forwards) and whatever they ask for, so no flag changes what comes back.
+
+Both are plain data: a tensor-parallel group broadcasts the batch between its ranks
+(``dist.broadcast_object_list``) and returns the result over Ray (``serve/target_group.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One forward's rows: row i appends ``token_ids[i]`` to slot ``slots[i]`` (a ragged
+    batch: each row its own slot, start position and number of new tokens), and asks for the
+    logits after its last ``num_logits[i]`` new tokens (:meth:`LlamaRuntime.forward
+    <specserve.engine.runtime.model.LlamaRuntime.forward>` runs it).
+
+    ``trees``: per row, None (a chain: each new token follows the one before) or a token tree
+    over its new tokens: ``trees[i][j]`` is the index of new token j's parent among them
+    (``[-1, 0, 0, 1]``: token 0 follows the cache, 1 and 2 both follow 0, 3 follows 1).
+    A tree may grow over several forwards (a draft expanding it a level at a time,
+    ``drafts/eagle.py``): ``trees[i]`` longer than ``token_ids[i]`` covers the row's last
+    ``len(trees[i])`` tokens *after* this forward, the first of them stored by earlier
+    forwards of the same tree (their parents as they were given then), so a new token's
+    parent may be a token already in the cache.
+
+    ``groups``: the rows as consecutive groups of these sizes, each padded to its own longest
+    row (a prompt's chunk beside decode rows; the forward's docstring says how they run).
+
+    ``features``: per-token inputs of a model that takes them (an EAGLE draft head,
+    :class:`~specserve.engine.drafts.draft_head.DraftHead`), every row's new tokens in row order.
+    ``hidden``: the result carries the hidden state of every new token (:attr:`Forwarded.hidden`),
+    the features an EAGLE head reads. ``argmax``: the result carries the logits' argmax
+    (:attr:`Forwarded.token_ids`) instead of the logits: all a greedy batch needs, and much
+    less to move when the model is in another process.
+    """
+
+    slots: list[int]                               # [rows]
+    token_ids: list[list[int]]                     # [rows][the row's new tokens]
+    # [rows]: logits after the row's last n new tokens (1 for a decode or a prefill, K + 1 for
+    # a verify, 0 for a prompt's chunk whose logits nobody reads); None: 1 each
+    num_logits: list[int] | None = None
+    trees: list[list[int] | None] | None = None    # [rows]: parents per new token; None: chains
+    groups: list[int] | None = None                # sizes of consecutive row groups; None: one group
+    features: torch.Tensor | None = None           # [sum(new tokens), feature width]
+    hidden: bool = False                           # the result carries hidden states
+    argmax: bool = False                           # the result carries argmax ids, not logits
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """What a forward returns, rows in batch order. Each row's asked positions
+    (``num_logits``) come in order, the rows one after the other: ``N = sum(num_logits)``."""
+
+    logits: torch.Tensor | None     # [N, vocab] float32; None where the batch asked for argmax
+    token_ids: torch.Tensor | None  # [N] int64, the logits' argmax, where the batch asked for it
+    # [sum(len(token_ids[i])), hidden] (or the runtime's feature width: LlamaRuntime.feature_layers)
+    # for every new token, where the batch asked for hidden states; else None
+    hidden: torch.Tensor | None
+
+    def cpu(self) -> Forwarded:
+        """The same result with its tensors on the host (what crosses a process boundary)."""
+        return Forwarded(*(None if x is None else x.cpu()
+                           for x in (self.logits, self.token_ids, self.hidden)))

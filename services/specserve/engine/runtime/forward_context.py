@@ -1,0 +1,273 @@
+"""The context of one ragged forward: :class:`ForwardContext` (what every layer shares: RoPE
+rows, cache writes, each query's keys, token-tree masks), :class:`PackedContext` (row groups
+in one pass), their preparation from a batch (:func:`prepare`), and where its logits are
+(:func:`logit_positions`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.kv.kv_cache import SlotKVCache
+from specserve.engine.runtime import block_attention
+from specserve.engine.runtime.block_attention import KeyBlocks
+from specserve.engine.runtime.compiled import bucket
+from specserve.engine.runtime.kernels import KV_BLOCK, hidden_keys
+from specserve.engine.runtime.token_tree import validate_tree
+from specserve.errors import InvalidRequestError
+
+
+@dataclass
+class ForwardContext:
+    """Everything one ragged forward shares across layers (computed once per call)."""
+
+    slots: list[int]
+    kv_len: int                    # S: longest (start + num_new) in the batch, in whole KV blocks
+    cos: torch.Tensor              # [B, T, 1, D]
+    sin: torch.Tensor              # [B, T, 1, D]
+    valid: torch.Tensor            # [B, T] bool: real tokens, not padding
+    write_slots: torch.Tensor      # [N] slot of each real token
+    write_positions: torch.Tensor  # [N] position of each real token
+    kv_used: int                   # the longest (start + num_new) in the batch
+    positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
+    window: int | None             # the sliding window of the layers that have one
+    # Token trees (``LlamaRuntime.forward(trees=...)``): [B, T] int64, bit i of query (b, t) set
+    # where it sees the i-th token from its row's base (its ancestors and itself), and [B]
+    # int32, each tree row's base position (-1: a chain row; ``_trees``).
+    # None: every row is a chain.
+    tree: torch.Tensor | None = None
+    tree_starts: torch.Tensor | None = None
+    lens: torch.Tensor | None = None  # [B] int64 on the CPU: each row's real new tokens
+    table: torch.Tensor | None = None  # [B, W] int32: each row's block table (the C kernels)
+    _hidden: dict = field(default_factory=dict)
+    _ranges: dict = field(default_factory=dict)
+
+    @property
+    def query_last(self) -> torch.Tensor:
+        """``[B, T]``: each query's position, a padding query's capped at its row's last real
+        token (its output is never read, and a paged row holds blocks for its real tokens
+        only: nothing past them may be read)."""
+        if "last" not in self._ranges:
+            last = self.positions[:, :1] + self.lens[:, None].to(self.positions.device) - 1
+            self._ranges["last"] = torch.minimum(self.positions, last)
+        return self._ranges["last"]
+
+    @property
+    def key_end(self) -> torch.Tensor:
+        """``[B, T]`` int32: each query reads keys before ``position + 1``."""
+        if "end" not in self._ranges:
+            self._ranges["end"] = (self.query_last + 1).to(torch.int32)
+        return self._ranges["end"]
+
+    @property
+    def row_starts(self) -> torch.Tensor:
+        """``[B]`` int32: each row's first new position."""
+        if "starts" not in self._ranges:
+            self._ranges["starts"] = self.positions[:, 0].to(torch.int32)
+        return self._ranges["starts"]
+
+    @property
+    def row_lens(self) -> torch.Tensor:
+        """``[B]`` int32: each row's number of new (real) tokens."""
+        if "lens" not in self._ranges:
+            self._ranges["lens"] = self.valid.sum(1, dtype=torch.int32)
+        return self._ranges["lens"]
+
+    def library_mask(self, window: bool) -> torch.Tensor | None:
+        """``[B, 1, T, kv_used]`` for torch's attention, None where every key is visible."""
+        key = ("library", window)
+        if key not in self._ranges:
+            visible = self.visible(window)[..., :self.kv_used]
+            self._ranges[key] = None if visible.all() else visible[:, None]
+        return self._ranges[key]
+
+    def visible(self, window: bool) -> torch.Tensor:
+        """``[B, T, S]`` bool, True where a query may attend (made on first use: the C kernels
+        take key ranges instead, so the default CPU path never builds it).
+
+        A query at position ``p`` sees keys ``0..p`` of its own slot, and with ``window`` the
+        last ``self.window`` of them. Padding queries keep the same rule; they always see key
+        0, so no softmax row is empty, and their outputs are never read.
+        """
+        key = ("visible", window)
+        if key not in self._ranges:
+            keys = torch.arange(self.kv_len)[None, None, :]                  # [1, 1, S]
+            visible = keys <= self.positions[:, :, None]                     # [B, T, S]
+            if window:
+                visible &= keys > self.positions[:, :, None] - self.window
+            if self.tree is not None:  # a tree row's query: its prefix, ancestors and itself
+                rel = keys - self.tree_starts.long()[:, None, None]          # [B, 1, S]
+                bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1        # [B, T, S]
+                seen = (rel < 0) | ((rel < 64) & (bit == 1))
+                visible = torch.where((self.tree_starts >= 0)[:, None, None], visible & seen, visible)
+            self._ranges[key] = visible.to(self.valid.device)
+        return self._ranges[key]
+
+    def key_start(self, window: bool) -> torch.Tensor:
+        """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
+        key = ("start", window)
+        if key not in self._ranges:
+            start = torch.zeros_like(self.positions)
+            if window:
+                start = (self.query_last - self.window + 1).clamp(min=0)
+            self._ranges[key] = start.to(torch.int32)
+        return self._ranges[key]
+
+    def key_blocks(self, cache: SlotKVCache, window: bool) -> KeyBlocks:
+        """The key blocks each row reads in :mod:`~specserve.engine.runtime.block_attention` (made
+        once per forward and window kind). Rows are padded to a power of two with copies of
+        row 0 (their outputs are dropped): a compiled kernel then sees a handful of batch
+        sizes, not every one."""
+        key = ("blocks", window)
+        if key not in self._ranges:
+            b = len(self.slots)
+            rows = torch.cat([torch.arange(b), torch.zeros(bucket(b) - b, dtype=torch.long)])
+            last = self.positions[:, 0] + self.lens - 1                       # [B]
+            tree = None if self.tree is None else self.tree[rows]
+            starts = None if self.tree_starts is None else self.tree_starts[rows]
+            blocks = block_attention.key_blocks(
+                self.positions[rows], last[rows], torch.tensor(self.slots)[rows],
+                num_kv_heads=cache.k[0].shape[1], slot_len=cache.k[0].shape[2],
+                window=self.window if window else None, tree=tree, tree_starts=starts)
+            self._ranges[key] = blocks.to(self.valid.device)
+        return self._ranges[key]
+
+    def hidden_keys(self, group: int, window: bool) -> torch.Tensor:
+        """The attention mask for ``group`` query heads per key/value head (made once)."""
+        key = (group, window)
+        if key not in self._hidden:
+            self._hidden[key] = hidden_keys(self.visible(window), group)
+        return self._hidden[key]
+
+
+@dataclass
+class PackedContext:
+    """Several row groups in one pass (:meth:`LlamaRuntime.forward`, ``groups``): each
+    group's context in its own ``[B, T]`` layout, and its span of the packed tokens."""
+
+    groups: list[ForwardContext]
+    spans: list[tuple[int, int]]  # [start, end) of each group's B x T tokens in the pack
+
+
+def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
+            trees: list[list[int] | None] | None = None, *, rope_cos: torch.Tensor,
+            rope_sin: torch.Tensor, sliding_windows: tuple[int | None, ...],
+            decode_width: int | None, device: torch.device) -> tuple[ForwardContext, torch.Tensor]:
+    """The context of a forward appending ``token_ids[i]`` to slot ``slots[i]``, and its tokens
+    ``[B, T]`` (each row padded to the longest, or to ``decode_width``), both on ``device``.
+    ``rope_cos``/``rope_sin``: the runtime's ``[max_len, D]`` tables; ``sliding_windows``: its
+    layers' (:attr:`ModelArch.sliding_windows`); ``trees``: as :meth:`LlamaRuntime.forward`
+    takes them. Reserves the rows' blocks in a paged cache."""
+    starts = [cache.lengths[s] for s in slots]
+    lens = [len(ids) for ids in token_ids]
+    if min(lens) < 1:
+        raise InvalidRequestError("every row of a forward needs at least one new token")
+    kv_len = max(s + n for s, n in zip(starts, lens))
+    if kv_len > cache.max_seq_len:
+        raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
+                                  f"of {cache.max_seq_len}")
+    cache.reserve(slots, [s + n for s, n in zip(starts, lens)])  # a paged cache's blocks
+    kv_used, kv_len = kv_len, -(-kv_len // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
+    t = max(lens)
+    if decode_width is not None and t <= decode_width:
+        t = decode_width  # a decode's GEMMs take a verify's shape (use_kernels)
+    tokens = torch.zeros(len(slots), t, dtype=torch.long)
+    for i, ids in enumerate(token_ids):
+        tokens[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    start_t = torch.tensor(starts)
+    steps = torch.arange(t)
+    positions = start_t[:, None] + steps[None, :]                   # [B, T]
+    valid = steps[None, :] < torch.tensor(lens)[:, None]              # [B, T]
+    window = _window(sliding_windows)
+    rope_positions, tree, tree_starts = positions, None, None
+    if trees is not None and any(parents is not None for parents in trees):
+        rope_positions, tree, tree_starts = _trees(trees, starts, lens, t, window)
+    table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1).to(device)
+    cos = rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
+    sin = rope_sin[table_pos].unsqueeze(2)
+    slot_t = torch.tensor(slots)[:, None].expand(-1, t)
+    ctx = ForwardContext(
+        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
+        write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
+        kv_used=kv_used, positions=positions, window=window, tree=tree,
+        tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots))
+    return ctx, tokens.to(device)
+
+
+def _trees(trees: list[list[int] | None], starts: list[int], lens: list[int], t: int,
+           window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE positions ``[B, T]`` (a node's: its row start + its depth), the visibility
+    bitmasks ``[B, T]`` and the tree rows' bases ``[B]`` (-1: chain) of a forward.
+
+    A row's tokens up to its *base* form a chain that every later token descends from
+    (the base: the lowest parent of a token that does not follow the token before it;
+    a verify's base is the row's last token, a prompt's tail before it): the kernels
+    read keys before the base as a chain's, and bit i of a query's mask stands for the
+    base's i-th token after it, so a tree of up to 63 drafts fits whatever came before."""
+    if window is not None:
+        raise InvalidRequestError("token trees are not supported with sliding-window attention")
+    depth = torch.arange(t).repeat(len(starts), 1)          # [B, T]: chains (and padding)
+    masks = torch.zeros(len(starts), t, dtype=torch.int64)
+    bases = torch.full((len(starts),), -1, dtype=torch.int32)
+    for b, parents in enumerate(trees):
+        if parents is None:
+            continue
+        past = len(parents) - lens[b]  # the tree's tokens stored by earlier forwards
+        if not 0 <= past <= starts[b]:
+            raise InvalidRequestError(f"a tree needs one parent per new token and at most one "
+                                      f"per cached token (row {b}: {len(parents)} parents, "
+                                      f"{lens[b]} new tokens, {starts[b]} cached)")
+        try:  # the drafts after token 0, numbered as token_tree numbers them
+            if not parents or parents[0] != -1:
+                raise ValueError("token 0's parent must be -1 (it follows the cache)")
+            validate_tree([p - 1 for p in parents[1:]])
+        except ValueError as exc:
+            raise InvalidRequestError(f"row {b}: malformed token tree ({exc})") from None
+        branching = [p for j, p in enumerate(parents) if j and p != j - 1]
+        if not branching:
+            continue  # a chain after all
+        base = min(branching)
+        if len(parents) - base > 64:
+            raise InvalidRequestError(f"row {b}: a tree of {len(parents) - base} tokens after "
+                                      "its base; at most 64")
+        # Depth and mask of every token of the tree, cached ones included (index j is
+        # stored at starts[b] - past + j); the new tokens take theirs.
+        tree_depth, tree_mask = list(range(base + 1)), [0] * base + [1]
+        for j in range(base + 1, len(parents)):
+            tree_depth.append(tree_depth[parents[j]] + 1)
+            tree_mask.append(tree_mask[parents[j]] | _bit(j - base))
+        for j in range(lens[b]):
+            depth[b, j] = tree_depth[past + j] - past
+            masks[b, j] = tree_mask[past + j]
+        for j in range(lens[b], t):  # padding: sees the row's tokens; never read
+            depth[b, j] = j
+            bit = past + j - base
+            masks[b, j] = masks[b, j - 1] | _bit(bit) if bit < 64 else masks[b, j - 1]
+        bases[b] = starts[b] - past + base
+    return torch.tensor(starts)[:, None] + depth, masks, bases
+
+
+def _window(sliding_windows: tuple[int | None, ...]) -> int | None:
+    """The sliding window of the layers that have one (one size per model), or None."""
+    windows = {w for w in sliding_windows if w is not None}
+    assert len(windows) <= 1, "one sliding window size per model"
+    return next(iter(windows), None)
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int64 (bit 63 is the sign)."""
+    return 1 << j if j < 63 else -(1 << 63)
+
+
+def logit_positions(token_ids: list[list[int]], num_logits: list[int],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) indices of the last ``num_logits[i]`` new tokens of each row."""
+    rows, cols = [], []
+    for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
+        if not 0 <= n <= len(ids):
+            raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
+        rows += [i] * n
+        cols += range(len(ids) - n, len(ids))
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))

@@ -1,0 +1,211 @@
+"""The decoder's building blocks: :func:`rms_norm`, :func:`apply_rope`, :class:`Attention`
+(over the KV cache: the C kernels, torch's ops, or the compiled path's static shapes),
+:class:`MLP` and :class:`DecoderLayer`. Head counts and sizes are *local* (per TP rank)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine.kv.kv_cache import SlotKVCache
+from specserve.engine.runtime import block_attention, native
+from specserve.engine.runtime.arch import ModelArch
+from specserve.engine.runtime.compiled import StaticInputs
+from specserve.engine.runtime.forward_context import ForwardContext, PackedContext
+from specserve.engine.runtime.kernels import Linear, attention, native_ready
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, as ``transformers`` does, then cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``x``: ``[B, T, H, D]``; ``cos``/``sin``: ``[B, T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Self-attention over the KV cache (slots or blocks). Head counts are *local* (per TP rank)."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, in_features: int | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        # in_features: an EAGLE-3 head's first layer projects [token embedding, feature] (2H)
+        self.qkv = Linear(in_features or arch.hidden_size, qkv_out, bias=arch.qkv_bias)
+        self.o = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.sliding_window = arch.sliding_windows[layer_idx]
+        self.all_reduce = None  # set by tensor parallelism: the row-parallel ``o`` needs it
+        self.invariant = True   # row-invariant attention (kernels.attention); False: library
+        self.attention = "sdpa"  # the library's attention: "sdpa" or "flex" (block_attention)
+        # Qwen3: each q and k head RMS-normalised (weights over D, shared by the heads) before
+        # RoPE; replicated, not sharded, under tensor parallelism.
+        self.eps = arch.rms_norm_eps
+        if arch.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(arch.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(arch.head_dim))
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[B, T, H, D]``, k and v ``[B, T, Hk, D]``, RoPE applied. RoPE runs in the layout
+        the projection produced (broadcasting over a transposed view is several times slower
+        on CPU)."""
+        bsz, t, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, hk * d, hk * d], dim=-1)
+        q, k = q.view(bsz, t, h, d), k.view(bsz, t, hk, d)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(bsz, t, hk, d)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
+                cache: SlotKVCache) -> torch.Tensor:
+        window = self.sliding_window is not None
+        if isinstance(ctx, StaticInputs):
+            attend = self._attend_static
+        elif isinstance(ctx, PackedContext):
+            attend = self._attend_packed
+        else:
+            attend = self._attend_native if self.invariant and native_ready(x) else self._attend
+        out = self.o(attend(x, ctx, cache, window))
+        return self.all_reduce(out) if self.all_reduce is not None else out
+
+    def _attend_packed(self, x: torch.Tensor, ctx: PackedContext, cache: SlotKVCache,
+                       window: bool) -> torch.Tensor:
+        """``[1, N, H * D]``: each group's attention in its own ``[B, T]`` layout over its span
+        of the packed tokens ``x`` (``[1, N, hidden]``); on the C kernels one projection for
+        every group's tokens (:meth:`LlamaRuntime.forward`, ``groups``)."""
+        native_path = self.invariant and native_ready(x)
+        qkv = self.qkv(x)[0] if native_path else None  # [N, (H + 2 Hk) D]
+        outs = []
+        for group, (a, b) in zip(ctx.groups, ctx.spans):
+            shape = group.valid.shape  # (B, T) of the group
+            if native_path:
+                outs.append(self._native(qkv[a:b].view(*shape, -1), group, cache, window))
+            else:
+                outs.append(self._attend(x[0, a:b].view(*shape, -1), group, cache, window))
+        return torch.cat([out.reshape(-1, out.shape[-1]) for out in outs])[None]
+
+    def _attend(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                window: bool) -> torch.Tensor:
+        """``[B, T, H * D]`` attention outputs, in torch ops (the fallback and ``library``)."""
+        q, k, v = self._qkv(x, ctx.cos, ctx.sin)
+        # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
+        cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
+        if self.invariant:
+            keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
+            hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)
+            return attention(q, keys, values, hidden, self.head_dim ** -0.5)
+        if self.attention == "flex":  # each row's own keys, read in place
+            return block_attention.attend(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
+                                          ctx.key_blocks(cache, window), self.head_dim ** -0.5)
+        # library: the runtime before issue 17, exactly (keys up to the longest row, no mask
+        # where every key is visible, as for a lone decode row)
+        keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_used)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=ctx.library_mask(window),
+            enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
+
+    def _attend_native(self, x: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                       window: bool) -> torch.Tensor:
+        """The same on the C kernels: RoPE and the cache write in one call on the fused
+        projection, attention reading the q heads in place and the cache storage directly."""
+        return self._native(self.qkv(x), ctx, cache, window)
+
+    def _native(self, qkv: torch.Tensor, ctx: ForwardContext, cache: SlotKVCache,
+                window: bool) -> torch.Tensor:
+        """:meth:`_attend_native` after the projection: ``qkv`` ``[B, T, (H + 2 Hk) D]``."""
+        bsz, t, _ = qkv.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        if self.q_norm is not None:  # in place, head by head (each a row of D)
+            heads = qkv.view(-1, h + 2 * hk, d)
+            heads[:, :h] = native.rms_norm(heads[:, :h], self.q_norm, self.eps)
+            heads[:, h:h + hk] = native.rms_norm(heads[:, h:h + hk], self.k_norm, self.eps)
+        native.rope_and_store(qkv, ctx.cos, ctx.sin, h, hk, keys, values, ctx.table,
+                              ctx.row_starts, ctx.row_lens)
+        q = qkv.view(bsz, t, h + 2 * hk, d)[:, :, :h]
+        return native.attention(q, keys, values, ctx.table, ctx.key_start(window),
+                                ctx.key_end, d ** -0.5, ctx.tree, ctx.tree_starts)
+
+    def _attend_static(self, x: torch.Tensor, ctx: StaticInputs, cache: SlotKVCache,
+                       window: bool) -> torch.Tensor:
+        """The same at static shapes (:mod:`specserve.engine.runtime.compiled`): every token's key
+        and value written in place (padding to the spare slot), then attention reading each
+        row's own key blocks (``flex``), or each row's whole slot with a mask (``sdpa``)."""
+        q, k, v = self._qkv(x, ctx.cos, ctx.sin)  # [B, T, H, D], [B, T, Hk, D] twice
+        keys, values = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [slots, Hk, S, D]
+        keys[ctx.write_slots, :, ctx.write_positions] = k
+        values[ctx.write_slots, :, ctx.write_positions] = v
+        if ctx.keys is not None:
+            blocks = ctx.window_keys if window else ctx.keys
+            return block_attention.attend(q, keys, values, blocks, self.head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[ctx.slots], values[ctx.slots],
+            attn_mask=ctx.window_visible if window else ctx.visible,
+            enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(*q.shape[:2], -1)
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: whole sequences ``[B, T, hidden]`` from position 0, causal, no cache
+        (``cos``/``sin``: ``[1, T, 1, D]``). Right padding is harmless: nothing attends to it."""
+        bsz, t, _ = x.shape
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = (y.transpose(1, 2) for y in self._qkv(x, cos, sin))  # [B, heads, T, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h)
+        return self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size  # local (per TP rank)
+        self.gate_up = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.all_reduce = None
+        self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        if self.invariant and native_ready(gate_up):
+            out = self.down(native.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down(F.silu(gate) * up)
+        return self.all_reduce(out) if self.all_reduce is not None else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.input_norm = nn.Parameter(torch.ones(arch.hidden_size))  # None: none (EAGLE-1's first layer)
+        self.attn = Attention(arch, layer_idx)
+        self.post_attn_norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.mlp = MLP(arch)
+        self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
+                cache: SlotKVCache) -> torch.Tensor:
+        norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
+        attn_in = x if self.input_norm is None else norm(x, self.input_norm, self.eps)
+        x = x + self.attn(attn_in, ctx, cache)
+        return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
+
+    def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: see :meth:`Attention.forward_full`."""
+        attn_in = x if self.input_norm is None else rms_norm(x, self.input_norm, self.eps)
+        x = x + self.attn.forward_full(attn_in, cos, sin)
+        return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))

@@ -1,0 +1,270 @@
+"""The C kernels of ``kernels.c``, built for this machine at first use and called via ctypes.
+
+Why C: the runtime needs linears and attention whose result for one token does not depend
+on the other tokens in the call (see :mod:`specserve.engine.runtime.kernels`). oneDNN's packed linear
+has that property but reads a decode's weights well below memory bandwidth at one or two
+rows; MKL is fast at one row but rounds differently at 1, 2-3 and >= 4 rows. A small
+hand-written kernel has the property by construction and streams a decode's weights at
+close to bandwidth (docs/BENCHMARKS.md, "Runtime").
+
+The library is compiled once per source, compiler and CPU (``-O3 -march=native``) into
+``$SPECSERVE_CACHE_DIR`` (default ``~/.cache/specserve``), in a second or so. It links the
+OpenMP runtime torch already loaded, so both share one thread pool. A compiler that does not
+know this CPU (``-march=native`` fails) builds the portable kernels instead: the same code on
+the compiler's generic vectors, row-invariant the same way, slower (:func:`build_flags` says
+which). ``SPECSERVE_NATIVE_FLAGS`` adds flags to the native build: ``-mno-avx512f`` builds the
+AVX2 code on an AVX512 machine (``make test-avx2`` runs the suite so). Where no C compiler
+works, or ``SPECSERVE_NATIVE=0``, :func:`library` returns None
+and the runtime falls back to oneDNN's packed linears and the blocked attention in
+``kernels.py`` (row-invariant too, slower); :func:`unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from specserve.machine import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+PORTABLE_FLAGS = [flag for flag in FLAGS if not flag.startswith("-march=")]
+
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_flags: list[str] | None = None  # the build's, once loaded
+_loaded = False
+_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot be built here (see :func:`unavailable_reason`).
+    Decided once per process, under a lock: two threads must never run different kernels."""
+    global _lib, _reason, _loaded
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                try:
+                    _lib = _load()
+                except (_Unavailable, OSError, subprocess.SubprocessError) as exc:
+                    # OSError / SubprocessError: the cache dir, the compiler, dlopen
+                    _reason = str(exc) if isinstance(exc, _Unavailable) else f"{type(exc).__name__}: {exc}"
+                    log.warning("native kernels unavailable (%s); using oneDNN and blocked "
+                                "attention", _reason)
+                _loaded = True
+    return _lib
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _reason
+
+
+def build_flags() -> list[str] | None:
+    """The flags the loaded kernels were built with (:data:`FLAGS` and any of
+    ``SPECSERVE_NATIVE_FLAGS``, or :data:`PORTABLE_FLAGS` where the compiler did not know this
+    CPU); None without kernels."""
+    library()
+    return _flags
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _load() -> ctypes.CDLL:
+    global _flags
+    if os.environ.get("SPECSERVE_NATIVE", "1") == "0":
+        raise _Unavailable("SPECSERVE_NATIVE=0")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise _Unavailable("no C compiler on PATH")
+    native_flags = FLAGS + os.environ.get("SPECSERVE_NATIVE_FLAGS", "").split()
+    try:
+        path, flags = _built_with(compiler, native_flags), native_flags
+    except _Unavailable as exc:
+        log.warning("%s; building the portable kernels", exc)
+        path, flags = _built_with(compiler, PORTABLE_FLAGS), PORTABLE_FLAGS
+    lib = declare(ctypes.CDLL(str(path)))
+    _flags = flags
+    return lib
+
+
+def _built_with(compiler: str, flags: list[str]) -> Path:
+    """The cached build of the kernels with ``flags``, compiled first if it is not there.
+
+    Processes that start at once (a unit's ranks, a test run's Serve apps on a new machine)
+    take turns on a lock file: the first compiles, the others find its build. Each compiling
+    its own copy cost a fresh machine a few CPU-seconds per process, on cores they share."""
+    path = _cache_dir() / f"kernels-{_build_key(compiler, flags)}.so"
+    if not path.exists():
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                _compile(compiler, flags, path)
+    return path
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give the kernels of a loaded build their argument types."""
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.linear_rows.argtypes = [ptr] * 4 + [i32] * 4
+    lib.linear_rows.restype = None
+    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 3 + [i32] + [ptr] * 5 + [i32] * 6 + [f32, i32]
+    lib.rms_norm_rows.argtypes = [ptr] * 3 + [i32] * 2 + [f32, i32]
+    lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
+    lib.rope_and_store.argtypes = [ptr] * 6 + [i32] + [ptr] * 2 + [i32] * 7
+    lib.exponential_noise_rows.argtypes = [ptr] + [i32] * 2 + [ptr, i32]
+    for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
+               lib.rope_and_store, lib.exponential_noise_rows):
+        fn.restype = None
+    return lib
+
+
+def _cache_dir() -> Path:
+    path = default_cache_dir() / "native"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _build_key(compiler: str, flags: list[str]) -> str:
+    """Source, flags, compiler version and CPU: a shared cache never serves another CPU's build."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu().encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def _cpu() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compile(compiler: str, flags: list[str], path: Path) -> None:
+    # Build beside the target and rename: processes that build at once each get a whole file.
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        cmd = [compiler, *flags, str(SOURCE), "-o", str(out), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(out, path)
+
+
+def _built() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {_reason}")
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for float32 CPU tensors (``x``: ``[..., K]``; ``weight``:
+    ``[N, K]`` contiguous), each output row computed the same way whatever the row count."""
+    k = weight.shape[1]
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], weight.shape[0], dtype=torch.float32)
+    _built().linear_rows(flat.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(),
+                         flat.shape[0], weight.shape[0], k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+              lo: torch.Tensor, hi: torch.Tensor, scale: float, tree: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``q`` ``[B, T, H, D]`` (each token's heads contiguous; tokens may be
+    further apart, as the q part of a fused projection is) over the cache storage ``keys`` /
+    ``values`` ``[blocks, Hk, BS, D]``, row ``b``'s positions in the blocks ``table[b]``
+    (``[B, W]`` int32: position ``j`` at offset ``j % BS`` of block ``table[b, j // BS]``; a
+    slot cache passes its slots as ``[B, 1]``, a block being a whole slot); query ``(b, t)``
+    reads keys ``lo[b, t] <= j < hi[b, t]`` (int32, at least one). Returns ``[B, T, H * D]``.
+
+    Token trees: with ``tree`` ``[B, T]`` (int64 bitmasks) and ``starts`` ``[B]`` (int32, the
+    position of each row's first new token; -1: the row is a chain), query ``(b, t)`` of a
+    tree row reads the keys before ``starts[b]`` (from ``lo``) and those new tokens ``i``
+    whose bit ``i`` is set (at most 64 new tokens in a tree row)."""
+    b, t, h, d = q.shape
+    if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != t * q.stride(1):
+        q = q.contiguous()
+    out = torch.empty(b, t, h * d, dtype=torch.float32)
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
+    # the kernel trusts the table: a key past its blocks would be read from anywhere
+    assert int(hi.max()) <= table.shape[1] * keys.shape[2], \
+        f"keys up to {int(hi.max())} past the block table ({table.shape[1]} x {keys.shape[2]})"
+    _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
+                            table.data_ptr(), table.shape[1], lo.data_ptr(), hi.data_ptr(),
+                            _ptr(tree), _ptr(starts),
+                            out.data_ptr(), b, t, h,
+                            keys.shape[1], keys.shape[2], d, scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a float32 ``x``, row by row."""
+    n = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _built().rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                           torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a ``[..., 2 * n]`` float32 tensor laid out ``[gate | up]``."""
+    n = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.float32)
+    _built().silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n,
+                           torch.get_num_threads())
+    return out
+
+
+def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                   kv_heads: int, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
+                   starts: torch.Tensor, lens: torch.Tensor) -> None:
+    """In place on the fused projection ``qkv`` ``[B, T, (heads + 2 kv_heads) * D]``
+    (contiguous): rotate-half RoPE on its q and k heads (``cos`` / ``sin``: ``[B, T, 1, D]``),
+    then store the k and v heads of row ``b``'s first ``lens[b]`` tokens at positions
+    ``starts[b]..`` of row ``b`` in the cache storage ``keys`` / ``values`` through its
+    block table (``table``: as :func:`attention`'s)."""
+    b, t, _ = qkv.shape
+    d = keys.shape[3]
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
+    assert int((starts + lens).max()) <= table.shape[1] * keys.shape[2], \
+        f"writes up to {int((starts + lens).max())} past the block table ({table.shape[1]} x {keys.shape[2]})"
+    _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                            values.data_ptr(), table.data_ptr(), table.shape[1], starts.data_ptr(),
+                            lens.data_ptr(),
+                            b, t, heads, kv_heads, keys.shape[2], d, torch.get_num_threads())
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[N, vocab]`` Exp(1) noise of int64 ``keys`` ``[N]``
+    (:func:`specserve.engine.step.sampling.exponential_noise`'s formula, in one pass)."""
+    keys = keys.contiguous()
+    out = torch.empty(keys.shape[0], vocab, dtype=torch.float32)
+    _built().exponential_noise_rows(keys.data_ptr(), keys.shape[0], vocab, out.data_ptr(),
+                                    torch.get_num_threads())
+    return out

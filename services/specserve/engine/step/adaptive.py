@@ -1,0 +1,332 @@
+"""Per-step speculation length: choose K (0 = off) from the cost model, with measured inputs.
+
+Before every step the controller predicts, for each candidate K in 0..K_max, how many tokens
+the batch's decoding rows will emit and how long the step will take, and keeps the K with the
+most tokens per second. Both sides of that ratio are measured on this unit, not assumed:
+
+- **acceptance**, per proposer and draft position j, as decayed counts of rows *asked* for at least j + 1
+  drafts, rows that *got* at least j + 1 (an n-gram proposer often finds fewer, or none), and
+  rows whose draft j was *accepted* (for a chain: whose first j + 1 were). Then
+  E[emitted | K] = 1 + Σ_{j<K} acc_j / asked_j
+  with no independence assumption: n-gram acceptance is strongly correlated across positions,
+  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it. **Token trees** are counted
+  by node: a tree proposer drafts its nodes best first, so the tree of budget K is the first K
+  nodes of a larger one, and node j is accepted when it lies on the kept path; the same sum
+  then predicts a tree's emitted tokens, and K is the tree's node budget (the acceptance per
+  depth and sibling rank that this sum adds up is on /metrics, ``stats.py``). K follows the acceptance of
+  the proposer it governs (``k_source``): in a hybrid, the model part's. The model-free first
+  part drafts to the row's cap and is picked per row by its own estimate (``hybrid.py``), so
+  its long accepted runs must not raise the model's K, nor its misses lower it.
+- **cost**, fitted online by decayed least squares with non-negative coefficients:
+  the target forward as ``θ0 + θ1·rows + θ2·tokens + θ3·attention`` (attention = Σ new tokens ×
+  context), the draft phase as ``φ0 + φ1·K + φ2·K·rows`` and the accept phase as
+  ``ψ0 + ψ1·rows + ψ2·sampled logit rows``. The design's c and v (draft and verify cost
+  relative to one target decode step) are these predictions at the current batch size and
+  context lengths, divided by the K = 0 prediction.
+- **size**: kernels are not linear in the work where the matrices are small. On this
+  project's CPU (MKL/oneDNN GEMMs) a batch-1 forward of 2 or 3 tokens costs 1.7x and 2.2x one
+  of 1 token, more than one of 4 or 5 (1.4x); a linear fit through those points calls 2 and 3
+  cheap and picks them. So forwards of up to ``MEASURED_SIZES`` padded tokens (rows x longest
+  row) are also averaged per size, less their attention term, and a size measured twice is
+  predicted from its own mean plus the fit's attention term; other sizes from the fit. A size
+  the fit calls cheap gets chosen, measured and, if it is not, left.
+
+Smoothing and hysteresis: the statistics decay per observation; K changes only after
+``min_dwell_steps`` at the current one, and only to a K whose predicted throughput beats the
+current K's by ``hysteresis``. Exploration: every ``probe_interval_steps`` one decoding row
+(in turn) drafts twice the current K, at least ``PROBE_MIN_K`` (up to its cap), so acceptance
+beyond the current K, or at all when K = 0, stays measured and K can come back, a doubling at
+a time. Not the full cap at once: a token tree's budget may be 16 nodes, and on a CPU a probe
+of 16 costs a step about two decodes (measured, bench-tree) every ``probe_interval_steps``.
+Batch size counts decoding rows only; prefill rows run in forwards of their own and only feed
+the forward-cost fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from specserve.config import AdaptiveConfig
+from specserve.engine.step.cost_model import expected_tokens_per_step
+
+_MIN_WEIGHT = 2.0  # decayed rows a position needs before its own counts are used
+MEASURED_SIZES = 64  # padded forward sizes (rows x longest row) whose mean time is kept
+PROBE_MIN_K = 4  # the smallest K an exploration probe drafts (module docstring)
+
+
+class DecayedLeastSquares:
+    """Online ``y ≈ θ·x`` with exponentially decayed weights and θ ≥ 0 (costs never shrink as
+    work grows). Features are divided by ``scale`` so the normal equations stay conditioned."""
+
+    def __init__(self, scale: tuple[float, ...], decay: float) -> None:
+        self.scale = np.asarray(scale, dtype=np.float64)
+        self.decay = decay
+        n = len(scale)
+        self.xtx = np.zeros((n, n))
+        self.xty = np.zeros(n)
+        self.num_observations = 0
+        self._theta: np.ndarray | None = None
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        v = np.asarray(x, dtype=np.float64) / self.scale
+        self.xtx = self.decay * self.xtx + np.outer(v, v)
+        self.xty = self.decay * self.xty + v * y
+        self.num_observations += 1
+        self._theta = None
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return float(self.theta @ (np.asarray(x, dtype=np.float64) / self.scale))
+
+    @property
+    def theta(self) -> np.ndarray:
+        if self._theta is None:
+            self._theta = self._solve()
+        return self._theta
+
+    def _solve(self) -> np.ndarray:
+        """Active-set non-negative solve: drop the most negative coefficient and re-solve."""
+        n = len(self.xty)
+        ridge = 1e-6 * (np.trace(self.xtx) / n + 1e-12)
+        a = self.xtx + ridge * np.eye(n)
+        active = list(range(n))
+        theta = np.zeros(n)
+        while active:
+            sub = np.linalg.solve(a[np.ix_(active, active)], self.xty[active])
+            if (sub >= 0).all():
+                theta[active] = sub
+                return theta
+            active.pop(int(np.argmin(sub)))
+        return theta
+
+
+class SizeCosts:
+    """Decayed mean seconds per padded forward size (module docstring); a size's mean decays
+    only with that size's own observations."""
+
+    def __init__(self, decay: float, max_size: int = MEASURED_SIZES) -> None:
+        self.decay = decay
+        self.total = np.zeros(max_size + 1)
+        self.weight = np.zeros(max_size + 1)
+
+    def observe(self, size: int, seconds: float) -> None:
+        if 1 <= size < len(self.total):
+            self.total[size] = self.decay * self.total[size] + seconds
+            self.weight[size] = self.decay * self.weight[size] + 1.0
+
+    def get(self, size: int) -> float | None:
+        if 1 <= size < len(self.total) and self.weight[size] >= 1.5:  # two observations
+            return float(self.total[size] / self.weight[size])
+        return None
+
+
+class PositionAcceptance:
+    """Decayed per-position counts: asked / drafted / accepted (see the module docstring)."""
+
+    def __init__(self, max_k: int, decay: float) -> None:
+        self.decay = decay
+        self.asked = np.zeros(max_k)
+        self.drafted = np.zeros(max_k)
+        self.accepted = np.zeros(max_k)
+
+    def observe(self, asked: int, drafted: int, accepted: int | list[int]) -> None:
+        """``accepted``: how many of a chain's first drafts were kept, or a tree's kept nodes."""
+        if asked <= 0:
+            return
+        for counts, n in ((self.asked, asked), (self.drafted, drafted)):
+            counts *= self.decay
+            counts[: min(n, len(counts))] += 1.0
+        self.accepted *= self.decay
+        if isinstance(accepted, int):
+            self.accepted[: min(accepted, len(self.accepted))] += 1.0
+        else:
+            self.accepted[[j for j in accepted if j < len(self.accepted)]] += 1.0
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.asked[0] >= _MIN_WEIGHT)
+
+    def rates(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(acc, drafted)`` per position: P(first j + 1 accepted | asked ≥ j + 1) and
+        P(got ≥ j + 1 drafts | asked ≥ j + 1). Sparse positions extrapolate from the last
+        measured ones (acceptance keeps its last conditional ratio, the yield stays flat)."""
+        k = len(self.asked)
+        acc, got = np.zeros(k), np.ones(k)
+        for j in range(k):
+            if self.asked[j] >= _MIN_WEIGHT:
+                acc[j] = self.accepted[j] / self.asked[j]
+                got[j] = self.drafted[j] / self.asked[j]
+            elif j == 0:
+                acc[j], got[j] = 0.5, 1.0
+            else:
+                ratio = acc[j - 1] / acc[j - 2] if j >= 2 and acc[j - 2] > 0 else acc[0]
+                acc[j] = acc[j - 1] * min(1.0, ratio)
+                got[j] = got[j - 1]
+        return np.clip(acc, 0.0, 1.0), np.clip(got, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One decoding row as the controller sees it before the step."""
+
+    context: int       # tokens already in the target cache
+    cap: int           # the most it may draft now (its request's K, max_tokens and context)
+    adaptive: bool     # False: the client fixed K, so the row drafts ``cap``
+    sampled: bool      # not greedy: the accept phase works on full distributions
+    limit: int | None = None  # its request's K (default: cap); what K is chosen for
+
+    @property
+    def level(self) -> Row:
+        """The row as K is chosen for it: a request's last steps, capped by its max_tokens,
+        must not move the K of the steps that follow (a batch-1 request's last step, capped
+        at 1, would find K = 0 better than K = 1 and hold the next request at 0)."""
+        return self if self.limit is None else replace(self, cap=self.limit, limit=None)
+
+
+class SpecLengthController:
+    def __init__(self, max_k: int, cfg: AdaptiveConfig) -> None:
+        assert max_k >= 1
+        self.max_k = max_k
+        self.cfg = cfg
+        self.k = max_k                   # current K for adaptive rows
+        self.estimated_speedup = 1.0     # predicted throughput at K over K = 0, last step
+        self.steps = 0
+        self._break_even: tuple | None = None  # (what it was solved from, the value)
+        self._last_switch = 0
+        self._probe_turn = 0
+        # Acceptance per proposer (``Proposal.source``); K is chosen from ``k_source``'s, the
+        # proposer K governs (a hybrid's model part: its first part drafts to the row's cap
+        # and is chosen per row by its own estimate, hybrid.py). None: every row counts.
+        self.k_source: str | None = None
+        self.by_source: dict[str, PositionAcceptance] = {}
+        self.acceptance = PositionAcceptance(max_k, cfg.decay)
+        self.forward_cost = DecayedLeastSquares((1.0, 8.0, 64.0, 65536.0), cfg.decay)
+        self.sizes = SizeCosts(cfg.decay)
+        self.propose_cost = DecayedLeastSquares((1.0, 4.0, 32.0), cfg.decay)
+        self.accept_cost = DecayedLeastSquares((1.0, 8.0, 64.0), cfg.decay)
+
+    # -- measurements -------------------------------------------------------------------------
+    def observe_forward(self, rows: int, tokens: int, attention: int, seconds: float,
+                        padded: int | None = None) -> None:
+        """One target forward: ``rows`` rows, ``tokens`` new tokens in all, ``attention`` =
+        Σ new tokens x context, ``padded`` = rows x the longest row (default: ``tokens``)."""
+        self.forward_cost.observe((1.0, rows, tokens, attention), seconds)
+        self.sizes.observe(padded or tokens, seconds - self._attention_seconds(attention))
+
+    def forward_seconds(self, rows: int, tokens: float, attention: float, padded: int) -> float:
+        """Predicted seconds of a target forward: the size's measured mean plus the attention
+        term where the size was measured, the linear fit elsewhere."""
+        measured = self.sizes.get(padded)
+        if measured is None:
+            return self.forward_cost.predict((1.0, rows, tokens, attention))
+        return measured + self._attention_seconds(attention)
+
+    def _attention_seconds(self, attention: float) -> float:
+        return self.forward_cost.predict((0.0, 0.0, 0.0, attention))
+
+    def observe_propose(self, k: int, rows: int, seconds: float) -> None:
+        self.propose_cost.observe((1.0, k, k * rows), seconds)
+
+    def observe_accept(self, rows: int, sampled_logit_rows: int, seconds: float) -> None:
+        self.accept_cost.observe((1.0, rows, sampled_logit_rows), seconds)
+
+    def observe_draft(self, asked: int, drafted: int, accepted: int | list[int],
+                      source: str | None = None) -> None:
+        """One row's step: drafts it was asked for, got and had accepted (a tree: the kept
+        nodes' indices); ``source``: the proposer that drafted them."""
+        if source is not None:
+            if source not in self.by_source:
+                self.by_source[source] = PositionAcceptance(self.max_k, self.cfg.decay)
+            self.by_source[source].observe(asked, drafted, accepted)
+        if self.k_source is None or source in (None, self.k_source):
+            self.acceptance.observe(asked, drafted, accepted)
+
+    @property
+    def calibrated(self) -> bool:
+        return (self.steps > self.cfg.warmup_steps and self.acceptance.measured
+                and self.forward_cost.num_observations >= 4
+                and self.propose_cost.num_observations >= 2)
+
+    # -- the choice ---------------------------------------------------------------------------
+    def plan(self, rows: list[Row]) -> list[int]:
+        """K per decoding row for this step (fixed rows keep their cap)."""
+        self.steps += 1
+        adaptive = [i for i, r in enumerate(rows) if r.adaptive and r.cap > 0]
+        if not adaptive:
+            return [0 if r.adaptive else r.cap for r in rows]
+        if self.cfg.enabled and self.calibrated:
+            self._update_k([r.level for r in rows])
+        ks = [min(r.cap, self.k) if r.adaptive else r.cap for r in rows]
+        if self.k < self.max_k and self.steps % self.cfg.probe_interval_steps == 0:
+            i = adaptive[self._probe_turn % len(adaptive)]
+            self._probe_turn += 1
+            ks[i] = min(rows[i].cap, max(2 * self.k, PROBE_MIN_K))
+        return ks
+
+    def _update_k(self, rows: list[Row]) -> None:
+        rates = self.acceptance.rates()
+        throughput = [self.throughput(rows, k, rates) for k in range(self.max_k + 1)]
+        best = int(np.argmax(throughput))
+        if (best != self.k and self.steps - self._last_switch >= self.cfg.min_dwell_steps
+                and throughput[best] > throughput[self.k] * (1.0 + self.cfg.hysteresis)):
+            self.k, self._last_switch = best, self.steps
+        self.estimated_speedup = float(throughput[self.k] / throughput[0])
+
+    def throughput(self, rows: list[Row], k: int, rates=None) -> float:
+        """Predicted emitted tokens per second of a step where adaptive rows draft ``k``."""
+        acc, got = rates if rates is not None else self.acceptance.rates()
+        acc_sum = np.concatenate([[0.0], np.cumsum(acc)])
+        got_sum = np.concatenate([[0.0], np.cumsum(got)])
+        emitted = tokens = attention = sampled = 0.0
+        drafting, k_step = 0, 0
+        for r in rows:
+            ki = min(r.cap, k) if r.adaptive else r.cap
+            ki = min(ki, self.max_k)
+            n = 1.0 + got_sum[ki]
+            emitted += 1.0 + acc_sum[ki]
+            tokens += n
+            attention += n * (r.context + n)
+            sampled += n if r.sampled else 0.0
+            drafting += ki > 0
+            k_step = max(k_step, ki)
+        seconds = (self.forward_seconds(len(rows), tokens, attention, len(rows) * (1 + k_step))
+                   + self.accept_cost.predict((1.0, len(rows), sampled)))
+        if k_step:
+            seconds += self.propose_cost.predict((1.0, k_step, k_step * drafting))
+        return float(emitted / max(seconds, 1e-9))
+
+    def break_even_acceptance(self, context: int = 256) -> float | None:
+        """The per-token acceptance rate α below which no K pays for one sequence alone
+        (the closed form of the cost model with the measured c and v); None until measured.
+        Cached until a cost fit changes: the router asks once per finished request."""
+        if self.forward_cost.num_observations < 4 or self.propose_cost.num_observations < 2:
+            return None
+        # (every forward observed, sized or not, counts in forward_cost.num_observations)
+        key = (self.forward_cost.num_observations, self.propose_cost.num_observations,
+               self.accept_cost.num_observations, context)
+        if self._break_even is None or self._break_even[0] != key:
+            self._break_even = (key, self._solve_break_even(context))
+        return self._break_even[1]
+
+    def _solve_break_even(self, context: int) -> float:
+        costs = []
+        for k in range(self.max_k + 1):
+            n = 1.0 + k
+            t = (self.forward_seconds(1, n, n * (context + n), k + 1)
+                 + self.accept_cost.predict((1.0, 1, 0.0)))
+            if k:
+                t += self.propose_cost.predict((1.0, k, k))
+            costs.append(max(t, 1e-9))
+
+        def pays(alpha: float) -> bool:
+            return any(expected_tokens_per_step(alpha, k) * costs[0] / costs[k] > 1.0
+                       for k in range(1, self.max_k + 1))
+
+        if pays(0.0):
+            return 0.0
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+        return hi

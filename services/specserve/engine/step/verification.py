@@ -1,0 +1,303 @@
+"""From the verify forward's logits and a step's proposals to the tokens each row emits
+(pure functions; the engine's steps 3 and 4 meet here).
+
+The target forward (:meth:`SpecDecodeEngine._verify
+<specserve.engine.spec_decode.SpecDecodeEngine._verify>`) returns, per row, logits at its
+``num_draft_tokens + 1`` positions. This module pads the ragged rows to one ``[B, K + 1]``
+batch (K = ``max_spec_len``, the most drafts of any row), turns logits into ``p`` and
+proposals into ``q`` with the request's sampling transform, draws the randomness of each
+position from the row's seed, and runs the matching rule of
+:mod:`~specserve.engine.step.acceptance`. Rows are verified in three calls, one per kind:
+
+- **greedy** rows: drafts kept while they equal the target argmax (:func:`verify_greedy`);
+- **seeded** sampled rows: drafter-invariant verification, so the text is the target-only
+  text of the seed at any K, in any batch (:func:`verify_seeded`);
+- **unseeded** sampled rows: the rejection test, which accepts more (:func:`verify_sampled`).
+
+A row whose proposal is a token tree (``Proposal.parents``) is verified alone by
+:func:`verify_tree` (the tree rules of :mod:`~specserve.engine.step.acceptance`: the greedy
+walk, the drafter-invariant walk with the chain's noise per depth, or multi-candidate
+rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`).
+
+Every draw is a function of (seed, position) alone (:mod:`~specserve.engine.step.sampling`), never
+of the batch or of K, which is why rows can be regrouped and padded freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from specserve.config import SamplingParams
+from specserve.engine.grammar import masked
+from specserve.engine.step.acceptance import (
+    PLACEHOLDER,
+    RejectionOutput,
+    drafter_invariant_sample,
+    greedy_rejection_sample,
+    rejection_sample,
+    stochastic_num_accepted,
+    tree_accept_greedy,
+    tree_accept_sampled,
+    tree_accept_seeded,
+)
+from specserve.engine.step.proposal import Proposal, TopK
+from specserve.engine.step.sampling import (
+    compute_probs,
+    compute_probs_rows,
+    exponential_noise,
+    noise_key,
+    position_uniform,
+    step_generator,
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one row keeps of a step, as plain data: what the target's rank 0 sends back to
+    the coordinator (never logits)."""
+
+    emitted: list[int]               # the accepted drafts, then the recovered or bonus token
+    num_accepted: int
+    path: list[int] | None = None    # a tree's accepted nodes (None: a chain)
+    # per emitted token, with SamplingParams.logprobs: its log-probability under the target
+    # and the top alternatives, ``(logprob, [(token, logprob), ...])``
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # a prefill with SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What verification needs of one sequence besides its proposal and logits."""
+
+    params: SamplingParams
+    seed: int       # every draw of the sequence derives from it
+    position: int   # of the step's first new token: the sequence's length before the step
+    # structured output: the grammar's packed bitmask of allowed tokens at each verified
+    # position (``[num_draft_tokens + 1, W]`` int32, a tree's root then its nodes); None: free
+    mask: torch.Tensor | None = None
+
+
+def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
+                 logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:
+    """Verify a step's rows, each kind (module docstring) in one sampler call; returns, per
+    row, the output of its kind's call and its row in that output.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``, or ``[num_draft_tokens_i + 1]`` argmax ids
+    when every row of the forward was greedy.
+    """
+    assert len(rows) == len(proposals) == len(logits)
+    results: list[tuple[RejectionOutput, int] | None] = [None] * len(rows)
+    trees = [i for i, proposal in enumerate(proposals) if proposal.parents is not None]
+    chains = [i for i in range(len(rows)) if proposals[i].parents is None]
+    sampled = [i for i in trees if not rows[i].params.greedy]  # their p in one transform
+    probs = dict(zip(sampled, compute_probs_rows([logits[i] for i in sampled],
+                                                 [rows[i].params for i in sampled]))) if sampled else {}
+    for i in trees:
+        results[i] = (verify_tree(rows[i], proposals[i], logits[i], probs.get(i)), 0)
+    greedy = [i for i in chains if rows[i].params.greedy]
+    seeded = [i for i in chains if not rows[i].params.greedy and rows[i].params.seed is not None]
+    unseeded = [i for i in chains if not rows[i].params.greedy and rows[i].params.seed is None]
+    kinds = ((greedy, lambda _rows, props, x: verify_greedy(props, x)),  # greedy draws nothing
+             (seeded, verify_seeded), (unseeded, verify_sampled))
+    for picked, verify in kinds:
+        if picked:
+            out = verify([rows[i] for i in picked], [proposals[i] for i in picked],
+                         [logits[i] for i in picked])
+            for j, i in enumerate(picked):
+                results[i] = (out, j)
+    return results
+
+
+def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
+                logits: list[torch.Tensor]) -> list[Verdict]:
+    """:func:`verify_batch`, each row's result as a :class:`Verdict` (with the emitted
+    tokens' log-probabilities where its request asked for them).
+
+    A row with a grammar ``mask`` is verified on its logits with the disallowed tokens at
+    -inf: the constrained target distribution, at every position (greedy argmax, p of the
+    rejection test, the recovered and bonus tokens alike). Its logprobs: a sampled row's are
+    of that constrained distribution (what the token was drawn from), a greedy row's the
+    model's log-softmax, as without a grammar."""
+    constrained = [x if r.mask is None else masked(x, r.mask) for r, x in zip(rows, logits)]
+    verdicts = []
+    for r, x, c, (res, row) in zip(rows, logits, constrained,
+                                   verify_batch(rows, proposals, constrained)):
+        path = res.paths[row] if res.paths is not None else None
+        emitted = res.emitted(row)
+        lp = None if r.params.logprobs is None else emitted_logprobs(
+            r.params, x if r.params.greedy else c, emitted, path)
+        verdicts.append(Verdict(emitted, int(res.num_accepted_tokens[row]), path, lp))
+    return verdicts
+
+
+def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row i of ``logp`` (``[m, V]`` log-probabilities): ``tokens[i]``'s value and the ``top``
+    likeliest ``(token, value)`` pairs, read back to the host in one copy each."""
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [(value, []) for value in chosen]
+    top_values, top_ids = logp.topk(top, dim=-1)
+    return list(zip(chosen, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]))
+
+
+def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list[int],
+                     path: list[int] | None) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each emitted token's log-probability and the ``params.logprobs`` likeliest tokens', from
+    the target's logits row that decided it (a chain's rows in order; a tree's root row, then
+    its kept nodes' rows). Sampled requests: log p after their transform (what the token was
+    drawn from: -inf outside top-k / top-p); greedy ones: the model's log-softmax. The same
+    rows decide the same tokens without speculation, so the values are target-only's.
+
+    logits: ``[num_draft_tokens + 1, V]`` (not argmax ids)."""
+    assert logits.ndim == 2, "logprobs need the logits, not argmax ids"
+    index = list(range(len(emitted))) if path is None else [0, *(n + 1 for n in path)]
+    x = logits[index].float()  # [len(emitted), V]
+    if params.greedy:
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        m = x.shape[0]
+        full = partial(torch.full, (m,), device=x.device)
+        logp = compute_probs(x, full(params.temperature), full(params.top_k), full(params.top_p)).log()
+    return token_logprobs(logp, emitted, params.logprobs)
+
+
+def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor,
+                p: torch.Tensor | None) -> RejectionOutput:
+    """One row whose drafts form a tree; logits: ``[N + 1, V]`` (or argmax ids, greedy), row
+    0 after the row's last token, row i + 1 after node i; ``p``: a sampled row's ``[N + 1, V]``
+    after its transform (None for a greedy row). Returns a one-row output whose ``paths``
+    holds the accepted nodes."""
+    parents, tokens = proposal.parents, proposal.token_ids
+    if row.params.greedy:
+        out = tree_accept_greedy(parents, tokens, logits)
+    else:
+        if row.params.seed is not None:
+            out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
+        else:
+            q = proposal.probs
+            if isinstance(q, TopK):
+                q = q.dense(p.shape[-1], p.device)
+            out = tree_accept_sampled(parents, tokens, p, q,
+                                      step_generator(row.seed, row.position))
+    emitted = torch.full((1, len(tokens) + 1), PLACEHOLDER, dtype=torch.long)
+    emitted[0, :len(out.emitted)] = torch.tensor(out.emitted, dtype=torch.long)
+    return RejectionOutput(emitted, torch.tensor([out.num_accepted]), paths=[out.path])
+
+
+def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor]) -> RejectionOutput:
+    """Greedy verification against the target argmax.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]`` logits or ``[num_draft_tokens_i + 1]`` argmax ids.
+    """
+    assert len(proposals) == len(logits) and all(x.ndim in (1, 2) for x in logits)
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
+    max_spec_len = draft_token_ids.shape[1]
+    argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
+                          for x in logits])  # [B, K + 1]
+    return greedy_rejection_sample(draft_token_ids, num_draft_tokens, argmax)
+
+
+def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
+                  logits: list[torch.Tensor]) -> RejectionOutput:
+    """Drafter-invariant verification: the text is the target-only text of the seed.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``.
+    """
+    assert len(rows) == len(proposals) == len(logits)
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
+    p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1])  # [B, K + 1, V]
+    # Every row's positions 0..num_draft_tokens in one draw (what follows a disagreement is
+    # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
+    counts = (num_draft_tokens + 1).tolist()
+    drawn = exponential_noise([noise_key(r.seed, r.position + j) for r, n in zip(rows, counts)
+                               for j in range(n)], p.shape[-1], p.device)  # [sum(counts), V]
+    noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
+    width = torch.arange(p.shape[1], device=p.device)[None, :]
+    noise[width < torch.tensor(counts, device=p.device)[:, None]] = drawn  # row-major, as drawn
+    return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
+
+
+def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
+                   logits: list[torch.Tensor]) -> RejectionOutput:
+    """The rejection test (Leviathan), its draws fixed by (seed, position).
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``.
+    """
+    assert len(rows) == len(proposals) == len(logits)
+    device = logits[0].device
+    draft_token_ids, num_draft_tokens = pad_drafts(proposals, device)  # [B, K], [B]
+    bsz, max_spec_len = draft_token_ids.shape
+    p = target_probs([r.params for r in rows], logits, max_spec_len)  # [B, K + 1, V]
+    q = draft_probs(proposals, draft_token_ids, p.shape[-1])           # [B, K, V] or None
+    uniform = torch.ones(bsz, max_spec_len)  # [B, K], drawn on the host
+    for i, (r, proposal) in enumerate(zip(rows, proposals)):
+        for j in range(len(proposal.token_ids)):
+            uniform[i, j] = position_uniform(r.seed, r.position + j)
+    uniform = uniform.to(device)
+    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
+    # The noise of the position each row's recovered or bonus token lands on: [B, V].
+    noise = exponential_noise([noise_key(r.seed, r.position + n)
+                               for r, n in zip(rows, num_accepted_tokens.tolist())], p.shape[-1], device)
+    return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
+
+
+def pad_drafts(proposals: list[Proposal], device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, K]`` draft token ids (padded with 0) and ``[B]`` num_draft_tokens, on ``device``
+    (the logits'); built on the host, moved in one copy each."""
+    assert proposals
+    max_spec_len = max(len(p.token_ids) for p in proposals)
+    draft_token_ids = torch.zeros(len(proposals), max_spec_len, dtype=torch.long)
+    for i, p in enumerate(proposals):
+        draft_token_ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
+    num_draft_tokens = torch.tensor([len(p.token_ids) for p in proposals])
+    return draft_token_ids.to(device), num_draft_tokens.to(device)
+
+
+def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
+                 max_spec_len: int) -> torch.Tensor:
+    """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0).
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``, at most K + 1 rows; params[i] is not greedy.
+    """
+    assert len(params) == len(logits)
+    assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
+    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0) for x in compute_probs_rows(logits, params)])
+
+
+def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    """Pad dim 0 of ``x`` (``[m, ...]``, m ≤ n) to ``n`` rows with ``value``."""
+    assert x.shape[0] <= n
+    if x.shape[0] == n:
+        return x
+    pad = x.new_full((n - x.shape[0], *x.shape[1:]), value)
+    return torch.cat([x, pad])
+
+
+def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
+                vocab: int) -> torch.Tensor | None:
+    """``[B, K, V]`` q for model proposers, on ``draft_token_ids``' device; None when every
+    proposal is deterministic. A deterministic row inside a model batch (no probs) gets its
+    one-hot q; a :class:`TopK` q is scattered into the vocabulary.
+
+    draft_token_ids: ``[B, K]`` as :func:`pad_drafts` returns them.
+    """
+    assert draft_token_ids.ndim == 2 and draft_token_ids.shape[0] == len(proposals)
+    if all(p.probs is None for p in proposals):
+        return None
+    device = draft_token_ids.device
+    q = torch.zeros(len(proposals), draft_token_ids.shape[1], vocab, device=device)
+    for i, p in enumerate(proposals):
+        n = len(p.token_ids)
+        if isinstance(p.probs, TopK):
+            q[i, :n] = p.probs.dense(vocab, device)  # [n, V]
+        elif p.probs is not None:
+            q[i, :n] = p.probs.to(device)
+        elif n:
+            q[i, torch.arange(n, device=device), draft_token_ids[i, :n]] = 1.0
+    return q
