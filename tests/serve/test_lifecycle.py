@@ -277,9 +277,9 @@ def start_server(config: Path, *flags: str) -> Server:
     to register, in ``ray._private.node``; the GCS client's wait for the cluster's id), which
     a busy machine may miss: the process then exits, and the start-up is tried again, within
     the bound. Any other exit before serving fails the test."""
-    deadline = time.monotonic() + START_BOUND_S
+    deadline, tries, lines = time.monotonic() + START_BOUND_S, 0, []
     while time.monotonic() < deadline:
-        server = Server(config, *flags)
+        server, tries = Server(config, *flags), tries + 1
         try:
             if server.wait_for("serving on"):
                 return server
@@ -288,7 +288,8 @@ def start_server(config: Path, *flags: str) -> Server:
             raise
         lines = server.finish()[1]
         assert any(mark in line for line in lines for mark in RAY_START_CUT_SHORT), lines
-    pytest.fail(f"Ray could not start a node in {START_BOUND_S} s (its fixed limits, each try)")
+    pytest.fail(f"Ray could not start a node in {START_BOUND_S} s ({tries} tries, each cut short "
+                f"by its fixed limits); the last try's output: {lines[-40:]}")
 
 
 def assert_stopped_cleanly(code: int, lines: list[str]) -> None:
