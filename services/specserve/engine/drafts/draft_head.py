@@ -52,7 +52,7 @@ from specserve.errors import ConfigError
 from specserve.methods import DRAFT_KINDS
 
 EMBEDDED_DRAFT = "embedded-eagle"  # the shipped EAGLE draft of the embedded target
-EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle"
+EMBEDDED_DRAFT_DIR = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-eagle"
 EMBEDDED_EAGLE3 = "embedded-eagle3"  # an EAGLE-3 head of the embedded target (speculators format)
 EMBEDDED_EAGLE3_DIR = EMBEDDED_DRAFT_DIR.with_name("smollm2-135m-eagle3")
 DRAFT_FILE = "draft.json"
