@@ -31,6 +31,7 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.proposal import Proposal
+from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import ModelWorker
 from specserve.memory import MemoryEstimate, ModelShape, Workload, estimate, format_estimate
 
@@ -91,8 +92,8 @@ def verify(worker: ModelWorker, s: Settings) -> None:
     slots = list(range(s.max_num_seqs))
     for slot in slots:
         worker.cache.lengths[slot] = s.max_model_len - s.k - 1
-    worker.verify(slots, [[5] * (s.k + 1)] * len(slots), [Proposal([5] * s.k)] * len(slots),
-                  [(SAMPLED, slot) for slot in slots])
+    worker.verify(VerifyBatch(slots, [[5] * (s.k + 1)] * len(slots), [Proposal([5] * s.k)] * len(slots),
+                              [(SAMPLED, slot) for slot in slots]))
 
 
 def measure(worker: ModelWorker, s: Settings, phase, calls: int) -> dict:

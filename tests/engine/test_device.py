@@ -19,6 +19,7 @@ from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step import sampling
 from specserve.engine.step.proposal import Proposal, TopK
+from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import ModelWorker, Verified
 from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
 
@@ -100,13 +101,13 @@ def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):
     with DeviceDouble():
         worker = _worker(runtime_of(target_hf), device=True)
         slot = worker.allocate()
-        worker.verify([slot], [[5, 6, 7]], [Proposal([])], [sampled])  # fine as built
+        worker.verify(VerifyBatch([slot], [[5, 6, 7]], [Proposal([])], [sampled]))  # fine as built
         worker.rollback(slot, 0)
         monkeypatch.setattr(sampling, "_per_logit_row",
                             lambda values, counts, device: torch.tensor(
                                 [v for v, n in zip(values, counts) for _ in range(n)]))
         with pytest.raises(DeviceMix, match="same device"):
-            worker.verify([slot], [[5, 6, 7]], [Proposal([])], [sampled])
+            worker.verify(VerifyBatch([slot], [[5, 6, 7]], [Proposal([])], [sampled]))
 
 
 def test_the_double_catches_mixes_and_allows_what_cuda_allows():

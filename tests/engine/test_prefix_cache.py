@@ -122,13 +122,12 @@ def test_a_failed_step_with_a_chunk_steps_every_row_alone_the_chunk_too(target_h
     events = []  # ("failed", [chunk sizes]), ("verify", rows, chunks), ("forward", [tokens per row])
     verify, forward = engine.target.verify, engine.target.forward
 
-    def failing_verify(slots, *args, **kwargs):
-        chunks = kwargs.get("chunks", ())
-        if chunks and not any(e[0] == "failed" for e in events):
-            events.append(("failed", [len(ids) for _, ids in chunks]))
+    def failing_verify(batch):
+        if batch.chunks and not any(e[0] == "failed" for e in events):
+            events.append(("failed", [len(ids) for _, ids in batch.chunks]))
             raise RuntimeError("planted: a step with a chunk fails once")
-        events.append(("verify", len(slots), len(chunks)))
-        return verify(slots, *args, **kwargs)
+        events.append(("verify", len(batch.slots), len(batch.chunks)))
+        return verify(batch)
 
     def logged_forward(batch):
         events.append(("forward", [len(x) for x in batch.token_ids]))

@@ -84,15 +84,15 @@ def test_forbidden_drafts_never_reach_the_verifier(target_hf, compiler, monkeypa
         seen["drafted"] = [list(p.token_ids) for p in out]
         return out
 
-    def checking_verify(slots, token_ids, proposals, sampling, **kw):
-        for proposal, mask in zip(proposals, kw["masks"]):
+    def checking_verify(batch):
+        for proposal, mask in zip(batch.proposals, batch.masks):
             assert mask.shape[0] == len(proposal.token_ids) + 1
             allowed = unpack_bitmask(mask, VOCAB)
             for j, t in enumerate(proposal.token_ids):
                 assert allowed[j, t], "a forbidden draft reached verification"
             seen["drafts"] += len(proposal.token_ids)
-        seen["cut"] += sum(len(d) - len(p.token_ids) for d, p in zip(seen["drafted"], proposals))
-        return verify(slots, token_ids, proposals, sampling, **kw)
+        seen["cut"] += sum(len(d) - len(p.token_ids) for d, p in zip(seen["drafted"], batch.proposals))
+        return verify(batch)
 
     monkeypatch.setattr(engine.draft.proposer, "propose", counting_propose)
     monkeypatch.setattr(engine.target, "verify", checking_verify)

@@ -218,8 +218,7 @@ class SpecDecodeEngine:
             any(row.seq.draft_attached for row in batch.rows)
             or any(self.draft.wants_features(chunk.seq) for chunk in batch.chunks))
         batch.arrange()
-        args, kwargs = batch.verify_args()
-        result: Verified = self.target.verify(*args, **kwargs)
+        result: Verified = self.target.verify(batch.to_verify())
         batch.clock.sample_s = result.sample_s
         for i, row in enumerate(batch.rows):
             row.verdict = result.verdicts[i]

@@ -17,12 +17,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specserve.config import KVCacheConfig, SamplingParams
+from specserve.config import KVCacheConfig
 from specserve.engine.kv.kv_cache import SlotTable
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.proposal import Proposal
+from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.step.verification import SamplingRow, Verdict, token_logprobs, verify_rows
 
 
@@ -39,15 +40,6 @@ class Verified:
     # per prompt chunk the call prefilled beside the rows (``chunks``), the final hidden
     # states of its tokens, CPU; None: not asked
     chunk_hidden: list[torch.Tensor] | None = None
-
-
-def with_chunks(slots: list[int], token_ids: list[list[int]], chunks: list[tuple[int, list[int]]],
-                trees: list[list[int] | None] | None = None
-                ) -> tuple[list[int], list[list[int]], list[list[int] | None] | None]:
-    """A verify forward's rows: the verifying rows, then the prompt chunks ``(slot, token_ids)``
-    (no tree); slots, token ids and trees (None: no tree anywhere)."""
-    return (slots + [slot for slot, _ in chunks], token_ids + [ids for _, ids in chunks],
-            None if trees is None else trees + [None] * len(chunks))
 
 
 class SlotOwner:
@@ -145,45 +137,35 @@ class ModelWorker(SlotOwner):
         :meth:`~specserve.engine.kv.kv_cache.SlotKVCache.fork`)."""
         self.cache.fork(src, dst, length)
 
-    def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
-               sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
-               trees: list[list[int] | None] | None = None,
-               masks: list[torch.Tensor | None] | None = None,
-               chunks: list[tuple[int, list[int]]] = (), groups: list[int] | None = None) -> Verified:
+    def verify(self, batch: VerifyBatch) -> Verified:
         """One verify forward and its rejection sampling, here, next to the logits.
 
-        ``token_ids[i]``: row i's pending tokens, then its drafts ``proposals[i].token_ids``;
-        ``sampling[i]``: its request's parameters and seed; ``masks[i]``: a structured
-        output's grammar masks at its verified positions (:attr:`SamplingRow.mask`).
-        Greedy-only batches without masks compute the argmax on the device and nothing else.
-        ``return_hidden``: the kept tokens' hidden states come back (:attr:`Verified.hidden`).
-
-        ``chunks``: ``(slot, token_ids)`` of prompt chunks prefilled in the same forward,
-        after the rows (no logits, no verdict; with ``return_hidden`` their hidden states come
-        back in :attr:`Verified.chunk_hidden`); ``groups``: the forward's row groups over the
-        rows, then the chunks (:meth:`LlamaRuntime.forward
-        <specserve.engine.runtime.model.LlamaRuntime.forward>`)."""
-        counts = [len(p.token_ids) + 1 for p in proposals]
-        masks = masks or [None] * len(slots)
+        Row i of ``batch`` feeds its pending tokens, then its drafts (``proposals[i]``), and
+        is verified under its request's parameters and seed (``sampling[i]``) and, for a
+        structured output, its grammar masks (:attr:`SamplingRow.mask`). Greedy-only batches
+        without masks compute the argmax on the device and nothing else. With ``hidden``
+        the kept tokens' hidden states come back (:attr:`Verified.hidden`), and the prompt
+        chunks' (prefilled in the same forward, after the rows: no logits, no verdict) in
+        :attr:`Verified.chunk_hidden`."""
+        counts = batch.num_verify_logits
+        masks = batch.masks or [None] * len(batch.slots)
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
                 for slot, ids, p, (params, seed), mask
-                in zip(slots, token_ids, proposals, sampling, masks)]
+                in zip(batch.slots, batch.token_ids, batch.proposals, batch.sampling, masks)]
         # A prefill that scores its prompt asks for logits at every prompt position.
         scored = [r.params.prompt_logprobs is not None and self.length(slot) == 0
-                  for r, slot in zip(rows, slots)]
-        asked = [len(ids) if s else n for ids, s, n in zip(token_ids, scored, counts)]
+                  for r, slot in zip(rows, batch.slots)]
+        asked = [len(ids) if s else n for ids, s, n in zip(batch.token_ids, scored, counts)]
         t0 = time.perf_counter()
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
                           and not s for r, s in zip(rows, scored))
-        every_slot, every_ids, every_tree = with_chunks(slots, token_ids, chunks, trees)
-        out = self.forward(ForwardBatch(every_slot, every_ids, asked + [0] * len(chunks), trees=every_tree,
-                                        groups=groups, hidden=return_hidden, argmax=argmax_only))
+        out = self.forward(batch.forward(asked, argmax=argmax_only))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         _sync(logits)
         t1 = time.perf_counter()
         per_row = list(logits.split(asked))
-        verdicts = verify_rows(rows, proposals, [x[-n:] for x, n in zip(per_row, counts)])
-        for i, (ids, x, n) in enumerate(zip(token_ids, per_row, counts)):
+        verdicts = verify_rows(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)])
+        for i, (ids, x, n) in enumerate(zip(batch.token_ids, per_row, counts)):
             if scored[i]:  # logits row j predicts prompt token j + 1
                 prompt = ids[:len(ids) - n + 1]
                 logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
@@ -191,9 +173,10 @@ class ModelWorker(SlotOwner):
                     logp, prompt[1:], rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = chunk_hidden = None
         if hidden is not None:
-            per_row = hidden.split([len(ids) for ids in every_ids])
-            kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, proposals, verdicts)]
-            chunk_hidden = [h.cpu() for h in per_row[len(token_ids):]]
+            per_row = hidden.split([len(ids) for ids in batch.token_ids]
+                                   + [len(ids) for _, ids in batch.chunks])
+            kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, batch.proposals, verdicts)]
+            chunk_hidden = [h.cpu() for h in per_row[len(batch.token_ids):]]
         return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1, chunk_hidden)
 
     def forward(self, batch: ForwardBatch) -> Forwarded:

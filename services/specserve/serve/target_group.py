@@ -26,20 +26,21 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import replace
 from typing import NamedTuple
 
 import ray
 import torch
 import torch.distributed as dist
 
-from specserve.config import EngineConfig, SamplingParams, UnitConfig
+from specserve.config import EngineConfig, UnitConfig
 from specserve.engine.drafts.draft_head import eagle3_target_layers
 from specserve.engine.kv.kv_cache import SlotTable
 from specserve.engine.kv.kv_manager import KVManager
 from specserve.engine.loader import load_model
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
-from specserve.engine.step.proposal import Proposal
-from specserve.engine.worker import ModelWorker, SlotOwner, Verified, with_chunks
+from specserve.engine.step.step_batch import VerifyBatch
+from specserve.engine.worker import ModelWorker, SlotOwner, Verified
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import (
     ACTOR_NAMESPACE,
@@ -139,32 +140,23 @@ class TargetRank:
             threading.Thread(target=self._follow, name="tp-follower", daemon=True).start()
         return report
 
-    def verify(self, slots: list[int], starts: list[int], token_ids: list[list[int]],
-               proposals: list, sampling: dict[int, tuple], return_hidden: bool = False,
-               trees: list | None = None, moves: list | None = None,
-               forks: list | None = None, masks: list | None = None,
-               tables: list | None = None, chunks: list | None = None,
-               groups: list | None = None) -> Verified:
+    def verify(self, batch: VerifyBatch, starts: list[int], sampling: dict[int, tuple],
+               moves: list | None = None, forks: list | None = None,
+               tables: list | None = None) -> Verified:
         """Rank 0: broadcast the forward, run this rank's shard and the rejection sampler;
-        return the rows' verdicts (CPU hidden states of kept tokens with ``return_hidden``).
-        ``sampling``: slot -> (params, seed) for the sequences new since the last call (this
-        rank keeps them per slot). ``tables``: a paged cache's block tables of ``slots`` and
-        the chunks' slots, and then ``forks`` are block copies ``(src_block, dst_block)``
-        (:meth:`_prepare`). ``chunks``, ``groups``: ``ModelWorker.verify``'s; ``starts``
-        covers the chunks' slots after the rows'."""
+        return the rows' verdicts (CPU hidden states of kept tokens with ``batch.hidden``).
+        ``batch`` comes without its sampling: ``sampling`` is slot -> (params, seed) for the
+        sequences new since the last call (this rank keeps them per slot). ``starts``: the
+        coordinator's lengths of the rows' and then the chunks' slots; ``tables``: a paged
+        cache's block tables of those slots, and then ``forks`` are block copies
+        ``(src_block, dst_block)`` (:meth:`_prepare`)."""
         self.sampling.update(sampling)
-        chunks = chunks or []
-        every_slot, every_ids, every_tree = with_chunks(slots, token_ids, chunks, trees)
-        batch = ForwardBatch(every_slot, every_ids, [len(p.token_ids) + 1 for p in proposals]
-                             + [0] * len(chunks), trees=every_tree, groups=groups, hidden=return_hidden)
-        step = RankStep(batch, starts, moves, forks, tables)
+        step = RankStep(batch.forward(), starts, moves, forks, tables)
         if self.world_size > 1:
             dist.broadcast_object_list([step], src=0)
         self._prepare(step)
-        return host_only(self.worker.verify(slots, token_ids, proposals,
-                                            [self.sampling[s] for s in slots],
-                                            return_hidden=return_hidden, trees=trees, masks=masks,
-                                            chunks=chunks, groups=groups))
+        batch = replace(batch, sampling=[self.sampling[s] for s in batch.slots])
+        return host_only(self.worker.verify(batch))
 
     def forward(self, batch: ForwardBatch, starts: list[int], moves: list | None = None,
                 forks: list | None = None, tables: list | None = None) -> Forwarded:
@@ -336,28 +328,23 @@ class TargetGroup(SlotOwner):
         self._moves.pop(slot, None)
         super().free(slot)
 
-    def verify(self, slots: list[int], token_ids: list[list[int]], proposals: list[Proposal],
-               sampling: list[tuple[SamplingParams, int]], *, return_hidden: bool = False,
-               trees: list[list[int] | None] | None = None,
-               masks: list[torch.Tensor | None] | None = None,
-               chunks: list[tuple[int, list[int]]] = (), groups: list[int] | None = None) -> Verified:
+    def verify(self, batch: VerifyBatch) -> Verified:
         """:meth:`ModelWorker.verify <specserve.engine.worker.ModelWorker.verify>` on rank 0:
         a row's sampling parameters travel when its slot's holder changes, not every step;
         grammar masks (packed bits, ``V / 8`` bytes a position) with the rows that have one."""
         new = {}
-        for slot, row in zip(slots, sampling):
+        for slot, row in zip(batch.slots, batch.sampling):
             if self._sampling.get(slot) != row:
                 new[slot] = self._sampling[slot] = row
-        every_slot, every_ids, _ = with_chunks(slots, token_ids, chunks)
-        starts = [self.table.lengths[s] for s in every_slot]
-        tables = self._tables(every_slot, every_ids)
-        moves = [(s, *self._moves.pop(s)) for s in every_slot if s in self._moves]
+        forward = batch.forward()
+        starts = [self.table.lengths[s] for s in forward.slots]
+        tables = self._tables(forward.slots, forward.token_ids)
+        moves = [(s, *self._moves.pop(s)) for s in forward.slots if s in self._moves]
         forks, self._forks = self._forks, []
-        result = self._call(self.ranks[0].verify.remote(slots, starts, token_ids, proposals, new,
-                                                        return_hidden, trees, moves, forks, masks,
-                                                        tables, list(chunks), groups))
+        result = self._call(self.ranks[0].verify.remote(replace(batch, sampling=None), starts, new,
+                                                        moves, forks, tables))
         self.received.add(result)
-        for slot, ids in zip(every_slot, every_ids):
+        for slot, ids in zip(forward.slots, forward.token_ids):
             self.table.lengths[slot] += len(ids)
         return result
 

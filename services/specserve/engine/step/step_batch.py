@@ -21,7 +21,7 @@ Each part of the step fills its own fields of the same rows, in this order:
    times in :attr:`StepBatch.clock`.
 
 What crosses to the target is not this object (it holds the engine's sequences) but the
-plain data :meth:`StepBatch.verify_args` copies out of it, once.
+plain data :meth:`StepBatch.to_verify` copies out of it, once: a :class:`VerifyBatch`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.config import SamplingParams
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sequence import Sequence
 from specserve.engine.step.verification import Verdict
@@ -139,15 +141,18 @@ class StepBatch:
         self.chunks = [self.chunks[j] for j in layout.chunks]
         self.groups, self.padded = layout.groups, layout.padded
 
-    def verify_args(self) -> tuple[tuple, dict]:
-        """The target's ``verify`` arguments: plain data copied out of the rows, in forward order."""
+    def to_verify(self) -> VerifyBatch:
+        """What the target's verify takes: the rows as plain data, in forward order."""
         trees = [r.tree for r in self.rows]
         masks = [r.mask for r in self.rows]
-        return ([r.seq.slot for r in self.rows], [r.input_ids for r in self.rows],
-                [r.proposal for r in self.rows], [(r.seq.params, r.seq.seed) for r in self.rows]), dict(
-            return_hidden=self.hidden, trees=trees if any(trees) else None,
+        return VerifyBatch(
+            slots=[r.seq.slot for r in self.rows], token_ids=[r.input_ids for r in self.rows],
+            proposals=[r.proposal for r in self.rows],
+            sampling=[(r.seq.params, r.seq.seed) for r in self.rows],
+            trees=trees if any(trees) else None,
             masks=masks if any(m is not None for m in masks) else None,
-            chunks=[(c.seq.slot, c.input_ids) for c in self.chunks], groups=self.groups)
+            chunks=[(c.seq.slot, c.input_ids) for c in self.chunks], groups=self.groups or None,
+            hidden=self.hidden)
 
     def forward_shape(self) -> tuple[list[int], list[int]]:
         """The verify forward's new tokens per row and chunk, and the context each attends to
@@ -155,6 +160,39 @@ class StepBatch:
         rows = [(len(r.input_ids), r.start + len(r.input_ids)) for r in self.rows]
         chunks = [(c.num_tokens, c.start + c.num_tokens) for c in self.chunks]
         return [n for n, _ in rows + chunks], [c for _, c in rows + chunks]
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """A verify as plain data (:meth:`StepBatch.to_verify`): what the target's ``verify``
+    takes, in process or on a unit's rank 0 (where it crosses as it is)."""
+
+    slots: list[int]                              # [rows]
+    token_ids: list[list[int]]                    # [rows][pending tokens, then drafts]
+    proposals: list[Proposal]                     # [rows] (the drafts, a tree's parents, q)
+    # [rows] (request parameters, seed); None on the way to a unit's rank 0, which keeps them
+    # per slot (they travel when a slot's holder changes: ``TargetGroup.verify``)
+    sampling: list[tuple[SamplingParams, int]] | None
+    trees: list[list[int] | None] | None = None   # [rows] a tree over the row's tokens; None: chains
+    masks: list[torch.Tensor | None] | None = None  # [rows] [drafts + 1, W] grammar bitmasks; None: free
+    chunks: list[tuple[int, list[int]]] = ()      # [chunks] (slot, prompt tokens) prefilled beside the rows
+    groups: list[int] | None = None               # the forward's row groups over rows, then chunks
+    hidden: bool = False                          # the kept tokens' (and chunks') features come back
+
+    @property
+    def num_verify_logits(self) -> list[int]:
+        """[rows] logits each row's verdict reads: one per draft, and one after the last."""
+        return [len(p.token_ids) + 1 for p in self.proposals]
+
+    def forward(self, num_logits: list[int] | None = None, *, argmax: bool = False) -> ForwardBatch:
+        """The verify's one forward: the rows (``num_logits`` each; default
+        :attr:`num_verify_logits`), then the chunks (none), with their trees and groups."""
+        return ForwardBatch(
+            [*self.slots, *(slot for slot, _ in self.chunks)],
+            [*self.token_ids, *(ids for _, ids in self.chunks)],
+            [*(num_logits or self.num_verify_logits), *(0 for _ in self.chunks)],
+            trees=None if self.trees is None else [*self.trees, *(None for _ in self.chunks)],
+            groups=self.groups, hidden=self.hidden, argmax=argmax)
 
 
 @dataclass(frozen=True)
