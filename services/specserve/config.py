@@ -33,6 +33,13 @@ NodeResource = Annotated[str, StringConstraints(min_length=1, max_length=64,
                                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
+MAX_SEED = 2**63 - 1  # seeds are int64: a request's, and each sample's (seed + i, engine/request.py)
+# The sampling fields' bounds, declared once: here and in the API's request models.
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=0, le=1_000_000)]
+
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy (vLLM's _SAMPLING_EPS)
 
 
@@ -47,12 +54,11 @@ class SamplingParams(_Strict):
     max_tokens: int | None = Field(
         None, ge=0, description="Tokens to generate at most; default: up to the context length. "
                                 "0 (with prompt_logprobs) only scores the prompt.")
-    temperature: float = Field(
-        1.0, ge=0.0, le=2.0, description="0 is greedy; higher flattens the distribution.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass to keep; 1 disables.")
-    top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 disables.")
-    seed: int | None = Field(
-        None, ge=0, le=2**63 - 1,
+    temperature: Temperature = Field(1.0, description="0 is greedy; higher flattens the distribution.")
+    top_p: TopP = Field(1.0, description="Nucleus mass to keep; 1 disables.")
+    top_k: TopK = Field(0, description="Keep the k most likely tokens; 0 disables.")
+    seed: Seed | None = Field(
+        None,
         description="Seed of this request's draws; same seed, same output, with or without "
                     "speculation, at any K, alone or in a batch.")
     cache_salt: str | None = Field(

@@ -43,6 +43,12 @@ class InvalidRequestError(SpecServeError, ValueError):
         self.param = param  # (in __dict__: it survives pickling to another process)
 
 
+class ContextLengthExceeded(InvalidRequestError):
+    """The prompt (with ``max_tokens``) does not fit the model's context length."""
+
+    code = "context_length_exceeded"
+
+
 class RequestFailed(SpecServeError):
     """A step failed for this request alone (the unit stepped each row on its own to find
     out); the other requests of the unit go on. The detail is in the server log."""

@@ -17,7 +17,7 @@ PROMPT = [40, 41, 42]
 def sequence(**params) -> Sequence:
     sp = SamplingParams(temperature=0.0, **params)
     return Sequence(seq_id=0, prompt_len=len(PROMPT), token_ids=list(PROMPT), params=sp,
-                    num_speculative_tokens=4, adaptive=False, seed=0,
+                    num_speculative_tokens=4, adaptive=False, sample_seed=0,
                     detokenizer=IncrementalDetokenizer(make_tiny_tokenizer(), PROMPT, stop=sp.stop))
 
 

@@ -784,7 +784,7 @@ def test_seeded_output_is_the_same_with_speculation_off_on_at_any_k_alone_or_bat
 
 def test_prompt_longer_than_context_is_refused_cleanly(target_hf):
     engine = make_engine(target_hf, "ngram", max_len=32)
-    with pytest.raises(InvalidRequestError, match="context length is 32"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 32"):
         engine.add_request(list(range(3, 35)), GREEDY)
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request([], GREEDY)

@@ -54,6 +54,7 @@ an aligned embedding). Those ids, and the tokenizer's special tokens, are never 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -69,6 +70,8 @@ except ImportError:  # pragma: no cover - exercised where llguidance is not inst
     LLMatcher = LLParserLimits = None
 
 from specserve.errors import ConfigError, InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema", "regex", "choice")
 
@@ -336,6 +339,19 @@ class GrammarCompiler:
             raise InvalidRequestError(f"the {spec.kind} grammar cannot be used: "
                                       f"{_one_line(prototype.get_error())}")
         return CompiledGrammar(spec, prototype, self.vocab_size, self.eos_token_ids, self._eos_row)
+
+
+def structured_outputs(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> GrammarCompiler | None:
+    """A model's grammar compiler, or None where structured outputs cannot run here (no
+    tokenizer, no EOS, no llguidance, a slow tokenizer: said in one log line; such requests
+    are then refused)."""
+    if tokenizer is None or not eos_token_ids:
+        return None
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+    except ConfigError as exc:
+        log.warning("structured outputs are off: %s", exc)
+        return None
 
 
 def _grammar_text(spec: GrammarSpec) -> str:

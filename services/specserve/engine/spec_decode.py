@@ -55,7 +55,8 @@ import logging
 from specserve.config import SamplingParams
 from specserve.engine.drafts.base import Proposer
 from specserve.engine.drafts.draft_link import DraftLink
-from specserve.engine.grammar import CompiledGrammar, constrain
+from specserve.engine.grammar import CompiledGrammar, constrain, structured_outputs
+from specserve.engine.request import EngineRequest, RequestLimits, check_request
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.adaptive import SpecLengthController
 from specserve.engine.step.k_planner import KPlanner
@@ -85,7 +86,9 @@ class SpecDecodeEngine:
         self.target, self.tokenizer, self.eos_token_ids = target, tokenizer, eos_token_ids
         self.num_speculative_tokens = num_speculative_tokens
         self.counters = EngineCounters()
-        self.draft = DraftLink(proposer, target, self.counters, tokenizer, eos_token_ids)
+        # Structured outputs: one compiler (and its cache) for the unit and an in-process draft.
+        self.grammars = structured_outputs(tokenizer, target.vocab_size, eos_token_ids)
+        self.draft = DraftLink(proposer, target, self.counters, self.grammars)
         self.k = KPlanner(controller if proposer is not None else None, self.counters,
                           max_model_len=target.max_seq_len, row_invariant=target.row_invariant,
                           k_source=proposer.method if proposer is not None else None)
@@ -102,6 +105,11 @@ class SpecDecodeEngine:
         return self.target.max_seq_len
 
     @property
+    def limits(self) -> RequestLimits:
+        """What this engine's requests are checked against (:func:`check_request`)."""
+        return RequestLimits(self.target.vocab_size, self.target.max_seq_len, self.target.num_slots)
+
+    @property
     def controller(self) -> SpecLengthController | None:
         """The K controller (the K planner's: it is the one place that holds it)."""
         return self.k.controller
@@ -109,33 +117,42 @@ class SpecDecodeEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                     num_speculative_tokens: int | None = None, adaptive: bool = False,
                     grammar: CompiledGrammar | None = None) -> int:
-        """Queue a request; returns its sequence id. Refuses bad input before any state exists.
-
-        ``num_speculative_tokens``: K for this request (0 turns speculation off); default the engine's K.
-        ``adaptive``: let the controller (if any) pick K per step, at most ``num_speculative_tokens``.
-        """
+        """Queue a request (in process: the command line, benchmarks, tests); returns its
+        sequence id. Checks it as the API does (:func:`check_request`), then :meth:`submit`."""
         return self.add_parallel(prompt_token_ids, params, 1, num_speculative_tokens=num_speculative_tokens,
                                  adaptive=adaptive, grammar=grammar)[0]
 
     def add_parallel(self, prompt_token_ids: list[int], params: SamplingParams, n: int, *,
                      num_speculative_tokens: int | None = None, adaptive: bool = False,
                      grammar: CompiledGrammar | None = None) -> list[int]:
-        """Queue ``n`` samples of one prompt (OpenAI's ``n``); their sequence ids, in order
+        """:meth:`add_request` of ``n`` samples of one prompt (OpenAI's ``n``)."""
+        request = check_request(prompt_token_ids, params, self.limits, n=n,
+                                grammar=grammar.spec if grammar is not None else None)
+        return self.submit(request, grammar, num_speculative_tokens=num_speculative_tokens,
+                           adaptive=adaptive)
+
+    def submit(self, request: EngineRequest, grammar: CompiledGrammar | None = None, *,
+               num_speculative_tokens: int | None = None, adaptive: bool = False) -> list[int]:
+        """Queue a checked request's ``n`` samples; their sequence ids, in order
         (:attr:`StepOutput.index` says which is which). They share one prefill (module
-        docstring). Sample i draws from seed ``params.seed + i``, so each is reproducible and
-        equals the single request of that seed; unseeded ones get a random seed each.
-        ``grammar``: a structured output's, which every sample's text follows (a matcher each)."""
-        _check_request(prompt_token_ids, num_speculative_tokens, n, params.seed, self.target)
+        docstring). Sample i draws with ``params.seed + i`` (its :attr:`Sequence.sample_seed`),
+        so each is reproducible and equals the single request of that seed; unseeded ones get
+        a random seed each. ``grammar``: the request's, compiled (every sample's text follows
+        it, a matcher each). ``num_speculative_tokens``: K for this request (0 turns
+        speculation off; default the engine's K); ``adaptive``: the controller (if any) picks K
+        per step, at most that."""
+        assert (grammar.spec if grammar is not None else None) == request.grammar
+        assert num_speculative_tokens is None or num_speculative_tokens >= 0
+        prompt, params = request.prompt_token_ids, request.params
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         seqs = [Sequence(
-            seq_id=next(self._ids), prompt_len=len(prompt_token_ids),
-            token_ids=list(prompt_token_ids), params=params,
+            seq_id=next(self._ids), prompt_len=len(prompt), token_ids=list(prompt), params=params,
             num_speculative_tokens=k if self.draft.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop),
-            seed=random_seed() if params.seed is None else params.seed + i, index=i,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop),
+            sample_seed=random_seed() if params.seed is None else params.seed + i, index=i,
             grammar=grammar.matcher() if grammar is not None else None)
-            for i in range(n)]
+            for i in range(request.n)]
         self.scheduler.add(seqs)
         return [s.seq_id for s in seqs]
 
@@ -366,26 +383,6 @@ class SpecDecodeEngine:
                 if out.finish_reason is not None:
                     done[out.seq_id] = seqs[out.seq_id].completion(out.finish_reason)
         return [done[i] for i in ids]
-
-
-def _check_request(prompt_token_ids: list[int], num_speculative_tokens: int | None, n: int,
-                   seed: int | None, target: ModelWorker) -> None:
-    """Refuse a request the engine cannot run, before any state of it exists."""
-    if not prompt_token_ids:
-        raise InvalidRequestError("the prompt is empty")
-    if len(prompt_token_ids) >= target.max_seq_len:
-        raise InvalidRequestError(
-            f"the prompt has {len(prompt_token_ids)} tokens; the context length is "
-            f"{target.max_seq_len}, which must also leave room for at least one output token")
-    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= target.vocab_size:
-        raise InvalidRequestError(f"prompt token ids must be in [0, {target.vocab_size})")
-    if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= 64:
-        raise InvalidRequestError("num_speculative_tokens must be in [0, 64]")
-    if not 1 <= n <= target.num_slots:
-        raise InvalidRequestError(f"n must be in [1, {target.num_slots}] (this unit's "
-                                  "max_num_seqs: the samples run side by side)")
-    if seed is not None and not 0 <= seed <= 2**63 - n:  # sample i draws with seed + i
-        raise InvalidRequestError(f"seed must be in [0, 2**63 - {n}] with n = {n}")
 
 
 def _inject_fault(fault_token: int | None, batch: StepBatch) -> None:

@@ -37,8 +37,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from specserve.config import SamplingParams
 from specserve.engine.grammar import CompiledGrammar
+from specserve.engine.request import EngineRequest
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step.sequence import StepOutput
 from specserve.errors import CapacityError, SpecServeError, TargetUnavailable
@@ -55,12 +55,10 @@ class _Stream:
 # The engine thread's inbox: what the asyncio side asks of it.
 @dataclass(frozen=True)
 class _Add:
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest
+    grammar: CompiledGrammar | None  # the request's, compiled
     num_speculative_tokens: int | None
     adaptive: bool
-    n: int                    # samples of the prompt (OpenAI's n), one sequence each
-    grammar: CompiledGrammar | None  # a structured output's
     stream: _Stream
     accepted: asyncio.Future  # resolves, on the caller's loop, to the sequence ids or the error
 
@@ -215,9 +213,8 @@ class EngineLoop:
         """False while the target group restarts after a failure, or once the unit gave up."""
         return not (self.recovering or self.broken)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       num_speculative_tokens: int | None, adaptive: bool = False,
-                       n: int = 1, grammar: CompiledGrammar | None = None
+    async def generate(self, request: EngineRequest, grammar: CompiledGrammar | None = None, *,
+                       num_speculative_tokens: int | None, adaptive: bool = False
                        ) -> AsyncIterator[StepOutput]:
         """Stream the outputs of one request's ``n`` sequences (:attr:`StepOutput.index` says
         whose), admitted by :meth:`admission`, until every one has finished; cancelling the
@@ -225,8 +222,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = _Stream(loop, asyncio.Queue())
-        self._submit(_Add(prompt_token_ids, params, num_speculative_tokens, adaptive, n, grammar,
-                          stream, accepted))
+        self._submit(_Add(request, grammar, num_speculative_tokens, adaptive, stream, accepted))
         try:
             seq_ids = await accepted  # raises the engine's validation error, if any
         except asyncio.CancelledError:
@@ -319,9 +315,9 @@ class EngineLoop:
     def _add(self, add: _Add) -> None:
         loop = add.stream.loop
         try:
-            seq_ids = self.engine.add_parallel(add.prompt_token_ids, add.params, add.n,
-                                               num_speculative_tokens=add.num_speculative_tokens,
-                                               adaptive=add.adaptive, grammar=add.grammar)
+            seq_ids = self.engine.submit(add.request, add.grammar,
+                                         num_speculative_tokens=add.num_speculative_tokens,
+                                         adaptive=add.adaptive)
         except Exception as exc:
             loop.call_soon_threadsafe(_resolve, add.accepted, None, exc)
             return

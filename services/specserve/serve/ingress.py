@@ -30,7 +30,6 @@ request id and the body limit (:mod:`.http_app`), the errors and what maps to th
 
 # No `from __future__ import annotations` here: FastAPI must see the real ``Request`` type
 # on the class-based routes, not a string it cannot resolve.
-import asyncio
 import logging
 import time
 import weakref
@@ -41,10 +40,10 @@ from pydantic import ValidationError
 from ray import serve
 
 from specserve.config import AppConfig
-from specserve.engine.grammar import GrammarCompiler, GrammarSpec
 from specserve.engine.loader import load_tokenizer, resolve
+from specserve.engine.request import EngineRequest, RequestLimits, check_request
 from specserve.engine.tokenizer import encode_chat, encode_prompt
-from specserve.errors import InvalidRequestError
+from specserve.errors import ContextLengthExceeded, InvalidRequestError
 from specserve.serve.api_errors import (
     ERROR_RESPONSES,
     RETRY_AFTER_S,
@@ -97,8 +96,8 @@ class OpenAIIngress:
             log.warning("specserve: authentication is OFF (auth.enabled: false): anyone who can "
                         "reach this port can use the API")
         self.draining = False
-        eos = self.tokenizer.eos_token_id  # (what a grammar compiles to is the unit's business)
-        self.grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), [eos or 0])
+        self.request_limits = RequestLimits(len(self.tokenizer), self.max_model_len,
+                                            self.cfg.unit.engine.max_num_seqs)
         self.openapi_doc = openapi_document(self.model_name)
         initialize_request_metrics()
         self.app_name = serve.get_replica_context().app_name
@@ -227,27 +226,46 @@ class OpenAIIngress:
         return req
 
     def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
-        """``prompt_param``: the field holding the prompt (chat: messages; completions: prompt)."""
+        """The server's own caps (``limits.max_prompt_tokens``, ``max_tokens_cap``), OpenAI's
+        refusal of a ``max_tokens`` past the context, and the default ``max_tokens``; a prompt
+        that fills the context is :func:`check_request`'s to refuse.
+        ``prompt_param``: the field holding the prompt (chat: messages; completions: prompt)."""
         cap = self.limits.max_prompt_tokens
         if cap is not None and prompt_len > cap:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this server accepts at most "
                                 f"{cap} (limits.max_prompt_tokens)", code="context_length_exceeded",
                            param=prompt_param)
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
-                                f"tokens; the prompt has {prompt_len}", code="context_length_exceeded",
-                           param=prompt_param)
+        room = self.max_model_len - prompt_len  # (none left: check_request refuses the prompt)
         if requested is None:
-            return min(room, self.cfg.max_tokens_cap)
+            return min(max(room, 1), self.cfg.max_tokens_cap)
         if requested > self.cfg.max_tokens_cap:
             raise APIError(400, f"max_tokens: at most {self.cfg.max_tokens_cap}", param="max_tokens")
-        if requested > room:
+        if 0 < room < requested:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
                                 f"tokens; you requested {prompt_len + requested} ({prompt_len} in "
                                 f"the prompt, {requested} for the completion)",
                            code="context_length_exceeded", param="max_tokens")
         return requested
+
+    def _engine_request(self, req, prompt_ids: list[int], chat: bool) -> EngineRequest:
+        """The request as the engine runs it, checked here once (:func:`check_request`); its
+        grammar is the API field's, compiled in the unit (where its masks are filled)."""
+        prompt_param = "messages" if chat else "prompt"
+        requested = req.requested_max_tokens if chat else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(prompt_ids), prompt_param)
+        try:
+            asked = req.grammar()
+        except InvalidRequestError as exc:
+            field = req.grammar_fields()[0]
+            raise APIError(400, f"{field}: {exc}", param=field) from None
+        spec, field = asked or (None, "response_format")
+        try:
+            return check_request(prompt_ids, req.sampling_params(max_tokens), self.request_limits,
+                                 n=req.n, grammar=spec, grammar_param=field)
+        except InvalidRequestError as exc:
+            param = prompt_param if exc.param == "prompt" else exc.param
+            code = exc.code if isinstance(exc, ContextLengthExceeded) else None
+            raise APIError(400, str(exc), code=code, param=param) from None
 
     async def _run(self, req, prompt_ids: list[int], lease: Lease, rid: str, *,
                    chat: bool, echo: tuple[str, list[int]] | None = None,
@@ -260,20 +278,9 @@ class OpenAIIngress:
         if asked is not None and asked != served:
             raise APIError(400, f"speculation.method '{asked}' is not served here; this deployment "
                                 f"runs '{served}'", param="speculation.method")
-        vocab = len(self.tokenizer)
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        requested = req.requested_max_tokens if chat else req.max_tokens
-        max_tokens = self._max_tokens(requested, len(prompt_ids), "messages" if chat else "prompt")
-        max_n = self.cfg.unit.engine.max_num_seqs
-        if req.n > max_n:
-            raise APIError(400, f"n: at most {max_n} (the unit's max_num_seqs: the choices are "
-                                "sampled side by side)", param="n")
-        grammar = await self._grammar(req)
-        payload = UnitRequest(prompt_token_ids=prompt_ids, params=req.sampling_params(max_tokens),
-                              speculation=req.speculation, stream=req.stream,
-                              class_key=class_key(req, chat, lease.key_id, len(prompt_ids)),
-                              n=req.n, grammar=grammar)
+        payload = UnitRequest(self._engine_request(req, prompt_ids, chat), speculation=req.speculation,
+                              stream=req.stream,
+                              class_key=class_key(req, chat, lease.key_id, len(prompt_ids)))
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
                 "messages" if chat else "prompt"))
@@ -300,21 +307,3 @@ class OpenAIIngress:
                             "logprobs": logprobs_object(self.tokenizer, items, chat),
                             "tool_calls": calls})
         return JSONResponse(response_body(rid, self.model_name, chat, choices, usage), headers=headers)
-
-    async def _grammar(self, req) -> GrammarSpec | None:
-        """The request's structured output, compiled here once so that a schema the grammar
-        library refuses is a 400 naming the field before any unit is involved (the unit
-        compiles it again for its model: milliseconds, and cached)."""
-        try:
-            asked = req.grammar()
-        except InvalidRequestError as exc:
-            field = req.grammar_fields()[0]
-            raise APIError(400, f"{field}: {exc}", param=field) from None
-        if asked is None:
-            return None
-        spec, field = asked
-        try:
-            await asyncio.to_thread(self.grammars.compile, spec)
-        except InvalidRequestError as exc:
-            raise APIError(400, f"{field}: {exc}", param=field) from None
-        return spec

@@ -40,14 +40,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.config import SamplingParams, SpecMethod
+from specserve.config import SamplingParams, Seed, SpecMethod, Temperature, TopK, TopP
 from specserve.engine.grammar import GrammarSpec
+from specserve.engine.request import EngineRequest
 from specserve.engine.step.stats import EngineCounters
 from specserve.errors import InvalidRequestError
 from specserve.serve.tools import ToolPlan
 
 UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
-MAX_SEED = 2**63 - 1  # seeds are int64 (a choice i of n samples with seed + i, so at most MAX_SEED - n + 1)
 
 
 def _only(harmless: Callable[[Any], bool], what: str | None = None, hint: str = "") -> AfterValidator:
@@ -143,17 +143,15 @@ class StreamOptions(_Lenient):
 class _Request(_Lenient):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(
-        1.0, ge=0.0, le=2.0, description="0 is greedy; so is anything below 1e-5, as in vLLM.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1_000_000, json_schema_extra={"minimum": -1},
-                       description="vLLM extension; 0 or -1 disables.")
+    temperature: Temperature = Field(1.0, description="0 is greedy; so is anything below 1e-5, as in vLLM.")
+    top_p: TopP = 1.0
+    top_k: TopK = Field(0, json_schema_extra={"minimum": -1}, description="vLLM extension; 0 or -1 disables.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
         [], max_length=64, description="vLLM extension: token ids that end generation.")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: Seed | None = None
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
     speculation: SpeculationOptions | None = None
@@ -163,7 +161,7 @@ class _Request(_Lenient):
                     "with the same salt (none: with every request without one).")
 
     # -- accepted only with the value that asks for nothing (see the module docstring) --------
-    n: int = Field(1, ge=1, le=128, description="Choices to sample from the prompt, which is "
+    n: int = Field(1, ge=1, description="Choices to sample from the prompt, which is "
                    "computed once; at most the unit's max_num_seqs. Choice i of a seeded request "
                    "is the single request with seed + i.")
     best_of: Annotated[int, _only(lambda v: v == 1, "best_of > 1")] = \
@@ -248,12 +246,7 @@ class _Request(_Lenient):
         return asked
 
     def _shared_refusal(self) -> tuple[str, str] | None:
-        """What both routes refuse: a seed whose choices leave the seed range (choice i is
-        the single request with seed + i, so the last must be a seed too), several
-        structured outputs at once."""
-        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
-            return (f"seed: with n = {self.n}, at most {MAX_SEED - self.n + 1} (choice i samples "
-                    f"with seed + i, which must stay at most 2**63 - 1)"), "seed"
+        """What both routes refuse: several structured outputs at once."""
         asked = self.grammar_fields()
         if len(asked) > 1:
             return f"{' and '.join(asked)}: give one structured output, not several", asked[1]
@@ -291,12 +284,14 @@ class _Request(_Lenient):
         """Alternatives to report per prompt token; None: the prompt is not scored."""
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop_list),
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
-                              cache_salt=self.cache_salt)
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's parameters: every field of the same name as it is (a new sampling
+        parameter is copied without a line here), and the ones each route spells its own way."""
+        same = {name: getattr(self, name) for name in SamplingParams.model_fields
+                if name in type(self).model_fields}
+        return SamplingParams(**{**same, "max_tokens": max_tokens, "stop": tuple(self.stop_list),
+                                 "logprobs": self.num_logprobs,
+                                 "prompt_logprobs": self.num_prompt_logprobs})
 
 
 class CompletionRequest(_Request):
@@ -485,15 +480,13 @@ class ErrorResponse(BaseModel):
 # -- between the ingress and a unit (a Ray call and the stream it returns) ------------------------
 @dataclass(frozen=True)
 class UnitRequest:
-    """A request as the ingress hands it to a unit: validated, tokenized, within the limits."""
+    """A request as the ingress hands it to a unit: the engine's request (tokenized,
+    checked), and what the unit decides with."""
 
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest                  # prompt, parameters, n (choices), grammar
     speculation: SpeculationOptions | None  # the client's control; None: the policy decides
     stream: bool                            # False: the unit sends one chunk per choice, at its end
     class_key: str                          # the acceptance class: route|key id|user|traffic class|shape
-    n: int = 1                              # choices: samples of the prompt, one sequence each
-    grammar: GrammarSpec | None = None      # a structured output's (response_format, guided_*)
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ from ray import serve
 
 from specserve.config import UnitConfig
 from specserve.engine.builder import assemble_engine
-from specserve.engine.grammar import GrammarCompiler
+from specserve.engine.grammar import CompiledGrammar
 from specserve.engine.loader import load_tokenizer, resolve
+from specserve.engine.request import EngineRequest
 from specserve.engine.step.sequence import StepOutput
 from specserve.engine.step.stats import SpecStats
+from specserve.errors import InvalidRequestError
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
@@ -70,8 +72,6 @@ class SpeculationUnit:
                                   eos_token_ids=self.target_group.info["eos_token_ids"])
                 if cfg.has_draft_group else None)
             tokenizer = tokenizer.result()
-        eos = self.target_group.info["eos_token_ids"]
-        self.grammars = GrammarCompiler(tokenizer, self.target_group.vocab_size, eos)  # structured outputs
         self.engine = assemble_engine(self.target_group, tokenizer,
                                       frozenset(self.target_group.info["eos_token_ids"]), spec,
                                       draft=self.draft_group,
@@ -89,42 +89,56 @@ class SpeculationUnit:
                                restart_target=self.target_group.restart,
                                max_restarts=cfg.target_restart_attempts)
 
-    async def generate(self, request: UnitRequest) -> AsyncIterator[StreamStart | StreamDelta]:
+    async def generate(self, asked: UnitRequest) -> AsyncIterator[StreamStart | StreamDelta]:
         """One :class:`StreamStart`, then :class:`StreamDelta` chunks of the request's ``n``
         choices (``index``); each choice's last chunk has its ``finish_reason``, and the last
         one of all carries the ``usage`` (the prompt once, the completions summed, as
         OpenAI's) and, for the ingress's metrics, the ``timing``."""
+        request = asked.request
         params, n = request.params, request.n
         load = self.loop.num_streams  # the unit's load before this request
         with self.loop.admission(n):  # 503 or 429 here, before the stream says 200
             grammar = None
             if request.grammar is not None:  # off the event loop: milliseconds, bounded by fuel
-                grammar = await asyncio.to_thread(self.grammars.compile, request.grammar)
-            decision = self.policy.decide(request.speculation, max_tokens=params.max_tokens,
-                                          load=load, key=request.class_key,
+                grammar = await asyncio.to_thread(self._compile, request)
+            decision = self.policy.decide(asked.speculation, max_tokens=params.max_tokens,
+                                          load=load, key=asked.class_key,
                                           draft_available=self.engine.draft.available)
             self.decisions[decision.key] = self.decisions.get(decision.key, 0) + 1
             yield StreamStart(decision)
-            async for delta in self._stream(request, decision, grammar):
+            async for delta in self._stream(asked, decision, grammar):
                 yield delta
 
-    async def _stream(self, request: UnitRequest, decision: Decision, grammar
+    def _compile(self, request: EngineRequest) -> CompiledGrammar:
+        """The request's grammar, compiled once (the engine's compiler, which an in-process
+        draft shares), or the refusal naming the API field that asked for it."""
+        if self.engine.grammars is None:
+            raise InvalidRequestError(f"{request.grammar_param}: structured outputs are off on this "
+                                      "server (its log says why)", param=request.grammar_param)
+        try:
+            return self.engine.grammars.compile(request.grammar)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{request.grammar_param}: {exc}",
+                                      param=request.grammar_param) from None
+
+    async def _stream(self, asked: UnitRequest, decision: Decision, grammar
                       ) -> AsyncIterator[StreamDelta]:
         """The request's chunks: per choice as its tokens come (streaming) or once, whole,
         when it finishes (``_Choice`` gathers them: the one place a choice is regrouped)."""
+        request = asked.request
         params, n = request.params, request.n
         # A client that does not stream gets one chunk per choice: every yielded chunk is a
         # Ray message, and per token they cost the forward pass CPU time on a small machine.
         choices = [_Choice(time.perf_counter()) for _ in range(n)]
         prompt_logprobs, unfinished = None, n
-        async for out in self.loop.generate(request.prompt_token_ids, params,
+        async for out in self.loop.generate(request, grammar,
                                             num_speculative_tokens=decision.num_speculative_tokens,
-                                            adaptive=decision.adaptive, n=n, grammar=grammar):
+                                            adaptive=decision.adaptive):
             choice = choices[out.index]
             choice.add(out, time.perf_counter(), params.logprobs is not None)
             if out.prompt_logprobs is not None:  # the first choice's prefill scored the prompt
                 prompt_logprobs = out.prompt_logprobs
-            if not request.stream and out.finish_reason is None:
+            if not asked.stream and out.finish_reason is None:
                 continue
             # echo: every choice begins with the prompt, whose scores go with its first chunk
             # (the first choice's prefill computed them, a step before any other's output)
@@ -134,7 +148,7 @@ class SpeculationUnit:
             if out.finish_reason is None:
                 yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index)
                 continue
-            self.policy.observe(request.class_key, decision, out.stats.num_draft_tokens,
+            self.policy.observe(asked.class_key, decision, out.stats.num_draft_tokens,
                                 out.stats.num_accepted_tokens, self._break_even())
             unfinished -= 1
             usage = timing = None

@@ -30,7 +30,7 @@ from specserve.engine.step.sequence import Sequence
 from specserve.engine.step.stats import EngineCounters
 from specserve.engine.step.step_batch import StepBatch, StepRow
 from specserve.engine.worker import ModelWorker
-from specserve.errors import ConfigError, ProposerUnavailable
+from specserve.errors import ProposerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -39,24 +39,21 @@ class DraftLink:
     """The proposer (None: target-only) as the engine's step sees it (module docstring)."""
 
     def __init__(self, proposer: Proposer | None, target: ModelWorker, counters: EngineCounters,
-                 tokenizer=None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 grammars: GrammarCompiler | None = None) -> None:
         self.proposer = proposer
         self.target = target
         self.counters = counters
         self.available = proposer is not None  # False from a loss until reattach()
         self.needs_hidden = proposer is not None and proposer.needs_hidden
         self.attached: dict[int, Sequence] = {}
-        if proposer is not None and eos_token_ids:  # a model draft drafts within the grammar
-            try:  # (the compiler reads the vocabulary at its first compile, not here)
-                proposer.use_grammars(GrammarCompiler(tokenizer, target.vocab_size, eos_token_ids))
-            except ConfigError as exc:
-                log.warning("drafts will not follow structured outputs' grammars: %s", exc)
+        if proposer is not None and grammars is not None:  # a model draft drafts within the
+            proposer.use_grammars(grammars)  # grammar: the engine's compiler, so compiled once
 
     # -- sequences on and off ---------------------------------------------------------------
     def attach(self, seq: Sequence) -> None:
         """``seq`` (admitted, speculating) starts on the proposer."""
         try:
-            self.proposer.start(seq.seq_id, seq.seed)
+            self.proposer.start(seq.seq_id, seq.sample_seed)
         except ProposerUnavailable:
             self.lost()
             return
@@ -73,7 +70,7 @@ class DraftLink:
         if self.needs_hidden and (start != 0 or hidden is None):
             return
         try:
-            self.proposer.fork(seq.seq_id, first.seq_id, seq.seed, shared)
+            self.proposer.fork(seq.seq_id, first.seq_id, seq.sample_seed, shared)
         except ProposerUnavailable:
             self.lost()
             return
@@ -139,9 +136,8 @@ class DraftLink:
 
     @staticmethod
     def _request(row: StepRow) -> DraftRequest:
-        seq, params = row.seq, row.seq.params
-        return DraftRequest(seq.seq_id, seq.token_ids, row.k, params.temperature, params.top_k,
-                            params.top_p, seeded=params.seed is not None, cap=row.cap,
+        seq = row.seq
+        return DraftRequest(seq.seq_id, seq.token_ids, row.k, seq.params, cap=row.cap,
                             grammar=seq.grammar.spec if seq.grammar is not None else None,
                             output_start=seq.prompt_len)
 

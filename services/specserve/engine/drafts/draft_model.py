@@ -36,7 +36,7 @@ from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.sampling import (
     DRAFT,
     NOISE,
-    compute_probs,
+    compute_probs_each,
     exponential_noise,
     noise_key,
     sample_from,
@@ -230,17 +230,18 @@ class DraftModelProposer(Proposer):
         device = logits.device
         tokens = logits.argmax(dim=-1).tolist()
         row_q: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(requests)
-        sampled = [j for j, r in enumerate(requests) if r.temperature > 0]
+        sampled = [j for j, r in enumerate(requests) if r.params.temperature > 0]
         if not sampled:
             return tokens, row_q
         reqs = [requests[j] for j in sampled]
-        q = compute_probs(logits[sampled], torch.tensor([r.temperature for r in reqs], device=device),
-                          torch.tensor([r.top_k for r in reqs], device=device),
-                          torch.tensor([r.top_p for r in reqs], device=device))  # [n, V_target]
-        noise = exponential_noise([noise_key(self.seeds[r.seq_id], positions[j], NOISE if r.seeded else DRAFT)
+        q = compute_probs_each(logits[sampled], [r.params for r in reqs])  # [n, V_target]
+        # A seeded request is verified drafter-invariantly: its draft samples with the
+        # target's noise of each position (``sampling.NOISE``) and sends no q.
+        noise = exponential_noise([noise_key(self.seeds[r.seq_id], positions[j],
+                                             NOISE if r.params.seed is not None else DRAFT)
                                    for r, j in zip(reqs, sampled)], q.shape[-1], device)  # [n, V_target]
         picks = sample_from(q, noise)                                       # seeded rows' tokens
-        free = [n for n, r in enumerate(reqs) if not r.seeded]
+        free = [n for n, r in enumerate(reqs) if r.params.seed is None]
         if free:
             probs, ids = q[free].topk(min(self.q_top_k, q.shape[-1]), dim=-1)  # [m, k]
             probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -12,29 +12,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specserve.config import SamplingParams
 from specserve.engine.grammar import GrammarSpec
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
 class DraftRequest:
     """One sequence asking for up to ``k`` drafts.
 
-    ``token_ids`` is the whole sequence so far (prompt + output); ``temperature`` / ``top_k`` /
-    ``top_p`` are the request's, so a model proposer samples from the same transform as the
-    target (temperature 0: greedy). Everything here is plain data: the request can cross a
-    process boundary to a draft actor.
+    ``token_ids`` is the whole sequence so far (prompt + output); ``params`` are the
+    request's, so a model proposer samples from the same transform as the target (temperature
+    0: greedy). Everything here is plain data: the request can cross a process boundary to a
+    draft actor.
     """
 
     seq_id: int
     token_ids: list[int]
     k: int
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    params: SamplingParams = GREEDY
     hidden: torch.Tensor | None = None  # for needs_hidden proposers: target features since last time
-    # The request gave a seed: it is verified drafter-invariantly, so a model draft samples
-    # with the target's noise of each position (``sampling.NOISE``) and sends no q.
-    seeded: bool = False
     # The most the row may draft at all this step (its request's K, max_tokens and context);
     # ``k`` <= ``cap`` is what the coordinator chose. Only a proposer with ``drafts_to_cap``
     # drafts past ``k`` (a hybrid's model-free part: drafting costs it nothing, and its own

@@ -45,12 +45,18 @@ def compute_probs_rows(logits: list[torch.Tensor], params: Sequence) -> list[tor
     draft request), all in one call: the transform acts on each logits row alone, so a row
     gets the values it gets by itself, without one sort per row."""
     counts = [x.shape[0] for x in logits]
-    device = logits[0].device
-    probs = compute_probs(torch.cat(logits),
-                          _per_logit_row([p.temperature for p in params], counts, device),
-                          _per_logit_row([p.top_k for p in params], counts, device),
-                          _per_logit_row([p.top_p for p in params], counts, device))  # [sum(m_i), V]
-    return list(probs.split(counts))
+    return list(compute_probs_each(torch.cat(logits), params, counts).split(counts))
+
+
+def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int] | None = None
+                       ) -> torch.Tensor:
+    """:func:`compute_probs` of ``[sum(counts), V]`` logits, each run of ``counts[i]`` rows
+    (default: one) under ``params[i]``'s ``temperature``, ``top_k`` and ``top_p``."""
+    counts = counts or [1] * len(params)
+    device = logits.device
+    return compute_probs(logits, _per_logit_row([p.temperature for p in params], counts, device),
+                         _per_logit_row([p.top_k for p in params], counts, device),
+                         _per_logit_row([p.top_p for p in params], counts, device))  # [sum(counts), V]
 
 
 def _per_logit_row(values: list, counts: list[int], device: torch.device) -> torch.Tensor:

@@ -206,11 +206,11 @@ class Scheduler:
                          preempted=preempted)
 
     def _budget(self, seqs: list[Sequence]) -> StepPlan:
-        rows = [BudgetRow(True, 0) if self.decoding(s)
-                else BudgetRow(s.params.prompt_logprobs is not None,  # scored whole, never chunked
-                               len(s.token_ids) - self.held(s))
-                for s in seqs]
-        return plan_step(rows, self.chunked_prefill_size)
+        rows = [StepRow(s, self.held(s)) for s in seqs]  # (what each would verify: its pending tokens)
+        return plan_step([BudgetRow(True, 0) if r.decoding
+                          else BudgetRow(r.seq.params.prompt_logprobs is not None,  # scored whole
+                                         r.num_pending)
+                          for r in rows], self.chunked_prefill_size)
 
     def _short_of_blocks(self, seqs: list[Sequence], plan: StepPlan) -> bool:
         """Whether a paged cache lacks the blocks ``plan``'s forwards need: per row it runs,
@@ -239,12 +239,6 @@ class Scheduler:
     def held(self, seq: Sequence) -> int:
         """Positions the target holds for ``seq`` (none before it is admitted)."""
         return self.target.length(seq.slot) if seq.slot >= 0 else 0
-
-    def decoding(self, seq: Sequence) -> bool:
-        """Whether ``seq`` feeds one token this step (a decoding row: the target holds all
-        but its last token; so does a fork of ``n > 1``). A prefix-cache hit or a chunked
-        prompt with more of it to compute still prefills."""
-        return len(seq.token_ids) - self.held(seq) <= 1
 
     # -- samples, endings -------------------------------------------------------------------
     def fork(self, first: Sequence) -> Iterator[Sequence]:

@@ -34,7 +34,7 @@ class Sequence:
     num_speculative_tokens: int                     # K for this sequence (the most, when adaptive); 0 = off
     adaptive: bool                    # the controller picks K per step (up to num_speculative_tokens)
     detokenizer: IncrementalDetokenizer
-    seed: int                         # the request's, or a random one: every draw derives from it
+    sample_seed: int                  # the request's seed + index, or random: every draw derives from it
     index: int = 0                    # which of its request's n samples (``n > 1``) it is
     # structured output: the grammar's state after every output token (grammar.Matcher)
     grammar: Matcher | None = None

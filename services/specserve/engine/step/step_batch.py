@@ -54,8 +54,8 @@ class StepRow:
 
     @property
     def decoding(self) -> bool:
-        """It feeds one token (the target holds all but its last): a decode row, not a
-        prompt's (rest of a) prefill."""
+        """It feeds one token (the target holds all but its last; so does a fork of ``n > 1``):
+        a decode row. A prefix-cache hit or a chunked prompt with more to compute prefills."""
         return len(self.seq.token_ids) - self.start <= 1
 
     @property
@@ -148,7 +148,7 @@ class StepBatch:
         return VerifyBatch(
             slots=[r.seq.slot for r in self.rows], token_ids=[r.input_ids for r in self.rows],
             proposals=[r.proposal for r in self.rows],
-            sampling=[(r.seq.params, r.seq.seed) for r in self.rows],
+            sampling=[(r.seq.params, r.seq.sample_seed) for r in self.rows],
             trees=trees if any(trees) else None,
             masks=masks if any(m is not None for m in masks) else None,
             chunks=[(c.seq.slot, c.input_ids) for c in self.chunks], groups=self.groups or None,

@@ -26,7 +26,6 @@ of the batch or of K, which is why rows can be regrouped and padded freely.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -45,7 +44,7 @@ from specserve.engine.step.acceptance import (
 )
 from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.step.sampling import (
-    compute_probs,
+    compute_probs_each,
     compute_probs_rows,
     exponential_noise,
     noise_key,
@@ -74,7 +73,7 @@ class SamplingRow:
     """What verification needs of one sequence besides its proposal and logits."""
 
     params: SamplingParams
-    seed: int       # every draw of the sequence derives from it
+    sample_seed: int  # the sequence's (Sequence.sample_seed): every draw derives from it
     position: int   # of the step's first new token: the sequence's length before the step
     # structured output: the grammar's packed bitmask of allowed tokens at each verified
     # position (``[num_draft_tokens + 1, W]`` int32, a tree's root then its nodes); None: free
@@ -160,9 +159,7 @@ def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list
     if params.greedy:
         logp = torch.log_softmax(x, dim=-1)
     else:
-        m = x.shape[0]
-        full = partial(torch.full, (m,), device=x.device)
-        logp = compute_probs(x, full(params.temperature), full(params.top_k), full(params.top_p)).log()
+        logp = compute_probs_each(x, [params], [x.shape[0]]).log()
     return token_logprobs(logp, emitted, params.logprobs)
 
 
@@ -177,13 +174,13 @@ def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor,
         out = tree_accept_greedy(parents, tokens, logits)
     else:
         if row.params.seed is not None:
-            out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
+            out = tree_accept_seeded(parents, tokens, p, row.sample_seed, row.position)
         else:
             q = proposal.probs
             if isinstance(q, TopK):
                 q = q.dense(p.shape[-1], p.device)
             out = tree_accept_sampled(parents, tokens, p, q,
-                                      step_generator(row.seed, row.position))
+                                      step_generator(row.sample_seed, row.position))
     emitted = torch.full((1, len(tokens) + 1), PLACEHOLDER, dtype=torch.long)
     emitted[0, :len(out.emitted)] = torch.tensor(out.emitted, dtype=torch.long)
     return RejectionOutput(emitted, torch.tensor([out.num_accepted]), paths=[out.path])
@@ -214,7 +211,7 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
     # Every row's positions 0..num_draft_tokens in one draw (what follows a disagreement is
     # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
     counts = (num_draft_tokens + 1).tolist()
-    drawn = exponential_noise([noise_key(r.seed, r.position + j) for r, n in zip(rows, counts)
+    drawn = exponential_noise([noise_key(r.sample_seed, r.position + j) for r, n in zip(rows, counts)
                                for j in range(n)], p.shape[-1], p.device)  # [sum(counts), V]
     noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
     width = torch.arange(p.shape[1], device=p.device)[None, :]
@@ -237,11 +234,11 @@ def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
     uniform = torch.ones(bsz, max_spec_len)  # [B, K], drawn on the host
     for i, (r, proposal) in enumerate(zip(rows, proposals)):
         for j in range(len(proposal.token_ids)):
-            uniform[i, j] = position_uniform(r.seed, r.position + j)
+            uniform[i, j] = position_uniform(r.sample_seed, r.position + j)
     uniform = uniform.to(device)
     num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
     # The noise of the position each row's recovered or bonus token lands on: [B, V].
-    noise = exponential_noise([noise_key(r.seed, r.position + n)
+    noise = exponential_noise([noise_key(r.sample_seed, r.position + n)
                                for r, n in zip(rows, num_accepted_tokens.tolist())], p.shape[-1], device)
     return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
 
