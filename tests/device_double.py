@@ -16,6 +16,13 @@ and every torch call is checked as CUDA checks it:
   ``int()`` work (a synchronising read, legal on a GPU);
 - factory calls with ``device=`` the double's device make device tensors.
 
+It also counts what a GPU would pay for: :attr:`DeviceDouble.to_device` (host-to-device
+copies: ``.to`` / ``.cuda``, ``copy_`` into the device, a factory that copies host data to
+the device such as ``torch.tensor(list, device=...)``, host indices or values used with a
+device tensor) and :attr:`DeviceDouble.to_host` (device-to-host copies and synchronising
+reads: ``.cpu()``, ``copy_`` out, ``tolist``, ``item``, ``int`` / ``float`` / ``bool``), so a
+test can hold the step to a budget of each (issue 52: one each way).
+
 Everything a model, a proposer or the rejection sampler computes runs under the double with
 the weights on the device (:func:`to_double`); what a process returns across a boundary must
 hold CPU tensors only (``specserve.serve.wire.host_only``). tests/engine/test_device.py runs
@@ -75,6 +82,12 @@ def _wrap(x):
     return OnDevice(x) if isinstance(x, torch.Tensor) and not isinstance(x, OnDevice) else x
 
 
+# Factories that copy host data (a list, an array) to the device; the others allocate there.
+_HOST_DATA_FACTORIES = {"tensor", "as_tensor", "asarray", "from_numpy"}
+# Reads of a device tensor's values on the host: each waits for the device.
+_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "__format__",
+          "__array__"}
+
 # Calls that move data between host and device, or read it back: never a mix.
 _TRANSFERS = {"to", "cuda", "cpu", "copy_", "tolist", "item", "__int__", "__float__", "__bool__",
               "__index__", "__len__", "__format__", "__repr__", "__getitem__", "__setitem__",
@@ -89,6 +102,8 @@ class DeviceDouble(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.to_device = 0  # host-to-device copies (module docstring)
+        self.to_host = 0    # device-to-host copies and synchronising reads
 
     def __enter__(self) -> DeviceDouble:
         # The one CUDA runtime call the engine makes: waiting for the device (a no-op here,
@@ -115,6 +130,7 @@ class DeviceDouble(TorchFunctionMode):
             return func(*tree_map(_unwrap, args), **kwargs)
         if on_device:
             self.calls += 1
+            self._count(name, args, kwargs, tensors)
             if name == "numpy":
                 raise TypeError("can't convert a cuda:0 device tensor to numpy; copy it to the "
                                 "host first (.cpu())")
@@ -127,10 +143,16 @@ class DeviceDouble(TorchFunctionMode):
         if name in ("__getitem__", "index_select") and not isinstance(args[0], OnDevice) and on_device:
             raise DeviceMix("indexing a host tensor with device indices")
         if name in ("to", "cuda", "cpu"):
-            return self._transfer(name, args, kwargs)
+            out = self._transfer(name, args, kwargs)
+            if isinstance(out, OnDevice) and not isinstance(args[0], OnDevice):
+                self.to_device += 1
+            elif isinstance(args[0], OnDevice) and not isinstance(out, OnDevice):
+                self.to_host += 1
+            return out
         device = kwargs.get("device")
         if _on_device(device):  # a factory call for the device
             self.calls += 1
+            self.to_device += name in _HOST_DATA_FACTORIES
             out = func(*tree_map(_unwrap, args), **{**tree_map(_unwrap, kwargs), "device": "cpu"})
             return tree_map(_wrap, out)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
@@ -140,6 +162,22 @@ class DeviceDouble(TorchFunctionMode):
         if name == "__setitem__":
             return out
         return tree_map(_wrap, out)
+
+    def _count(self, name: str, args, kwargs, tensors: list[torch.Tensor]) -> None:
+        """Count a device call's implicit transfers (the explicit ones: ``_transfer``)."""
+        if name in _READS:
+            self.to_host += 1
+        elif name == "copy_":
+            dst, src = args[0], args[1]
+            if isinstance(dst, OnDevice) != isinstance(src, OnDevice):
+                self.to_device += isinstance(dst, OnDevice)
+                self.to_host += not isinstance(dst, OnDevice)
+        elif name in ("__getitem__", "__setitem__", "index_put_", "index_select", "index_copy_",
+                      "index_fill_", "scatter_", "gather"):
+            leaves, _ = tree_flatten((args[1:], kwargs))
+            host = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, OnDevice)
+                    and x.ndim > 0]
+            self.to_device += bool(host)
 
     @staticmethod
     def _transfer(name, args, kwargs):
