@@ -5,7 +5,8 @@ the moment it has something (``load/gpu/``: the steps and the harness's pieces):
 
     quick  env.json, tests.xml, identity.json       timeouts 60 + 210 + 240 s
     bench  bench.json, memory.json, profile.txt     timeouts 300 + 150 + 90 s
-    all    both, in that order
+    step   step.json (the engine end to end)        timeout 450 s
+    all    quick and bench, in that order
 
 with ``log.txt`` (every line, timestamped) and ``summary.json`` (each step's status, seconds
 and one line, rewritten after every step): at most 8 files, the lent machine's limit. The
@@ -41,10 +42,12 @@ from load.gpu.runner import Outcome, Step, Summary, run_step  # noqa: E402
 
 log = logging.getLogger("gpu-check")
 
-PHASES = {"quick": ("env", "tests", "identity"), "bench": ("bench", "memory", "profile")}
+PHASES = {"quick": ("env", "tests", "identity"), "bench": ("bench", "memory", "profile"),
+          "step": ("step",)}
+# Not step: all is at the lent machine's 8 files already (6 steps, log.txt, summary.json).
 PHASES["all"] = PHASES["quick"] + PHASES["bench"]
 IN_PROCESS = {"env": "load.gpu.env", "identity": "load.gpu.identity", "memory": "load.gpu.memory",
-              "profile": "load.gpu.profiling"}
+              "profile": "load.gpu.profiling", "step": "load.gpu.step"}
 TEST_PATHS = ("tests/gpu", "tests/test_memory.py")
 ENGINE = ("torch", "transformers", "numpy", "jinja2", "pydantic", "pydantic_core", "annotated_types",
           "typing_inspection")  # what importing specserve's engine and config takes
@@ -83,6 +86,7 @@ def step_table(out: Path, dry_run: bool) -> dict[str, Step]:
                       "bench.json"),
         "memory": own("memory", 150, ENGINE, "memory.json"),
         "profile": own("profile", 90, ("torch", "transformers"), "profile.txt"),
+        "step": own("step", 450, ENGINE, "step.json"),
     }
 
 

@@ -15,8 +15,8 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine import spec_decode
 from specserve.engine.drafts.draft_model import DraftModelProposer
-from specserve.engine.drafts.ngram import NgramProposer
 from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
+from specserve.engine.drafts.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step import sampling
 from specserve.engine.step.proposal import Proposal, TopK

@@ -104,6 +104,42 @@ def test_bench_memory_and_profile(dry_run):
     assert "kernels: compiled" in profile and "Name" in profile
 
 
+STEP_ENTRIES = ("target_only", "target_only_batch", "suffix", "ngram", "seeded", "engine_loop",
+                "self_draft", "eagle")
+
+
+def test_step_phase_runs_the_engine_end_to_end(tmp_path):
+    """``--phase step --dry-run``: its own phase (``all`` is at the 8 files already), every
+    entry of ``step.json`` measured, and on the CPU's row-invariant kernels every speculative
+    run, greedy or seeded, in process or streamed through the engine loop, gives exactly
+    target-only's tokens, with drafts made and accepted (a real comparison)."""
+    proc = subprocess.run([sys.executable, "load/gpu_check.py", "--phase", "step", "--dry-run",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=gpu_check.BUDGET_S * gpu_check.DRY_RUN_SLACK)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"step.json", "log.txt", "summary.json"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["step"], s["status"]) for s in summary["steps"]] == [("step", "ok")]
+    report = json.loads((tmp_path / "step.json").read_text())
+    entries = report["entries"]
+    assert tuple(entries) == STEP_ENTRIES
+    for name, entry in entries.items():
+        assert entry["status"] == "ok" or (entry["status"] == "skipped" and entry["reason"]), (name, entry)
+        assert entry["device"] == "cpu"
+    reference = entries["target_only"]
+    assert reference["tokens"] == reference["num_prompts"] * report["settings"]["max_tokens"]
+    assert reference["tokens_per_s"] > 0 and reference["step_s"] > 0
+    for name in STEP_ENTRIES[1:]:
+        if entries[name]["status"] == "ok":
+            assert entries[name]["same_as_target_only"] is True, (name, entries[name])
+    for part in (entries["suffix"]["first_pass"], entries["suffix"]["second_pass"], entries["ngram"]):
+        assert 0 < part["accepted_tokens"] <= part["draft_tokens"]
+    second = entries["suffix"]["second_pass"]
+    assert second["acceptance_rate"] >= entries["suffix"]["first_pass"]["acceptance_rate"]
+    assert entries["seeded"]["num_same"] == reference["num_prompts"]
+    assert entries["engine_loop"]["same_as_generate"] is True
+
+
 def _fake(name: str, code: str, output: str, timeout_s: float = 60) -> Step:
     return Step(name, [sys.executable, "-c", code], timeout_s, (), output)
 
@@ -177,7 +213,7 @@ def test_no_cuda_stops_the_phase_in_one_line(tmp_path, caplog, monkeypatch):
 def test_every_step_needs_what_its_modules_import():
     """The preflight's lists name modules that exist here (a typo would skip a step forever)."""
     table = gpu_check.step_table(Path("/tmp/x"), dry_run=False)
-    assert list(table) == list(gpu_check.PHASES["all"])
+    assert set(table) == {name for steps in gpu_check.PHASES.values() for name in steps}
     assert not preflight.missing([m for s in table.values() for m in s.needs])
 
 
