@@ -273,10 +273,10 @@ RAY_START_CUT_SHORT = ("in start_local_ray", "node timed out during startup")
 
 
 def start_server(config: Path, *flags: str) -> Server:
-    """A server that serves. Ray's start-up has limits of its own (the node's registration
-    and its agents' start, which ``serve/local.py`` lengthens to ``RAY_START_S``; the GCS
-    client's wait for the cluster's id), which a busy machine may still miss: the process then
-    exits, and the start-up is tried again, within the bound. Any other exit before serving fails the test."""
+    """A server that serves. Ray's start-up has fixed limits of its own (30 s for a new node
+    to register, in ``ray._private.node``; the GCS client's wait for the cluster's id), which
+    a busy machine may miss: the process then exits, and the start-up is tried again, within
+    the bound. Any other exit before serving fails the test."""
     deadline, tries, lines = time.monotonic() + START_BOUND_S, 0, []
     while time.monotonic() < deadline:
         server, tries = Server(config, *flags), tries + 1

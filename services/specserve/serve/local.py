@@ -11,11 +11,6 @@ makes it advertise 127.0.0.1 instead of the interface address) once, when it is 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-RAY_START_S = 300  # how long a local node's start-up may take on a busy machine (Ray: 30 s)
 
 LOCAL_ENV = {
     "RAY_AUTH_MODE": "disabled",
@@ -26,10 +21,6 @@ LOCAL_ENV = {
     # Serve kills an HTTP proxy not ready within 5 s; on a busy laptop start-up takes longer.
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
-    # The raylet aborts ("Timed out waiting for file .../metrics_agent_port_...") when its
-    # dashboard agent (a Python process: 46 s of imports measured on a busy 2-core machine)
-    # has not written its port within 30 s. A longer wait only delays a real failure.
-    "RAY_agent_register_timeout_ms": str(RAY_START_S * 1000),
 }
 
 
@@ -56,43 +47,10 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
                            "a non-loopback address")
-    with _patient_node_registration(RAY_START_S):
-        ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
-                 resources=resources,
-                 include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
-
-
-@contextmanager
-def _patient_node_registration(bound_s: float) -> Iterator[None]:
-    """Inside it, Ray's driver waits up to ``bound_s`` for its new node to register with the
-    GCS instead of Ray's fixed 30 s (``ray._private.node.Node``, which polls
-    ``services.get_node`` and gives up after 30 s, the raylet still starting: on a busy
-    machine it registers once its agents are up, which the raylet itself now waits for,
-    ``RAY_agent_register_timeout_ms`` above). Ray is pinned (pyproject.toml); if the function
-    moves, this waits as Ray does."""
-    from ray._private import services
-
-    get_node = getattr(services, "get_node", None)
-    if get_node is None:
-        yield
-        return
-
-    def patient(gcs_address, node_id, *args, **kwargs):
-        deadline = time.monotonic() + bound_s
-        while True:
-            try:
-                return get_node(gcs_address, node_id, *args, **kwargs)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-
-    services.get_node = patient
-    try:
-        yield
-    finally:
-        services.get_node = get_node
+    ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
+             resources=resources,
+             include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port,
+             runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
 
 
 def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
