@@ -86,17 +86,14 @@ class SpecDecodeEngine:
         self.target, self.tokenizer, self.eos_token_ids = target, tokenizer, eos_token_ids
         self.num_speculative_tokens = num_speculative_tokens
         self.counters = EngineCounters()
-        # Structured outputs: one compiler (and its cache) for the unit and an in-process draft.
-        self.grammars = structured_outputs(tokenizer, target.vocab_size, eos_token_ids)
+        self.grammars = structured_outputs(tokenizer, target.vocab_size, eos_token_ids)  # one cache
         self.draft = DraftLink(proposer, target, self.counters, self.grammars)
         self.k = KPlanner(controller if proposer is not None else None, self.counters,
                           max_model_len=target.max_seq_len, row_invariant=target.row_invariant,
                           k_source=proposer.method if proposer is not None else None)
         self.scheduler = Scheduler(target, self.counters, chunked_prefill_size, lookahead=self.k.cap,
                                    match_prefix=not self.draft.needs_hidden)
-        # Fault injection (tests): a step whose rows include a prompt with this token raises,
-        # as a request-caused failure would; only that request may fail.
-        self.fault_token: int | None = None
+        self.fault_token: int | None = None  # tests: a prompt with it fails its step (_inject_fault)
         self._ids = itertools.count()
 
     # -- requests ---------------------------------------------------------------------------
@@ -105,8 +102,7 @@ class SpecDecodeEngine:
         return self.target.max_seq_len
 
     @property
-    def limits(self) -> RequestLimits:
-        """What this engine's requests are checked against (:func:`check_request`)."""
+    def limits(self) -> RequestLimits:  # what its requests are checked against (check_request)
         return RequestLimits(self.target.vocab_size, self.target.max_seq_len, self.target.num_slots)
 
     @property
@@ -114,33 +110,25 @@ class SpecDecodeEngine:
         """The K controller (the K planner's: it is the one place that holds it)."""
         return self.k.controller
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                    num_speculative_tokens: int | None = None, adaptive: bool = False,
-                    grammar: CompiledGrammar | None = None) -> int:
-        """Queue a request (in process: the command line, benchmarks, tests); returns its
-        sequence id. Checks it as the API does (:func:`check_request`), then :meth:`submit`."""
-        return self.add_parallel(prompt_token_ids, params, 1, num_speculative_tokens=num_speculative_tokens,
-                                 adaptive=adaptive, grammar=grammar)[0]
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, **options) -> int:
+        """Queue a request in process (the command line, benchmarks, tests): checked as the
+        API checks it (:func:`check_request`), then :meth:`submit` (``options``: its)."""
+        return self.add_parallel(prompt_token_ids, params, 1, **options)[0]
 
     def add_parallel(self, prompt_token_ids: list[int], params: SamplingParams, n: int, *,
-                     num_speculative_tokens: int | None = None, adaptive: bool = False,
-                     grammar: CompiledGrammar | None = None) -> list[int]:
+                     grammar: CompiledGrammar | None = None, **options) -> list[int]:
         """:meth:`add_request` of ``n`` samples of one prompt (OpenAI's ``n``)."""
-        request = check_request(prompt_token_ids, params, self.limits, n=n,
-                                grammar=grammar.spec if grammar is not None else None)
-        return self.submit(request, grammar, num_speculative_tokens=num_speculative_tokens,
-                           adaptive=adaptive)
+        return self.submit(check_request(prompt_token_ids, params, self.limits, n=n,
+                                         grammar=grammar.spec if grammar else None), grammar, **options)
 
     def submit(self, request: EngineRequest, grammar: CompiledGrammar | None = None, *,
                num_speculative_tokens: int | None = None, adaptive: bool = False) -> list[int]:
-        """Queue a checked request's ``n`` samples; their sequence ids, in order
-        (:attr:`StepOutput.index` says which is which). They share one prefill (module
-        docstring). Sample i draws with ``params.seed + i`` (its :attr:`Sequence.sample_seed`),
-        so each is reproducible and equals the single request of that seed; unseeded ones get
-        a random seed each. ``grammar``: the request's, compiled (every sample's text follows
-        it, a matcher each). ``num_speculative_tokens``: K for this request (0 turns
-        speculation off; default the engine's K); ``adaptive``: the controller (if any) picks K
-        per step, at most that."""
+        """Queue a checked request's ``n`` samples (sequence ids in order: their
+        :attr:`StepOutput.index`), one prefill shared (module docstring). Sample i draws with
+        ``params.seed + i`` (:attr:`Sequence.sample_seed`: it equals the single request of
+        that seed), an unseeded one with a random seed. ``grammar``: the request's, compiled
+        (a matcher per sample). ``num_speculative_tokens``: K (0: off; default the engine's);
+        ``adaptive``: the controller (if any) picks K per step, at most that."""
         assert (grammar.spec if grammar is not None else None) == request.grammar
         assert num_speculative_tokens is None or num_speculative_tokens >= 0
         prompt, params = request.prompt_token_ids, request.params

@@ -63,10 +63,11 @@ class PrefixAffinity:
 def _prompt(request: PendingRequest | None) -> tuple[list[int], str | None] | None:
     """A generate call's prompt ids and cache salt; None for every other call (stats...)."""
     payload = request.args[0] if request is not None and request.args else None
-    tokens = getattr(payload, "prompt_token_ids", None)
+    asked = getattr(payload, "request", None)  # a UnitRequest's EngineRequest
+    tokens = getattr(asked, "prompt_token_ids", None)
     if tokens is None:
         return None
-    return tokens, getattr(getattr(payload, "params", None), "cache_salt", None)
+    return tokens, asked.params.cache_salt
 
 
 class UnitRouter(FIFOMixin, RequestRouter):
