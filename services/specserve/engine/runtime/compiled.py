@@ -180,15 +180,20 @@ def static_inputs(runtime, ctx, cache, rows: int, tokens: int) -> StaticInputs:
     positions, slots, valid, last = _padded_rows(ctx, cache.spare_slot, rows, tokens)
     write_slots = torch.where(valid, slots[:, None], cache.spare_slot)   # [B', T']
     write_positions = torch.where(valid, positions, torch.arange(tokens))
-    table = positions.clamp(max=runtime.max_positions - 1).to(device)
+    table = positions.clamp(max=runtime.max_positions - 1)
+    # RoPE rows, cache writes and slots in one host-to-device copy
+    packed = torch.cat([table.flatten(), write_slots.flatten(), write_positions.flatten(),
+                        slots]).to(device)
+    table, write_slots, write_positions, slots_d = packed.split([rows * tokens] * 3 + [rows])
     if runtime.attention == "flex":
         attend = _flex_inputs(positions, last, slots, cache, ctx.window, device)
     else:
         attend = _slot_masks(positions, cache, ctx.window, device)
+    table = table.view(rows, tokens)
     return StaticInputs(
         cos=runtime.rope_cos[table].unsqueeze(2), sin=runtime.rope_sin[table].unsqueeze(2),
-        slots=slots.to(device), write_slots=write_slots.to(device),
-        write_positions=write_positions.to(device), **attend)
+        slots=slots_d, write_slots=write_slots.view(rows, tokens),
+        write_positions=write_positions.view(rows, tokens), **attend)
 
 
 def _padded_rows(ctx, spare: int, rows: int,

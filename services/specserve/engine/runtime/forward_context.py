@@ -79,7 +79,7 @@ class ForwardContext:
         key = ("library", window)
         if key not in self._ranges:
             visible = self.visible(window)[..., :self.kv_used]
-            self._ranges[key] = None if visible.all() else visible[:, None]
+            self._ranges[key] = None if self._ranges[("every", window)] else visible[:, None]
         return self._ranges[key]
 
     def visible(self, window: bool) -> torch.Tensor:
@@ -101,6 +101,7 @@ class ForwardContext:
                 bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1        # [B, T, S]
                 seen = (rel < 0) | ((rel < 64) & (bit == 1))
                 visible = torch.where((self.tree_starts >= 0)[:, None, None], visible & seen, visible)
+            self._ranges[("every", window)] = bool(visible[..., :self.kv_used].all())  # host: no wait
             self._ranges[key] = visible.to(self.valid.device)
         return self._ranges[key]
 
@@ -183,16 +184,23 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     rope_positions, tree, tree_starts = positions, None, None
     if trees is not None and any(parents is not None for parents in trees):
         rope_positions, tree, tree_starts = _trees(trees, starts, lens, t, window)
-    table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1).to(device)
-    cos = rope_cos[table_pos].unsqueeze(2)                      # [B, T, 1, D]
-    sin = rope_sin[table_pos].unsqueeze(2)
+    table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
     slot_t = torch.tensor(slots)[:, None].expand(-1, t)
+    # What the device needs of the batch, in one host-to-device copy: [B, T] token ids, RoPE
+    # rows and validity, then each real token's slot and position ([N] each).
+    n = int(valid.sum())
+    packed = torch.cat([tokens.flatten(), table_pos.flatten(), valid.flatten().long(),
+                        slot_t[valid], positions[valid]]).to(device)
+    bt = tokens.numel()
+    tokens_d, table_pos_d, valid_d, write_slots, write_positions = packed.split([bt, bt, bt, n, n])
+    cos = rope_cos[table_pos_d.view(-1, t)].unsqueeze(2)        # [B, T, 1, D]
+    sin = rope_sin[table_pos_d.view(-1, t)].unsqueeze(2)
     ctx = ForwardContext(
-        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid.to(device),
-        write_slots=slot_t[valid].to(device), write_positions=positions[valid].to(device),
+        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d.view(-1, t).bool(),
+        write_slots=write_slots, write_positions=write_positions,
         kv_used=kv_used, positions=positions, window=window, tree=tree,
         tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots))
-    return ctx, tokens.to(device)
+    return ctx, tokens_d.view(-1, t)
 
 
 def _trees(trees: list[list[int] | None], starts: list[int], lens: list[int], t: int,
@@ -269,5 +277,5 @@ def logit_positions(token_ids: list[list[int]], num_logits: list[int],
             raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
         rows += [i] * n
         cols += range(len(ids) - n, len(ids))
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(cols, dtype=torch.long, device=device))
+    both = torch.tensor([rows, cols], dtype=torch.long, device=device)  # one copy
+    return both[0], both[1]

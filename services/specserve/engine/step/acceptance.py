@@ -108,7 +108,7 @@ share, :func:`tree_accept_matching`, closes the greedy section).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,10 +128,23 @@ class RejectionOutput:
     num_accepted_tokens: torch.Tensor       # [B] long, 0..num_draft_tokens
     # token trees (verification.verify_tree): per row, the accepted nodes' indices; None: chains
     paths: list[list[int]] | None = None
+    _host: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def emitted(self, row: int) -> list[int]:
         """The ``num_accepted_tokens + 1`` tokens row ``row`` emits this step."""
-        return self.output_token_ids[row, : int(self.num_accepted_tokens[row]) + 1].tolist()
+        count, *ids = self._read()[row]
+        return ids[:count + 1]
+
+    def accepted(self, row: int) -> int:
+        """Row ``row``'s ``num_accepted_tokens``, on the host."""
+        return self._read()[row][0]
+
+    def _read(self) -> list[list[int]]:
+        """Each row's count, then its output ids: the batch's result read back to the host
+        in one copy (on a GPU, one wait for the step), the first time anything asks."""
+        if self._host is None:
+            self._host = torch.cat([self.num_accepted_tokens[:, None], self.output_token_ids], 1).tolist()
+        return self._host
 
 
 @dataclass(frozen=True)

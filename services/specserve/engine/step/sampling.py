@@ -24,17 +24,21 @@ from specserve.engine.runtime import native
 
 
 def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, *, truncate: bool | None = None) -> torch.Tensor:
     """Probabilities after temperature / top-k / top-p, per row.
 
     logits: ``[N, V]``; temperature, top_k, top_p: ``[N]`` (top_k ≤ 0 and top_p ≥ 1 disable
-    them). Rows with temperature 0 are greedy and must not be passed here.
+    them). Rows with temperature 0 are greedy and must not be passed here. ``truncate``:
+    whether any row has a top-k or a top-p, as the caller knows it on the host (None: read
+    it off the tensors, which on a GPU waits for them).
     Returns ``[N, V]`` float32 rows that sum to 1.
     """
     assert logits.ndim == 2 and temperature.shape == (logits.shape[0],)
-    assert bool((temperature > 0).all()), "greedy rows have no sampling distribution"
+    if truncate is None:
+        assert bool((temperature > 0).all()), "greedy rows have no sampling distribution"
+        truncate = bool((top_k > 0).any()) or bool((top_p < 1).any())
     logits = logits.float() / temperature[:, None]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if truncate:
         logits = _top_k_top_p(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
 
@@ -53,15 +57,20 @@ def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int]
     """:func:`compute_probs` of ``[sum(counts), V]`` logits, each run of ``counts[i]`` rows
     (default: one) under ``params[i]``'s ``temperature``, ``top_k`` and ``top_p``."""
     counts = counts or [1] * len(params)
-    device = logits.device
-    return compute_probs(logits, _per_logit_row([p.temperature for p in params], counts, device),
-                         _per_logit_row([p.top_k for p in params], counts, device),
-                         _per_logit_row([p.top_p for p in params], counts, device))  # [sum(counts), V]
+    assert all(p.temperature > 0 for p in params), "greedy rows have no sampling distribution"
+    truncate = any(p.top_k > 0 or p.top_p < 1 for p in params)
+    return compute_probs(logits, *_per_logit_row(params, counts, logits.device),
+                         truncate=truncate)  # [sum(counts), V]
 
 
-def _per_logit_row(values: list, counts: list[int], device: torch.device) -> torch.Tensor:
-    """``[sum(counts)]`` on ``device``: each row's value repeated once per logits row of it."""
-    return torch.tensor([v for v, n in zip(values, counts) for _ in range(n)], device=device)
+def _per_logit_row(params: Sequence, counts: list[int], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperatures, top-ks and top-ps, ``[sum(counts)]`` each on ``device``: each row's
+    value repeated once per logits row of it, moved in one copy (float64 holds the three
+    exactly: a float32 of it is the float32 of the request's value)."""
+    host = torch.tensor([[p.temperature, p.top_k, p.top_p] for p, n in zip(params, counts)
+                         for _ in range(n)], dtype=torch.float64).view(-1, 3).to(device)
+    return host[:, 0].float(), host[:, 1].long(), host[:, 2].float()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
         emitted = res.emitted(row)
         lp = None if r.params.logprobs is None else emitted_logprobs(
             r.params, x if r.params.greedy else c, emitted, path)
-        verdicts.append(Verdict(emitted, int(res.num_accepted_tokens[row]), path, lp))
+        verdicts.append(Verdict(emitted, res.accepted(row), path, lp))
     return verdicts
 
 
@@ -210,12 +210,12 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
     p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1])  # [B, K + 1, V]
     # Every row's positions 0..num_draft_tokens in one draw (what follows a disagreement is
     # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
-    counts = (num_draft_tokens + 1).tolist()
+    counts = [len(proposal.token_ids) + 1 for proposal in proposals]  # (on the host: no read)
     drawn = exponential_noise([noise_key(r.sample_seed, r.position + j) for r, n in zip(rows, counts)
                                for j in range(n)], p.shape[-1], p.device)  # [sum(counts), V]
     noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
     width = torch.arange(p.shape[1], device=p.device)[None, :]
-    noise[width < torch.tensor(counts, device=p.device)[:, None]] = drawn  # row-major, as drawn
+    noise[width < (num_draft_tokens + 1)[:, None]] = drawn  # row-major, as drawn
     return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
 
 
@@ -246,14 +246,15 @@ def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
 def pad_drafts(proposals: list[Proposal], device: torch.device | str = "cpu"
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, K]`` draft token ids (padded with 0) and ``[B]`` num_draft_tokens, on ``device``
-    (the logits'); built on the host, moved in one copy each."""
+    (the logits'); built on the host, moved in one copy."""
     assert proposals
     max_spec_len = max(len(p.token_ids) for p in proposals)
     draft_token_ids = torch.zeros(len(proposals), max_spec_len, dtype=torch.long)
     for i, p in enumerate(proposals):
         draft_token_ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
     num_draft_tokens = torch.tensor([len(p.token_ids) for p in proposals])
-    return draft_token_ids.to(device), num_draft_tokens.to(device)
+    both = torch.cat([draft_token_ids, num_draft_tokens[:, None]], 1).to(device)  # one copy
+    return both[:, :max_spec_len], both[:, max_spec_len]
 
 
 def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
