@@ -132,7 +132,8 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     for name in STEP_ENTRIES[1:]:
         if entries[name]["status"] == "ok":
             assert entries[name]["same_as_target_only"] is True, (name, entries[name])
-    for part in (entries["suffix"]["first_pass"], entries["suffix"]["second_pass"], entries["ngram"]):
+    for part in (entries["suffix"]["first_pass"], entries["suffix"]["second_pass"], entries["ngram"],
+                 entries["self_draft"], entries["eagle"]):
         assert 0 < part["accepted_tokens"] <= part["draft_tokens"]
     second = entries["suffix"]["second_pass"]
     assert second["acceptance_rate"] >= entries["suffix"]["first_pass"]["acceptance_rate"]

@@ -1,0 +1,365 @@
+"""``step.json``: whole requests through the engine, in this process, on a random-weight
+model (issue 52): target-only speed, what each proposer makes of it, and whether speculation
+leaves the tokens as they were.
+
+Every engine is built as serving builds it (``assemble_engine`` with a
+:class:`~specserve.config.SpeculativeConfig`) over one target ``ModelWorker``: one cache,
+because CUDA graphs keep the addresses of the cache they were captured on. The entries, in
+this order (the most wanted first, so a timeout cuts the least), each written to
+``step.json`` the moment it is measured:
+
+- ``target_only``: ``num_prompts`` prompts x ``max_tokens`` new tokens, greedy, one request
+  at a time (batch 1): tokens/s and the mean step time. Its tokens are the reference the
+  other entries are compared with (``same_as_target_only``, ``num_same`` prompts,
+  ``first_divergence``), its tokens/s the one their ``speedup`` divides by.
+- ``target_only_batch``: the same, ``batch`` requests at a time (its ``same_as_target_only``:
+  batching left the tokens alone).
+- ``suffix``: suffix decoding, two passes over the prompts in one engine. The proposer keeps
+  the responses of finished requests, so the second pass drafts the first pass's own
+  outputs: acceptance near 1, the most speculation can give at K.
+- ``ngram``: prompt lookup.
+- ``seeded``: temperature 0.8 with a fixed seed, target-only and with n-gram drafts. A draw
+  depends on the seed and the token's position only (``engine/step/sampling.py``), so each
+  prompt's tokens should be the same with speculation on and off.
+- ``engine_loop``: the n-gram engine driven by a unit's :class:`EngineLoop` (its engine
+  thread, asyncio streams; no Ray), one request at a time: the streamed tokens against
+  ``engine.generate``'s (``same_as_generate``) and target-only's.
+- ``self_draft``: ``draft_model`` with the target's first ``draft_layers`` layers, made as
+  ``specserve train-draft`` starts a decoder draft (``new_draft_head``), untrained.
+- ``eagle``: an untrained EAGLE head made likewise (the target's last layer behind a fuser
+  that passes the target's features through): the features path end to end.
+
+The speculative entries run at batch 1 with K drafts per step. An entry whose requests ended
+in error or whose proposer fell back to target-only is ``failed``; so is one that raised,
+with its one-line reason, and the next entry runs.
+
+The model is identity.py's: on a GPU Llama-3-8B's layers, 4 of them, in bfloat16 on the
+``compiled`` kernels, random weights from a fixed seed. Its greedy output does not repeat
+itself, so n-gram drafts are rarely accepted there (suffix's second pass is the speed
+figure), and the untrained drafts measure their paths, not an acceptance that carries over.
+A dry run: the tiny shape in float32 on the CPU with the row-invariant ``invariant``
+kernels, where every greedy entry must be bit-identical to target-only. docs/GPU.md says
+what passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from specserve.config import ModelConfig, SamplingParams, SpeculativeConfig
+from specserve.engine.builder import assemble_engine
+from specserve.engine.drafts.base import Proposer
+from specserve.engine.drafts.draft_head import DraftHead, new_draft_head
+from specserve.engine.request import check_request
+from specserve.engine.runtime.model import LlamaRuntime, default_kernels
+from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.stats import EngineCounters, SpecStats
+from specserve.engine.worker import ModelWorker
+from specserve.methods import proposer_class
+from specserve.serve.engine_loop import EngineLoop
+
+from load.bench_gpu import SHAPES, random_runtime
+from load.gpu.identity import IdText, first_divergence, make_prompts
+from load.gpu.output import write_json
+from load.gpu.runtime import cudagraph_skips, use_kernels, warm_up
+
+log = logging.getLogger(__name__)
+
+FILE = "step.json"
+SEED = 0              # the random weights' (identity.py's: the same model)
+SAMPLING_SEED = 1234  # the seeded entry's requests'
+TEMPERATURE = 0.8     # ... and their temperature
+
+
+@dataclass(frozen=True)
+class Settings:
+    shape: str
+    dtype: str
+    device: str
+    kernels: str       # the target's
+    backend: str       # torch.compile's, for compiled
+    k: int             # K: drafts per step
+    batch: int         # target_only_batch's requests at a time (the target's slots)
+    num_prompts: int
+    max_tokens: int
+    draft_layers: int  # self_draft: the target's first this many layers
+
+
+GPU = Settings("llama3-8b-4l", "bfloat16", "cuda", "compiled", "inductor", k=4, batch=8,
+               num_prompts=16, max_tokens=128, draft_layers=2)
+DRY = Settings("tiny", "float32", "cpu", "invariant", "eager", k=4, batch=2, num_prompts=4,
+               max_tokens=32, draft_layers=1)
+
+
+@dataclass
+class Pass:
+    """One pass of the prompts through an engine: the tokens and what the engine counted."""
+
+    outputs: list[list[int]]
+    seconds: float
+    steps: int
+    drafts: SpecStats  # this pass's verified drafts
+    errors: int        # requests that ended in error
+    fallbacks: int     # times the proposer stopped answering
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class Bench:
+    """What the entries share: the settings, the target, the prompts, and what earlier
+    entries found (the target-only reference; n-gram's tokens, the engine loop's reference)."""
+
+    s: Settings
+    worker: ModelWorker
+    prompts: list[list[int]]
+    reference: Pass | None = None
+    ngram: list[list[int]] | None = None
+
+    @property
+    def greedy(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.s.max_tokens, ignore_eos=True)
+
+    def engine(self, method: str | None, draft: Proposer | None = None,
+               draft_source: str | None = None) -> SpecDecodeEngine:
+        """An engine over the target as serving assembles one (``draft_source``: a model
+        method's ``speculative.draft``, which names the draft; ``draft`` is its proposer)."""
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=self.s.k,
+                                 draft=ModelConfig(source=draft_source) if draft_source else None)
+        return assemble_engine(self.worker, IdText(), frozenset(), spec, draft)
+
+
+def run_pass(engine: SpecDecodeEngine, prompts: list[list[int]], params: SamplingParams,
+             batch: int) -> Pass:
+    """``prompts`` through ``engine.generate``, ``batch`` requests at a time, each group run
+    to its end."""
+    before, start = engine.counters.snapshot(), time.perf_counter()
+    completions = []
+    for i in range(0, len(prompts), batch):
+        completions += engine.generate(prompts[i:i + batch], params)
+    return counted(engine.counters, before, [c.output_token_ids for c in completions],
+                   time.perf_counter() - start, sum(c.finish_reason == "error" for c in completions))
+
+
+def counted(after: EngineCounters, before: EngineCounters, outputs: list[list[int]],
+            seconds: float, errors: int) -> Pass:
+    """A :class:`Pass` of what the counters gained between ``before`` and ``after``."""
+    drafts = SpecStats(num_drafts=after.spec.num_drafts - before.spec.num_drafts,
+                       num_draft_tokens=after.spec.num_draft_tokens - before.spec.num_draft_tokens,
+                       num_accepted_tokens=after.spec.num_accepted_tokens - before.spec.num_accepted_tokens)
+    return Pass(outputs, seconds, after.times.steps - before.times.steps, drafts, errors,
+                after.num_draft_fallbacks - before.num_draft_fallbacks)
+
+
+def compare(reference: list[list[int]], outputs: list[list[int]]) -> dict:
+    """Per prompt, are the tokens ``reference``'s; the earliest divergence if not."""
+    same = [a == b for a, b in zip(reference, outputs)]
+    return {"same_as_target_only": len(reference) == len(outputs) and all(same),
+            "num_same": sum(same), "first_divergence": first_divergence(reference, outputs)}
+
+
+def figures(p: Pass, reference: Pass | None) -> dict:
+    """An entry's numbers: speed, drafts, and the tokens and speed against ``reference``."""
+    bad = p.errors or p.fallbacks
+    entry = {"status": "failed" if bad else "ok",
+             "tokens": p.tokens, "num_prompts": len(p.outputs), "seconds": round(p.seconds, 4),
+             "tokens_per_s": round(p.tokens_per_s, 2), "steps": p.steps,
+             "step_s": round(p.seconds / p.steps, 6) if p.steps else None,
+             "draft_tokens": p.drafts.num_draft_tokens, "accepted_tokens": p.drafts.num_accepted_tokens,
+             "acceptance_rate": round(p.drafts.acceptance_rate, 4),
+             "mean_acceptance_length": round(p.drafts.mean_acceptance_length, 4),
+             "errors": p.errors, "draft_fallbacks": p.fallbacks}
+    if bad:
+        entry["reason"] = f"{p.errors} requests ended in error, {p.fallbacks} draft fallbacks"
+    if reference is not None:
+        entry.update(compare(reference.outputs, p.outputs),
+                     speedup=round(p.tokens_per_s / reference.tokens_per_s, 3))
+    return entry
+
+
+def worst(*parts: dict) -> dict:
+    """The status of an entry made of ``parts``: failed where one of them is."""
+    bad = [p for p in parts if p["status"] != "ok"]
+    return {"status": "failed", "reason": bad[0]["reason"]} if bad else {"status": "ok"}
+
+
+# -- the entries (module docstring), each a function of the bench returning its dict ---------
+def target_only(b: Bench) -> dict:
+    b.reference = run_pass(b.engine(None), b.prompts, b.greedy, 1)
+    return {"batch": 1, **figures(b.reference, None)}
+
+
+def target_only_batch(b: Bench) -> dict:
+    return {"batch": b.s.batch, **figures(run_pass(b.engine(None), b.prompts, b.greedy, b.s.batch),
+                                          b.reference)}
+
+
+def suffix(b: Bench) -> dict:
+    engine = b.engine("suffix")
+    first = figures(run_pass(engine, b.prompts, b.greedy, 1), b.reference)
+    second = figures(run_pass(engine, b.prompts, b.greedy, 1), b.reference)  # drafts the first's
+    same = first.get("same_as_target_only") and second.get("same_as_target_only")
+    return {"batch": 1, "k": b.s.k, **worst(first, second), "same_as_target_only": same,
+            "speedup_second_pass": second.get("speedup"), "first_pass": first, "second_pass": second}
+
+
+def ngram(b: Bench) -> dict:
+    p = run_pass(b.engine("ngram"), b.prompts, b.greedy, 1)
+    b.ngram = p.outputs
+    return {"batch": 1, "k": b.s.k, **figures(p, b.reference)}
+
+
+def seeded(b: Bench) -> dict:
+    params = SamplingParams(temperature=TEMPERATURE, seed=SAMPLING_SEED, max_tokens=b.s.max_tokens,
+                            ignore_eos=True)
+    off_pass = run_pass(b.engine(None), b.prompts, params, 1)
+    off = figures(off_pass, None)
+    on = figures(run_pass(b.engine("ngram"), b.prompts, params, 1), off_pass)  # against off's tokens
+    return {"batch": 1, "k": b.s.k, "temperature": TEMPERATURE, "seed": SAMPLING_SEED,
+            **worst(off, on), "same_as_target_only": on["same_as_target_only"],
+            "num_same": on["num_same"], "off": off, "on": on}
+
+
+def engine_loop(b: Bench) -> dict:
+    engine = b.engine("ngram")
+    before, start = engine.counters.snapshot(), time.perf_counter()
+    loop = EngineLoop(engine, max_queue_len=len(b.prompts))
+    try:
+        outputs, items = asyncio.run(stream(loop, b.prompts, b.greedy, b.s.k))
+    finally:
+        loop.shutdown()
+    entry = {"batch": 1, "k": b.s.k, "stream_items": items,
+             **figures(counted(engine.counters, before, outputs, time.perf_counter() - start, 0),
+                       b.reference)}
+    if b.ngram is not None:
+        entry["same_as_generate"] = outputs == b.ngram
+    return entry
+
+
+async def stream(loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
+                 k: int) -> tuple[list[list[int]], int]:
+    """Each prompt as a unit streams it (``EngineLoop.generate`` of a checked request), one
+    after the other: the tokens per prompt and the stream items received."""
+    outputs, items = [], 0
+    for prompt in prompts:
+        request = check_request(prompt, params, loop.engine.limits, n=1)
+        tokens: list[int] = []
+        async for out in loop.generate(request, None, num_speculative_tokens=k, adaptive=False):
+            tokens += out.new_token_ids
+            items += 1
+        outputs.append(tokens)
+    return outputs, items
+
+
+def self_draft(b: Bench) -> dict:
+    return with_draft(b, "draft_model", "decoder", b.s.draft_layers)
+
+
+def eagle(b: Bench) -> dict:
+    return with_draft(b, "eagle", "eagle", 1)
+
+
+def with_draft(b: Bench, method: str, kind: str, num_layers: int) -> dict:
+    """A model method's entry: its untrained draft built (``build_s``), then the prompts."""
+    start = time.perf_counter()
+    head = untrained_draft(b.worker.runtime, kind, num_layers)
+    worker = ModelWorker(head, num_slots=b.worker.num_slots, max_seq_len=b.worker.max_seq_len)
+    proposer = proposer_class(method).from_draft(worker, target_vocab_size=b.worker.vocab_size)
+    draft = {"kind": kind, "num_layers": num_layers, "kernels": head.kernels,
+             "build_s": round(time.perf_counter() - start, 2)}
+    engine = b.engine(method, proposer, f"untrained {kind} draft, {num_layers} layers of the target")
+    return {"batch": 1, "k": b.s.k, "draft": draft,
+            **figures(run_pass(engine, b.prompts, b.greedy, 1), b.reference)}
+
+
+def untrained_draft(target: LlamaRuntime, kind: str, num_layers: int) -> DraftHead:
+    """A draft as ``specserve train-draft`` starts one (``new_draft_head``) over every token
+    id, on the target's device in its dtype, on the kernels a loaded draft gets
+    (``kernels: auto``). Made on the CPU, then moved: ``new_draft_head`` seeds an EAGLE
+    fuser's noise with a CPU generator."""
+    weight = target.embed.weight
+    with default_dtype(weight.dtype):
+        head = new_draft_head(target, kind=kind, num_layers=num_layers,
+                              draft_vocab=torch.arange(target.arch.vocab_size))
+    head = head.to(weight.device).requires_grad_(False).eval()
+    return head.use_kernels(default_kernels(weight.device))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+LOGGED = ("status", "reason", "tokens_per_s", "speedup", "speedup_second_pass", "acceptance_rate",
+          "same_as_target_only", "num_same", "same_as_generate", "wall_s")  # an entry's log line
+ENTRIES = (("target_only", target_only), ("target_only_batch", target_only_batch),
+           ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
+           ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle))
+
+
+# -- the step ---------------------------------------------------------------------------------
+def build(s: Settings) -> tuple[Bench, dict]:
+    """The target on its kernels, warmed up, with ``batch`` slots; the report's header."""
+    prompts = make_prompts(s.num_prompts, SHAPES[s.shape]["vocab_size"])
+    max_len = max(map(len, prompts)) + s.max_tokens + s.k + 2
+    torch.manual_seed(SEED)
+    runtime = random_runtime(s.shape, getattr(torch, s.dtype), s.device, max_len=max_len)
+    kernels = use_kernels(runtime, s.kernels, backend=s.backend, verify_tokens=s.k + 1)
+    worker = ModelWorker(runtime, num_slots=s.batch, max_seq_len=max_len)
+    header = {"max_len": max_len, "use_kernels": kernels, "warm_up": warm_up(runtime, worker.cache)}
+    return Bench(s, worker, prompts), header
+
+
+def attempt(name: str, measure, bench: Bench) -> dict:
+    """One entry, its failure its own: a raise becomes ``failed`` with one line."""
+    if bench.worker.num_free_slots < bench.worker.num_slots:  # every engine frees its own
+        return {"status": "skipped", "reason": "an earlier entry failed holding target slots"}
+    start = time.perf_counter()
+    try:
+        entry = measure(bench)
+    except Exception as exc:  # noqa: BLE001  the next entry still runs
+        log.exception("%s failed", name)
+        entry = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    entry["wall_s"] = round(time.perf_counter() - start, 2)
+    log.info("%s: %s", name, {k: entry[k] for k in LOGGED if k in entry})
+    return entry
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+def run(out: Path, dry_run: bool) -> None:
+    s = DRY if dry_run else GPU
+    started = time.perf_counter()
+    device = device_name(s.device)
+    report = {"settings": asdict(s), "device": device,
+              "entries": {name: {"status": "pending"} for name, _ in ENTRIES}}
+    write_json(out / FILE, report)
+    bench, header = build(s)
+    report.update(header)
+    for name, measure in ENTRIES:
+        report["entries"][name] = {"device": device, **attempt(name, measure, bench)}
+        report.update(cudagraph_skips=cudagraph_skips(), seconds=round(time.perf_counter() - started, 1))
+        write_json(out / FILE, report)
+    bad = {n: e["status"] for n, e in report["entries"].items() if e["status"] != "ok"}
+    log.info("step: %s in %.0f s", f"not ok: {bad}" if bad else "every entry ok", report["seconds"])
+    if "failed" in bad.values():  # the step's status in summary.json, with this line as its reason
+        raise SystemExit(f"error: step.json entries not ok: {bad}")
