@@ -9,6 +9,7 @@ step is a module of its own that writes its one file as soon as it has something
 - ``output.py``: JSON and text written whole (a killed step leaves its last good file);
 - ``runtime.py``: a runtime's kernels chosen across both signatures of ``use_kernels``;
 - ``env.py`` (``env.json``), ``identity.py`` (``identity.json``), ``memory.py``
-  (``memory.json``), ``profiling.py`` (``profile.txt``); ``load/bench_gpu.py`` writes
-  ``bench.json``, and pytest ``tests.xml``.
+  (``memory.json``), ``profiling.py`` (``profile.txt``), ``step.py`` (``step.json``: whole
+  requests through the engine, phase ``step``); ``load/bench_gpu.py`` writes ``bench.json``,
+  and pytest ``tests.xml``.
 """
