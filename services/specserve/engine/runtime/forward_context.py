@@ -188,7 +188,7 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     slot_t = torch.tensor(slots)[:, None].expand(-1, t)
     # What the device needs of the batch, in one host-to-device copy: [B, T] token ids, RoPE
     # rows and validity, then each real token's slot and position ([N] each).
-    n = int(valid.sum())
+    n = sum(lens)  # the real tokens: valid's count
     packed = torch.cat([tokens.flatten(), table_pos.flatten(), valid.flatten().long(),
                         slot_t[valid], positions[valid]]).to(device)
     bt = tokens.numel()
