@@ -10,7 +10,10 @@ makes it advertise 127.0.0.1 instead of the interface address) once, when it is 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
 
 LOCAL_ENV = {
     "RAY_AUTH_MODE": "disabled",
@@ -47,10 +50,80 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
                            "a non-loopback address")
-    ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
-             resources=resources,
-             include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_export_port,
-             runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
+    with _agent_ports_chosen():
+        ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(),
+                 num_gpus=num_gpus, resources=resources, include_dashboard=False,
+                 log_to_driver=False, _metrics_export_port=metrics_export_port,
+                 runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
+
+
+# The ports Ray's agents would pick themselves and report through a file in the session
+# directory (``RayParams`` names; ``ray start``'s ``--dashboard-agent-grpc-port`` etc. set them).
+# The metrics export port is the caller's where it gives one (``--metrics-port``).
+AGENT_PORTS = ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port",
+               "metrics_export_port")
+
+
+@contextlib.contextmanager
+def _agent_ports_chosen():
+    """``ray.init`` with its agents' ports chosen here, before Ray starts, and given to the
+    raylet, so that it does not wait for the agents to report them.
+
+    Left to Ray, each agent binds port 0 (or its default) and writes the port it got to a file
+    in the session directory, and the raylet waits for each file for a fixed 15 s
+    (``WaitForPersistedPort``'s default in Ray 2.60, which no setting changes;
+    ``agent_register_timeout_ms`` is another wait), then aborts the node: "The current node
+    timed out during startup". The dashboard agent is a Python process whose imports took
+    25-46 s on a 2-core machine running a test suite beside it (docs/RELIABILITY.md, sessions
+    27-28). Given the ports, the raylet does not wait: the agent registers when it is up.
+
+    ``ray.init`` has no argument for these ports (``ray start`` has three of them), and Ray's
+    Python never passes the raylet its ``--dashboard_agent_listen_port`` (it has the flag),
+    so both are added here, for this call only: ``RayParams`` gets free ports, and the raylet's
+    command line the agent's listen port, read from the agent's own command line in it. The
+    ports are ones the kernel handed out a moment ago; one taken in between fails the start as
+    a busy ``--metrics-port`` would."""
+    from ray._private import parameter, ray_constants, services
+
+    original_params, original_start = parameter.RayParams, services.start_ray_process
+
+    class WithAgentPorts(original_params):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for name, port in zip(AGENT_PORTS, free_ports(len(AGENT_PORTS))):
+                if name != "metrics_export_port" or self.metrics_export_port is None:
+                    setattr(self, name, port)
+
+    def start_ray_process(command, process_type, *args, **kwargs):
+        if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+            command = [*command, *_listen_port_flag(command)]
+        return original_start(command, process_type, *args, **kwargs)
+
+    parameter.RayParams, services.start_ray_process = WithAgentPorts, start_ray_process
+    try:
+        yield
+    finally:
+        parameter.RayParams, services.start_ray_process = original_params, original_start
+
+
+def _listen_port_flag(raylet_command: list[str]) -> list[str]:
+    """``--dashboard_agent_listen_port=N`` for a raylet whose dashboard agent is told
+    ``--listen-port=N`` (none where the raylet has it already or the agent has no such flag)."""
+    if any(arg.startswith("--dashboard_agent_listen_port=") for arg in raylet_command):
+        return []
+    agent = next((arg for arg in raylet_command if arg.startswith("--dashboard_agent_command=")),
+                 "")
+    port = re.search(r"--listen-port=(\d+)", agent)
+    return [f"--dashboard_agent_listen_port={port.group(1)}"] if port else []
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on the loopback now (held open together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind((NODE_IP, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
