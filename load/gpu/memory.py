@@ -122,6 +122,7 @@ def check_kernels(runtime, kernels: str, s: Settings, save) -> None:
     for name, phase in (("prefill", prefill), ("verify", verify)):
         entry["phases"][name] = measure(worker, s, phase, calls if name == "verify" else 1)
         entry["within_estimate"] = within(entry, est)
+        entry["workspace_ratio"] = workspace_ratio(entry, est)
         entry["cudagraph_skips"] = cudagraph_skips()
         log.info("%s %s: %s (estimate %s)", kernels, name, _gib(entry["phases"][name]),
                  format_estimate(est, oneline=True))
@@ -129,6 +130,15 @@ def check_kernels(runtime, kernels: str, s: Settings, save) -> None:
     del worker
     gc.collect()
     free_cuda()
+
+
+def workspace_ratio(entry: dict, est: MemoryEstimate) -> float | None:
+    """The estimate's workspace over the largest forward's peak above the static allocation
+    (issue 52: at least 1, at most 1.25); None where nothing was measured (a CPU)."""
+    peaks = [p["peak_allocated"] for p in entry["phases"].values()]
+    if None in peaks:
+        return None
+    return round(est.workspace / max(max(peaks) - entry["static_allocated"], 1), 3)
 
 
 def within(entry: dict, est: MemoryEstimate) -> bool | None:

@@ -19,9 +19,10 @@ and KV bytes against a real runtime's tensors, at TP 1 and TP 2):
   allocates its pool: ``kv_cache.num_blocks x block_size`` (by default the slots' positions);
   sequences share it by the tokens they hold, so a pool below ``max_num_seqs x max_model_len``
   serves as many sequences as their actual lengths fit (the scheduler preempts beyond);
-- **workspace**: the transient tensors of the largest forward, computed from its shapes (see
-  :func:`forward_workspace`), the larger of a prefill of ``prefill_rows`` prompts of full length and
-  a verify of every slot at full context;
+- **workspace**: the transient tensors of the largest forward as a GPU runs it (FlexAttention:
+  no scores), computed from its shapes (see :func:`forward_workspace`), the larger of a
+  prefill of ``prefill_rows`` prompts of full length and a verify of every slot at full
+  context;
 - **overhead**: an allowance, not computed: the CUDA context with cuBLAS workspaces and
   loaded kernels (:data:`CUDA_CONTEXT_BYTES`) and, under TP, NCCL's buffers (:data:`NCCL_BYTES`).
 
@@ -66,9 +67,14 @@ NCCL_BYTES = 3 * GIB // 2
 # The share of a GPU an estimate may take (vLLM's default gpu_memory_utilization is 0.9 too).
 MAX_UTILIZATION = 0.9
 # Logits are float32 [rows, vocab]; sampling them (temperature, one sort with int64 indices
-# for top-k / top-p, masks, softmax, cumsum, the exponential-race noise) keeps about ten
-# float32 copies alive at its peak, plus the LM head's own output in the model dtype.
-SAMPLER_FP32_COPIES = 10
+# for top-k / top-p, masks, softmax, cumsum, the exponential-race noise and its int64
+# intermediates) keeps about fourteen float32 copies alive at its peak, plus the LM head's own
+# output in the model dtype: an H100's verify of 16 x 5 rows peaked at 13.9 copies.
+SAMPLER_FP32_COPIES = 14
+# FlexAttention's decoding kernel: under this many queries per row; its split-KV buffers are
+# sized by the GPU's streaming multiprocessors (132 on an H100 or H200, 148 on a B200).
+FLEX_QUERY_TILE = 128
+MAX_SMS = 148
 
 
 @dataclass(frozen=True)
@@ -206,35 +212,33 @@ def kv_cache_bytes(shape: ModelShape, load: Workload) -> int:
 def forward_workspace(shape: ModelShape, tp: int, nbytes: int, *, rows: int, new_tokens: int,
                       kv_len: int, logit_rows: int) -> int:
     """Peak transient bytes of one forward of ``rows`` rows of ``new_tokens`` tokens over
-    ``kv_len`` keys on one rank (the ``library`` kernels, which ``auto`` picks on CUDA).
+    ``kv_len`` keys on one rank, as a GPU runs it: attention on FlexAttention (what
+    ``kernels: auto`` and ``compiled`` use on CUDA; ``engine/runtime/block_attention.py``).
 
-    Attention dominates: torch's ``scaled_dot_product_attention`` with a mask (any row of
-    more than one new token is causal) and grouped k/v heads has no fused kernel and runs
-    its *math* backend (``aten._scaled_dot_product_attention_math``, traced op by op): q, k
-    and v upcast to float32, k and v repeated to every query head, k transposed and scaled
-    (three ``[rows, heads / tp, kv_len, head_dim]`` float32 tensors), then the scores
-    ``[rows, heads / tp, new_tokens, kv_len]``, masked into a new tensor, and
-    ``_safe_softmax`` (its output, a bool mask of -inf and a ``where``): at its peak three
-    float32 tensors of the scores' shape and a bool one, quadratic in a prompt's length. The
-    boolean mask becomes a float one first. Beside it, the hidden states
-    (residual, normed input, sublayer output and rms_norm's float32 copy), the fused q/k/v
-    output, the MLP's (gate/up, silu(gate), their product; not alive with attention's) and
-    the logits with the sampler's copies (:data:`SAMPLER_FP32_COPIES`).
+    FlexAttention keeps no scores and reads the keys where the cache holds them, so its
+    transient tensors grow with the queries, not the keys: the queries padded to a
+    power-of-two batch and made contiguous, the output and its reshaped copy
+    (``[rows', heads / tp, new_tokens, head_dim]`` each) and the float32 log-sum-exp; under a
+    tile of queries torch's decoding kernel adds float32 split-KV buffers, at most about
+    ``2 x SMs x (heads / kv_heads) x 16 x head_dim`` (it splits a row's keys over
+    ``2 x SMs / (rows x kv_heads)`` thread blocks). ``kv_len`` no longer matters. Beside
+    attention, the hidden states (residual, normed input, sublayer output and rms_norm's
+    float32 copy), the fused q/k/v output, the MLP's (gate/up, silu(gate), their product; not
+    alive with attention's) and the logits with the sampler's copies
+    (:data:`SAMPLER_FP32_COPIES`). Measured on an H100 (Llama-3-8B shape, bfloat16, 8192 x
+    16, K = 4; docs/MEMORY.md): a prefill of 8192 tokens peaked 1.10 GiB above the static
+    allocation (this: 1.31), a verify of every slot with its sampler 0.53 GiB (this: 0.57).
     """
+    del kv_len  # FlexAttention reads the keys in place (the SDPA model this replaced did not)
     h, d = shape.hidden_size, shape.head_dim
     heads, kv_heads = shape.num_heads // tp, shape.num_kv_heads // tp
     tokens = rows * new_tokens
     hidden = tokens * h * (3 * nbytes + FP32)
     qkv = tokens * (heads + 2 * kv_heads) * d * nbytes
-    gathered = 2 * rows * kv_heads * kv_len * d * nbytes  # keys and values of scattered slots
-    if new_tokens > 1:  # masked: the math backend
-        mask = rows * new_tokens * kv_len * (1 + FP32)  # the bool mask and its float form
-        upcast = (tokens * heads + 2 * rows * kv_heads * kv_len) * d * FP32
-        repeated = 3 * rows * heads * kv_len * d * FP32  # k and v per query head, scaled k^T
-        scores = rows * heads * new_tokens * kv_len * (3 * FP32 + 1)
-        attention = gathered + mask + upcast + repeated + scores
-    else:  # one token sees every key: no mask, a fused kernel reads k and v where they are
-        attention = gathered + tokens * heads * d * nbytes
+    queries = (1 << (rows - 1).bit_length()) * new_tokens * heads  # rows padded to a power of 2
+    attention = queries * (4 * d * nbytes + FP32)
+    if new_tokens < FLEX_QUERY_TILE:
+        attention += 2 * MAX_SMS * (heads // kv_heads) * 16 * d * FP32
     mlp = tokens * shape.intermediate_size // tp * 4 * nbytes
     logits = logit_rows * shape.vocab_size * (nbytes + SAMPLER_FP32_COPIES * FP32)
     return hidden + qkv + max(attention, mlp) + logits
