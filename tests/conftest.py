@@ -80,8 +80,8 @@ def worker_group(nodeid: str) -> str:
     their own: where they run beside the Serve tests, their worker starts a Ray cluster (and
     Serve, for the modules with apps of their own) on ports of its own, and they take about
     eight minutes (AVX512; more on AVX2) off the Serve worker, the longer one.
-    Every other module is a group of its own (its module fixtures built once). No test
-    outside tests/serve starts Ray."""
+    Every other module is a group of its own (its module fixtures built once). Outside
+    tests/serve only tests/test_ray_start.py starts Ray, in a subprocess."""
     module = nodeid.split("::")[0]
     if module in ACTOR_TESTS:
         return "ray-actors"
