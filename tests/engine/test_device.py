@@ -100,24 +100,26 @@ def test_the_engine_computes_on_its_device_and_returns_host_data(target_hf, meth
 # that no change adds copies or syncs to the step unseen; lower it as the step improves.
 # Library kernels, two rows, n-gram K = 4. Before issue 52's first changes: greedy 10 up and
 # 7 down, sampled 15 and 10 (the inputs copied piece by piece, the acceptance read back row by
-# row). Now the forward's inputs go in one copy, its logit positions in one, the drafts in
-# one, the sampling settings in one; the result comes back in one read. Left up: the library
-# attention's mask and the noise keys of a sampled step.
-TRAFFIC_CEILING = {"greedy": (4, 1), "sampled": (6, 1)}
+# row). Now the forward's inputs, its logit positions, the library attention's mask inputs,
+# the drafts, the sampling settings, the noise keys and uniforms all go in one copy (a
+# :class:`~specserve.engine.runtime.forward_batch.Upload` the worker fills before the forward),
+# and the result comes back in one read: issue 52's one each way.
+TRAFFIC_CEILING = (1, 1)
+KINDS = {"greedy": SamplingParams(temperature=0, max_tokens=10),
+         "seeded": SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=3),
+         "unseeded": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10)}
 
 
-@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind):
     """Two rows decode with n-gram drafts, the target on the double's device: the largest
     number of host-to-device copies and of device-to-host reads in one step, against the
     ceiling above; the double counts what a GPU pays for (tests/device_double.py)."""
-    params = (SamplingParams(temperature=0, max_tokens=10) if kind == "greedy"
-              else SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=3))
     with DeviceDouble() as double:
         engine = SpecDecodeEngine(_worker(runtime_of(target_hf), device=True), make_tiny_tokenizer(),
                                   eos_token_ids=EOS, proposer=NgramProposer(), num_speculative_tokens=4)
         for prompt in prompts(2, seed=5):
-            engine.add_request(prompt, params)
+            engine.add_request(prompt, KINDS[kind])
         engine.step()  # the prefill
         counts = []
         while engine.has_unfinished():
@@ -125,24 +127,23 @@ def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind):
             engine.step()
             counts.append((double.to_device - before[0], double.to_host - before[1]))
     worst = (max(c[0] for c in counts), max(c[1] for c in counts))
-    print(f"\n{kind}: per decode step, host-to-device {worst[0]}, device-to-host {worst[1]} "
-          f"(issue 52's aim: 1 and 1)")
+    print(f"\n{kind}: per decode step, host-to-device {worst[0]}, device-to-host {worst[1]}")
     assert len(counts) >= 2 and min(c[0] for c in counts) >= 1 and min(c[1] for c in counts) >= 1
-    assert worst[0] <= TRAFFIC_CEILING[kind][0] and worst[1] <= TRAFFIC_CEILING[kind][1], worst
+    assert worst[0] <= TRAFFIC_CEILING[0] and worst[1] <= TRAFFIC_CEILING[1], worst
 
 
 def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):
-    """The sampler's per-row temperatures built on the host (as before issue 21) next to
-    logits on the device: the double raises, as CUDA would."""
+    """The sampler's per-row temperatures on the host (as before issue 21) next to logits on
+    the device: the double raises, as CUDA would."""
     sampled = (SamplingParams(temperature=0.7), 1)
     with DeviceDouble():
         worker = _worker(runtime_of(target_hf), device=True)
         slot = worker.allocate()
         worker.verify(VerifyBatch([slot], [[5, 6, 7]], [Proposal([])], [sampled]))  # fine as built
         worker.rollback(slot, 0)
-        monkeypatch.setattr(sampling, "_per_logit_row", lambda params, counts, device: tuple(
-            torch.tensor([getattr(p, name) for p, n in zip(params, counts) for _ in range(n)])
-            for name in ("temperature", "top_k", "top_p")))
+        compute_probs = sampling.compute_probs
+        monkeypatch.setattr(sampling, "compute_probs", lambda logits, temperature, *rest, **kw:
+                            compute_probs(logits, temperature.cpu(), *rest, **kw))
         with pytest.raises(DeviceMix, match="same device"):
             worker.verify(VerifyBatch([slot], [[5, 6, 7]], [Proposal([])], [sampled]))
 

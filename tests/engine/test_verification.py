@@ -35,9 +35,8 @@ def random_logits(n: int, seed: int) -> torch.Tensor:
 
 
 def test_pad_drafts_pads_ragged_rows_with_zeros():
-    drafts, num_draft_tokens = pad_drafts([Proposal([5, 9, 2]), Proposal([]), Proposal([3])])
-    assert drafts.tolist() == [[5, 9, 2], [0, 0, 0], [3, 0, 0]]
-    assert num_draft_tokens.tolist() == [3, 0, 1]
+    drafts = pad_drafts([Proposal([5, 9, 2]), Proposal([]), Proposal([3])])
+    assert drafts.tolist() == [[5, 9, 2, 3], [0, 0, 0, 0], [3, 0, 0, 1]]  # then the count
 
 
 def test_greedy_rows_of_any_length_argmax_ids_or_logits():
@@ -58,7 +57,7 @@ def test_target_probs_are_padded_with_zero_rows():
 
 
 def test_draft_probs_none_when_deterministic_else_one_hot_rows():
-    drafts, _ = pad_drafts([Proposal([4, 1]), Proposal([2])])
+    drafts = pad_drafts([Proposal([4, 1]), Proposal([2])])[:, :-1]
     assert draft_probs([Proposal([4, 1]), Proposal([2])], drafts, V) is None
     q1 = torch.softmax(random_logits(1, 2), -1)
     q = draft_probs([Proposal([4, 1]), Proposal([2], q1)], drafts, V)

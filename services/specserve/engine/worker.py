@@ -19,12 +19,18 @@ import torch
 
 from specserve.config import KVCacheConfig
 from specserve.engine.kv.kv_cache import SlotTable
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.step_batch import VerifyBatch
-from specserve.engine.step.verification import SamplingRow, Verdict, token_logprobs, verify_rows
+from specserve.engine.step.verification import (
+    SamplingRow,
+    Verdict,
+    stage,
+    token_logprobs,
+    verify_rows,
+)
 
 
 @dataclass
@@ -159,12 +165,15 @@ class ModelWorker(SlotOwner):
         t0 = time.perf_counter()
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
                           and not s for r, s in zip(rows, scored))
-        out = self.forward(batch.forward(asked, argmax=argmax_only))
+        upload = Upload()  # the verification's inputs go to the device with the forward's
+        staged = stage(rows, batch.proposals, upload)
+        out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         _sync(logits)
         t1 = time.perf_counter()
         per_row = list(logits.split(asked))
-        verdicts = verify_rows(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)])
+        verdicts = verify_rows(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)],
+                               staged)
         for i, (ids, x, n) in enumerate(zip(batch.token_ids, per_row, counts)):
             if scored[i]:  # logits row j predicts prompt token j + 1
                 prompt = ids[:len(ids) - n + 1]

@@ -50,6 +50,41 @@ class ForwardBatch:
     features: torch.Tensor | None = None           # [sum(new tokens), feature width]
     hidden: bool = False                           # the result carries hidden states
     argmax: bool = False                           # the result carries argmax ids, not logits
+    # host tensors of the caller's (a verify's drafts and sampling settings) that go to the
+    # device in the forward's own input copy; None: the forward's inputs alone
+    upload: Upload | None = None
+
+
+class Upload:
+    """Host tensors bound for the device, sent in one copy (issue 52: one host-to-device copy
+    a step, the forward's inputs and the verification's together). :meth:`add` a host tensor
+    and keep its index; after :meth:`send`, ``upload[index]`` is that tensor on the device,
+    its shape and dtype kept. Everything travels as int64: integers and booleans by value,
+    floating-point values as the bits of their float64 (which holds a float32 exactly)."""
+
+    def __init__(self) -> None:
+        self._host: list[torch.Tensor] = []
+        self._sent: list[torch.Tensor] = []
+
+    def add(self, host: torch.Tensor) -> int:
+        assert host.device.type == "cpu", host.device
+        self._host.append(host)
+        return len(self._host) - 1
+
+    def send(self, device: torch.device | str) -> None:
+        """Every tensor added since the last send, in one copy."""
+        new = self._host[len(self._sent):]
+        if not new:
+            return
+        flat = [x.reshape(-1).double().view(torch.int64) if x.is_floating_point()
+                else x.reshape(-1).long() for x in new]
+        packed = torch.cat(flat).to(device)
+        for x, part in zip(new, packed.split([f.numel() for f in flat])):
+            part = part.view(torch.float64) if x.is_floating_point() else part
+            self._sent.append(part.to(x.dtype).view(x.shape))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._sent[index]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from specserve.engine.kv.kv_cache import SlotKVCache
 from specserve.engine.runtime import block_attention
 from specserve.engine.runtime.block_attention import KeyBlocks
 from specserve.engine.runtime.compiled import bucket
+from specserve.engine.runtime.forward_batch import Upload
 from specserve.engine.runtime.kernels import KV_BLOCK, hidden_keys
 from specserve.engine.runtime.token_tree import validate_tree
 from specserve.errors import InvalidRequestError
@@ -40,6 +41,9 @@ class ForwardContext:
     tree_starts: torch.Tensor | None = None
     lens: torch.Tensor | None = None  # [B] int64 on the CPU: each row's real new tokens
     table: torch.Tensor | None = None  # [B, W] int32: each row's block table (the C kernels)
+    # positions, tree and tree_starts on the forward's device (the library's mask is made
+    # there from them)
+    on_device: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
 
@@ -83,8 +87,9 @@ class ForwardContext:
         return self._ranges[key]
 
     def visible(self, window: bool) -> torch.Tensor:
-        """``[B, T, S]`` bool, True where a query may attend (made on first use: the C kernels
-        take key ranges instead, so the default CPU path never builds it).
+        """``[B, T, S]`` bool, True where a query may attend (made on first use, on the
+        forward's device from its positions: the C kernels take key ranges instead, so the
+        default CPU path never builds it).
 
         A query at position ``p`` sees keys ``0..p`` of its own slot, and with ``window`` the
         last ``self.window`` of them. Padding queries keep the same rule; they always see key
@@ -92,18 +97,22 @@ class ForwardContext:
         """
         key = ("visible", window)
         if key not in self._ranges:
-            keys = torch.arange(self.kv_len)[None, None, :]                  # [1, 1, S]
-            visible = keys <= self.positions[:, :, None]                     # [B, T, S]
-            if window:
-                visible &= keys > self.positions[:, :, None] - self.window
-            if self.tree is not None:  # a tree row's query: its prefix, ancestors and itself
-                rel = keys - self.tree_starts.long()[:, None, None]          # [B, 1, S]
-                bit = (self.tree[:, :, None] >> rel.clamp(0, 63)) & 1        # [B, T, S]
-                seen = (rel < 0) | ((rel < 64) & (bit == 1))
-                visible = torch.where((self.tree_starts >= 0)[:, None, None], visible & seen, visible)
-            self._ranges[("every", window)] = bool(visible[..., :self.kv_used].all())  # host: no wait
-            self._ranges[key] = visible.to(self.valid.device)
+            self._ranges[("every", window)] = self._every(window)
+            positions, tree, tree_starts = self.on_device
+            self._ranges[key] = _visible(positions, self.kv_len, self.window if window else None,
+                                         tree, tree_starts)
         return self._ranges[key]
+
+    def _every(self, window: bool) -> bool:
+        """Whether every query sees every key below ``kv_used`` (read off the host's
+        positions: no device read). Each query sees the keys up to its own position, which
+        is at least its row's start; a window hides keys of a query at or past it; a token
+        tree hides a branch from its siblings."""
+        if self.tree_starts is not None and bool((self.tree_starts >= 0).any()):
+            return False
+        if int(self.positions[:, 0].min()) < self.kv_used - 1:
+            return False
+        return not window or int(self.positions.max()) < self.window
 
     def key_start(self, window: bool) -> torch.Tensor:
         """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
@@ -154,12 +163,14 @@ class PackedContext:
 def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
             trees: list[list[int] | None] | None = None, *, rope_cos: torch.Tensor,
             rope_sin: torch.Tensor, sliding_windows: tuple[int | None, ...],
-            decode_width: int | None, device: torch.device) -> tuple[ForwardContext, torch.Tensor]:
+            decode_width: int | None, device: torch.device, upload: Upload | None = None
+            ) -> tuple[ForwardContext, torch.Tensor]:
     """The context of a forward appending ``token_ids[i]`` to slot ``slots[i]``, and its tokens
     ``[B, T]`` (each row padded to the longest, or to ``decode_width``), both on ``device``.
     ``rope_cos``/``rope_sin``: the runtime's ``[max_len, D]`` tables; ``sliding_windows``: its
     layers' (:attr:`ModelArch.sliding_windows`); ``trees``: as :meth:`LlamaRuntime.forward`
-    takes them. Reserves the rows' blocks in a paged cache."""
+    takes them. What the device needs of the batch goes in one copy, with whatever the caller
+    put in ``upload``. Reserves the rows' blocks in a paged cache."""
     starts = [cache.lengths[s] for s in slots]
     lens = [len(ids) for ids in token_ids]
     if min(lens) < 1:
@@ -186,21 +197,38 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
         rope_positions, tree, tree_starts = _trees(trees, starts, lens, t, window)
     table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
     slot_t = torch.tensor(slots)[:, None].expand(-1, t)
-    # What the device needs of the batch, in one host-to-device copy: [B, T] token ids, RoPE
-    # rows and validity, then each real token's slot and position ([N] each).
-    n = sum(lens)  # the real tokens: valid's count
-    packed = torch.cat([tokens.flatten(), table_pos.flatten(), valid.flatten().long(),
-                        slot_t[valid], positions[valid]]).to(device)
-    bt = tokens.numel()
-    tokens_d, table_pos_d, valid_d, write_slots, write_positions = packed.split([bt, bt, bt, n, n])
-    cos = rope_cos[table_pos_d.view(-1, t)].unsqueeze(2)        # [B, T, 1, D]
-    sin = rope_sin[table_pos_d.view(-1, t)].unsqueeze(2)
+    # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
+    # each real token's slot and position ([N] each), a tree's masks and bases.
+    upload = upload or Upload()
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, slot_t[valid], positions[valid],
+                                     positions, *(() if tree is None else (tree, tree_starts)))]
+    upload.send(device)
+    tokens_d, table_pos_d, valid_d, write_slots, write_positions, positions_d, *tree_d = (
+        upload[i] for i in parts)
+    cos = rope_cos[table_pos_d].unsqueeze(2)        # [B, T, 1, D]
+    sin = rope_sin[table_pos_d].unsqueeze(2)
     ctx = ForwardContext(
-        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d.view(-1, t).bool(),
+        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d,
         write_slots=write_slots, write_positions=write_positions,
         kv_used=kv_used, positions=positions, window=window, tree=tree,
-        tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots))
-    return ctx, tokens_d.view(-1, t)
+        tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots),
+        on_device=(positions_d, *(tree_d or (None, None))))
+    return ctx, tokens_d
+
+
+def _visible(positions: torch.Tensor, kv_len: int, window: int | None, tree: torch.Tensor | None,
+             tree_starts: torch.Tensor | None) -> torch.Tensor:
+    """:meth:`ForwardContext.visible` on ``positions``' device."""
+    keys = torch.arange(kv_len, device=positions.device)[None, None, :]  # [1, 1, S]
+    visible = keys <= positions[:, :, None]                              # [B, T, S]
+    if window:
+        visible &= keys > positions[:, :, None] - window
+    if tree is not None:  # a tree row's query: its prefix, ancestors and itself
+        rel = keys - tree_starts.long()[:, None, None]                   # [B, 1, S]
+        bit = (tree[:, :, None] >> rel.clamp(0, 63)) & 1                 # [B, T, S]
+        seen = (rel < 0) | ((rel < 64) & (bit == 1))
+        visible = torch.where((tree_starts >= 0)[:, None, None], visible & seen, visible)
+    return visible
 
 
 def _trees(trees: list[list[int] | None], starts: list[int], lens: list[int], t: int,
@@ -268,14 +296,13 @@ def _bit(j: int) -> int:
     return 1 << j if j < 63 else -(1 << 63)
 
 
-def logit_positions(token_ids: list[list[int]], num_logits: list[int],
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) indices of the last ``num_logits[i]`` new tokens of each row."""
+def logit_positions(token_ids: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    """``[2, sum(num_logits)]``: the (row, column) indices of the last ``num_logits[i]`` new
+    tokens of each row, on the host."""
     rows, cols = [], []
     for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
         if not 0 <= n <= len(ids):
             raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
         rows += [i] * n
         cols += range(len(ids) - n, len(ids))
-    both = torch.tensor([rows, cols], dtype=torch.long, device=device)  # one copy
-    return both[0], both[1]
+    return torch.tensor([rows, cols], dtype=torch.long)

@@ -26,11 +26,13 @@ def forward_groups(runtime, cache: SlotKVCache, batch: ForwardBatch, num_logits:
     part = (lambda a, b: None) if trees is None else (lambda a, b: trees[a:b])
     if runtime.kernels != "invariant":
         outs = [runtime.forward(cache, ForwardBatch(slots[a:b], token_ids[a:b], num_logits[a:b],
-                                                    trees=part(a, b), features=f, hidden=batch.hidden))
-                for (a, b), f in zip(spans, feats)]
+                                                    trees=part(a, b), features=f, hidden=batch.hidden,
+                                                    upload=batch.upload if a == 0 else None))
+                for (a, b), f in zip(spans, feats)]  # the caller's uploads go with the first
         return (torch.cat([out.logits for out in outs]),
                 torch.cat([out.hidden for out in outs]) if batch.hidden else None)
-    prepared = [runtime._prepare(cache, slots[a:b], token_ids[a:b], part(a, b)) for a, b in spans]
+    prepared = [runtime._prepare(cache, slots[a:b], token_ids[a:b], part(a, b),
+                                 batch.upload if a == 0 else None) for a, b in spans]
     x = torch.cat([runtime._inputs(tokens, ctx, f).flatten(0, 1)
                    for (ctx, tokens), f in zip(prepared, feats)])[None]  # [1, N, hidden]
     packed = PackedContext([ctx for ctx, _ in prepared],

@@ -36,7 +36,7 @@ from torch import nn
 from specserve.engine.kv.kv_cache import PagedKVCache, SlotKVCache
 from specserve.engine.runtime.arch import ModelArch
 from specserve.engine.runtime.compiled import StaticForward, warm_up
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload
 from specserve.engine.runtime.forward_context import ForwardContext, logit_positions, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
 from specserve.engine.runtime.kernels import KV_BLOCK, Linear
@@ -204,7 +204,9 @@ class LlamaRuntime(nn.Module):
             if sum(groups) != len(slots) or min(groups) < 1:
                 raise ValueError(f"groups {groups} do not split {len(slots)} rows")
             return forward_groups(self, cache, batch, num_logits)
-        ctx, tokens = self._prepare(cache, slots, token_ids, batch.trees)
+        upload = batch.upload or Upload()
+        asked = upload.add(logit_positions(token_ids, num_logits))  # with the inputs' copy
+        ctx, tokens = self._prepare(cache, slots, token_ids, batch.trees, upload)
         x = self._inputs(tokens, ctx, batch.features)  # [B, T, hidden]
         captured: list[torch.Tensor] = []  # feature_layers' inputs
         capture = batch.hidden and self.feature_layers is not None
@@ -215,7 +217,7 @@ class LlamaRuntime(nn.Module):
             x, captured = self._layers(x, ctx, cache, capture)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
-        rows, cols = logit_positions(token_ids, num_logits, x.device)
+        rows, cols = upload[asked]
         head = self._head_shape(ctx, cache.num_slots, *x.shape[:2])
         own = self._own_features(batch.hidden)
         if head is not None:
@@ -301,11 +303,12 @@ class LlamaRuntime(nn.Module):
         return logits, normed[:b, :t][valid] if hidden else None
 
     def _prepare(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
-                 trees: list[list[int] | None] | None = None) -> tuple[ForwardContext, torch.Tensor]:
+                 trees: list[list[int] | None] | None = None, upload: Upload | None = None
+                 ) -> tuple[ForwardContext, torch.Tensor]:
         """The forward's context and tokens (:func:`~specserve.engine.runtime.forward_context.prepare`)."""
         return prepare(cache, slots, token_ids, trees, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
                        sliding_windows=self.arch.sliding_windows, decode_width=self.decode_width,
-                       device=self.embed.weight.device)
+                       device=self.embed.weight.device, upload=upload)
 
 
 def default_kernels(device: torch.device) -> str:

@@ -43,34 +43,38 @@ def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.softmax(logits, dim=-1)
 
 
-def compute_probs_rows(logits: list[torch.Tensor], params: Sequence) -> list[torch.Tensor]:
+def compute_probs_rows(logits: list[torch.Tensor], params: Sequence,
+                       settings: torch.Tensor | None = None) -> list[torch.Tensor]:
     """:func:`compute_probs` of several rows' logits (``[m_i, V]`` each), row ``i`` under
     ``params[i]``'s ``temperature``, ``top_k`` and ``top_p`` (request parameters or a
     draft request), all in one call: the transform acts on each logits row alone, so a row
-    gets the values it gets by itself, without one sort per row."""
+    gets the values it gets by itself, without one sort per row. ``settings``: as
+    :func:`compute_probs_each` takes them."""
     counts = [x.shape[0] for x in logits]
-    return list(compute_probs_each(torch.cat(logits), params, counts).split(counts))
+    return list(compute_probs_each(torch.cat(logits), params, counts, settings).split(counts))
 
 
-def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int] | None = None
-                       ) -> torch.Tensor:
+def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int] | None = None,
+                       settings: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`compute_probs` of ``[sum(counts), V]`` logits, each run of ``counts[i]`` rows
-    (default: one) under ``params[i]``'s ``temperature``, ``top_k`` and ``top_p``."""
+    (default: one) under ``params[i]``'s ``temperature``, ``top_k`` and ``top_p``.
+    ``settings``: :func:`settings_host`'s of them, already on the logits' device (a verify
+    sends them with its forward's inputs); None: sent here, in one copy."""
     counts = counts or [1] * len(params)
     assert all(p.temperature > 0 for p in params), "greedy rows have no sampling distribution"
     truncate = any(p.top_k > 0 or p.top_p < 1 for p in params)
-    return compute_probs(logits, *_per_logit_row(params, counts, logits.device),
-                         truncate=truncate)  # [sum(counts), V]
+    if settings is None:
+        settings = settings_host(params, counts).to(logits.device)
+    return compute_probs(logits, settings[:, 0].float(), settings[:, 1].long(),
+                         settings[:, 2].float(), truncate=truncate)  # [sum(counts), V]
 
 
-def _per_logit_row(params: Sequence, counts: list[int], device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Temperatures, top-ks and top-ps, ``[sum(counts)]`` each on ``device``: each row's
-    value repeated once per logits row of it, moved in one copy (float64 holds the three
-    exactly: a float32 of it is the float32 of the request's value)."""
-    host = torch.tensor([[p.temperature, p.top_k, p.top_p] for p, n in zip(params, counts)
-                         for _ in range(n)], dtype=torch.float64).view(-1, 3).to(device)
-    return host[:, 0].float(), host[:, 1].long(), host[:, 2].float()
+def settings_host(params: Sequence, counts: list[int]) -> torch.Tensor:
+    """``[sum(counts), 3]`` float64 on the host: each row's temperature, top-k and top-p,
+    repeated once per logits row of it (float64 holds the three exactly: a float32 of it is
+    the float32 of the request's value)."""
+    return torch.tensor([[p.temperature, p.top_k, p.top_p] for p, n in zip(params, counts)
+                         for _ in range(n)], dtype=torch.float64).view(-1, 3)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -124,6 +128,11 @@ def noise_key(seed: int, position: int, stream: int = NOISE) -> int:
     return _mix(seed, position, stream)
 
 
+def noise_keys(keys: list[int]) -> torch.Tensor:
+    """:func:`noise_key`'s keys as the int64 tensor :func:`exponential_noise` takes, on the host."""
+    return torch.tensor([_int64(k) for k in keys], dtype=torch.int64)
+
+
 def _int64(value: int) -> int:
     """A uint64 as the int64 with the same bits (torch has no uint64 arithmetic)."""
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -137,8 +146,10 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
 _GOLDEN, _M1, _M2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
-def exponential_noise(keys: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[len(keys), V]`` Exp(1) noise on ``device``, row i a function of ``keys[i]`` alone.
+def exponential_noise(keys: list[int] | torch.Tensor, vocab: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(keys), V]`` Exp(1) noise on ``device``, row i a function of ``keys[i]`` alone
+    (a list of keys, or :func:`noise_keys`'s int64 tensor, on ``device`` already).
 
     Counter-based, computed where it is used: entry j of a row is SplitMix64's finaliser of
     ``key + (j + 1) * golden`` (integer ops, which wrap the same on every device), its top 53
@@ -149,10 +160,11 @@ def exponential_noise(keys: list[int], vocab: int, device: torch.device | str = 
     2.6x faster on a 2-core EPYC (1.6 ms for 768 x 512 entries); its ``log`` is libm's, so a
     rare entry may differ from this path's in the last place too. Either way a process
     computes every row with one of them."""
-    keys = [_int64(k) for k in keys]
+    if not isinstance(keys, torch.Tensor):
+        keys = noise_keys(keys).to(device)
     if torch.device(device).type == "cpu" and native.library() is not None:
-        return native.exponential_noise(torch.tensor(keys, dtype=torch.int64), vocab)
-    key = torch.tensor(keys, dtype=torch.int64, device=device)[:, None]
+        return native.exponential_noise(keys, vocab)
+    key = keys[:, None]
     index = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)[None, :]
     z = key + index * _GOLDEN  # [N, V]; int64 products wrap, as uint64 ones would
     z = (z ^ _shr(z, 30)) * _M1

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch, Upload
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sequence import Sequence
 from specserve.engine.step.verification import Verdict
@@ -184,15 +184,17 @@ class VerifyBatch:
         """[rows] logits each row's verdict reads: one per draft, and one after the last."""
         return [len(p.token_ids) + 1 for p in self.proposals]
 
-    def forward(self, num_logits: list[int] | None = None, *, argmax: bool = False) -> ForwardBatch:
+    def forward(self, num_logits: list[int] | None = None, *, argmax: bool = False,
+                upload: Upload | None = None) -> ForwardBatch:
         """The verify's one forward: the rows (``num_logits`` each; default
-        :attr:`num_verify_logits`), then the chunks (none), with their trees and groups."""
+        :attr:`num_verify_logits`), then the chunks (none), with their trees and groups;
+        ``upload``: the verification's inputs, to go with the forward's."""
         return ForwardBatch(
             [*self.slots, *(slot for slot, _ in self.chunks)],
             [*self.token_ids, *(ids for _, ids in self.chunks)],
             [*(num_logits or self.num_verify_logits), *(0 for _ in self.chunks)],
             trees=None if self.trees is None else [*self.trees, *(None for _ in self.chunks)],
-            groups=self.groups, hidden=self.hidden, argmax=argmax)
+            groups=self.groups, hidden=self.hidden, argmax=argmax, upload=upload)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ A row whose proposal is a token tree (``Proposal.parents``) is verified alone by
 walk, the drafter-invariant walk with the chain's noise per depth, or multi-candidate
 rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`).
 
+What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
+before the target's forward: the worker :func:`stage`\ s it into the forward's
+:class:`~specserve.engine.runtime.forward_batch.Upload`, so a step makes one host-to-device copy
+(issue 52); called alone, each kind sends its own in one copy.
+
 Every draw is a function of (seed, position) alone (:mod:`~specserve.engine.step.sampling`), never
 of the batch or of K, which is why rows can be regrouped and padded freely.
 """
@@ -31,6 +36,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
+from specserve.engine.runtime.forward_batch import Upload
 from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     RejectionOutput,
@@ -48,7 +54,9 @@ from specserve.engine.step.sampling import (
     compute_probs_rows,
     exponential_noise,
     noise_key,
+    noise_keys,
     position_uniform,
+    settings_host,
     step_generator,
 )
 
@@ -80,10 +88,60 @@ class SamplingRow:
     mask: torch.Tensor | None = None
 
 
-def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
-                 logits: list[torch.Tensor]) -> list[tuple[RejectionOutput, int]]:
+class KindInputs:
+    """What one kind's rows need of the host (module docstring), built before the forward and
+    on the device in one copy: the drafts (``[B, K + 1]``: padded with 0, then their count),
+    and for sampled rows each verified position's sampling settings and noise key, and the
+    rejection test's uniforms. ``upload``: the step's, which the forward sends with its own
+    inputs (the worker stages a verify this way: one host-to-device copy a step); None: one
+    of their own, sent where they are read."""
+
+    def __init__(self, kind: str, rows: list[SamplingRow], proposals: list[Proposal],
+                 upload: Upload | None = None) -> None:
+        counts = [len(p.token_ids) + 1 for p in proposals]
+        parts = {"drafts": pad_drafts(proposals)}
+        if kind != "greedy":
+            parts["settings"] = settings_host([r.params for r in rows], counts)
+            parts["keys"] = noise_keys([noise_key(r.sample_seed, r.position + j)
+                                        for r, n in zip(rows, counts) for j in range(n)])
+        if kind == "unseeded":
+            parts["uniform"] = torch.tensor(
+                [[position_uniform(r.sample_seed, r.position + j) if j < n - 1 else 1.0
+                  for j in range(max(counts) - 1)] for r, n in zip(rows, counts)],
+                dtype=torch.float32)
+        self.upload = upload or Upload()
+        self._index = {name: self.upload.add(x) for name, x in parts.items()}
+
+    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The inputs on ``device`` (sent now unless the forward sent them)."""
+        self.upload.send(device)
+        return {name: self.upload[i] for name, i in self._index.items()}
+
+
+def chain_kinds(rows: list[SamplingRow], proposals: list[Proposal]) -> dict[str, list[int]]:
+    """The chain rows (no tree) of each kind: greedy, seeded, unseeded (module docstring)."""
+    chains = [i for i in range(len(rows)) if proposals[i].parents is None]
+    sampled = [i for i in chains if not rows[i].params.greedy]
+    return {"greedy": [i for i in chains if rows[i].params.greedy],
+            "seeded": [i for i in sampled if rows[i].params.seed is not None],
+            "unseeded": [i for i in sampled if rows[i].params.seed is None]}
+
+
+def stage(rows: list[SamplingRow], proposals: list[Proposal], upload: Upload
+          ) -> dict[str, KindInputs]:
+    """Each chain kind's :class:`KindInputs`, added to ``upload`` (to go with the forward's
+    inputs); :func:`verify_rows` takes them."""
+    return {kind: KindInputs(kind, [rows[i] for i in picked], [proposals[i] for i in picked],
+                             upload)
+            for kind, picked in chain_kinds(rows, proposals).items() if picked}
+
+
+def verify_batch(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
+                 staged: dict[str, KindInputs] | None = None
+                 ) -> list[tuple[RejectionOutput, int]]:
     """Verify a step's rows, each kind (module docstring) in one sampler call; returns, per
-    row, the output of its kind's call and its row in that output.
+    row, the output of its kind's call and its row in that output. ``staged``: :func:`stage`'s
+    inputs, sent with the forward's (None: each kind sends its own).
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``, or ``[num_draft_tokens_i + 1]`` argmax ids
     when every row of the forward was greedy.
@@ -91,30 +149,26 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal],
     assert len(rows) == len(proposals) == len(logits)
     results: list[tuple[RejectionOutput, int] | None] = [None] * len(rows)
     trees = [i for i, proposal in enumerate(proposals) if proposal.parents is not None]
-    chains = [i for i in range(len(rows)) if proposals[i].parents is None]
     sampled = [i for i in trees if not rows[i].params.greedy]  # their p in one transform
     probs = dict(zip(sampled, compute_probs_rows([logits[i] for i in sampled],
                                                  [rows[i].params for i in sampled]))) if sampled else {}
     for i in trees:
         results[i] = (verify_tree(rows[i], proposals[i], logits[i], probs.get(i)), 0)
-    greedy = [i for i in chains if rows[i].params.greedy]
-    seeded = [i for i in chains if not rows[i].params.greedy and rows[i].params.seed is not None]
-    unseeded = [i for i in chains if not rows[i].params.greedy and rows[i].params.seed is None]
-    kinds = ((greedy, lambda _rows, props, x: verify_greedy(props, x)),  # greedy draws nothing
-             (seeded, verify_seeded), (unseeded, verify_sampled))
-    for picked, verify in kinds:
+    verifiers = {"greedy": lambda _rows, props, x, inputs: verify_greedy(props, x, inputs),
+                 "seeded": verify_seeded, "unseeded": verify_sampled}
+    for kind, picked in chain_kinds(rows, proposals).items():
         if picked:
-            out = verify([rows[i] for i in picked], [proposals[i] for i in picked],
-                         [logits[i] for i in picked])
+            out = verifiers[kind]([rows[i] for i in picked], [proposals[i] for i in picked],
+                                  [logits[i] for i in picked], (staged or {}).get(kind))
             for j, i in enumerate(picked):
                 results[i] = (out, j)
     return results
 
 
-def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
-                logits: list[torch.Tensor]) -> list[Verdict]:
-    """:func:`verify_batch`, each row's result as a :class:`Verdict` (with the emitted
-    tokens' log-probabilities where its request asked for them).
+def verify_rows(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
+                staged: dict[str, KindInputs] | None = None) -> list[Verdict]:
+    """:func:`verify_batch` (``staged`` as it takes them), each row's result as a
+    :class:`Verdict` (with the emitted tokens' log-probabilities where its request asked).
 
     A row with a grammar ``mask`` is verified on its logits with the disallowed tokens at
     -inf: the constrained target distribution, at every position (greedy argmax, p of the
@@ -124,7 +178,7 @@ def verify_rows(rows: list[SamplingRow], proposals: list[Proposal],
     constrained = [x if r.mask is None else masked(x, r.mask) for r, x in zip(rows, logits)]
     verdicts = []
     for r, x, c, (res, row) in zip(rows, logits, constrained,
-                                   verify_batch(rows, proposals, constrained)):
+                                   verify_batch(rows, proposals, constrained, staged)):
         path = res.paths[row] if res.paths is not None else None
         emitted = res.emitted(row)
         lp = None if r.params.logprobs is None else emitted_logprobs(
@@ -186,13 +240,15 @@ def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor,
     return RejectionOutput(emitted, torch.tensor([out.num_accepted]), paths=[out.path])
 
 
-def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor]) -> RejectionOutput:
+def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor],
+                  inputs: KindInputs | None = None) -> RejectionOutput:
     """Greedy verification against the target argmax.
 
     logits[i]: ``[num_draft_tokens_i + 1, V]`` logits or ``[num_draft_tokens_i + 1]`` argmax ids.
     """
     assert len(proposals) == len(logits) and all(x.ndim in (1, 2) for x in logits)
-    draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
+    drafts = (inputs or KindInputs("greedy", [], proposals)).on(logits[0].device)["drafts"]
+    draft_token_ids, num_draft_tokens = drafts[:, :-1], drafts[:, -1]  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
@@ -200,19 +256,19 @@ def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor]) -> Reje
 
 
 def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
-                  logits: list[torch.Tensor]) -> RejectionOutput:
+                  logits: list[torch.Tensor], inputs: KindInputs | None = None) -> RejectionOutput:
     """Drafter-invariant verification: the text is the target-only text of the seed.
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
     assert len(rows) == len(proposals) == len(logits)
-    draft_token_ids, num_draft_tokens = pad_drafts(proposals, logits[0].device)  # [B, K], [B]
-    p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1])  # [B, K + 1, V]
+    on = (inputs or KindInputs("seeded", rows, proposals)).on(logits[0].device)
+    draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
+    p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1],
+                     on["settings"])  # [B, K + 1, V]
     # Every row's positions 0..num_draft_tokens in one draw (what follows a disagreement is
     # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
-    counts = [len(proposal.token_ids) + 1 for proposal in proposals]  # (on the host: no read)
-    drawn = exponential_noise([noise_key(r.sample_seed, r.position + j) for r, n in zip(rows, counts)
-                               for j in range(n)], p.shape[-1], p.device)  # [sum(counts), V]
+    drawn = exponential_noise(on["keys"], p.shape[-1], p.device)  # [sum(K_i + 1), V]
     noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
     width = torch.arange(p.shape[1], device=p.device)[None, :]
     noise[width < (num_draft_tokens + 1)[:, None]] = drawn  # row-major, as drawn
@@ -220,52 +276,49 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
 
 
 def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
-                   logits: list[torch.Tensor]) -> RejectionOutput:
+                   logits: list[torch.Tensor], inputs: KindInputs | None = None) -> RejectionOutput:
     """The rejection test (Leviathan), its draws fixed by (seed, position).
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
     assert len(rows) == len(proposals) == len(logits)
-    device = logits[0].device
-    draft_token_ids, num_draft_tokens = pad_drafts(proposals, device)  # [B, K], [B]
-    bsz, max_spec_len = draft_token_ids.shape
-    p = target_probs([r.params for r in rows], logits, max_spec_len)  # [B, K + 1, V]
+    on = (inputs or KindInputs("unseeded", rows, proposals)).on(logits[0].device)
+    draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
+    max_spec_len = draft_token_ids.shape[1]
+    p = target_probs([r.params for r in rows], logits, max_spec_len, on["settings"])  # [B, K + 1, V]
     q = draft_probs(proposals, draft_token_ids, p.shape[-1])           # [B, K, V] or None
-    uniform = torch.ones(bsz, max_spec_len)  # [B, K], drawn on the host
-    for i, (r, proposal) in enumerate(zip(rows, proposals)):
-        for j in range(len(proposal.token_ids)):
-            uniform[i, j] = position_uniform(r.sample_seed, r.position + j)
-    uniform = uniform.to(device)
+    uniform = on["uniform"]  # [B, K]
     num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
-    # The noise of the position each row's recovered or bonus token lands on: [B, V].
-    noise = exponential_noise([noise_key(r.sample_seed, r.position + n)
-                               for r, n in zip(rows, num_accepted_tokens.tolist())], p.shape[-1], device)
+    # The noise of the position each row's recovered or bonus token lands on, [B, V], from
+    # its key among the row's K_i + 1 (chosen on the device: no read of the count).
+    first = torch.cumsum(num_draft_tokens + 1, 0) - (num_draft_tokens + 1)  # [B]
+    noise = exponential_noise(on["keys"][first + num_accepted_tokens], p.shape[-1], p.device)
     return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
 
 
-def pad_drafts(proposals: list[Proposal], device: torch.device | str = "cpu"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, K]`` draft token ids (padded with 0) and ``[B]`` num_draft_tokens, on ``device``
-    (the logits'); built on the host, moved in one copy."""
+def pad_drafts(proposals: list[Proposal]) -> torch.Tensor:
+    """``[B, K + 1]`` on the host: each row's draft token ids padded with 0 to the most any
+    row has (K), then its number of drafts."""
     assert proposals
     max_spec_len = max(len(p.token_ids) for p in proposals)
-    draft_token_ids = torch.zeros(len(proposals), max_spec_len, dtype=torch.long)
+    drafts = torch.zeros(len(proposals), max_spec_len + 1, dtype=torch.long)
     for i, p in enumerate(proposals):
-        draft_token_ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
-    num_draft_tokens = torch.tensor([len(p.token_ids) for p in proposals])
-    both = torch.cat([draft_token_ids, num_draft_tokens[:, None]], 1).to(device)  # one copy
-    return both[:, :max_spec_len], both[:, max_spec_len]
+        drafts[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
+        drafts[i, -1] = len(p.token_ids)
+    return drafts
 
 
 def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
-                 max_spec_len: int) -> torch.Tensor:
+                 max_spec_len: int, settings: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0).
+    ``settings``: as :func:`~specserve.engine.step.sampling.compute_probs_each` takes them.
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``, at most K + 1 rows; params[i] is not greedy.
     """
     assert len(params) == len(logits)
     assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
-    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0) for x in compute_probs_rows(logits, params)])
+    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0)
+                        for x in compute_probs_rows(logits, params, settings)])
 
 
 def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
@@ -283,7 +336,7 @@ def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
     proposal is deterministic. A deterministic row inside a model batch (no probs) gets its
     one-hot q; a :class:`TopK` q is scattered into the vocabulary.
 
-    draft_token_ids: ``[B, K]`` as :func:`pad_drafts` returns them.
+    draft_token_ids: ``[B, K]``, :func:`pad_drafts`' first K columns.
     """
     assert draft_token_ids.ndim == 2 and draft_token_ids.shape[0] == len(proposals)
     if all(p.probs is None for p in proposals):
