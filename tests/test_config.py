@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
-from specserve.config import AppConfig, SpeculativeConfig
+from specserve.config import AppConfig, SpeculativeConfig, UnitConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,3 +116,24 @@ def test_the_kv_layout_is_paged_by_default_where_the_kernels_read_blocks():
     on = {accelerator: resolved_layout(UnitConfig.model_validate({"accelerator": accelerator}))
           for accelerator in ("cpu", "gpu")}
     assert on["cpu"].engine.kv_cache.layout == "paged" and on["gpu"].engine.kv_cache.layout == "slots"
+
+
+@pytest.mark.parametrize("unit, ok", [
+    ({"accelerator": "gpu", "draft_gpu_fraction": 0.2}, True),
+    ({"accelerator": "cpu", "draft_gpu_fraction": 0.2}, False),       # no GPU to share
+    ({"accelerator": "gpu", "draft_gpu_fraction": 0.2, "draft_node_resource": "d"}, False),
+    ({"accelerator": "gpu", "draft_gpu_fraction": 1.0}, False),       # a whole GPU: its own
+])
+def test_a_draft_shares_rank_0s_gpu_only_with_a_gpu_and_its_bundle(unit, ok):
+    """``draft_gpu_fraction`` (issue 52): the draft in target rank 0's bundle, on a fraction of
+    its GPU; refused where there is no GPU, where the draft has a node of its own, or for a
+    whole GPU."""
+    engine = {"speculative": {"method": "draft_model", "draft": {"source": "d"}}}
+    if ok:
+        cfg = UnitConfig.model_validate({"engine": engine, **unit})
+        assert cfg.draft_shares_gpu and not cfg.draft_in_bundle
+    else:
+        with pytest.raises(ValidationError):
+            UnitConfig.model_validate({"engine": engine, **unit})
+    with pytest.raises(ValidationError, match="draft_gpu_fraction"):  # no draft to share with
+        UnitConfig.model_validate({"accelerator": "gpu", "draft_gpu_fraction": 0.2})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -473,6 +474,9 @@ def _memory_parser(sub) -> None:
                    help="memory of one GPU as CUDA counts it (an 80 GB H100: 79); exit 1 if it does not fit")
     p.add_argument("--draft-gpu-memory-gib", type=float,
                    help="the draft's GPU, if another kind (default: --gpu-memory-gib)")
+    p.add_argument("--draft-shares-gpu", action="store_true",
+                   help="the draft runs on target rank 0's GPU (unit.draft_gpu_fraction): both "
+                        "are counted on that GPU")
     p.set_defaults(func=cmd_memory_estimate)
 
 
@@ -516,7 +520,7 @@ def cmd_memory_estimate(args) -> int:
     roles = [("target", args.config, args.tp, False, gpus[0])]
     if args.draft_config:
         roles.append(("draft", args.draft_config, 1, True, gpus[1]))
-    fits = True
+    fits, totals = True, []
     for role, path, tp, draft, gib in roles:
         gpu = gib * GIB if gib else None
         shape = ModelShape.from_config(_read_model_config(path))
@@ -527,6 +531,7 @@ def cmd_memory_estimate(args) -> int:
                         prefill_rows=args.prefill_rows, paged=paged,
                         kv_blocks=kv.num_blocks if paged else None, block_size=args.block_size)
         est = estimate(shape, load)
+        totals.append(est.total)
         dtype = "auto = bfloat16" if args.dtype == "auto" else args.dtype
         print(f"{role} {path}: tp {tp}, {dtype}, max_model_len {args.max_model_len}, "
               f"max_num_seqs {args.max_num_seqs}, K {args.k}; per GPU:")
@@ -537,7 +542,26 @@ def cmd_memory_estimate(args) -> int:
             if load.paged and load.kv_blocks is not None and not draft:
                 print(f"  largest kv_cache.num_blocks that fits: {largest_kv_blocks(shape, load, gpu)}")
             fits = fits and est.fits(gpu)
+    if args.draft_shares_gpu and len(totals) == 2:
+        fits = _shared_gpu(*totals, gpus[0] * GIB if gpus[0] else None) and fits
     return 0 if fits else 1
+
+
+def _shared_gpu(target: int, draft: int, gpu: float | None) -> bool:
+    """Print target rank 0 and the draft counted on one GPU (each its own CUDA context), and
+    the ``draft_gpu_fraction`` of the draft's share; whether both fit (True without a GPU)."""
+    from specserve.memory import GIB, MAX_UTILIZATION
+
+    line = f"target rank 0 + draft on one GPU: {(target + draft) / GIB:.2f} GiB"
+    if gpu is None:
+        print(line)
+        return True
+    fits = target + draft <= MAX_UTILIZATION * gpu
+    share = math.ceil(draft / gpu * 20) / 20  # in steps of 0.05
+    print(f"{line}, {(target + draft) / gpu:.0%} of {gpu / GIB:.1f} GiB: "
+          f"{'fits' if fits else 'does NOT fit'} (at most {MAX_UTILIZATION:.0%}); "
+          f"draft_gpu_fraction {share:.2f}")
+    return fits
 
 
 def build_parser() -> argparse.ArgumentParser:

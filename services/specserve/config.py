@@ -425,11 +425,23 @@ class UnitConfig(_Strict):
         description="Put the draft actor outside the unit's placement group, on a node that "
                     "advertises this custom Ray resource (the Helm chart's draft worker group). "
                     "None: the draft gets a bundle in the unit's placement group (one node).")
+    draft_gpu_fraction: float | None = Field(
+        None, gt=0, lt=1,
+        description="With accelerator gpu: the draft shares target rank 0's GPU and takes this "
+                    "fraction of it (Ray's fractional num_gpus; the rank takes the rest), so a "
+                    "speculative unit needs TP GPUs, not TP + 1. Size it to the draft's share of "
+                    "the GPU's memory (`specserve memory-estimate --draft-shares-gpu`). None: "
+                    "the draft has a GPU of its own.")
 
     @model_validator(mode="after")
     def _check(self) -> UnitConfig:
         if self.accelerator == "cpu" and self.engine.target.device not in ("auto", "cpu"):
             raise ValueError("accelerator cpu cannot run the target on " + self.engine.target.device)
+        if self.draft_gpu_fraction is not None and not (
+                self.accelerator == "gpu" and self.has_draft_group and self.draft_node_resource is None):
+            raise ValueError("draft_gpu_fraction shares target rank 0's GPU: it needs accelerator "
+                             "gpu, a draft group (method draft_model or eagle) and no "
+                             "draft_node_resource")
         off_at, on_at = self.router.concurrency_thresholds(self.engine.max_num_seqs)
         if on_at >= off_at:
             raise ValueError(f"router.high_concurrency_resume ({on_at}) must be below "
@@ -442,8 +454,14 @@ class UnitConfig(_Strict):
 
     @property
     def draft_in_bundle(self) -> bool:
-        """The draft actor has a bundle in the unit's placement group (same node)."""
-        return self.has_draft_group and self.draft_node_resource is None
+        """The draft actor has a bundle of its own in the unit's placement group (same node)."""
+        return (self.has_draft_group and self.draft_node_resource is None
+                and self.draft_gpu_fraction is None)
+
+    @property
+    def draft_shares_gpu(self) -> bool:
+        """The draft actor runs in target rank 0's bundle, on a fraction of its GPU."""
+        return self.draft_gpu_fraction is not None
 
 
 class AuthConfig(_Strict):

@@ -118,6 +118,25 @@ def test_eagle_gets_a_draft_group_and_keeps_its_draft():
     assert app_args(docs)["unit"]["draft_node_resource"] == "specserve_draft"
 
 
+def test_a_draft_sharing_rank_0s_gpu_has_no_draft_group_or_pod(tmp_path):
+    """``unit.draft_gpu_fraction`` (issue 52): the draft runs in the target pod, on a fraction
+    of rank 0's GPU, so a speculative unit needs TP GPUs: no draft worker group or budget, no
+    draft node resource, the draft kept in the app; the preflight counts no draft pod."""
+    from specserve.kube.needs import load_values, needs_of
+
+    flagship, shared = CHART / "ci" / "tp4-draft-values.yaml", tmp_path / "shared.yaml"
+    shared.write_text("specserve: {unit: {draft_gpu_fraction: 0.15}}\n")  # (--set makes a string)
+    docs = render(flagship, shared)
+    assert set(groups(docs)) == {"target"}
+    assert [p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")] == ["rel-specserve-target"]
+    unit = app_args(docs)["unit"]
+    assert unit["draft_gpu_fraction"] == 0.15 and "draft_node_resource" not in unit
+    assert unit["engine"]["speculative"]["draft"]["source"] == "meta-llama/Llama-3.2-1B-Instruct"
+    AppConfig.model_validate(app_args(docs))
+    assert [p.group for p in needs_of(load_values([flagship], CHART)).pods] == ["head", "target", "draft"]
+    assert [p.group for p in needs_of(load_values([flagship, shared], CHART)).pods] == ["head", "target"]
+
+
 def test_a_published_eagle3_head_by_hub_id_is_served_like_any_eagle_draft():
     """The hub id travels to the app as the draft's source (the target and draft pods read its
     config; the draft pod loads it); a draft group as for any EAGLE head."""

@@ -9,6 +9,10 @@ load streams through the unit (real Ray actors, real HTTP):
 - speculation resumes once the draft answers again, and the draft actor holds no slot once
   the unit is idle (the slots of sequences that ended while it was away included).
 
+The unit's draft shares target rank 0's (fake) GPU (``draft_gpu_fraction``, issue 52): its
+placement group has no draft bundle, the draft asks for its fraction of rank 0's bundle, and
+Ray restarts it there after each kill.
+
 Times are compared within one window of one unit, never with a number or with another
 moment's rate: the test holds on a slow machine and on one whose load changes under it (a
 target-only rate measured a minute earlier, on a machine then quieter, failed it; issue 50).
@@ -36,6 +40,7 @@ DRAFT_TIMEOUT_S = 2.0  # a tiny draft step takes milliseconds: only an injected 
 FAULT_WINDOW_S = 4 * DRAFT_TIMEOUT_S  # long beside the one timeout a fault may cost
 MAX_TOKENS = 100
 WORKERS = 4
+DRAFT_GPU_FRACTION = 0.25
 DEADLINE_S = 180.0
 
 
@@ -52,6 +57,7 @@ def app(ray_cluster, tiny_models):
     # test_draft_priority.py tests that loading.
     args["unit"]["accelerator"] = "gpu"
     args["unit"]["engine"]["target"]["device"] = "cpu"
+    args["unit"]["draft_gpu_fraction"] = DRAFT_GPU_FRACTION
     yield from deployed_one(APP, args)
 
 
@@ -232,3 +238,21 @@ def test_a_step_waiting_on_a_local_draft_that_dies_fails_at_once(app):
     with pytest.raises(ProposerUnavailable, match=f"process {pid} has exited"):
         proposer.propose([])
     wait_for(lambda: proposer.ping(timeout_s=10), "Ray to restart the draft")
+
+
+def test_the_draft_shares_target_rank_0s_gpu(app):
+    """The unit's placement group holds a coordinator bundle and one GPU bundle per target
+    rank, none for the draft; rank 0 and the draft (restarted there after the faults above)
+    together use all of rank 0's bundle's GPU: its 0.75 and the draft's 0.25. (Ray's state
+    API, which would name each actor's resources, needs the dashboard these clusters run
+    without; the bundle's own resource says it.)"""
+    tables = {pg: t for pg, t in ray.util.placement_group_table().items()
+              if t["state"] == "CREATED" and any(b.get("GPU") for b in t["bundles"].values())}
+    [(pg, table)] = tables.items()  # this module's one unit
+    assert [b.get("GPU", 0) for b in table["bundles"].values()] == [0, 1], table["bundles"]
+    rank0 = f"GPU_group_1_{pg}"
+    assert ray.cluster_resources()[rank0] == 1
+    deadline = time.monotonic() + 120  # a draft killed by the tests above may still restart
+    while ray.available_resources().get(rank0, 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get(rank0, 0) == 0, ray.available_resources().get(rank0)

@@ -38,9 +38,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* Whether the draft worker group exists. */}}
-{{- define "specserve.hasDraft" -}}
+{{/* Whether the speculation method runs a draft model or head. */}}
+{{- define "specserve.draftMethod" -}}
 {{- if has (toString .Values.specserve.unit.engine.speculative.method) (list "draft_model" "eagle") -}}true{{- end -}}
+{{- end -}}
+
+{{/* Whether the draft worker group exists: a draft method whose draft does not share target
+rank 0's GPU (specserve.unit.draft_gpu_fraction puts it in the target pod). */}}
+{{- define "specserve.hasDraft" -}}
+{{- if and (include "specserve.draftMethod" .) (not .Values.specserve.unit.draft_gpu_fraction) -}}true{{- end -}}
 {{- end -}}
 
 {{- define "specserve.hubTokenSecret" -}}
@@ -80,11 +86,12 @@ install (read back with lookup, so upgrades keep it), else a new random one.
 {{/*
 The application config as the Serve app receives it: the values' `specserve` AppConfig (its
 draft dropped unless method is draft_model or eagle) plus the node resources that pin the coordinator
-and target ranks to target pods and the draft to draft pods (the worker groups advertise them).
+and target ranks to target pods and the draft to draft pods (the worker groups advertise them;
+a draft sharing rank 0's GPU stays in the target pod).
 */}}
 {{- define "specserve.appConfig" -}}
 {{- $spec := .Values.specserve.unit.engine.speculative -}}
-{{- if not (include "specserve.hasDraft" .) -}}
+{{- if not (include "specserve.draftMethod" .) -}}
 {{- /* values.yaml's default draft means nothing without a draft method (and is refused) */ -}}
 {{- $spec = omit $spec "draft" -}}
 {{- end -}}

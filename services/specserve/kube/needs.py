@@ -2,7 +2,8 @@
 
 The chart (``helm/specserve``) makes one RayService whose cluster has a head pod (no GPU), one
 **target** pod per unit (``tensor_parallel_size`` GPUs) and, for ``draft_model`` and ``eagle``,
-one **draft** pod per unit (one GPU), each with the group's ``resources``, ``nodeSelector`` and
+one **draft** pod per unit (one GPU; none where the draft shares target rank 0's GPU,
+``unit.draft_gpu_fraction``), each with the group's ``resources``, ``nodeSelector`` and
 ``tolerations``. The ``specserve`` value is an ``AppConfig``, validated here by the same
 pydantic model the Serve app parses, so a values file the app would refuse is refused before
 the cluster is asked anything.
@@ -21,7 +22,7 @@ import yaml
 from specserve.config import AppConfig
 from specserve.errors import ConfigError
 
-DRAFT_METHODS = ("draft_model", "eagle")  # the chart's specserve.hasDraft
+DRAFT_METHODS = ("draft_model", "eagle")  # the chart's specserve.draftMethod
 GPU = "nvidia.com/gpu"
 
 
@@ -104,7 +105,7 @@ def needs_of(values: dict) -> Needs:
     tp, units = app.unit.tensor_parallel_size, app.num_units
     pods = [_pod("head", values.get("head") or {}, 1, 0)]
     pods.append(_pod("target", values.get("target") or {}, units, tp))
-    if method in DRAFT_METHODS:
+    if method in DRAFT_METHODS and app.unit.draft_gpu_fraction is None:  # else in the target pod
         pods.append(_pod("draft", values.get("draft") or {}, units, 1))
     return Needs(units=units, tensor_parallel_size=tp, method=method, pods=pods,
                  crds=_crds(values), secrets=_secrets(values), storage_class=_storage_class(values))

@@ -50,13 +50,16 @@ class DraftGroup(Proposer):
                target_vocab_size: int | None = None,
                eos_token_ids: list[int] | None = None) -> DraftGroup:
         """Start the draft actor (Ray restarts it whenever it dies): in bundle ``bundle`` of the
-        unit's placement group, or, with ``draft_node_resource``, on a node advertising that
-        resource (a separate draft worker group). ``name`` makes it findable (fault-injection
+        unit's placement group (its own, or target rank 0's with ``draft_gpu_fraction``), or,
+        with ``draft_node_resource``, on a node advertising that resource (a separate draft
+        worker group). ``name`` makes it findable (fault-injection
         tests kill it by name)."""
         engine = resolved_layout(cfg).engine  # the target's layout decides the draft's
         named = {"name": name, "namespace": ACTOR_NAMESPACE} if name else {}
         if cfg.draft_in_bundle:
             placement = in_bundle(cfg, pg, bundle)
+        elif cfg.draft_shares_gpu:  # beside target rank 0, in its bundle, on its GPU
+            placement = in_bundle(cfg, pg, bundle, cfg.draft_gpu_fraction)
         else:  # out of the replica's placement group, which would otherwise capture it
             placement = {**in_bundle(cfg, None, 0),
                          "resources": {cfg.draft_node_resource: NODE_SLIVER},

@@ -36,9 +36,10 @@ def process_group_backend(cfg: UnitConfig) -> str:
     return "nccl" if target_device(cfg).startswith("cuda") else "gloo"
 
 
-def in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
-    """Actor options placing it in bundle ``index`` of the unit's placement group."""
-    options = {"num_cpus": cfg.cpus_per_actor, "num_gpus": 1 if cfg.accelerator == "gpu" else 0}
+def in_bundle(cfg: UnitConfig, pg, index: int, gpus: float = 1.0) -> dict:
+    """Actor options placing it in bundle ``index`` of the unit's placement group, with
+    ``gpus`` of the bundle's GPU (where the unit has GPUs)."""
+    options = {"num_cpus": cfg.cpus_per_actor, "num_gpus": gpus if cfg.accelerator == "gpu" else 0}
     if pg is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index)
@@ -47,10 +48,20 @@ def in_bundle(cfg: UnitConfig, pg, index: int) -> dict:
 
 def unit_bundles(cfg: UnitConfig) -> list[dict]:
     """``[coordinator, (draft), target rank 0..N-1]`` resource bundles for one unit (the
-    draft's only when it shares the unit's node; see ``UnitConfig.draft_node_resource``)."""
+    draft's only when it has a GPU of its own on the unit's node; see
+    ``UnitConfig.draft_node_resource``). A draft that shares rank 0's GPU
+    (``draft_gpu_fraction``) runs in rank 0's bundle, which holds both actors' CPUs."""
     gpu = {"GPU": 1} if cfg.accelerator == "gpu" else {}
     node = {cfg.target_node_resource: NODE_SLIVER} if cfg.target_node_resource else {}
     group = {"CPU": cfg.cpus_per_actor, **gpu}
     draft = [dict(group)] if cfg.draft_in_bundle else []
-    return [{"CPU": cfg.coordinator_cpus, **node}, *draft,
-            *[{**group, **node} for _ in range(cfg.tensor_parallel_size)]]
+    ranks = [{**group, **node} for _ in range(cfg.tensor_parallel_size)]
+    if cfg.draft_shares_gpu:
+        ranks[0]["CPU"] = 2 * cfg.cpus_per_actor
+    return [{"CPU": cfg.coordinator_cpus, **node}, *draft, *ranks]
+
+
+def target_rank_gpus(cfg: UnitConfig, rank: int) -> float:
+    """The share of its bundle's GPU a target rank takes: all of it, but rank 0's with a draft
+    beside it (``draft_gpu_fraction``)."""
+    return 1.0 - cfg.draft_gpu_fraction if rank == 0 and cfg.draft_shares_gpu else 1.0

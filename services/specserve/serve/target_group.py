@@ -48,6 +48,7 @@ from specserve.serve.placement import (
     process_group_backend,
     resolved_layout,
     target_device,
+    target_rank_gpus,
 )
 from specserve.serve.wire import Traffic, host_only
 
@@ -241,7 +242,8 @@ class TargetGroup(SlotOwner):
 
     def _launch(self) -> None:
         cfg, world = self.cfg, self.cfg.tensor_parallel_size
-        self.ranks = [TargetRank.options(**in_bundle(cfg, self.pg, self.first_bundle + r),
+        self.ranks = [TargetRank.options(**in_bundle(cfg, self.pg, self.first_bundle + r,
+                                                     target_rank_gpus(cfg, r)),
                                          **self._named(r)).remote(r, world) for r in range(world)]
         host, port = ray.get(self.ranks[0].rendezvous.remote())
         engine = cfg.engine.model_dump()

@@ -67,7 +67,7 @@ class SpeculationUnit:
             self.target_group = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
                                             name=f"target-{self.unit_id}")
             self.draft_group = (
-                DraftGroup.launch(cfg, pg, 1, name=self.draft_name,
+                DraftGroup.launch(cfg, pg, 1, name=self.draft_name,  # bundle 1: its own or rank 0's
                                   target_vocab_size=self.target_group.vocab_size,
                                   eos_token_ids=self.target_group.info["eos_token_ids"])
                 if cfg.has_draft_group else None)

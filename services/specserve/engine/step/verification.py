@@ -20,7 +20,7 @@ walk, the drafter-invariant walk with the chain's noise per depth, or multi-cand
 rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`).
 
 What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
-before the target's forward: the worker :func:`stage`\ s it into the forward's
+before the target's forward: the worker stages it (:func:`stage`) into the forward's
 :class:`~specserve.engine.runtime.forward_batch.Upload`, so a step makes one host-to-device copy
 (issue 52); called alone, each kind sends its own in one copy.
 
