@@ -70,6 +70,10 @@ def _reproducible_unseeded_requests(monkeypatch):
 # about 10 minutes earlier).
 ACTOR_TESTS = ("tests/serve/test_wire.py", "tests/serve/test_tp.py",
                "tests/serve/test_unit_routing.py", "tests/serve/test_draft_faults.py")
+# Modules of tests/serve that start Ray in processes of their own and use no session app:
+# each a group of its own, run beside the Serve group (their servers' start-ups took about 6
+# of its minutes on a busy 2-core machine).
+OWN_RAY_TESTS = ("tests/serve/test_server_process.py",)
 
 
 def worker_group(nodeid: str) -> str:
@@ -80,11 +84,14 @@ def worker_group(nodeid: str) -> str:
     their own: where they run beside the Serve tests, their worker starts a Ray cluster (and
     Serve, for the modules with apps of their own) on ports of its own, and they take about
     eight minutes (AVX512; more on AVX2) off the Serve worker, the longer one.
-    Every other module is a group of its own (its module fixtures built once). Outside
-    tests/serve only tests/test_ray_start.py starts Ray, in a subprocess."""
+    Every other module is a group of its own (its module fixtures built once), and so is
+    each of ``OWN_RAY_TESTS``. Outside tests/serve only tests/test_ray_start.py starts Ray, in
+    a subprocess."""
     module = nodeid.split("::")[0]
     if module in ACTOR_TESTS:
         return "ray-actors"
+    if module in OWN_RAY_TESTS:
+        return module
     return "ray" if module.startswith("tests/serve/") else module
 
 

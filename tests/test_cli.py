@@ -91,7 +91,7 @@ def test_serve_refuses_a_taken_port_in_one_line_naming_its_holder(monkeypatch, c
     """The server's first step, before its config or Ray (here in this process, as the server
     side of the supervisor): a taken ``--port`` or ``--metrics-port`` is one line naming the
     flag, the address and the process holding it (this one), exit status 2.
-    ``tests/serve/test_lifecycle.py`` shows it with real servers."""
+    ``tests/serve/test_server_process.py`` shows it with real servers."""
     from specserve.cli import SERVER_ENV
 
     monkeypatch.setenv(SERVER_ENV, "1")

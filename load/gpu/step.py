@@ -272,13 +272,19 @@ def eagle(b: Bench) -> dict:
 
 
 def with_draft(b: Bench, method: str, kind: str, num_layers: int) -> dict:
-    """A model method's entry: its untrained draft built (``build_s``), then the prompts."""
+    """A model method's entry: its untrained draft built (``build_s``) and warmed up
+    (``warm_up_s``, as a unit's draft actor warms it before the unit is ready), then the
+    prompts."""
     start = time.perf_counter()
     head = untrained_draft(b.worker.runtime, kind, num_layers)
     worker = ModelWorker(head, num_slots=b.worker.num_slots, max_seq_len=b.worker.max_seq_len)
     proposer = proposer_class(method).from_draft(worker, target_vocab_size=b.worker.vocab_size)
+    built = time.perf_counter()
+    report = proposer.warm_up()  # as the draft actor does before the unit is ready
     draft = {"kind": kind, "num_layers": num_layers, "kernels": head.kernels,
-             "build_s": round(time.perf_counter() - start, 2)}
+             "build_s": round(built - start, 2),
+             "warm_up_s": round(time.perf_counter() - built, 2),
+             "cudagraph_skips": report.get("cudagraph_skips")}
     engine = b.engine(method, proposer, f"untrained {kind} draft, {num_layers} layers of the target")
     return {"batch": 1, "k": b.s.k, "draft": draft,
             **figures(run_pass(engine, b.prompts, b.greedy, 1), b.reference)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import threading
@@ -510,6 +509,7 @@ def cmd_memory_estimate(args) -> int:
         format_estimate,
         largest_kv_blocks,
         largest_num_seqs,
+        shared_gpu_line,
     )
 
     kv = {"layout": args.kv_layout, "block_size": args.block_size, "num_blocks": args.kv_blocks}
@@ -543,25 +543,10 @@ def cmd_memory_estimate(args) -> int:
                 print(f"  largest kv_cache.num_blocks that fits: {largest_kv_blocks(shape, load, gpu)}")
             fits = fits and est.fits(gpu)
     if args.draft_shares_gpu and len(totals) == 2:
-        fits = _shared_gpu(*totals, gpus[0] * GIB if gpus[0] else None) and fits
-    return 0 if fits else 1
-
-
-def _shared_gpu(target: int, draft: int, gpu: float | None) -> bool:
-    """Print target rank 0 and the draft counted on one GPU (each its own CUDA context), and
-    the ``draft_gpu_fraction`` of the draft's share; whether both fit (True without a GPU)."""
-    from specserve.memory import GIB, MAX_UTILIZATION
-
-    line = f"target rank 0 + draft on one GPU: {(target + draft) / GIB:.2f} GiB"
-    if gpu is None:
+        line, together = shared_gpu_line(*totals, gpus[0] * GIB if gpus[0] else None)
         print(line)
-        return True
-    fits = target + draft <= MAX_UTILIZATION * gpu
-    share = math.ceil(draft / gpu * 20) / 20  # in steps of 0.05
-    print(f"{line}, {(target + draft) / gpu:.0%} of {gpu / GIB:.1f} GiB: "
-          f"{'fits' if fits else 'does NOT fit'} (at most {MAX_UTILIZATION:.0%}); "
-          f"draft_gpu_fraction {share:.2f}")
-    return fits
+        fits = fits and together
+    return 0 if fits else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

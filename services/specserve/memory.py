@@ -46,6 +46,7 @@ Worked example (Llama-3.2-1B-shaped numbers, one GPU):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
@@ -350,6 +351,20 @@ def check_cuda_memory(config, load: Workload, device=None) -> MemoryEstimate:
     config = config if isinstance(config, dict) else config.to_dict()
     free, total = torch.cuda.mem_get_info(device)
     return check_fits(ModelShape.from_config(config), load, free_bytes=free, total_bytes=total)
+
+
+def shared_gpu_line(target: int, draft: int, gpu_bytes: float | None) -> tuple[str, bool]:
+    """Target rank 0's and the draft's totals on one GPU (``draft_gpu_fraction``: each
+    process its own CUDA context, so both overheads count), and the ``draft_gpu_fraction`` of
+    the draft's share in steps of 0.05; whether both fit (True without a GPU to compare)."""
+    line = f"target rank 0 + draft on one GPU: {(target + draft) / GIB:.2f} GiB"
+    if gpu_bytes is None:
+        return line, True
+    fits = target + draft <= MAX_UTILIZATION * gpu_bytes
+    share = math.ceil(draft / gpu_bytes * 20) / 20
+    return (f"{line}, {(target + draft) / gpu_bytes:.0%} of {gpu_bytes / GIB:.1f} GiB: "
+            f"{'fits' if fits else 'does NOT fit'} (at most {MAX_UTILIZATION:.0%}); "
+            f"draft_gpu_fraction {share:.2f}", fits)
 
 
 PARTS = (  # (field, label, what it is) in the order a table prints them

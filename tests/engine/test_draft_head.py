@@ -83,6 +83,31 @@ def test_eagle_proposer_drafts_what_the_head_was_trained_to_compute(target_hf):
     assert proposer.worker.num_free_slots == 1 and not proposer.pending
 
 
+@pytest.mark.parametrize("kernels", ["invariant", "library"])
+def test_drafts_warm_up_before_their_first_request_and_leave_no_trace(target_hf, kernels):
+    """Issue 52: a draft model and an EAGLE head run a forward in every shape drafting will
+    use before the first request (a head with zero features of its width), as the target does;
+    the draft actor calls it at start. Their slots stay free, and the drafts after it are a
+    fresh proposer's."""
+    attention = {"attention": "flex"} if kernels == "library" else {}
+    seq = prompts(2)[0]
+    feats = _target_features(target_hf, seq)
+    drafted = []
+    for warm in (False, True):
+        head = eagle_head_of(target_hf).use_kernels(kernels, **attention)
+        eagle = EagleProposer(ModelWorker(head, num_slots=2, max_seq_len=128))
+        draft = DraftModelProposer(ModelWorker(runtime_of(target_hf).use_kernels(kernels, **attention),
+                                               num_slots=2, max_seq_len=128))
+        for proposer in (eagle, draft):
+            if warm:
+                assert proposer.warm_up()["kernels"] == kernels
+                assert proposer.worker.num_free_slots == 2
+            proposer.start(0, 0)
+        drafted.append([eagle.propose([DraftRequest(0, seq, 3, hidden=feats[:len(seq) - 1])]),
+                        draft.propose([DraftRequest(0, seq, 3)])])
+    assert drafted[1] == drafted[0]
+
+
 def test_eagle_waits_for_features_and_drops_drafted_pairs(target_hf):
     """No features yet (the prefill step): no drafts. After a commit, the head's cache holds
     only pairs built from real features."""

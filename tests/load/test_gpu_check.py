@@ -139,6 +139,8 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     assert second["acceptance_rate"] >= entries["suffix"]["first_pass"]["acceptance_rate"]
     assert entries["seeded"]["num_same"] == reference["num_prompts"]
     assert entries["engine_loop"]["same_as_generate"] is True
+    for name in ("self_draft", "eagle"):  # warmed up before their prompts, as a draft actor
+        assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]
 
 
 def _fake(name: str, code: str, output: str, timeout_s: float = 60) -> Step:

@@ -72,8 +72,10 @@ class DraftGroup(Proposer):
             eos_token_ids=eos_token_ids,
             kv=engine.draft_kv_cache.model_dump() if engine.draft_kv_cache else None)
         proposer = cls(actor, method=engine.speculative.method, timeout_s=cfg.draft_timeout_s)
-        if not proposer.ping(timeout_s=600):  # first load may dequantize a GGUF
-            raise RuntimeError("the draft group did not start")
+        # The first load may dequantize a GGUF; then the draft warms up (compiles, on a GPU).
+        if not proposer.ping(timeout_s=600 + cfg.compile_timeout_s):
+            raise RuntimeError("the draft group did not start (loading and warming up its "
+                               f"model took over 600 s + compile_timeout_s {cfg.compile_timeout_s:g} s)")
         proposer._identify()
         return proposer
 

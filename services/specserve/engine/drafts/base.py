@@ -32,6 +32,12 @@ class Proposer(ABC):
         (``options``: they cross to a draft actor as plain data; builder.py)."""
         raise NotImplementedError(f"{cls.__name__} has no draft model: use from_config")
 
+    def warm_up(self) -> dict:
+        """Run the draft's model in every shape drafting will use, before the first request
+        (a compiled draft compiles and captures here, not inside a step; ``ModelWorker.warm_up``);
+        its report. A proposer without a model has nothing to warm: ``{}``."""
+        return {}
+
     def start(self, seq_id: int, seed: int) -> None:
         """A new sequence begins (reserve state; a second start of one id starts it afresh).
         ``seed`` is the request's: the draft's draws derive from it and the position."""

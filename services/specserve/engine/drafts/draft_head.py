@@ -226,6 +226,12 @@ class DraftHead(LlamaRuntime):
     def uses_features(self) -> bool:
         return self.fc is not None
 
+    def warm_up_features(self, num_tokens: int) -> torch.Tensor | None:
+        if self.fc is None:
+            return None
+        weight = self.embed.weight
+        return weight.new_zeros(num_tokens, self.arch.hidden_size)  # what from_target gives
+
     def _inputs(self, tokens: torch.Tensor, ctx, features: torch.Tensor | None) -> torch.Tensor:
         if self.fc is None:
             assert features is None, "a decoder draft takes no features"

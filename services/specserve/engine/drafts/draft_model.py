@@ -67,6 +67,9 @@ class DraftModelProposer(Proposer):
         q_top_k = DraftModelOptions.model_validate(options or {}).q_top_k
         return cls(draft, target_vocab_size=target_vocab_size, q_top_k=q_top_k)
 
+    def warm_up(self) -> dict:
+        return self.worker.warm_up()
+
     def start(self, seq_id: int, seed: int) -> None:
         self.finish(seq_id)  # a sequence started again (a re-attached draft) keeps one slot
         self.slots[seq_id] = self.worker.allocate()

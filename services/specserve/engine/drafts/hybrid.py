@@ -80,6 +80,9 @@ class HybridProposer(Proposer):
         self.rows_first = self.rows_model = 0  # rows each proposer drafted for
         self._refused = 0
 
+    def warm_up(self) -> dict:
+        return self.model.warm_up()
+
     def start(self, seq_id: int, seed: int) -> None:
         self.first.start(seq_id, seed)
         self.model.start(seq_id, seed)

@@ -300,7 +300,8 @@ def _timed(runtime, cache, num_rows: int, tokens: int, repeats: int, rows: int) 
     start = time.perf_counter()
     with _free_slots(cache, num_rows) as slots:
         for _ in range(repeats):
-            runtime.forward(cache, ForwardBatch(slots, [[0] * tokens] * num_rows))
+            runtime.forward(cache, ForwardBatch(slots, [[0] * tokens] * num_rows,
+                                                features=runtime.warm_up_features(num_rows * tokens)))
             for slot in set(slots):
                 cache.lengths[slot] = 0
         if cache.k[0].is_cuda:

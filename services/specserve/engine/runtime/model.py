@@ -264,6 +264,11 @@ class LlamaRuntime(nn.Module):
         assert features is None, "this model takes no features"
         return self.embed(tokens)
 
+    def warm_up_features(self, num_tokens: int) -> torch.Tensor | None:
+        """What a warm-up forward of ``num_tokens`` new tokens passes as ``features``: none
+        (a draft head takes zeros of its feature width)."""
+        return None
+
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The norm between the last layer and the LM head (a published EAGLE-1 head has none)."""
         return rms_norm(x, self.norm, self.arch.rms_norm_eps)
