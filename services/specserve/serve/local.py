@@ -27,6 +27,13 @@ LOCAL_ENV = {
     # start goes through) does not answer within this; Ray's 30 s was short on a busy 2-core
     # machine, where the agent took 54 s to import (issue 50). Its ports: _agent_ports_chosen.
     "RAY_agent_register_timeout_ms": "300000",
+    # Ray holds the first driver's registration until the workers it prestarts for it have
+    # registered; on a busy 2-core machine, behind a runtime-env agent 2.5 minutes late,
+    # they never did and `specserve serve` waited for ever (issue 50; seen once, not
+    # reproduced). No prestart (the first tasks start their workers), and a worker gets five
+    # minutes to register.
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_worker_register_timeout_seconds": "300",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
 
