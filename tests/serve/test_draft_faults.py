@@ -30,6 +30,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from specserve.config import UnitConfig
 from specserve.serve.placement import ACTOR_NAMESPACE
 
 from tests.serve.conftest import deployed_one, target_only_texts, unit_args
@@ -246,9 +247,11 @@ def test_the_draft_shares_target_rank_0s_gpu(app):
     together use all of rank 0's bundle's GPU: its 0.75 and the draft's 0.25. (Ray's state
     API, which would name each actor's resources, needs the dashboard these clusters run
     without; the bundle's own resource says it.)"""
+    cpus = 2 * UnitConfig().cpus_per_actor  # rank 0's bundle holds both actors' CPUs
     tables = {pg: t for pg, t in ray.util.placement_group_table().items()
-              if t["state"] == "CREATED" and any(b.get("GPU") for b in t["bundles"].values())}
-    [(pg, table)] = tables.items()  # this module's one unit
+              if t["state"] == "CREATED" and any(b.get("GPU") for b in t["bundles"].values())
+              and any(b.get("CPU") == cpus for b in t["bundles"].values())}
+    [(pg, table)] = tables.items()  # this module's unit (other modules' may still be here)
     assert [b.get("GPU", 0) for b in table["bundles"].values()] == [0, 1], table["bundles"]
     rank0 = f"GPU_group_1_{pg}"
     assert ray.cluster_resources()[rank0] == 1
