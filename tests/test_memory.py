@@ -171,9 +171,8 @@ def test_the_workspace_is_within_a_quarter_above_the_measured_peaks():
     """Issue 52: the workspace at most 25% above the peak a GPU measured, and never below."""
     shape, nbytes = ModelShape.from_config(LLAMA_3_8B), 2
     forwards = {"prefill": forward_workspace(shape, 1, nbytes, rows=1, new_tokens=8192,
-                                             kv_len=8192, logit_rows=5),
-                "verify": forward_workspace(shape, 1, nbytes, rows=16, new_tokens=5, kv_len=8192,
-                                            logit_rows=80)}
+                                             logit_rows=5),
+                "verify": forward_workspace(shape, 1, nbytes, rows=16, new_tokens=5, logit_rows=80)}
     for name, peaks in H100_PEAKS.items():
         assert all(peak <= forwards[name] <= 1.25 * peak for peak in peaks), (name, forwards, peaks)
     load = Workload(max_model_len=8192, max_num_seqs=16, num_speculative_tokens=4, dtype="bfloat16")

@@ -456,7 +456,7 @@ class UnitConfig(_Strict):
     def draft_in_bundle(self) -> bool:
         """The draft actor has a bundle of its own in the unit's placement group (same node)."""
         return (self.has_draft_group and self.draft_node_resource is None
-                and self.draft_gpu_fraction is None)
+                and not self.draft_shares_gpu)
 
     @property
     def draft_shares_gpu(self) -> bool:

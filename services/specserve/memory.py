@@ -211,9 +211,9 @@ def kv_cache_bytes(shape: ModelShape, load: Workload) -> int:
 
 
 def forward_workspace(shape: ModelShape, tp: int, nbytes: int, *, rows: int, new_tokens: int,
-                      kv_len: int, logit_rows: int) -> int:
-    """Peak transient bytes of one forward of ``rows`` rows of ``new_tokens`` tokens over
-    ``kv_len`` keys on one rank, as a GPU runs it: attention on FlexAttention (what
+                      logit_rows: int) -> int:
+    """Peak transient bytes of one forward of ``rows`` rows of ``new_tokens`` tokens on one
+    rank, however many keys they attend to, as a GPU runs it: attention on FlexAttention (what
     ``kernels: auto`` and ``compiled`` use on CUDA; ``engine/runtime/block_attention.py``).
 
     FlexAttention keeps no scores and reads the keys where the cache holds them, so its
@@ -222,7 +222,7 @@ def forward_workspace(shape: ModelShape, tp: int, nbytes: int, *, rows: int, new
     (``[rows', heads / tp, new_tokens, head_dim]`` each) and the float32 log-sum-exp; under a
     tile of queries torch's decoding kernel adds float32 split-KV buffers, at most about
     ``2 x SMs x (heads / kv_heads) x 16 x head_dim`` (it splits a row's keys over
-    ``2 x SMs / (rows x kv_heads)`` thread blocks). ``kv_len`` no longer matters. Beside
+    ``2 x SMs / (rows x kv_heads)`` thread blocks). Beside
     attention, the hidden states (residual, normed input, sublayer output and rms_norm's
     float32 copy), the fused q/k/v output, the MLP's (gate/up, silu(gate), their product; not
     alive with attention's) and the logits with the sampler's copies
@@ -230,7 +230,6 @@ def forward_workspace(shape: ModelShape, tp: int, nbytes: int, *, rows: int, new
     16, K = 4; docs/MEMORY.md): a prefill of 8192 tokens peaked 1.10 GiB above the static
     allocation (this: 1.31), a verify of every slot with its sampler 0.53 GiB (this: 0.57).
     """
-    del kv_len  # FlexAttention reads the keys in place (the SDPA model this replaced did not)
     h, d = shape.hidden_size, shape.head_dim
     heads, kv_heads = shape.num_heads // tp, shape.num_kv_heads // tp
     tokens = rows * new_tokens
@@ -252,12 +251,11 @@ def workspace_bytes(shape: ModelShape, load: Workload) -> int:
     (K + 1 tokens per row; a draft's catch-up feeds as many)."""
     nbytes, per_row = dtype_bytes(load.dtype), load.num_speculative_tokens + 1
     logits_per_row = 1 if load.draft else per_row
-    positions = -(-load.max_model_len // KV_BLOCK) * KV_BLOCK
     prefill = forward_workspace(shape, load.tp, nbytes, rows=load.prefill_rows,
-                                new_tokens=load.max_model_len, kv_len=positions,
+                                new_tokens=load.max_model_len,
                                 logit_rows=load.prefill_rows * logits_per_row)
     verify = forward_workspace(shape, load.tp, nbytes, rows=load.max_num_seqs, new_tokens=per_row,
-                               kv_len=positions, logit_rows=load.max_num_seqs * logits_per_row)
+                               logit_rows=load.max_num_seqs * logits_per_row)
     return max(prefill, verify)
 
 

@@ -105,7 +105,7 @@ def needs_of(values: dict) -> Needs:
     tp, units = app.unit.tensor_parallel_size, app.num_units
     pods = [_pod("head", values.get("head") or {}, 1, 0)]
     pods.append(_pod("target", values.get("target") or {}, units, tp))
-    if method in DRAFT_METHODS and app.unit.draft_gpu_fraction is None:  # else in the target pod
+    if method in DRAFT_METHODS and not app.unit.draft_shares_gpu:  # else in the target pod
         pods.append(_pod("draft", values.get("draft") or {}, units, 1))
     return Needs(units=units, tensor_parallel_size=tp, method=method, pods=pods,
                  crds=_crds(values), secrets=_secrets(values), storage_class=_storage_class(values))

@@ -23,6 +23,7 @@ LOCAL_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     # Serve kills an HTTP proxy not ready within 5 s; on a busy laptop start-up takes longer.
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     # The raylet exits when its runtime-env agent (a Python process, which every worker's
     # start goes through) does not answer within this; Ray's 30 s was short on a busy 2-core
     # machine, where the agent took 54 s to import (issue 50). Its ports: _agent_ports_chosen.
@@ -34,7 +35,6 @@ LOCAL_ENV = {
     # minutes to register.
     "RAY_prestart_worker_first_driver": "0",
     "RAY_worker_register_timeout_seconds": "300",
-    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
 }
 
 

@@ -57,9 +57,6 @@ class EagleProposer(DraftModelProposer):
         """The head drafts over the target's own embedding and LM head ids: no mapping."""
         return cls(draft, EagleOptions.model_validate(options or {}))
 
-    def warm_up(self) -> dict:
-        return self.worker.warm_up()
-
     def start(self, seq_id: int, seed: int) -> None:
         super().start(seq_id, seed)
         self.pending[seq_id], self.real[seq_id] = [], 0
