@@ -28,6 +28,9 @@ this order (the most wanted first, so a timeout cuts the least), each written to
   ``specserve train-draft`` starts a decoder draft (``new_draft_head``), untrained.
 - ``eagle``: an untrained EAGLE head made likewise (the target's last layer behind a fuser
   that passes the target's features through): the features path end to end.
+- ``tp_world_1``: target-only with tensor parallelism's all-reduces in every layer over a
+  process group of one (NCCL on the GPU): the collectives inside the captured graph, as a
+  TP unit runs them, where they must leave the tokens alone.
 
 The speculative entries run at batch 1 with K drafts per step. An entry whose requests ended
 in error or whose proposer fell back to target-only is ``failed``; so is one that raised,
@@ -47,17 +50,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from specserve.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.drafts.base import Proposer
 from specserve.engine.drafts.draft_head import DraftHead, new_draft_head
 from specserve.engine.request import check_request
 from specserve.engine.runtime.model import LlamaRuntime, default_kernels
+from specserve.engine.runtime.tp import all_reducer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step.stats import EngineCounters, SpecStats
 from specserve.engine.worker import ModelWorker
@@ -290,6 +296,46 @@ def with_draft(b: Bench, method: str, kind: str, num_layers: int) -> dict:
             **figures(run_pass(engine, b.prompts, b.greedy, 1), b.reference)}
 
 
+def tp_world_1(b: Bench) -> dict:
+    """Target-only at batch 1 with the tensor-parallel all-reduces in the layers, over a
+    world of one (NCCL on a GPU, gloo on a CPU): inside the compiled graph on a GPU (a
+    unit of TP > 1 runs them there), where an all-reduce of one rank adds nothing, so the
+    tokens must be target-only's. The hooks are taken out after, and the graphs compiled
+    without them serve again."""
+    device = b.worker.runtime.embed.weight.device
+    skips = cudagraph_skips()
+    with world_of_one("nccl" if device.type == "cuda" else "gloo"), all_reduces(b.worker.runtime):
+        entry = {"batch": 1, **figures(run_pass(b.engine(None), b.prompts, b.greedy, 1), b.reference)}
+    return {**entry, "cudagraph_skips": cudagraph_skips() - skips}
+
+
+@contextlib.contextmanager
+def world_of_one(backend: str):
+    """A process group of this process alone, destroyed after."""
+    with socket.socket() as sock:  # a free port on loopback for the store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def all_reduces(runtime: LlamaRuntime):
+    """The row-parallel linears' all-reduces set on every layer (``tp.localize``'s hooks,
+    kept at world size 1, where ``apply_tp`` leaves them out), unset after."""
+    reduce = all_reducer(None)
+    for layer in runtime.layers:
+        layer.attn.all_reduce = layer.mlp.all_reduce = reduce
+    try:
+        yield
+    finally:
+        for layer in runtime.layers:
+            layer.attn.all_reduce = layer.mlp.all_reduce = None
+
+
 def untrained_draft(target: LlamaRuntime, kind: str, num_layers: int) -> DraftHead:
     """A draft as ``specserve train-draft`` starts one (``new_draft_head``) over every token
     id, on the target's device in its dtype, on the kernels a loaded draft gets
@@ -317,7 +363,8 @@ LOGGED = ("status", "reason", "tokens_per_s", "speedup", "speedup_second_pass", 
           "same_as_target_only", "num_same", "same_as_generate", "wall_s")  # an entry's log line
 ENTRIES = (("target_only", target_only), ("target_only_batch", target_only_batch),
            ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
-           ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle))
+           ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle),
+           ("tp_world_1", tp_world_1))
 
 
 # -- the step ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.drafts.ngram import NgramProposer
 from specserve.engine.runtime.compiled import BUCKET_TOKENS, bucket, token_bucket
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch, Upload
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from torch._dynamo.testing import CompileCounter
@@ -267,3 +267,58 @@ def test_a_prefill_verifies_drafts_only_on_row_invariant_kernels(kernels):
     prompt = [5, 6, 7, 8] * 3  # n-gram lookup drafts 5, 6, 7, 8 after it
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
     assert widths[0] == len(prompt) + (4 if kernels == "invariant" else 0)
+
+
+def test_an_eagle3_target_keeps_the_compiled_path():
+    """A target serving an EAGLE-3 head (``feature_layers``) returns those layers' inputs as
+    outputs of its bucket's graph: a decode and a verify asking for them run the bucket's
+    one graph, with the logits of a target that returns none, bit for bit, and the library
+    path's features up to rounding."""
+    counter = CompileCounter()
+    hf = tiny_hf_model("llama-gqa")
+    seq = random_sequences((30,))[0]
+    runs = {}
+    for name, rt in (("plain", compiled(hf, verify_tokens=5)),
+                     ("eagle3", compiled(hf, backend=counter, verify_tokens=5)),
+                     ("library", runtime_of(hf, 256).use_kernels("library"))):
+        if name != "plain":
+            rt.feature_layers = (0, 1)
+        cache = rt.make_cache(num_slots=2, max_seq_len=64)
+        slot = cache.allocate()
+        rt(cache, ForwardBatch([slot], [seq[:20]]))  # a prefill: past the buckets
+        runs[name] = [rt(cache, ForwardBatch([slot], [ids], [len(ids)], hidden=True))
+                      for ids in (seq[20:21], seq[21:26])]
+    assert counter.frame_count == 1
+    for plain, eagle3, library in zip(runs["plain"], runs["eagle3"], runs["library"]):
+        assert torch.equal(plain.logits, eagle3.logits)
+        width = 2 * hf.config.hidden_size  # two layers' inputs
+        assert eagle3.hidden.shape == library.hidden.shape == (library.logits.shape[0], width)
+        assert (eagle3.hidden - library.hidden).abs().max() <= ATOL
+
+
+def test_a_bucket_reads_its_inputs_from_one_buffer_its_step_fills():
+    """Every forward of a bucket reads one persistent buffer, at one address (what a CUDA
+    graph replays from); the step's other uploads arrive in its tail, and a tail larger than
+    the spare still arrives, sent apart, with the same logits."""
+    rt = compiled(tiny_hf_model("llama-gqa"), verify_tokens=5)
+    cache = rt.make_cache(num_slots=2, max_seq_len=64)
+    slot = cache.allocate()
+    seq = random_sequences((30,))[0]
+    rt(cache, ForwardBatch([slot], [seq[:20]]))  # a prefill: past the buckets
+
+    def decode(upload: Upload) -> torch.Tensor:
+        logits = rt(cache, ForwardBatch([slot], [seq[20:21]], upload=upload)).logits
+        cache.lengths[slot] -= 1  # the same decode again next time
+        return logits
+
+    small, large = Upload(), Upload()
+    ids, floats = small.add(torch.tensor([7, 8])), small.add(torch.tensor([1.5, -2.0]))
+    first = decode(small)
+    (buffer,) = rt.static._buffers.values()
+    start = buffer.device.data_ptr()
+    assert start <= small[ids].data_ptr() < start + 8 * buffer.device.numel()  # in its tail
+    assert small[ids].tolist() == [7, 8] and small[floats].tolist() == [1.5, -2.0]
+    spare = buffer.device.numel() - buffer.layout.size
+    many = large.add(torch.arange(spare + 1))
+    assert torch.equal(decode(large), first) and torch.equal(large[many], torch.arange(spare + 1))
+    assert list(rt.static._buffers.values()) == [buffer] and buffer.device.data_ptr() == start

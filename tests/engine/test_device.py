@@ -110,13 +110,18 @@ KINDS = {"greedy": SamplingParams(temperature=0, max_tokens=10),
          "unseeded": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10)}
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind):
+@pytest.mark.parametrize(("kind", "kernels"), [(kind, "library") for kind in KINDS]
+                         + [("seeded", "compiled"), ("greedy", "compiled")])
+def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind, kernels):
     """Two rows decode with n-gram drafts, the target on the double's device: the largest
     number of host-to-device copies and of device-to-host reads in one step, against the
-    ceiling above; the double counts what a GPU pays for (tests/device_double.py)."""
+    ceiling above; the double counts what a GPU pays for (tests/device_double.py). The
+    compiled path runs its graph's code eagerly here (``backend=None``: the double is no
+    compiler's device): its bucket buffers take the step's one copy."""
     with DeviceDouble() as double:
-        engine = SpecDecodeEngine(_worker(runtime_of(target_hf), device=True), make_tiny_tokenizer(),
+        runtime = to_double(runtime_of(target_hf)).use_kernels(
+            kernels, backend=None, attention="sdpa", verify_tokens=5)
+        engine = SpecDecodeEngine(ModelWorker(runtime, num_slots=8, max_seq_len=256), make_tiny_tokenizer(),
                                   eos_token_ids=EOS, proposer=NgramProposer(), num_speculative_tokens=4)
         for prompt in prompts(2, seed=5):
             engine.add_request(prompt, KINDS[kind])
@@ -127,8 +132,10 @@ def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind):
             engine.step()
             counts.append((double.to_device - before[0], double.to_host - before[1]))
     worst = (max(c[0] for c in counts), max(c[1] for c in counts))
-    print(f"\n{kind}: per decode step, host-to-device {worst[0]}, device-to-host {worst[1]}")
+    print(f"\n{kind}, {kernels}: per decode step, host-to-device {worst[0]}, device-to-host {worst[1]}")
     assert len(counts) >= 2 and min(c[0] for c in counts) >= 1 and min(c[1] for c in counts) >= 1
+    if kernels == "compiled":  # the decodes and verifies ran in the bucket's graph
+        assert (2, 8) in runtime.static.buckets
     assert worst[0] <= TRAFFIC_CEILING[0] and worst[1] <= TRAFFIC_CEILING[1], worst
 
 

@@ -105,7 +105,7 @@ def test_bench_memory_and_profile(dry_run):
 
 
 STEP_ENTRIES = ("target_only", "target_only_batch", "suffix", "ngram", "seeded", "engine_loop",
-                "self_draft", "eagle")
+                "self_draft", "eagle", "tp_world_1")
 
 
 def test_step_phase_runs_the_engine_end_to_end(tmp_path):
@@ -139,6 +139,7 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     assert second["acceptance_rate"] >= entries["suffix"]["first_pass"]["acceptance_rate"]
     assert entries["seeded"]["num_same"] == reference["num_prompts"]
     assert entries["engine_loop"]["same_as_generate"] is True
+    assert entries["tp_world_1"]["status"] == "ok"  # gloo here: the all-reduce hooks' path
     for name in ("self_draft", "eagle"):  # warmed up before their prompts, as a draft actor
         assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]
 

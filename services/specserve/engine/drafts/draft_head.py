@@ -232,16 +232,14 @@ class DraftHead(LlamaRuntime):
         weight = self.embed.weight
         return weight.new_zeros(num_tokens, self.arch.hidden_size)  # what from_target gives
 
-    def _inputs(self, tokens: torch.Tensor, ctx, features: torch.Tensor | None) -> torch.Tensor:
+    def _embedded(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         if self.fc is None:
             assert features is None, "a decoder draft takes no features"
             return self.embed(tokens)
-        padded = features.new_zeros(*tokens.shape, features.shape[-1])  # [B, T, hidden]
-        padded[ctx.valid] = features
         if self.kind == "eagle3":  # the first layer splits them (Eagle3Layer)
             x = self.embed(tokens)
-            return torch.cat([x, padded.to(x.dtype)], dim=-1)
-        return self._fuse(tokens, padded)
+            return torch.cat([x, features.to(x.dtype)], dim=-1)
+        return self._fuse(tokens, features)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.kind == "eagle1" else super().final_norm(x)

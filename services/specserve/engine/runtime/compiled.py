@@ -8,14 +8,20 @@ one CUDA graph. A graph needs every shape and address fixed, so this module
 
 - pads a ragged decode or verify batch up to a *bucket*: rows to the next power of two, new
   tokens per row to the verify's bucket ("One token shape", below; else to 1, 2, 4, 8 or
-  16: :data:`BUCKET_TOKENS`), and compiles the layer stack once per bucket
-  (``dynamic=False``). A unit with ``S`` slots decodes and verifies in ``log2(S) + 1``
+  16: :data:`BUCKET_TOKENS`), and compiles the forward once per bucket
+  (``dynamic=False``), from the token ids through the embedding, every layer, the final
+  norm and the LM head. A unit with ``S`` slots decodes and verifies in ``log2(S) + 1``
   shapes;
+- takes the bucket's inputs in one persistent buffer, filled with the rest of the step's
+  uploads by one host-to-device copy (:mod:`specserve.engine.runtime.bucket_inputs`): one
+  graph input besides the weights and the cache, at one address, so a CUDA graph replays
+  without copying its inputs into place;
 - reads each row's own keys in place (:mod:`specserve.engine.runtime.block_attention`,
   ``attention: flex``, the default on CUDA): FlexAttention over the cache's storage with a
   block mask listing each row's key blocks up to its last token, so no shape depends on a
   sequence's length and the cost follows the rows' real contexts. The mask's tensors are
-  inputs of the graph (made per forward from the rows' positions). ``attention: sdpa``
+  made per forward on the host from the rows' positions and travel in the bucket's
+  buffer. ``attention: sdpa``
   keeps gpt-fast's way (each row's whole slot, gathered, with a mask: ``max_seq_len`` keys
   per row per layer), the CPU default;
 - writes the new keys and values with one ``index_put`` per layer, in place on the cache
@@ -39,7 +45,7 @@ so the design is to give decodes and verifies the *same* shapes. Every decode an
 (T <= bucket(K + 1)) runs at the verify's token bucket, so a decode row and a verify row of
 one row bucket go through the same compiled graph: the same GEMM shapes (M = rows x
 bucket(K + 1)), the same kernels, one row's outputs computed as any other row's; the final
-norm and LM head too, over the whole bucket (``LlamaRuntime._head_shape``). A decode
+norm and LM head too, in the graph over the whole bucket. A decode
 pays the verify's width; on a memory-bound GPU that is nearly free, the premise of
 speculation itself. Rows stay bucketed to powers of two. (The library path on CUDA pads a
 decode's tokens to K + 1 for the same reason; ``LlamaRuntime.use_kernels``.)
@@ -57,6 +63,7 @@ tests check it; the C kernels are faster there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import contextmanager
@@ -65,7 +72,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.runtime.block_attention import KeyBlocks, key_blocks
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.bucket_inputs import BucketBuffer, Layout
+from specserve.engine.runtime.forward_batch import ForwardBatch, Upload, check_rows
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +129,22 @@ class StaticInputs:
 
 
 class StaticForward:
-    """The layer stack of a :class:`~specserve.engine.runtime.model.LlamaRuntime` run at bucketed
-    static shapes, compiled (``backend``; ``None`` runs the same code eagerly).
-    ``verify_tokens``: the unit's K + 1, whose bucket decodes share (:func:`token_bucket`)."""
+    """A :class:`~specserve.engine.runtime.model.LlamaRuntime`'s forward at bucketed static
+    shapes, from token ids to the LM head's logits, compiled (``backend``; ``None`` runs the
+    same code eagerly). ``verify_tokens``: the unit's K + 1, whose bucket decodes share
+    (:func:`token_bucket`).
+
+    One graph per bucket takes one input besides the weights and the cache: the bucket's
+    persistent buffer (:mod:`specserve.engine.runtime.bucket_inputs`), filled with the
+    step's other uploads in one copy. It embeds the tokens, runs every layer, the final norm
+    and the LM head over the whole bucket (so a token's logits do not depend on how many
+    others asked for theirs: "One token shape"), and returns the logits, the normed hidden
+    states and a target's EAGLE features (the layers' inputs it names: graph outputs, so an
+    EAGLE-3 target keeps this path); the asked rows are gathered after it."""
+
+    # int64 words of a buffer's tail per bucket token: the step's other uploads (the gather
+    # indices, a verification's drafts, settings and noise); a larger tail is sent apart
+    TAIL_WORDS_PER_TOKEN = 16
 
     def __init__(self, runtime, *, backend: str | None = "inductor",
                  verify_tokens: int | None = None) -> None:
@@ -132,13 +153,14 @@ class StaticForward:
         self.buckets: set[tuple[int, int]] = set()  # (rows, tokens) compiled so far
         self.warmed = False  # set by warm_up: a new bucket afterwards compiles while serving
         self.cuda_graphs = False
-        self._step = self._layers
+        self._buffers: dict[Layout, BucketBuffer] = {}
+        self._step = self._graph
         if backend is not None:
             self.cuda_graphs = runtime.embed.weight.device.type == "cuda" and backend == "inductor"
             # one graph per bucket: raise dynamo's recompile limit (8) to the bucket count
             limit = len(BUCKET_TOKENS) * 16
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            self._step = torch.compile(self._layers, backend=backend, fullgraph=True, dynamic=False,
+            self._step = torch.compile(self._graph, backend=backend, fullgraph=True, dynamic=False,
                                        mode="reduce-overhead" if self.cuda_graphs else None)
 
     def takes(self, num_new: int) -> bool:
@@ -150,88 +172,147 @@ class StaticForward:
         ``num_new`` new tokens, runs in (a cache of ``num_slots`` slots)."""
         return bucket(num_rows, limit=num_slots), token_bucket(num_new, self.verify_tokens)
 
-    def __call__(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
-        """``x`` ``[B, T, hidden]`` (a ragged
-        :class:`~specserve.engine.runtime.forward_context.ForwardContext` batch) through every
-        layer; returns ``[B, T, hidden]``."""
-        b, t, hidden = x.shape
-        rows, tokens = self.bucket_of(b, t, cache.num_slots)
-        if (rows, tokens) not in self.buckets:
-            if self.warmed:
-                log.warning("compiling the layer stack for %d rows x %d tokens while serving "
-                            "(a bucket warm_up did not cover)", rows, tokens)
-            else:
-                log.info("compiling the layer stack for %d rows x %d tokens", rows, tokens)
-            self.buckets.add((rows, tokens))
-        padded = x.new_zeros(rows, tokens, hidden)
-        padded[:b, :t] = x
-        out = self._step(padded, static_inputs(self.runtime, ctx, cache, rows, tokens), cache)
-        return out[:b, :t].clone()  # a CUDA graph's output is overwritten by its next replay
+    def forward(self, cache, batch: ForwardBatch, num_logits: list[int],
+                upload: Upload) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`LlamaRuntime.forward <specserve.engine.runtime.model.LlamaRuntime.forward>`'s
+        logits ``[sum(num_logits), vocab]`` and hidden states (None unless ``batch.hidden``)
+        of a batch of chains whose rows have at most :data:`BUCKET_TOKENS`\\ [-1] new tokens;
+        ``upload``'s pending tensors travel in the same copy. Leaves the cache's lengths to
+        the caller."""
+        starts, lens = check_rows(cache, batch.slots, batch.token_ids)
+        rows, tokens = self.bucket_of(len(lens), max(lens), cache.num_slots)
+        self._note(rows, tokens)
+        inputs = bucket_inputs(self.runtime, cache, batch, starts, lens, rows, tokens)
+        buffer = self._buffer(Layout.of(inputs), rows * tokens)
+        asked, real = (upload.add(x) for x in token_indices(lens, num_logits, tokens))
+        buffer.fill(inputs, upload)
+        features = None
+        if batch.features is not None:  # a draft head's, in row order: to their places
+            features = batch.features.new_zeros(rows * tokens, batch.features.shape[-1])
+            features[upload[real]] = batch.features
+            features = features.view(rows, tokens, -1)
+        logits, normed, own = self._step(buffer.device, buffer.layout, cache, features)
+        hidden = None
+        if batch.hidden:  # every new token's, in row order
+            hidden = (own if own is not None else normed).flatten(0, 1)[upload[real]]
+        return logits[upload[asked]], hidden  # gathers: a replay overwrites the graph's outputs
 
-    def _layers(self, x: torch.Tensor, inputs: StaticInputs, cache) -> torch.Tensor:
-        for layer in self.runtime.layers:
-            x = layer(x, inputs, cache)
-        return x
+    def _note(self, rows: int, tokens: int) -> None:
+        if (rows, tokens) in self.buckets:
+            return
+        if self.warmed:
+            log.warning("compiling the forward for %d rows x %d tokens while serving "
+                        "(a bucket warm_up did not cover)", rows, tokens)
+        else:
+            log.info("compiling the forward for %d rows x %d tokens", rows, tokens)
+        self.buckets.add((rows, tokens))
+
+    def _buffer(self, layout: Layout, bucket_tokens: int) -> BucketBuffer:
+        if layout not in self._buffers:
+            self._buffers[layout] = BucketBuffer(layout, self.runtime.embed.weight.device,
+                                                 spare=self.TAIL_WORDS_PER_TOKEN * bucket_tokens)
+        return self._buffers[layout]
+
+    def _graph(self, buffer: torch.Tensor, layout: Layout, cache,
+               features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The compiled step: logits ``[R * W, vocab]`` float32, normed hidden states
+        ``[R, W, hidden]`` and, for a runtime whose features are its own
+        (``feature_layers``, ``hidden_prenorm``), those ``[R, W, width]``."""
+        rt = self.runtime
+        inputs = layout.read(buffer)
+        x = rt._embedded(inputs["tokens"], features)                        # [R, W, hidden]
+        own = rt.feature_layers is not None or rt.hidden_prenorm
+        x, captured = rt._layers(x, static_inputs(rt, inputs, cache), cache,
+                                 rt.feature_layers is not None)
+        normed = rt.final_norm(x)
+        logits = rt.logits(normed.flatten(0, 1))
+        return logits, normed, rt._features(x, captured) if own else None
 
 
-def static_inputs(runtime, ctx, cache, rows: int, tokens: int) -> StaticInputs:
-    """The padded positions, cache writes and attention inputs of a ragged batch (``ctx``)."""
-    device = runtime.embed.weight.device
-    positions, slots, valid, last = _padded_rows(ctx, cache.spare_slot, rows, tokens)
-    write_slots = torch.where(valid, slots[:, None], cache.spare_slot)   # [B', T']
-    write_positions = torch.where(valid, positions, torch.arange(tokens))
-    table = positions.clamp(max=runtime.max_positions - 1)
-    # RoPE rows, cache writes and slots in one host-to-device copy
-    packed = torch.cat([table.flatten(), write_slots.flatten(), write_positions.flatten(),
-                        slots]).to(device)
-    table, write_slots, write_positions, slots_d = packed.split([rows * tokens] * 3 + [rows])
-    if runtime.attention == "flex":
-        attend = _flex_inputs(positions, last, slots, cache, ctx.window, device)
-    else:
-        attend = _slot_masks(positions, cache, ctx.window, device)
-    table = table.view(rows, tokens)
-    return StaticInputs(
-        cos=runtime.rope_cos[table].unsqueeze(2), sin=runtime.rope_sin[table].unsqueeze(2),
-        slots=slots_d, write_slots=write_slots.view(rows, tokens),
-        write_positions=write_positions.view(rows, tokens), **attend)
+def token_indices(lens: list[int], num_logits: list[int], tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices into a bucket ``[R * W]`` (``W`` = ``tokens``), on the host: the asked
+    positions (each row's last ``num_logits[i]`` new tokens) and every new token, rows in
+    order.
+
+    >>> [x.tolist() for x in token_indices([2, 1], [1, 1], tokens=4)]
+    [[1, 4], [0, 1, 4]]
+    """
+    asked, real = [], []
+    for i, (n, k) in enumerate(zip(lens, num_logits)):
+        if not 0 <= k <= n:
+            raise ValueError(f"row {i}: asked for {k} logits of {n} new tokens")
+        asked += range(i * tokens + n - k, i * tokens + n)
+        real += range(i * tokens, i * tokens + n)
+    return torch.tensor(asked, dtype=torch.long), torch.tensor(real, dtype=torch.long)
 
 
-def _padded_rows(ctx, spare: int, rows: int,
-                 tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A ragged batch padded to ``(rows, tokens)``, on the CPU: positions ``[B', T']``,
-    slots ``[B']`` (spare: padding rows), real tokens ``[B', T']`` and each row's last key
-    position ``[B']``. Padding rows write their tokens at ``0 .. T' - 1`` of the spare slot
-    and read those; a real row's padding tokens continue its positions."""
-    b, t = ctx.positions.shape
+def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: list[int],
+                  rows: int, tokens: int) -> dict[str, torch.Tensor]:
+    """A batch padded to the bucket ``(rows, tokens)``, on the host: what the graph reads
+    (:func:`static_inputs`), named. Padding rows write their tokens at ``0 .. W - 1`` of the
+    spare slot and read those; a real row's padding tokens continue its positions and write
+    to the spare slot."""
+    b = len(lens)
     steps = torch.arange(tokens)
-    positions = steps.repeat(rows, 1)                                     # [B', T']
-    positions[:b, :t] = ctx.positions
-    positions[:b, t:] = ctx.positions[:, -1:] + steps[1:tokens - t + 1]
-    slots = torch.full((rows,), spare, dtype=torch.int64)
-    slots[:b] = torch.tensor(ctx.slots)
-    valid = torch.zeros(rows, tokens, dtype=torch.bool)
-    valid[:b, :t] = steps[None, :t] < ctx.lens[:, None]                   # no device sync
-    last = torch.full((rows,), tokens - 1, dtype=torch.int64)
-    last[:b] = ctx.positions[:, 0] + ctx.lens - 1
-    return positions, slots, valid, last
+    start = torch.zeros(rows, dtype=torch.long)
+    start[:b] = torch.tensor(starts)
+    positions = start[:, None] + steps                                      # [R, W]
+    slots = torch.full((rows,), cache.spare_slot, dtype=torch.long)
+    slots[:b] = torch.tensor(batch.slots)
+    length = torch.zeros(rows, dtype=torch.long)
+    length[:b] = torch.tensor(lens)
+    valid = steps < length[:, None]                                         # [R, W]
+    token_ids = torch.zeros(rows, tokens, dtype=torch.long)
+    for i, ids in enumerate(batch.token_ids):
+        token_ids[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    inputs = {"tokens": token_ids,
+              "table": positions.clamp(max=runtime.max_positions - 1),     # RoPE rows
+              "slots": slots,
+              "write_slots": torch.where(valid, slots[:, None], cache.spare_slot),
+              "write_positions": torch.where(valid, positions, steps)}
+    window = _window_of(runtime)
+    if runtime.attention != "flex":
+        return {**inputs, "positions": positions}
+    last = torch.where(length > 0, start + length - 1, tokens - 1)          # [R]
+    for name, w in (("keys", None), ("window_keys", window)):
+        if name == "keys" or w is not None:
+            blocks = key_blocks(positions, last, slots, num_kv_heads=cache.k[0].shape[1],
+                                slot_len=cache.k[0].shape[2], window=w)
+            inputs.update({f"{name}.{f.name}": getattr(blocks, f.name)
+                           for f in dataclasses.fields(blocks)
+                           if isinstance(getattr(blocks, f.name), torch.Tensor)})
+    return inputs
 
 
-def _flex_inputs(positions: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, cache,
-                 window: int | None, device: torch.device) -> dict:
-    """``keys`` (and ``window_keys``): the key blocks of each padded row."""
-    def blocks(w: int | None) -> KeyBlocks:
-        return key_blocks(positions, last, slots, num_kv_heads=cache.k[0].shape[1],
-                          slot_len=cache.k[0].shape[2], window=w).to(device)
+def static_inputs(runtime, inputs: dict[str, torch.Tensor], cache) -> StaticInputs:
+    """What the layers of the graph share, from the bucket's inputs (:func:`bucket_inputs`,
+    on the device): inside the graph."""
+    window = _window_of(runtime)
+    table = inputs["table"]
+    if runtime.attention == "flex":
+        attend = {name: None if f"{name}.base" not in inputs else KeyBlocks(
+            window=w, **{k.split(".", 1)[1]: v for k, v in inputs.items() if k.startswith(f"{name}.")})
+                  for name, w in (("keys", None), ("window_keys", window))}
+    else:
+        attend = _slot_masks(inputs["positions"], cache, window)
+    return StaticInputs(cos=runtime.rope_cos[table].unsqueeze(2),
+                        sin=runtime.rope_sin[table].unsqueeze(2), slots=inputs["slots"],
+                        write_slots=inputs["write_slots"],
+                        write_positions=inputs["write_positions"], **attend)
 
-    return {"keys": blocks(None), "window_keys": None if window is None else blocks(window)}
+
+def _window_of(runtime) -> int | None:
+    """The sliding window of the runtime's layers that have one (one size per model)."""
+    return next((w for w in runtime.arch.sliding_windows if w is not None), None)
 
 
-def _slot_masks(positions: torch.Tensor, cache, window: int | None, device: torch.device) -> dict:
+def _slot_masks(positions: torch.Tensor, cache, window: int | None) -> dict:
     """``visible`` (and ``window_visible``) ``[B', 1, T', S]``: keys up to each query's
     position in its row's whole slot."""
-    keys = torch.arange(cache.k[0].shape[2], device=device)               # [S]
-    query = positions.to(device)[:, None, :, None]                        # [B', 1, T', 1]
-    visible = keys <= query                                               # [B', 1, T', S]
+    keys = torch.arange(cache.k[0].shape[2], device=positions.device)      # [S]
+    query = positions[:, None, :, None]                                    # [B', 1, T', 1]
+    visible = keys <= query                                                # [B', 1, T', S]
     return {"visible": visible,
             "window_visible": None if window is None else visible & (keys > query - window)}
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.errors import InvalidRequestError
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -73,13 +75,21 @@ class Upload:
 
     def send(self, device: torch.device | str) -> None:
         """Every tensor added since the last send, in one copy."""
+        flat = self.pending()
+        if flat:
+            self.received(torch.cat(flat).to(device))
+
+    def pending(self) -> list[torch.Tensor]:
+        """The tensors added since the last send, each flattened to int64 on the host (what
+        a caller that owns the copy packs: :class:`~specserve.engine.runtime.bucket_inputs.BucketBuffer`)."""
+        return [x.reshape(-1).double().view(torch.int64) if x.is_floating_point()
+                else x.reshape(-1).long() for x in self._host[len(self._sent):]]
+
+    def received(self, packed: torch.Tensor) -> None:
+        """The pending tensors arrived as ``packed`` (on the device, in :meth:`pending`'s
+        order): ``upload[index]`` reads them from now on."""
         new = self._host[len(self._sent):]
-        if not new:
-            return
-        flat = [x.reshape(-1).double().view(torch.int64) if x.is_floating_point()
-                else x.reshape(-1).long() for x in new]
-        packed = torch.cat(flat).to(device)
-        for x, part in zip(new, packed.split([f.numel() for f in flat])):
+        for x, part in zip(new, packed.split([x.numel() for x in new])):
             part = part.view(torch.float64) if x.is_floating_point() else part
             self._sent.append(part.to(x.dtype).view(x.shape))
 
@@ -102,3 +112,19 @@ class Forwarded:
         """The same result with its tensors on the host (what crosses a process boundary)."""
         return Forwarded(*(None if x is None else x.cpu()
                            for x in (self.logits, self.token_ids, self.hidden)))
+
+
+def check_rows(cache, slots: list[int], token_ids: list[list[int]]
+               ) -> tuple[list[int], list[int]]:
+    """Each row's start (its slot's length) and number of new tokens, checked: at least one
+    new token, the context length kept. Reserves the rows' blocks in a paged cache."""
+    starts = [cache.lengths[s] for s in slots]
+    lens = [len(ids) for ids in token_ids]
+    if min(lens) < 1:
+        raise InvalidRequestError("every row of a forward needs at least one new token")
+    ends = [s + n for s, n in zip(starts, lens)]
+    if max(ends) > cache.max_seq_len:
+        raise InvalidRequestError(f"sequence of {max(ends)} tokens exceeds the context length "
+                                  f"of {cache.max_seq_len}")
+    cache.reserve(slots, ends)  # a paged cache's blocks
+    return starts, lens

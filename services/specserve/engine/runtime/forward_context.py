@@ -13,7 +13,7 @@ from specserve.engine.kv.kv_cache import SlotKVCache
 from specserve.engine.runtime import block_attention
 from specserve.engine.runtime.block_attention import KeyBlocks
 from specserve.engine.runtime.compiled import bucket
-from specserve.engine.runtime.forward_batch import Upload
+from specserve.engine.runtime.forward_batch import Upload, check_rows
 from specserve.engine.runtime.kernels import KV_BLOCK, hidden_keys
 from specserve.engine.runtime.token_tree import validate_tree
 from specserve.errors import InvalidRequestError
@@ -171,16 +171,9 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     layers' (:attr:`ModelArch.sliding_windows`); ``trees``: as :meth:`LlamaRuntime.forward`
     takes them. What the device needs of the batch goes in one copy, with whatever the caller
     put in ``upload``. Reserves the rows' blocks in a paged cache."""
-    starts = [cache.lengths[s] for s in slots]
-    lens = [len(ids) for ids in token_ids]
-    if min(lens) < 1:
-        raise InvalidRequestError("every row of a forward needs at least one new token")
-    kv_len = max(s + n for s, n in zip(starts, lens))
-    if kv_len > cache.max_seq_len:
-        raise InvalidRequestError(f"sequence of {kv_len} tokens exceeds the context length "
-                                  f"of {cache.max_seq_len}")
-    cache.reserve(slots, [s + n for s, n in zip(starts, lens)])  # a paged cache's blocks
-    kv_used, kv_len = kv_len, -(-kv_len // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
+    starts, lens = check_rows(cache, slots, token_ids)
+    kv_used = max(s + n for s, n in zip(starts, lens))
+    kv_len = -(-kv_used // KV_BLOCK) * KV_BLOCK  # kernels read whole blocks
     t = max(lens)
     if decode_width is not None and t <= decode_width:
         t = decode_width  # a decode's GEMMs take a verify's shape (use_kernels)
@@ -214,6 +207,17 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
         tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots),
         on_device=(positions_d, *(tree_d or (None, None))))
     return ctx, tokens_d
+
+
+def chains(trees: list[list[int] | None] | None) -> bool:
+    """Whether every row of a forward with ``trees`` is a chain (no token tree after all:
+    none given, or each token's parent the token before it).
+
+    >>> chains(None), chains([None, [-1, 0, 1]]), chains([[-1, 0, 0]])
+    (True, True, False)
+    """
+    return trees is None or all(parents is None or (parents[:1] == [-1] and all(
+        p == j - 1 for j, p in enumerate(parents) if j)) for parents in trees)
 
 
 def _visible(positions: torch.Tensor, kv_len: int, window: int | None, tree: torch.Tensor | None,

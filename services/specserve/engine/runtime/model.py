@@ -37,7 +37,7 @@ from specserve.engine.kv.kv_cache import PagedKVCache, SlotKVCache
 from specserve.engine.runtime.arch import ModelArch
 from specserve.engine.runtime.compiled import StaticForward, warm_up
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload
-from specserve.engine.runtime.forward_context import ForwardContext, logit_positions, prepare
+from specserve.engine.runtime.forward_context import ForwardContext, chains, logit_positions, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
 from specserve.engine.runtime.kernels import KV_BLOCK, Linear
 from specserve.engine.runtime.layers import MLP, Attention, DecoderLayer, rms_norm
@@ -205,16 +205,16 @@ class LlamaRuntime(nn.Module):
                 raise ValueError(f"groups {groups} do not split {len(slots)} rows")
             return forward_groups(self, cache, batch, num_logits)
         upload = batch.upload or Upload()
+        static = self.static is not None and self.static.takes(max(map(len, token_ids)))
+        if static and chains(batch.trees):  # from token ids to logits in one graph
+            outputs = self.static.forward(cache, batch, num_logits, upload)
+            for slot, ids in zip(slots, token_ids):
+                cache.lengths[slot] += len(ids)
+            return outputs
         asked = upload.add(logit_positions(token_ids, num_logits))  # with the inputs' copy
         ctx, tokens = self._prepare(cache, slots, token_ids, batch.trees, upload)
         x = self._inputs(tokens, ctx, batch.features)  # [B, T, hidden]
-        captured: list[torch.Tensor] = []  # feature_layers' inputs
-        capture = batch.hidden and self.feature_layers is not None
-        if (self.static is not None and ctx.tree is None and self.static.takes(x.shape[1])
-                and not capture):
-            x = self.static(x, ctx, cache)
-        else:
-            x, captured = self._layers(x, ctx, cache, capture)
+        x, captured = self._layers(x, ctx, cache, batch.hidden and self.feature_layers is not None)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = upload[asked]
@@ -260,7 +260,17 @@ class LlamaRuntime(nn.Module):
 
     def _inputs(self, tokens: torch.Tensor, ctx: ForwardContext,
                 features: torch.Tensor | None) -> torch.Tensor:
-        """The first layer's input: token embeddings (a draft head adds its features)."""
+        """The first layer's input ``[B, T, width]`` of ``tokens`` ``[B, T]`` and, for a
+        model that takes them, per-token ``features`` in row order (:meth:`_embedded`)."""
+        if features is not None:
+            padded = features.new_zeros(*tokens.shape, features.shape[-1])  # [B, T, width]
+            padded[ctx.valid] = features
+            features = padded
+        return self._embedded(tokens, features)
+
+    def _embedded(self, tokens: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input from ``tokens`` ``[B, T]`` and ``features`` ``[B, T, width]``
+        at their tokens' places (or None): token embeddings (a draft head adds its features)."""
         assert features is None, "this model takes no features"
         return self.embed(tokens)
 
@@ -279,8 +289,8 @@ class LlamaRuntime(nn.Module):
 
     def _head_shape(self, ctx: ForwardContext, num_slots: int, b: int, t: int) -> tuple[int, int] | None:
         """The ``(rows, tokens)`` a decode's or verify's final norm and LM head run at where
-        the kernels are not row-invariant (``library`` on CUDA, ``compiled``): the shape its
-        layers ran at (the compiled bucket; the library's padded width), so a token's logits
+        the kernels are not row-invariant (``library`` on CUDA; the compiled path runs its
+        head in its graph at the bucket): the shape its layers ran at, so a token's logits
         do not depend on how many others asked for theirs. A decode asks one per row and a
         verify K + 1, and cuBLAS picks the LM head's kernel by that count (the last shape a
         decode and a verify did not share; docs/BENCHMARKS.md, "Second window").
@@ -288,8 +298,6 @@ class LlamaRuntime(nn.Module):
         draft head (:attr:`fixed_head`)."""
         if not self.fixed_head or ctx.tree is not None:
             return None
-        if self.static is not None and self.static.takes(t):
-            return self.static.bucket_of(b, t, num_slots)
         if self.decode_width is not None and t == self.decode_width:
             return b, t
         return None

@@ -156,7 +156,7 @@ def localize(model: LlamaRuntime, world: int,
     linear. ``model.arch`` keeps the whole model's numbers."""
     if world == 1:
         return model
-    reduce = _all_reducer(group)
+    reduce = all_reducer(group)
     for layer in model.layers:
         layer.attn.num_heads //= world
         layer.attn.num_kv_heads //= world
@@ -169,7 +169,9 @@ def localize(model: LlamaRuntime, world: int,
     return model
 
 
-def _all_reducer(group):
+def all_reducer(group: dist.ProcessGroup | None):
+    """The hook a row-parallel linear's output goes through: summed over ``group``'s ranks,
+    in place."""
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=group)
         return x
