@@ -187,3 +187,30 @@ def test_flex_attention_reads_only_each_rows_keys():
             q.cuda().transpose(1, 2), keys[slots].cuda(), values[slots].cuda(),
             attn_mask=mask[:, None].cuda(), enable_gqa=True).transpose(1, 2)  # [B, T, H, D]
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_bucket_reads_a_pinned_static_buffer_and_a_verify_times_with_events(hf):
+    """Issue 52's pieces that only CUDA has: the bucket's host twin is pinned (its copy
+    can be asynchronous) and its device buffer keeps its address across replays; the
+    worker's forward clock reads CUDA events after the result, with no synchronisation
+    of its own."""
+    from specserve.engine.worker import ForwardClock
+
+    rt = gpu_runtime(hf, "compiled", verify_tokens=5)
+    cache = rt.make_cache(num_slots=2, max_seq_len=128)
+    slot = cache.allocate()
+    seq = random_sequences((8,))[0]
+    first = rt(cache, ForwardBatch([slot], [seq[:5]], [5])).logits
+    (buffer,) = rt.static._buffers.values()
+    address = buffer.device.data_ptr()
+    cache.lengths[slot] = 0
+    again = rt(cache, ForwardBatch([slot], [seq[:5]], [5])).logits
+    assert buffer.host.is_pinned() and buffer.device.data_ptr() == address
+    assert torch.equal(first, again)
+    clock = ForwardClock(buffer.device.device)
+    x = torch.randn(1024, 1024, device="cuda")
+    y = x @ x
+    clock.forward_done()
+    y.sum().item()  # the read
+    forward_s, rest_s = clock.split()
+    assert forward_s > 0 and rest_s >= 0

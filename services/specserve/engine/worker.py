@@ -162,15 +162,14 @@ class ModelWorker(SlotOwner):
         scored = [r.params.prompt_logprobs is not None and self.length(slot) == 0
                   for r, slot in zip(rows, batch.slots)]
         asked = [len(ids) if s else n for ids, s, n in zip(batch.token_ids, scored, counts)]
-        t0 = time.perf_counter()
+        clock = ForwardClock(self.runtime.embed.weight.device)
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
                           and not s for r, s in zip(rows, scored))
         upload = Upload()  # the verification's inputs go to the device with the forward's
         staged = stage(rows, batch.proposals, upload)
         out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
-        _sync(logits)
-        t1 = time.perf_counter()
+        clock.forward_done()
         per_row = list(logits.split(asked))
         verdicts = verify_rows(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)],
                                staged)
@@ -186,7 +185,7 @@ class ModelWorker(SlotOwner):
                                    + [len(ids) for _, ids in batch.chunks])
             kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, batch.proposals, verdicts)]
             chunk_hidden = [h.cpu() for h in per_row[len(batch.token_ids):]]
-        return Verified(verdicts, kept, t1 - t0, time.perf_counter() - t1, chunk_hidden)
+        return Verified(verdicts, kept, *clock.split(), chunk_hidden)
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
@@ -194,10 +193,34 @@ class ModelWorker(SlotOwner):
         return self.runtime(self.cache, batch)
 
 
-def _sync(x: torch.Tensor) -> None:
-    """Wait for ``x``'s device, so a clock read after it times the forward (CUDA is async)."""
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
+class ForwardClock:
+    """A verify call's forward time and the rest of its time, without a synchronisation of
+    their own (issue 52: the step's one read is the only wait). On CUDA two events bracket
+    the forward on the stream, and are read after the sampler has read its result, which
+    waited for the device anyway: the forward's device time, and the call's remaining wall
+    time for the sampler. Elsewhere the host's clock (a CPU forward is done when it
+    returns)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.start = time.perf_counter()
+        self.events = None
+        if device.type == "cuda" and torch.cuda.is_available():
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            self.events[0].record()
+
+    def forward_done(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        else:
+            self.forward_s = time.perf_counter() - self.start
+
+    def split(self) -> tuple[float, float]:
+        """``(forward seconds, the rest)``, once the forward's result has been read."""
+        total = time.perf_counter() - self.start
+        if self.events is not None:
+            self.events[1].synchronize()  # done already: the result was read
+            self.forward_s = self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.forward_s, max(total - self.forward_s, 0.0)
 
 
 def _kept_rows(hidden: torch.Tensor, proposal: Proposal, verdict: Verdict) -> torch.Tensor:
