@@ -13,7 +13,7 @@ one CUDA graph. A graph needs every shape and address fixed, so this module
   norm and the LM head. A unit with ``S`` slots decodes and verifies in ``log2(S) + 1``
   shapes;
 - takes the bucket's inputs in one persistent buffer, filled with the rest of the step's
-  uploads by one host-to-device copy (:mod:`specserve.engine.runtime.bucket_inputs`): one
+  uploads by one host-to-device copy (:class:`~specserve.engine.runtime.forward_batch.BucketBuffer`): one
   graph input besides the weights and the cache, at one address, so a CUDA graph replays
   without copying its inputs into place;
 - reads each row's own keys in place (:mod:`specserve.engine.runtime.block_attention`,
@@ -72,8 +72,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.runtime.block_attention import KeyBlocks, key_blocks
-from specserve.engine.runtime.bucket_inputs import BucketBuffer, Layout
-from specserve.engine.runtime.forward_batch import ForwardBatch, Upload, check_rows
+from specserve.engine.runtime.forward_batch import BucketBuffer, ForwardBatch, Layout, Upload, check_rows
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class StaticForward:
     (:func:`token_bucket`).
 
     One graph per bucket takes one input besides the weights and the cache: the bucket's
-    persistent buffer (:mod:`specserve.engine.runtime.bucket_inputs`), filled with the
+    persistent buffer (:class:`~specserve.engine.runtime.forward_batch.BucketBuffer`), filled with the
     step's other uploads in one copy. It embeds the tokens, runs every layer, the final norm
     and the LM head over the whole bucket (so a token's logits do not depend on how many
     others asked for theirs: "One token shape"), and returns the logits, the normed hidden
