@@ -191,7 +191,8 @@ def test_flex_attention_reads_only_each_rows_keys():
 
 def test_a_bucket_reads_a_pinned_static_buffer_and_a_verify_times_with_events(hf):
     """Issue 52's pieces that only CUDA has: the bucket's host twin is pinned (its copy
-    can be asynchronous) and its device buffer keeps its address across replays; the
+    can be asynchronous, and is not rewritten before it ran) and its device buffer keeps
+    its address across replays; the
     worker's forward clock reads CUDA events after the result, with no synchronisation
     of its own."""
     from specserve.engine.worker import ForwardClock
@@ -207,6 +208,15 @@ def test_a_bucket_reads_a_pinned_static_buffer_and_a_verify_times_with_events(hf
     again = rt(cache, ForwardBatch([slot], [seq[:5]], [5])).logits
     assert buffer.host.is_pinned() and buffer.device.data_ptr() == address
     assert torch.equal(first, again)
+    # two forwards of the bucket back to back (row groups), no read between: the second
+    # refills the host twin only after the first copy ran, so each group gets its own
+    other = cache.allocate()
+    cache.lengths[slot] = 0
+    both = rt(cache, ForwardBatch([slot, other], [seq[:5], seq[3:8]], [5, 5], groups=[1, 1])).logits
+    cache.lengths[slot] = cache.lengths[other] = 0
+    alone = [rt(cache, ForwardBatch([s], [ids], [5])).logits
+             for s, ids in ((slot, seq[:5]), (other, seq[3:8]))]
+    assert torch.equal(both, torch.cat(alone))
     clock = ForwardClock(buffer.device.device)
     x = torch.randn(1024, 1024, device="cuda")
     y = x @ x

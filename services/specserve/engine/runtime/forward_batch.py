@@ -157,10 +157,11 @@ class BucketBuffer:
     the weights and the cache it has one input
     (:class:`~specserve.engine.runtime.compiled.StaticForward`).
 
-    The host twin is rewritten by the next step's :meth:`fill`. That is safe while every
-    step reads its result before the next is built (today's synchronous step: the read
-    waits for the stream, the copy included); a step that overlaps the next one's
-    preparation needs two twins, alternated."""
+    A step may fill one buffer twice (its row groups as two forwards of one bucket), so
+    nothing outlives the forward in the buffer: the upload's tensors are read from a copy
+    of the tail made on the device (one small device-to-device copy), and the host twin is
+    rewritten only once its last copy to the device has run (an event; on a CPU the copy
+    is done when it returns)."""
 
     def __init__(self, layout: Layout, device: torch.device, spare: int) -> None:
         self.layout = layout
@@ -168,6 +169,7 @@ class BucketBuffer:
         self.device = torch.empty(size, dtype=torch.long, device=device)
         pinned = self.device.is_cuda and torch.cuda.is_available()
         self.host = torch.empty(size, dtype=torch.long, pin_memory=pinned)
+        self.copied = torch.cuda.Event() if pinned else None  # the host twin's last copy
         if pinned:
             torch._dynamo.mark_static_address(self.device)  # replays read it where it is
 
@@ -180,9 +182,13 @@ class BucketBuffer:
         total = sum(x.numel() for x in parts)
         head = self.layout.size
         if total <= self.device.numel():
+            if self.copied is not None:
+                self.copied.synchronize()  # done already unless a forward came just before
             torch.cat(parts, out=self.host[:total])
             self.device[:total].copy_(self.host[:total], non_blocking=True)
-            upload.received(self.device[head:total])
+            if self.copied is not None:
+                self.copied.record()
+            upload.received(self.device[head:total].clone())  # the next fill may come first
             return
         log.info("a step's inputs (%d words) outgrew its bucket's buffer (%d): sent apart",
                  total, self.device.numel())
