@@ -31,6 +31,11 @@ class ModelArch:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head before RoPE
 
+    @property
+    def window(self) -> int | None:
+        """The sliding window of the layers that have one (:func:`one_window`)."""
+        return one_window(self.sliding_windows)
+
     @classmethod
     def from_hf_config(cls, config) -> ModelArch:
         model_type = config.model_type
@@ -64,6 +69,13 @@ class ModelArch:
             sliding_windows=_sliding_windows(config),
             qk_norm=model_type == "qwen3",
         )
+
+
+def one_window(sliding_windows: tuple[int | None, ...]) -> int | None:
+    """The sliding window of the layers that have one (one size per model), or None."""
+    windows = {w for w in sliding_windows if w is not None}
+    assert len(windows) <= 1, "one sliding window size per model"
+    return next(iter(windows), None)
 
 
 def _sliding_windows(config) -> tuple[int | None, ...]:

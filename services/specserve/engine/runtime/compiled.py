@@ -72,7 +72,14 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.runtime.block_attention import KeyBlocks, key_blocks
-from specserve.engine.runtime.forward_batch import BucketBuffer, ForwardBatch, Layout, Upload, check_rows
+from specserve.engine.runtime.forward_batch import (
+    BucketBuffer,
+    ForwardBatch,
+    Layout,
+    Upload,
+    check_rows,
+    logit_positions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +190,7 @@ class StaticForward:
         self._note(rows, tokens)
         inputs = bucket_inputs(self.runtime, cache, batch, starts, lens, rows, tokens)
         buffer = self._buffer(Layout.of(inputs), rows * tokens)
-        asked, real = (upload.add(x) for x in token_indices(lens, num_logits, tokens))
+        asked, real = (upload.add(x) for x in token_indices(batch.token_ids, num_logits, tokens))
         buffer.fill(inputs, upload)
         features = None
         if batch.features is not None:  # a draft head's, in row order: to their places
@@ -228,22 +235,18 @@ class StaticForward:
         return logits, normed, rt._features(x, captured) if own else None
 
 
-def token_indices(lens: list[int], num_logits: list[int], tokens: int
+def token_indices(token_ids: list[list[int]], num_logits: list[int], tokens: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices into a bucket ``[R * W]`` (``W`` = ``tokens``), on the host: the asked
-    positions (each row's last ``num_logits[i]`` new tokens) and every new token, rows in
-    order.
+    positions (:func:`~specserve.engine.runtime.forward_batch.logit_positions`) and every
+    new token, rows in order.
 
-    >>> [x.tolist() for x in token_indices([2, 1], [1, 1], tokens=4)]
+    >>> [x.tolist() for x in token_indices([[5, 6], [7]], [1, 1], tokens=4)]
     [[1, 4], [0, 1, 4]]
     """
-    asked, real = [], []
-    for i, (n, k) in enumerate(zip(lens, num_logits)):
-        if not 0 <= k <= n:
-            raise ValueError(f"row {i}: asked for {k} logits of {n} new tokens")
-        asked += range(i * tokens + n - k, i * tokens + n)
-        real += range(i * tokens, i * tokens + n)
-    return torch.tensor(asked, dtype=torch.long), torch.tensor(real, dtype=torch.long)
+    rows, cols = logit_positions(token_ids, num_logits)
+    real = [i * tokens + j for i, ids in enumerate(token_ids) for j in range(len(ids))]
+    return rows * tokens + cols, torch.tensor(real, dtype=torch.long)
 
 
 def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: list[int],
@@ -270,7 +273,7 @@ def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: 
               "slots": slots,
               "write_slots": torch.where(valid, slots[:, None], cache.spare_slot),
               "write_positions": torch.where(valid, positions, steps)}
-    window = _window_of(runtime)
+    window = runtime.arch.window
     if runtime.attention != "flex":
         return {**inputs, "positions": positions}
     last = torch.where(length > 0, start + length - 1, tokens - 1)          # [R]
@@ -287,7 +290,7 @@ def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: 
 def static_inputs(runtime, inputs: dict[str, torch.Tensor], cache) -> StaticInputs:
     """What the layers of the graph share, from the bucket's inputs (:func:`bucket_inputs`,
     on the device): inside the graph."""
-    window = _window_of(runtime)
+    window = runtime.arch.window
     table = inputs["table"]
     if runtime.attention == "flex":
         attend = {name: None if f"{name}.base" not in inputs else KeyBlocks(
@@ -299,11 +302,6 @@ def static_inputs(runtime, inputs: dict[str, torch.Tensor], cache) -> StaticInpu
                         sin=runtime.rope_sin[table].unsqueeze(2), slots=inputs["slots"],
                         write_slots=inputs["write_slots"],
                         write_positions=inputs["write_positions"], **attend)
-
-
-def _window_of(runtime) -> int | None:
-    """The sliding window of the runtime's layers that have one (one size per model)."""
-    return next((w for w in runtime.arch.sliding_windows if w is not None), None)
 
 
 def _slot_masks(positions: torch.Tensor, cache, window: int | None) -> dict:

@@ -228,3 +228,15 @@ def check_rows(cache, slots: list[int], token_ids: list[list[int]]
                                   f"of {cache.max_seq_len}")
     cache.reserve(slots, ends)  # a paged cache's blocks
     return starts, lens
+
+
+def logit_positions(token_ids: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    """``[2, sum(num_logits)]``: the (row, column) indices of the last ``num_logits[i]`` new
+    tokens of each row, on the host."""
+    rows, cols = [], []
+    for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
+        if not 0 <= n <= len(ids):
+            raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
+        rows += [i] * n
+        cols += range(len(ids) - n, len(ids))
+    return torch.tensor([rows, cols], dtype=torch.long)

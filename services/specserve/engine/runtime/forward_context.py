@@ -1,7 +1,6 @@
 """The context of one ragged forward: :class:`ForwardContext` (what every layer shares: RoPE
 rows, cache writes, each query's keys, token-tree masks), :class:`PackedContext` (row groups
-in one pass), their preparation from a batch (:func:`prepare`), and where its logits are
-(:func:`logit_positions`)."""
+in one pass) and their preparation from a batch (:func:`prepare`)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import torch
 
 from specserve.engine.kv.kv_cache import SlotKVCache
 from specserve.engine.runtime import block_attention
+from specserve.engine.runtime.arch import one_window
 from specserve.engine.runtime.block_attention import KeyBlocks
 from specserve.engine.runtime.compiled import bucket
 from specserve.engine.runtime.forward_batch import Upload, check_rows
@@ -184,7 +184,7 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     steps = torch.arange(t)
     positions = start_t[:, None] + steps[None, :]                   # [B, T]
     valid = steps[None, :] < torch.tensor(lens)[:, None]              # [B, T]
-    window = _window(sliding_windows)
+    window = one_window(sliding_windows)
     rope_positions, tree, tree_starts = positions, None, None
     if trees is not None and any(parents is not None for parents in trees):
         rope_positions, tree, tree_starts = _trees(trees, starts, lens, t, window)
@@ -288,25 +288,6 @@ def _trees(trees: list[list[int] | None], starts: list[int], lens: list[int], t:
     return torch.tensor(starts)[:, None] + depth, masks, bases
 
 
-def _window(sliding_windows: tuple[int | None, ...]) -> int | None:
-    """The sliding window of the layers that have one (one size per model), or None."""
-    windows = {w for w in sliding_windows if w is not None}
-    assert len(windows) <= 1, "one sliding window size per model"
-    return next(iter(windows), None)
-
-
 def _bit(j: int) -> int:
     """Bit j of an int64 (bit 63 is the sign)."""
     return 1 << j if j < 63 else -(1 << 63)
-
-
-def logit_positions(token_ids: list[list[int]], num_logits: list[int]) -> torch.Tensor:
-    """``[2, sum(num_logits)]``: the (row, column) indices of the last ``num_logits[i]`` new
-    tokens of each row, on the host."""
-    rows, cols = [], []
-    for i, (ids, n) in enumerate(zip(token_ids, num_logits)):
-        if not 0 <= n <= len(ids):
-            raise ValueError(f"row {i}: asked for {n} logits of {len(ids)} new tokens")
-        rows += [i] * n
-        cols += range(len(ids) - n, len(ids))
-    return torch.tensor([rows, cols], dtype=torch.long)

@@ -36,8 +36,8 @@ from torch import nn
 from specserve.engine.kv.kv_cache import PagedKVCache, SlotKVCache
 from specserve.engine.runtime.arch import ModelArch
 from specserve.engine.runtime.compiled import StaticForward, warm_up
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload
-from specserve.engine.runtime.forward_context import ForwardContext, chains, logit_positions, prepare
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, logit_positions
+from specserve.engine.runtime.forward_context import ForwardContext, chains, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
 from specserve.engine.runtime.kernels import KV_BLOCK, Linear
 from specserve.engine.runtime.layers import MLP, Attention, DecoderLayer, rms_norm
@@ -218,7 +218,7 @@ class LlamaRuntime(nn.Module):
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
         rows, cols = upload[asked]
-        head = self._head_shape(ctx, cache.num_slots, *x.shape[:2])
+        head = self._head_shape(ctx, *x.shape[:2])
         own = self._own_features(batch.hidden)
         if head is not None:
             logits, hidden = self._padded_head(x, head, rows, cols, ctx.valid, batch.hidden and not own)
@@ -287,7 +287,7 @@ class LlamaRuntime(nn.Module):
         """``[N, vocab]`` float32 logits of final hidden states ``[N, hidden]``."""
         return self.lm_head(hidden).float()
 
-    def _head_shape(self, ctx: ForwardContext, num_slots: int, b: int, t: int) -> tuple[int, int] | None:
+    def _head_shape(self, ctx: ForwardContext, b: int, t: int) -> tuple[int, int] | None:
         """The ``(rows, tokens)`` a decode's or verify's final norm and LM head run at where
         the kernels are not row-invariant (``library`` on CUDA; the compiled path runs its
         head in its graph at the bucket): the shape its layers ran at, so a token's logits
