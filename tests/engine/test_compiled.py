@@ -21,6 +21,8 @@ from specserve.engine.drafts.ngram import NgramProposer
 from specserve.engine.runtime.compiled import BUCKET_TOKENS, bucket, token_bucket
 from specserve.engine.runtime.forward_batch import ForwardBatch, Upload
 from specserve.engine.spec_decode import SpecDecodeEngine
+from specserve.engine.step.proposal import Proposal
+from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import ModelWorker
 from torch._dynamo.testing import CompileCounter
 
@@ -337,3 +339,54 @@ def test_two_forwards_of_one_bucket_in_a_step_keep_the_first_ones_uploads():
     rt(cache, ForwardBatch([a, b], [seq[20:25], seq[:6]], [5, 0], groups=[1, 1], upload=upload))
     assert rt.static.buckets == {(1, 8)}  # both groups in one bucket: one buffer
     assert upload[drafts].tolist() == [[11, 12, 13, 14, 4]]
+
+
+def test_a_greedy_verify_is_judged_inside_the_graph_as_the_sampler_judges_it():
+    """On the compiled path a greedy verify's result is a graph output (issue 52): the
+    worker installs ``verification.greedy_in_bucket`` as the graph's verdict, which judges
+    each row's drafts against the argmax inside the graph. Its verdicts equal the sampler's
+    on the same logits (the verdict removed: ``verify_greedy`` after the forward) for rows
+    that keep all, some or none of their drafts and a decode row beside them; a planted
+    off-by-one (each row's asked columns read one late) is caught."""
+    worker = ModelWorker(compiled(tiny_hf_model("llama-gqa"), verify_tokens=5), num_slots=4,
+                         max_seq_len=128)
+    greedy = (SamplingParams(temperature=0), 0)
+    slots = [worker.allocate() for _ in range(4)]
+    seqs = random_sequences((20, 24, 18, 22))
+    worker.forward(ForwardBatch(slots, [s[:-1] for s in seqs], [0] * 4, groups=[1] * 4))
+    starts = [worker.length(slot) for slot in slots]
+
+    def verify(drafts: list[list[int]]) -> tuple[list[tuple[list[int], int]], bool]:
+        seen = []
+        forward = worker.forward
+        worker.forward = lambda batch: seen.append(forward(batch)) or seen[-1]
+        try:
+            done = worker.verify(VerifyBatch(slots, [[s[-1], *d] for s, d in zip(seqs, drafts)],
+                                             [Proposal(d) for d in drafts], [greedy] * 4))
+        finally:
+            worker.forward = forward
+            for slot, start in zip(slots, starts):
+                worker.rollback(slot, start)
+        return [(v.emitted, v.num_accepted) for v in done.verdicts], seen[0].verdict is not None
+
+    follow = [[] for _ in slots]  # each row's greedy continuation, a decode at a time
+    for _ in range(4):
+        out = worker.verify(VerifyBatch(slots, [[f[-1] if f else s[-1]] for s, f in zip(seqs, follow)],
+                                        [Proposal([])] * 4, [greedy] * 4))
+        for f, v in zip(follow, out.verdicts):
+            f += v.emitted
+    for slot, start in zip(slots, starts):
+        worker.rollback(slot, start)
+    wrong = [(t + 1) % VOCAB for t in (f[0] for f in follow)]
+    drafts = [follow[0][:4], [*follow[1][:2], (follow[1][2] + 1) % VOCAB, 3], [wrong[2], 7], []]
+
+    judged, in_graph = verify(drafts)
+    assert in_graph and [n for _, n in judged] == [4, 2, 0, 0]
+    static = worker.runtime.static
+    installed, static.verdict = static.verdict, None
+    try:
+        assert verify(drafts) == (judged, False)  # the sampler after the forward
+        static.verdict = lambda tokens, argmax, first, count: installed(tokens, argmax, first + 1, count)
+        assert verify(drafts)[0] != judged  # the planted off-by-one
+    finally:
+        static.verdict = installed

@@ -22,11 +22,13 @@ from specserve.engine.kv.kv_cache import SlotTable
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
+from specserve.engine.step.acceptance import RejectionOutput
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.step.verification import (
     SamplingRow,
     Verdict,
+    greedy_in_bucket,
     stage,
     token_logprobs,
     verify_rows,
@@ -111,6 +113,8 @@ class ModelWorker(SlotOwner):
                 num_blocks=kv.pool_blocks(num_slots, max_seq_len), prefix_caching=kv.prefix_caching)
         else:
             self.cache = self.table = runtime.make_cache(num_slots, max_seq_len)
+        if runtime.static is not None:  # a greedy step's verdict inside the compiled graph
+            runtime.static.verdict = greedy_in_bucket
 
     @property
     def vocab_size(self) -> int:
@@ -152,7 +156,9 @@ class ModelWorker(SlotOwner):
         without masks compute the argmax on the device and nothing else. With ``hidden``
         the kept tokens' hidden states come back (:attr:`Verified.hidden`), and the prompt
         chunks' (prefilled in the same forward, after the rows: no logits, no verdict) in
-        :attr:`Verified.chunk_hidden`."""
+        :attr:`Verified.chunk_hidden`. On the compiled path such a batch of chains is
+        verified inside the forward's graph (:func:`greedy_in_bucket`): its result is read
+        back as the graph left it."""
         counts = batch.num_verify_logits
         masks = batch.masks or [None] * len(batch.slots)
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
@@ -170,9 +176,12 @@ class ModelWorker(SlotOwner):
         out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         clock.forward_done()
+        judged = None
+        if argmax_only and out.verdict is not None and all(p.parents is None for p in batch.proposals):
+            judged = RejectionOutput.unpack(out.verdict[:len(rows)])
         per_row = list(logits.split(asked))
         verdicts = verify_rows(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)],
-                               staged)
+                               staged, judged)
         for i, (ids, x, n) in enumerate(zip(batch.token_ids, per_row, counts)):
             if scored[i]:  # logits row j predicts prompt token j + 1
                 prompt = ids[:len(ids) - n + 1]

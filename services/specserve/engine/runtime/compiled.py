@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -84,6 +85,11 @@ from specserve.engine.runtime.forward_batch import (
 log = logging.getLogger(__name__)
 
 BUCKET_TOKENS = (1, 2, 4, 8, 16)  # new tokens per row a compiled forward takes
+
+# What a step makes of a bucket inside its graph (StaticForward.verdict): from the token ids
+# [R, W], their logits' argmax [R, W], each row's first asked column [R] and number of asked
+# positions [R], a tensor [R, ...]
+Verdict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def bucket(n: int, limit: int | None = None) -> int:
@@ -146,7 +152,13 @@ class StaticForward:
     and the LM head over the whole bucket (so a token's logits do not depend on how many
     others asked for theirs: "One token shape"), and returns the logits, the normed hidden
     states and a target's EAGLE features (the layers' inputs it names: graph outputs, so an
-    EAGLE-3 target keeps this path); the asked rows are gathered after it."""
+    EAGLE-3 target keeps this path); the asked rows are gathered after it.
+
+    ``verdict``: what the step makes of the logits, run inside the graph where the step's
+    owner installs one (:data:`Verdict`; the verify's worker installs the greedy
+    verification, ``verification.greedy_in_bucket``, so a greedy step's result is a graph
+    output: issue 52). The runtime knows nothing of verification: it hands the function the
+    bucket's token ids, their argmax and the asked positions, and returns its result."""
 
     # int64 words of a buffer's tail per bucket token: the step's other uploads (the gather
     # indices, a verification's drafts, settings and noise); a larger tail is sent apart
@@ -159,6 +171,7 @@ class StaticForward:
         self.buckets: set[tuple[int, int]] = set()  # (rows, tokens) compiled so far
         self.warmed = False  # set by warm_up: a new bucket afterwards compiles while serving
         self.cuda_graphs = False
+        self.verdict: Verdict | None = None
         self._buffers: dict[Layout, BucketBuffer] = {}
         self._step = self._graph
         if backend is not None:
@@ -178,17 +191,17 @@ class StaticForward:
         ``num_new`` new tokens, runs in (a cache of ``num_slots`` slots)."""
         return bucket(num_rows, limit=num_slots), token_bucket(num_new, self.verify_tokens)
 
-    def forward(self, cache, batch: ForwardBatch, num_logits: list[int],
-                upload: Upload) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, cache, batch: ForwardBatch, num_logits: list[int], upload: Upload
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """:meth:`LlamaRuntime.forward <specserve.engine.runtime.model.LlamaRuntime.forward>`'s
-        logits ``[sum(num_logits), vocab]`` and hidden states (None unless ``batch.hidden``)
-        of a batch of chains whose rows have at most :data:`BUCKET_TOKENS`\\ [-1] new tokens;
-        ``upload``'s pending tensors travel in the same copy. Leaves the cache's lengths to
-        the caller."""
+        logits ``[sum(num_logits), vocab]``, hidden states (None unless ``batch.hidden``) and
+        :attr:`verdict`'s ``[rows, ...]`` (None without one) of a batch of chains whose rows
+        have at most :data:`BUCKET_TOKENS`\\ [-1] new tokens; ``upload``'s pending tensors
+        travel in the same copy. Leaves the cache's lengths to the caller."""
         starts, lens = check_rows(cache, batch.slots, batch.token_ids)
         rows, tokens = self.bucket_of(len(lens), max(lens), cache.num_slots)
         self._note(rows, tokens)
-        inputs = bucket_inputs(self.runtime, cache, batch, starts, lens, rows, tokens)
+        inputs = bucket_inputs(self.runtime, cache, batch, starts, num_logits, rows, tokens)
         buffer = self._buffer(Layout.of(inputs), rows * tokens)
         asked, real = (upload.add(x) for x in token_indices(batch.token_ids, num_logits, tokens))
         buffer.fill(inputs, upload)
@@ -197,11 +210,14 @@ class StaticForward:
             features = batch.features.new_zeros(rows * tokens, batch.features.shape[-1])
             features[upload[real]] = batch.features
             features = features.view(rows, tokens, -1)
-        logits, normed, own = self._step(buffer.device, buffer.layout, cache, features)
+        logits, normed, own, verdict = self._step(buffer.device, buffer.layout, cache, features,
+                                                  self.verdict)
         hidden = None
         if batch.hidden:  # every new token's, in row order
             hidden = (own if own is not None else normed).flatten(0, 1)[upload[real]]
-        return logits[upload[asked]], hidden  # gathers: a replay overwrites the graph's outputs
+        # gathers and a copy: a replay overwrites the graph's outputs
+        return (logits[upload[asked]], hidden,
+                None if verdict is None else verdict[:len(lens)].clone())
 
     def _note(self, rows: int, tokens: int) -> None:
         if (rows, tokens) in self.buckets:
@@ -219,11 +235,12 @@ class StaticForward:
                                                  spare=self.TAIL_WORDS_PER_TOKEN * bucket_tokens)
         return self._buffers[layout]
 
-    def _graph(self, buffer: torch.Tensor, layout: Layout, cache,
-               features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _graph(self, buffer: torch.Tensor, layout: Layout, cache, features: torch.Tensor | None,
+               verdict: Verdict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                 torch.Tensor | None]:
         """The compiled step: logits ``[R * W, vocab]`` float32, normed hidden states
-        ``[R, W, hidden]`` and, for a runtime whose features are its own
-        (``feature_layers``, ``hidden_prenorm``), those ``[R, W, width]``."""
+        ``[R, W, hidden]``, for a runtime whose features are its own (``feature_layers``,
+        ``hidden_prenorm``) those ``[R, W, width]``, and ``verdict``'s result."""
         rt = self.runtime
         inputs = layout.read(buffer)
         x = rt._embedded(inputs["tokens"], features)                        # [R, W, hidden]
@@ -232,7 +249,12 @@ class StaticForward:
                                  rt.feature_layers is not None)
         normed = rt.final_norm(x)
         logits = rt.logits(normed.flatten(0, 1))
-        return logits, normed, rt._features(x, captured) if own else None
+        judged = None
+        if verdict is not None:
+            tokens = inputs["tokens"]
+            judged = verdict(tokens, logits.argmax(dim=-1).view(tokens.shape), inputs["asked.first"],
+                             inputs["asked.count"])
+        return logits, normed, rt._features(x, captured) if own else None, judged
 
 
 def token_indices(token_ids: list[list[int]], num_logits: list[int], tokens: int
@@ -249,12 +271,14 @@ def token_indices(token_ids: list[list[int]], num_logits: list[int], tokens: int
     return rows * tokens + cols, torch.tensor(real, dtype=torch.long)
 
 
-def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: list[int],
+def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], num_logits: list[int],
                   rows: int, tokens: int) -> dict[str, torch.Tensor]:
     """A batch padded to the bucket ``(rows, tokens)``, on the host: what the graph reads
-    (:func:`static_inputs`), named. Padding rows write their tokens at ``0 .. W - 1`` of the
-    spare slot and read those; a real row's padding tokens continue its positions and write
-    to the spare slot."""
+    (:func:`static_inputs`; each row's first asked column and number of asked positions, for
+    :attr:`StaticForward.verdict`), named. Padding rows write their tokens at ``0 .. W - 1``
+    of the spare slot and read those; a real row's padding tokens continue its positions
+    and write to the spare slot."""
+    lens = [len(ids) for ids in batch.token_ids]
     b = len(lens)
     steps = torch.arange(tokens)
     start = torch.zeros(rows, dtype=torch.long)
@@ -268,7 +292,10 @@ def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: 
     token_ids = torch.zeros(rows, tokens, dtype=torch.long)
     for i, ids in enumerate(batch.token_ids):
         token_ids[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    count = torch.zeros(rows, dtype=torch.long)
+    count[:b] = torch.tensor(num_logits)
     inputs = {"tokens": token_ids,
+              "asked.first": length - count, "asked.count": count,
               "table": positions.clamp(max=runtime.max_positions - 1),     # RoPE rows
               "slots": slots,
               "write_slots": torch.where(valid, slots[:, None], cache.spare_slot),

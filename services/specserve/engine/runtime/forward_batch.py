@@ -207,11 +207,14 @@ class Forwarded:
     # [sum(len(token_ids[i])), hidden] (or the runtime's feature width: LlamaRuntime.feature_layers)
     # for every new token, where the batch asked for hidden states; else None
     hidden: torch.Tensor | None
+    # [rows, 1 + W]: what the compiled graph's verdict (StaticForward.verdict, installed by
+    # the verify's worker) made of each row, inside the graph; None where none ran
+    verdict: torch.Tensor | None = None
 
     def cpu(self) -> Forwarded:
         """The same result with its tensors on the host (what crosses a process boundary)."""
         return Forwarded(*(None if x is None else x.cpu()
-                           for x in (self.logits, self.token_ids, self.hidden)))
+                           for x in (self.logits, self.token_ids, self.hidden, self.verdict)))
 
 
 def check_rows(cache, slots: list[int], token_ids: list[list[int]]

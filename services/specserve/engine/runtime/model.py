@@ -187,15 +187,16 @@ class LlamaRuntime(nn.Module):
         caller keeps the accepted path (:meth:`SlotKVCache.keep`). At most 64 tokens in a tree
         after its base (``forward_context._trees``); not with sliding-window layers.
         """
-        logits, hidden = self._outputs(cache, batch)
+        logits, hidden, verdict = self._outputs(cache, batch)
         if batch.argmax:
-            return Forwarded(None, logits.argmax(dim=-1), hidden)
-        return Forwarded(logits, None, hidden)
+            return Forwarded(None, logits.argmax(dim=-1), hidden, verdict)
+        return Forwarded(logits, None, hidden, verdict)
 
     def _outputs(self, cache: SlotKVCache, batch: ForwardBatch
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`forward`'s logits ``[sum(num_logits), vocab]`` and hidden states (None
-        unless ``batch.hidden``)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`forward`'s logits ``[sum(num_logits), vocab]``, hidden states (None
+        unless ``batch.hidden``) and the compiled graph's verdict (None but there:
+        :attr:`StaticForward.verdict <specserve.engine.runtime.compiled.StaticForward.verdict>`)."""
         slots, token_ids = batch.slots, batch.token_ids
         num_logits = batch.num_logits or [1] * len(slots)
         assert len(slots) == len(token_ids) == len(num_logits) and slots
@@ -203,7 +204,7 @@ class LlamaRuntime(nn.Module):
         if groups is not None and len(groups) > 1:
             if sum(groups) != len(slots) or min(groups) < 1:
                 raise ValueError(f"groups {groups} do not split {len(slots)} rows")
-            return forward_groups(self, cache, batch, num_logits)
+            return *forward_groups(self, cache, batch, num_logits), None
         upload = batch.upload or Upload()
         static = self.static is not None and self.static.takes(max(map(len, token_ids)))
         if static and chains(batch.trees):  # from token ids to logits in one graph
@@ -222,16 +223,16 @@ class LlamaRuntime(nn.Module):
         own = self._own_features(batch.hidden)
         if head is not None:
             logits, hidden = self._padded_head(x, head, rows, cols, ctx.valid, batch.hidden and not own)
-            return logits, (self._features(x, captured)[ctx.valid] if own else hidden)
+            return logits, (self._features(x, captured)[ctx.valid] if own else hidden), None
         if not batch.hidden:
-            return self.logits(self.final_norm(x[rows, cols])), None
+            return self.logits(self.final_norm(x[rows, cols])), None, None
         if own:
             return (self.logits(self.final_norm(x[rows, cols])),
-                    self._features(x, captured)[ctx.valid])
+                    self._features(x, captured)[ctx.valid], None)
         hidden = self.final_norm(x[ctx.valid])  # [sum(len), hidden]
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
-        return self.logits(hidden[index[rows, cols]]), hidden
+        return self.logits(hidden[index[rows, cols]]), hidden, None
 
     def _layers(self, x: torch.Tensor, ctx, cache: SlotKVCache,
                 capture: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -129,6 +129,14 @@ class RejectionOutput:
     # token trees (verification.verify_tree): per row, the accepted nodes' indices; None: chains
     paths: list[list[int]] | None = None
     _host: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> RejectionOutput:
+        """From ``[B, 1 + K + 1]`` on the device, each row's count then its output ids (what
+        a compiled graph's verdict returns: ``verification.greedy_in_bucket``), read back as
+        it is."""
+        return cls(packed[:, 1:], packed[:, 0], _packed=packed)
 
     def emitted(self, row: int) -> list[int]:
         """The ``num_accepted_tokens + 1`` tokens row ``row`` emits this step."""
@@ -143,7 +151,9 @@ class RejectionOutput:
         """Each row's count, then its output ids: the batch's result read back to the host
         in one copy (on a GPU, one wait for the step), the first time anything asks."""
         if self._host is None:
-            self._host = torch.cat([self.num_accepted_tokens[:, None], self.output_token_ids], 1).tolist()
+            packed = self._packed if self._packed is not None else torch.cat(
+                [self.num_accepted_tokens[:, None], self.output_token_ids], 1)
+            self._host = packed.tolist()
         return self._host
 
 

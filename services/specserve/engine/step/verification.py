@@ -19,6 +19,10 @@ A row whose proposal is a token tree (``Proposal.parents``) is verified alone by
 walk, the drafter-invariant walk with the chain's noise per depth, or multi-candidate
 rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`).
 
+On the compiled path the greedy rows' verification runs inside the forward's graph
+(:func:`greedy_in_bucket`, installed by the worker as the graph's verdict): the step's
+result is then a graph output, and :func:`verify_rows` takes it as it is (``judged``).
+
 What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
 before the target's forward: the worker stages it (:func:`stage`) into the forward's
 :class:`~specserve.engine.runtime.forward_batch.Upload`, so a step makes one host-to-device copy
@@ -137,11 +141,13 @@ def stage(rows: list[SamplingRow], proposals: list[Proposal], upload: Upload
 
 
 def verify_batch(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
-                 staged: dict[str, KindInputs] | None = None
+                 staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
                  ) -> list[tuple[RejectionOutput, int]]:
     """Verify a step's rows, each kind (module docstring) in one sampler call; returns, per
     row, the output of its kind's call and its row in that output. ``staged``: :func:`stage`'s
-    inputs, sent with the forward's (None: each kind sends its own).
+    inputs, sent with the forward's (None: each kind sends its own). ``judged``: the greedy
+    rows' result, made inside the forward's graph (:func:`greedy_in_bucket`) where every row
+    is a greedy chain.
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``, or ``[num_draft_tokens_i + 1]`` argmax ids
     when every row of the forward was greedy.
@@ -157,17 +163,23 @@ def verify_batch(rows: list[SamplingRow], proposals: list[Proposal], logits: lis
     verifiers = {"greedy": lambda _rows, props, x, inputs: verify_greedy(props, x, inputs),
                  "seeded": verify_seeded, "unseeded": verify_sampled}
     for kind, picked in chain_kinds(rows, proposals).items():
-        if picked:
+        if not picked:
+            continue
+        if judged is not None:
+            assert kind == "greedy" and len(picked) == len(rows), "a verdict covers greedy chains"
+            out = judged
+        else:
             out = verifiers[kind]([rows[i] for i in picked], [proposals[i] for i in picked],
                                   [logits[i] for i in picked], (staged or {}).get(kind))
-            for j, i in enumerate(picked):
-                results[i] = (out, j)
+        for j, i in enumerate(picked):
+            results[i] = (out, j)
     return results
 
 
 def verify_rows(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
-                staged: dict[str, KindInputs] | None = None) -> list[Verdict]:
-    """:func:`verify_batch` (``staged`` as it takes them), each row's result as a
+                staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
+                ) -> list[Verdict]:
+    """:func:`verify_batch` (``staged`` and ``judged`` as it takes them), each row's result as a
     :class:`Verdict` (with the emitted tokens' log-probabilities where its request asked).
 
     A row with a grammar ``mask`` is verified on its logits with the disallowed tokens at
@@ -178,7 +190,7 @@ def verify_rows(rows: list[SamplingRow], proposals: list[Proposal], logits: list
     constrained = [x if r.mask is None else masked(x, r.mask) for r, x in zip(rows, logits)]
     verdicts = []
     for r, x, c, (res, row) in zip(rows, logits, constrained,
-                                   verify_batch(rows, proposals, constrained, staged)):
+                                   verify_batch(rows, proposals, constrained, staged, judged)):
         path = res.paths[row] if res.paths is not None else None
         emitted = res.emitted(row)
         lp = None if r.params.logprobs is None else emitted_logprobs(
@@ -253,6 +265,31 @@ def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor],
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
     return greedy_rejection_sample(draft_token_ids, num_draft_tokens, argmax)
+
+
+def greedy_in_bucket(tokens: torch.Tensor, argmax: torch.Tensor, first: torch.Tensor,
+                     count: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of a compiled bucket's rows, inside its graph (the forward's
+    verdict: ``compiled.Verdict``). Row r asked for logits at its last ``count[r]`` new
+    tokens, from column ``first[r]`` of ``tokens`` (``[R, W]``); the tokens after the first of
+    them are its drafts, each kept while it equals the ``argmax`` before it
+    (:func:`~specserve.engine.step.acceptance.greedy_rejection_sample`, as
+    :func:`verify_greedy` calls it). Returns ``[R, 1 + W]``: each row's number of accepted
+    drafts, then its emitted tokens, PLACEHOLDER after them (the packing
+    :class:`~specserve.engine.step.acceptance.RejectionOutput` reads back in one copy).
+    Fixed shapes: a row's columns past its own are gathered clamped and never kept.
+
+    >>> tokens = torch.tensor([[5, 7, 8, 9], [3, 0, 0, 0]])  # row 0: 5 pending, drafts 7 8 9
+    >>> argmax = torch.tensor([[7, 8, 4, 6], [2, 1, 1, 1]])  # 7 and 8 kept; 4 after them
+    >>> greedy_in_bucket(tokens, argmax, torch.tensor([0, 0]), torch.tensor([4, 1])).tolist()
+    [[2, 7, 8, 4, -1], [0, 2, -1, -1, -1]]
+    """
+    width = tokens.shape[1]
+    cols = first[:, None] + torch.arange(width, device=tokens.device)  # [R, W]
+    target = argmax.gather(1, cols.clamp(max=width - 1))                # after each verified token
+    drafts = tokens.gather(1, cols[:, 1:].clamp(max=width - 1))         # [R, W - 1]
+    out = greedy_rejection_sample(drafts, (count - 1).clamp(min=0), target)
+    return torch.cat([out.num_accepted_tokens[:, None], out.output_token_ids], dim=1)
 
 
 def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
