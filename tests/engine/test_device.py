@@ -19,7 +19,8 @@ from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
 from specserve.engine.drafts.ngram import NgramProposer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step import sampling
-from specserve.engine.step.proposal import Proposal, TopK
+from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import ModelWorker, Verified
 from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
@@ -137,6 +138,40 @@ def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind, kerne
     if kernels == "compiled":  # the decodes and verifies ran in the bucket's graph
         assert (2, 8) in runtime.static.buckets
     assert worst[0] <= TRAFFIC_CEILING[0] and worst[1] <= TRAFFIC_CEILING[1], worst
+
+
+@pytest.mark.parametrize("kernels", ["library", "compiled"])
+def test_a_draft_chain_stays_on_the_device_until_its_proposal_is_read(target_hf, kernels):
+    """A draft model drafts K = 4 tokens a row, each drawn token fed to the next forward where
+    it was drawn (``ForwardBatch.fed``; the compiled path writes it into its bucket's
+    buffer): a proposal reads the device once for greedy and seeded rows (it was once per
+    draft token), three times with an unseeded row (its q's ids and probabilities too).
+    The greedy row's drafts are the draft model's own greedy chain, decoded a token at a
+    time by a second worker that reads each one back."""
+    draft_hf = perturbed(target_hf, scale=0.3)
+    prompt = prompts(1, seed=9)[0]
+    with DeviceDouble() as double:
+        runtime = to_double(runtime_of(draft_hf)).use_kernels(
+            kernels, backend=None, attention="sdpa", verify_tokens=5)
+        proposer = DraftModelProposer(ModelWorker(runtime, num_slots=4, max_seq_len=256), q_top_k=8)
+        reads = {}
+        for seq_id, kind in enumerate(KINDS):
+            proposer.start(seq_id, seed=11)
+            request = DraftRequest(seq_id, prompt, k=4, params=KINDS[kind])
+            before = double.to_host
+            proposal = host_only(proposer.propose([request]))[0]
+            reads[kind] = double.to_host - before
+            assert len(proposal.token_ids) == 4 and (proposal.probs is not None) == (kind == "unseeded")
+            if kind == "greedy":
+                drafted = proposal.token_ids
+    assert reads == {"greedy": 1, "seeded": 1, "unseeded": 3}, reads
+    chain = ModelWorker(runtime_of(draft_hf).use_kernels(kernels, backend=None, attention="sdpa",
+                                                         verify_tokens=5), num_slots=1, max_seq_len=256)
+    slot, feed, expected = chain.allocate(), prompt, []
+    for _ in range(4):
+        expected.append(int(chain.forward(ForwardBatch([slot], [feed])).logits[0].argmax()))
+        feed = expected[-1:]
+    assert drafted == expected
 
 
 def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):

@@ -119,19 +119,24 @@ class DraftModelProposer(Proposer):
         reads none) until every fed row has its ``k`` drafts; ``silent`` rows are fed once and
         draft nothing. Each draft feeds back its token (and the model's predicted feature).
         A row with a grammar draws each draft under the grammar's mask (its q is the masked
-        distribution), so its drafts stay within what the target may emit."""
+        distribution), so its drafts stay within what the target may emit: the grammar
+        follows each token on the host. Without one the chain stays on the device
+        (:meth:`_draft_on_device`)."""
+        matchers = {i: m for i in feeds if i not in silent and (m := self._matcher(requests[i]))}
+        if not matchers:
+            return self._draft_on_device(requests, feeds, silent)
         drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
-        matchers = {i: m for i in feeds if i not in silent and (m := self._matcher(requests[i]))}
         try:
             while feeds:
                 rows = list(feeds)
                 logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
                                                           [feeds[i] for i in rows])
                 masks = self._masks(requests, rows, matchers, drafts)
-                tokens, row_q = self._sample([requests[i] for i in rows], logits,
-                                             [len(requests[i].token_ids) + len(drafts[i]) for i in rows],
-                                             masks)
+                tokens, top = self._draw([requests[i] for i in rows], logits,
+                                         [len(requests[i].token_ids) + len(drafts[i]) for i in rows],
+                                         masks)
+                tokens, row_q = tokens.tolist(), _row_q(len(rows), top)
                 feeds = {}
                 for j, i in enumerate(rows):
                     if i in silent:
@@ -148,8 +153,45 @@ class DraftModelProposer(Proposer):
         finally:  # the grammar's state is the output's again: drafts are only proposals
             for i, matcher in matchers.items():
                 matcher.rollback(len(drafts[i]))
-        return [Proposal(d, TopK(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
-                         if q else None) for d, q in zip(drafts, qs)]
+        return _proposals(drafts, qs)
+
+    def _draft_on_device(self, requests: list[DraftRequest],
+                         feeds: dict[int, tuple[list[int], torch.Tensor | None]],
+                         silent: frozenset[int] | set[int]) -> list[Proposal]:
+        """:meth:`_draft` without grammars: each drawn token is fed to the next forward where
+        it was drawn (``ForwardBatch.fed``), and the drafts (and unseeded rows' q) are read
+        back once at the end (issue 52: on a GPU the host no longer waits for the device
+        once per draft token). Without a grammar a row drafts exactly its ``k`` tokens, so
+        which rows run each forward is known on the host without reading a token."""
+        rows, fed, drawn = list(feeds), None, []
+        while rows:
+            logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
+                                                      [feeds[i] for i in rows], fed)
+            tokens, top = self._draw([requests[i] for i in rows], logits,
+                                     [len(requests[i].token_ids) + len(drawn) for i in rows])
+            drawn.append((rows, tokens, top))
+            keep = [j for j, i in enumerate(rows) if i not in silent and requests[i].k > len(drawn)]
+            feeds = {rows[j]: ([0], None if predicted is None else predicted[j:j + 1]) for j in keep}
+            rows, fed = [rows[j] for j in keep], tokens[keep] if keep else None
+        drafts: list[list[int]] = [[] for _ in requests]
+        qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
+        if not drawn:
+            return _proposals(drafts, qs)
+        tops = [top for _, _, top in drawn if top is not None]
+        tokens = torch.cat([t for _, t, _ in drawn]).tolist()  # the one read of the drafts
+        ids = torch.cat([i for _, i, _ in tops]).cpu() if tops else None
+        probs = torch.cat([p for _, _, p in tops]).cpu() if tops else None
+        at = have = 0
+        for rows, t, top in drawn:
+            row_q = _row_q(len(rows), top and (top[0], ids[have:have + len(top[0])],
+                                               probs[have:have + len(top[0])]))
+            for j, i in enumerate(rows):
+                if i not in silent:
+                    drafts[i].append(tokens[at + j])
+                    if row_q[j] is not None:
+                        qs[i].append(row_q[j])
+            at, have = at + len(rows), have + (len(top[0]) if top else 0)
+        return _proposals(drafts, qs)
 
     def _matcher(self, r: DraftRequest) -> Matcher | None:
         """Row ``r``'s grammar state after its output so far (None: no grammar, or none this
@@ -192,15 +234,17 @@ class DraftModelProposer(Proposer):
     # per length, so it never pads the others to its length (memory: docs/MEMORY.md).
     SHORT_FEED = 16
 
-    def _forward_grouped(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_grouped(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]],
+                         fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`_forward` over ``feeds``, in forwards grouped by length (``SHORT_FEED``);
-        the outputs in the order of ``feeds``."""
+        the outputs in the order of ``feeds``. ``fed``: each row's one token, on the device
+        (the feeds hold placeholders): one forward."""
         groups: dict[int, list[int]] = {}
         for j, (tokens, _) in enumerate(feeds):
             groups.setdefault(0 if len(tokens) <= self.SHORT_FEED else len(tokens), []).append(j)
         if len(groups) == 1:
-            return self._forward(slots, feeds)
+            return self._forward(slots, feeds, fed)
+        assert fed is None
         outs = [self._forward([slots[j] for j in rows], [feeds[j] for j in rows])
                 for rows in groups.values()]
         order = torch.tensor([j for rows in groups.values() for j in rows])
@@ -209,33 +253,35 @@ class DraftModelProposer(Proposer):
         features = None if outs[0][1] is None else torch.cat([f for _, f in outs])[back]
         return logits, features
 
-    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[n, V]`` after each row's last fed token, and the features to feed with
-        the next drafts (None: this model reads no features)."""
+    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor | None]],
+                 fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[n, V]`` after each row's last fed token (``fed``: those tokens on the
+        device), and the features to feed with the next drafts (None: this model reads none)."""
         # An id the draft's table lacks (one of the target's padding rows) is fed as id 0:
         # drafts after it are worse, never wrong (the target verifies them).
         limit = self.worker.vocab_size
         tokens = [[t if t < limit else 0 for t in ids] for ids, _ in feeds]
-        return self.worker.forward(ForwardBatch(slots, tokens)).logits, None
+        if fed is not None:
+            fed = torch.where(fed < limit, fed, 0)
+        return self.worker.forward(ForwardBatch(slots, tokens, fed=fed)).logits, None
 
-    def _sample(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int],
-                masks: torch.Tensor | None = None
-                ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor] | None]]:
-        """One draft token per row, for the token at ``positions[j]``: argmax for greedy rows,
-        a sample from q otherwise: seeded rows from the full q with the target's noise,
-        unseeded ones from q's top ``q_top_k`` (renormalised), returned with that q as
-        ``([k] ids, [k] probs)`` CPU tensors for the rejection test. ``masks``: grammar masks
-        (``[n, W]`` packed) applied to the logits first."""
+    def _draw(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int],
+              masks: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor, torch.Tensor] | None]:
+        """One draft token per row, for the token at ``positions[j]``, on the device: argmax
+        for greedy rows, a sample from q otherwise: seeded rows from the full q with the
+        target's noise, unseeded ones from q's top ``q_top_k`` (renormalised). Returns the
+        ``[n]`` tokens and, where unseeded rows drew, ``(their rows, [m, k] ids, [m, k] probs)``:
+        that q, for the rejection test. ``masks``: grammar masks (``[n, W]`` packed) applied
+        to the logits first."""
         logits = self._to_target_vocab(logits)  # [n, V_target]
         if masks is not None:
             logits = masked(logits, masks)
         device = logits.device
-        tokens = logits.argmax(dim=-1).tolist()
-        row_q: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(requests)
+        tokens = logits.argmax(dim=-1)
         sampled = [j for j, r in enumerate(requests) if r.params.temperature > 0]
         if not sampled:
-            return tokens, row_q
+            return tokens, None
         reqs = [requests[j] for j in sampled]
         q = compute_probs_each(logits[sampled], [r.params for r in reqs])  # [n, V_target]
         # A seeded request is verified drafter-invariantly: its draft samples with the
@@ -245,17 +291,15 @@ class DraftModelProposer(Proposer):
                                    for r, j in zip(reqs, sampled)], q.shape[-1], device)  # [n, V_target]
         picks = sample_from(q, noise)                                       # seeded rows' tokens
         free = [n for n, r in enumerate(reqs) if r.params.seed is None]
+        top = None
         if free:
             probs, ids = q[free].topk(min(self.q_top_k, q.shape[-1]), dim=-1)  # [m, k]
             probs = probs / probs.sum(dim=-1, keepdim=True)
             choice = sample_from(probs, noise[free].gather(1, ids))            # [m]
             picks[free] = ids.gather(1, choice[:, None])[:, 0]
-            ids, probs = ids.cpu(), probs.cpu()
-            for m, n in enumerate(free):
-                row_q[sampled[n]] = (ids[m], probs[m])
-        for n, j in enumerate(sampled):
-            tokens[j] = int(picks[n])
-        return tokens, row_q
+            top = ([sampled[n] for n in free], ids, probs)
+        tokens[sampled] = picks
+        return tokens, top
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """``[n, V_draft]`` -> ``[n, V_target]``: extra rows dropped, missing ones -inf."""
@@ -265,3 +309,21 @@ class DraftModelProposer(Proposer):
         if extra > 0:
             return torch.cat([logits, logits.new_full((logits.shape[0], extra), float("-inf"))], dim=-1)
         return logits
+
+
+def _row_q(num_rows: int, top: tuple[list[int], torch.Tensor, torch.Tensor] | None
+           ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per row of a draw, its q as CPU ``(ids, probs)``, or None (greedy and seeded rows)."""
+    row_q: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_rows
+    if top is not None:
+        rows, ids, probs = top
+        ids, probs = ids.cpu(), probs.cpu()
+        for m, j in enumerate(rows):
+            row_q[j] = (ids[m], probs[m])
+    return row_q
+
+
+def _proposals(drafts: list[list[int]], qs: list[list[tuple[torch.Tensor, torch.Tensor]]]
+               ) -> list[Proposal]:
+    return [Proposal(d, TopK(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
+                     if q else None) for d, q in zip(drafts, qs)]

@@ -176,10 +176,10 @@ class EagleProposer(DraftModelProposer):
                 out[i] = rows
         return out
 
-    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, slots: list[int], feeds: list[tuple[list[int], torch.Tensor]],
+                 fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = [t for t, _ in feeds]
-        out = self.worker.forward(ForwardBatch(slots, tokens, [1] * len(feeds),
+        out = self.worker.forward(ForwardBatch(slots, tokens, [1] * len(feeds), fed=fed,
                                                features=torch.cat([f for _, f in feeds]), hidden=True))
         last = torch.tensor([len(t) for t in tokens], device=out.hidden.device).cumsum(0) - 1
         return out.logits, out.hidden[last]  # f-hat at each row's newest position

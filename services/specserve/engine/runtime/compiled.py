@@ -79,6 +79,7 @@ from specserve.engine.runtime.forward_batch import (
     Layout,
     Upload,
     check_rows,
+    last_tokens,
     logit_positions,
 )
 
@@ -204,7 +205,11 @@ class StaticForward:
         inputs = bucket_inputs(self.runtime, cache, batch, starts, num_logits, rows, tokens)
         buffer = self._buffer(Layout.of(inputs), rows * tokens)
         asked, real = (upload.add(x) for x in token_indices(batch.token_ids, num_logits, tokens))
+        last = None if batch.fed is None else upload.add(last_tokens(batch.token_ids))
         buffer.fill(inputs, upload)
+        if last is not None:  # into the buffer's token ids, on the device
+            layout_tokens = buffer.layout.read(buffer.device)["tokens"]
+            layout_tokens[tuple(upload[last])] = batch.fed
         features = None
         if batch.features is not None:  # a draft head's, in row order: to their places
             features = batch.features.new_zeros(rows * tokens, batch.features.shape[-1])

@@ -48,6 +48,10 @@ class ForwardBatch:
     the features an EAGLE head reads. ``argmax``: the result carries the logits' argmax
     (:attr:`Forwarded.token_ids`) instead of the logits: all a greedy batch needs, and much
     less to move when the model is in another process.
+
+    ``fed``: each row's last new token, on the device (``token_ids[i][-1]`` is then a
+    placeholder): a draft chain feeds the token it just drew without reading it back (issue
+    52: one read a proposal, not one a draft token). Chains in one group only.
     """
 
     slots: list[int]                               # [rows]
@@ -60,6 +64,7 @@ class ForwardBatch:
     features: torch.Tensor | None = None           # [sum(new tokens), feature width]
     hidden: bool = False                           # the result carries hidden states
     argmax: bool = False                           # the result carries argmax ids, not logits
+    fed: torch.Tensor | None = None                # [rows] int64 on the device: each row's last token
     # host tensors of the caller's (a verify's drafts and sampling settings) that go to the
     # device in the forward's own input copy; None: the forward's inputs alone
     upload: Upload | None = None
@@ -243,3 +248,9 @@ def logit_positions(token_ids: list[list[int]], num_logits: list[int]) -> torch.
         rows += [i] * n
         cols += range(len(ids) - n, len(ids))
     return torch.tensor([rows, cols], dtype=torch.long)
+
+
+def last_tokens(token_ids: list[list[int]]) -> torch.Tensor:
+    """``[2, rows]``: the (row, column) of each row's last new token, on the host (where
+    :attr:`ForwardBatch.fed` goes)."""
+    return logit_positions(token_ids, [1] * len(token_ids))

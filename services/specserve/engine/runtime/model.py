@@ -36,7 +36,13 @@ from torch import nn
 from specserve.engine.kv.kv_cache import PagedKVCache, SlotKVCache
 from specserve.engine.runtime.arch import ModelArch
 from specserve.engine.runtime.compiled import StaticForward, warm_up
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, logit_positions
+from specserve.engine.runtime.forward_batch import (
+    ForwardBatch,
+    Forwarded,
+    Upload,
+    last_tokens,
+    logit_positions,
+)
 from specserve.engine.runtime.forward_context import ForwardContext, chains, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
 from specserve.engine.runtime.kernels import KV_BLOCK, Linear
@@ -202,6 +208,7 @@ class LlamaRuntime(nn.Module):
         assert len(slots) == len(token_ids) == len(num_logits) and slots
         groups = batch.groups
         if groups is not None and len(groups) > 1:
+            assert batch.fed is None, "fed tokens go in one group"
             if sum(groups) != len(slots) or min(groups) < 1:
                 raise ValueError(f"groups {groups} do not split {len(slots)} rows")
             return *forward_groups(self, cache, batch, num_logits), None
@@ -213,7 +220,11 @@ class LlamaRuntime(nn.Module):
                 cache.lengths[slot] += len(ids)
             return outputs
         asked = upload.add(logit_positions(token_ids, num_logits))  # with the inputs' copy
+        last = None if batch.fed is None else upload.add(last_tokens(token_ids))
         ctx, tokens = self._prepare(cache, slots, token_ids, batch.trees, upload)
+        if last is not None:
+            assert chains(batch.trees), "a fed token follows a chain"
+            tokens[tuple(upload[last])] = batch.fed
         x = self._inputs(tokens, ctx, batch.features)  # [B, T, hidden]
         x, captured = self._layers(x, ctx, cache, batch.hidden and self.feature_layers is not None)
         for slot, ids in zip(slots, token_ids):
