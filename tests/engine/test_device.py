@@ -9,6 +9,7 @@ streams and bf16 are the lent GPU machine's (docs/BENCHMARKS.md)."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -17,12 +18,12 @@ from specserve.engine import spec_decode
 from specserve.engine.drafts.draft_model import DraftModelProposer
 from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
 from specserve.engine.drafts.ngram import NgramProposer
+from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step import sampling
-from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.step_batch import VerifyBatch
-from specserve.engine.worker import ModelWorker, Verified
+from specserve.engine.worker import Launched, ModelWorker, Verified
 from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
 
 from tests.device_double import DeviceDouble, DeviceMix, OnDevice, to_double
@@ -172,6 +173,92 @@ def test_a_draft_chain_stays_on_the_device_until_its_proposal_is_read(target_hf,
         expected.append(int(chain.forward(ForwardBatch([slot], [feed])).logits[0].argmax()))
         feed = expected[-1:]
     assert drafted == expected
+
+
+@pytest.mark.parametrize("kernels", ["library", "compiled"])
+def test_a_verify_launched_before_the_last_is_read_emits_what_it_would_after(target_hf, kernels):
+    """Issue 52's overlap, at the worker: step N + 1 is launched before step N is read, each
+    row's pending token taken on the device from its verdict of step N
+    (``VerifyBatch.follows``); launching reads nothing back, and greedy, seeded and unseeded
+    rows emit what verifies read one at a time emit (their draws are a function of seed and
+    position: the rows sit in other slots)."""
+    sampling = [(params, 5 + i) for i, params in enumerate(KINDS.values())]
+    first = prompts(3, seed=4)
+    with DeviceDouble() as double:
+        runtime = to_double(runtime_of(target_hf)).use_kernels(
+            kernels, backend=None, attention="sdpa", verify_tokens=5)
+        worker = ModelWorker(runtime, num_slots=6, max_seq_len=256)
+        outputs = {}
+        for way in ("one at a time", "launched ahead"):
+            slots = [worker.allocate() for _ in sampling]
+            start = worker.verify(VerifyBatch(slots, first, [Proposal([])] * 3, sampling))
+            emitted = [v.emitted for v in start.verdicts]
+            if way == "one at a time":
+                for _ in range(5):
+                    done = worker.verify(VerifyBatch(slots, [e[-1:] for e in emitted],
+                                                     [Proposal([])] * 3, sampling))
+                    emitted = [e + v.emitted for e, v in zip(emitted, done.verdicts)]
+            else:
+                launched = worker.launch(VerifyBatch(slots, [e[-1:] for e in emitted],
+                                                     [Proposal([])] * 3, sampling))
+                for step in range(5):
+                    reads = double.to_host
+                    ahead = None if step == 4 else worker.launch(
+                        VerifyBatch(slots, [[0]] * 3, [Proposal([])] * 3, sampling, follows=[0, 1, 2]),
+                        after=launched)
+                    assert double.to_host == reads  # nothing read back to launch
+                    emitted = [e + v.emitted for e, v in zip(emitted, launched.result().verdicts)]
+                    launched = ahead
+            outputs[way] = emitted
+    assert outputs["launched ahead"] == outputs["one at a time"]
+    assert all(len(e) == 6 for e in outputs["one at a time"])
+
+
+def test_the_engine_launches_each_decode_step_before_it_reads_the_last(target_hf, monkeypatch):
+    """``launch_ahead`` (the default where the target runs on CUDA: ``TargetCalls``): a step
+    of plain decodes launches the next step, its tokens taken on the device, before it reads
+    its own. The output is the same, token for token, as without it: greedy, seeded and
+    unseeded rows (the unseeded ones' seeds from one stream per run), rows that end on EOS
+    and on ``max_tokens`` mid-run, a request aborted between steps and one that arrives
+    mid-run (it waits a step to be scheduled). On a CPU it runs for this test alone (a
+    forward there runs as it is called: nothing to hide)."""
+    reference = SpecDecodeEngine(ModelWorker(runtime_of(target_hf), num_slots=1, max_seq_len=256),
+                                 make_tiny_tokenizer(), eos_token_ids=frozenset())
+    first = prompts(4, seed=6)
+    eos = frozenset({reference.generate(first[:1], KINDS["greedy"])[0].output_token_ids[4]})
+    params = [SamplingParams(temperature=0, max_tokens=14), KINDS["seeded"], KINDS["unseeded"],
+              SamplingParams(temperature=0, max_tokens=6)]
+    runs, result = {}, Launched.result
+    for ahead in (False, True):
+        stream = random.Random(7)
+        monkeypatch.setattr(spec_decode, "random_seed", lambda s=stream: s.getrandbits(62))
+        engine = SpecDecodeEngine(ModelWorker(runtime_of(target_hf), num_slots=6, max_seq_len=256),
+                                  make_tiny_tokenizer(), eos_token_ids=eos, launch_ahead=ahead)
+        events, launch = [], engine.target.launch
+        engine.target.launch = lambda batch, after=None, e=events, go=launch: (
+            e.append("ahead" if batch.follows else "launch") or go(batch, after))
+        monkeypatch.setattr(Launched, "result", lambda self, e=events: e.append("read") or result(self))
+        ids = [engine.add_request(p, sp) for p, sp in zip(first, params)]
+        tokens, ends = {i: [] for i in ids}, {}
+        for step in itertools.count():
+            if step == 3:
+                assert engine.abort(ids[2])
+            if step == 5:
+                tokens[engine.add_request(first[0], KINDS["greedy"])] = []
+            for out in engine.step():
+                tokens[out.seq_id] += out.new_token_ids
+                ends[out.seq_id] = out.finish_reason
+            if not engine.has_unfinished():
+                break
+        runs[ahead] = tokens, ends
+        if ahead:
+            assert " ".join(events).count("ahead read") >= 5, events  # launched, then read
+        else:
+            assert "ahead" not in events
+    assert runs[True] == runs[False]
+    tokens, ends = runs[True]
+    assert ends[ids[0]] == "stop" and tokens[ids[0]][-1] in eos and ends[ids[2]] is None  # aborted
+    assert "length" in ends.values() and len(tokens) == 5 and all(tokens.values())
 
 
 def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):

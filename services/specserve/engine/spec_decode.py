@@ -66,7 +66,7 @@ from specserve.engine.step.sequence import Completion, Sequence, StepOutput
 from specserve.engine.step.stats import EngineCounters
 from specserve.engine.step.step_batch import ChunkRow, StepBatch, StepRow
 from specserve.engine.tokenizer import IncrementalDetokenizer
-from specserve.engine.worker import ModelWorker, Verified
+from specserve.engine.worker import Launched, ModelWorker, Verified
 from specserve.errors import InvalidRequestError, RequestFailed, TargetUnavailable
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class SpecDecodeEngine:
     def __init__(self, target: ModelWorker, tokenizer, *, eos_token_ids: frozenset[int],
                  proposer: Proposer | None = None, num_speculative_tokens: int = 4,
                  controller: SpecLengthController | None = None,
-                 chunked_prefill_size: int | None = None) -> None:
+                 chunked_prefill_size: int | None = None, launch_ahead: bool | None = None) -> None:
         assert num_speculative_tokens >= 1
         self.target, self.tokenizer, self.eos_token_ids = target, tokenizer, eos_token_ids
         self.num_speculative_tokens = num_speculative_tokens
@@ -95,6 +95,7 @@ class SpecDecodeEngine:
                                    match_prefix=not self.draft.needs_hidden)
         self.fault_token: int | None = None  # tests: a prompt with it fails its step (_inject_fault)
         self._ids = itertools.count()
+        self.calls = TargetCalls(target, self.scheduler, self.draft, self.counters, launch_ahead)
 
     # -- requests ---------------------------------------------------------------------------
     @property
@@ -163,45 +164,54 @@ class SpecDecodeEngine:
         for seq in self.scheduler.admit():
             if seq.num_speculative_tokens > 0 and self.draft.available:
                 self.draft.attach(seq)
-        if not self.scheduler.running:
+        batch, ahead = None, self.calls.take()
+        if not self.scheduler.running:  # (every row launched ahead was aborted)
             return []
-        batch = None
         try:
+            if ahead is not None:  # launched by the step before (TargetCalls.after)
+                batch = ahead[0]
+                return self._step(*ahead)
             batch = self.scheduler.schedule()
             for seq in batch.preempted:
                 self.draft.detach(seq)
             if not batch.rows:  # nothing to verify: the chunks alone
-                self._prefill_chunks(batch.chunks)
+                self.calls.prefill_chunks(batch.chunks)
                 return []
             return self._step(batch)
-        except TargetUnavailable:
-            raise
-        except Exception:  # noqa: BLE001  whose fault? Each row alone tells (module docstring)
+        except Exception as exc:  # noqa: BLE001  whose fault? Each row alone tells (module docstring)
+            self.calls.take()  # a step launched ahead is undone with this one's: _restore
+            if isinstance(exc, TargetUnavailable):
+                raise
             rows = self._rows_alone(batch)
             log.exception("a step of %d rows failed; stepping each row alone", len(rows))
             return self._step_alone(rows)
 
-    def _step(self, batch: StepBatch) -> list[StepOutput]:
+    def _step(self, batch: StepBatch, launched: Launched | None = None) -> list[StepOutput]:
         """Plan, draft, verify, sample: nothing of a sequence changes until every row has its
         verdict, so a failure up to there leaves only caches to restore. Then each row
-        advances on its own, and a row that fails there fails alone."""
+        advances on its own, and a row that fails there fails alone. ``launched``: its verify,
+        launched ahead by the step before (rows whose sequence ended meanwhile are skipped)."""
         _inject_fault(self.fault_token, batch)
         clock = batch.clock
         clock.lap()
-        self.k.plan(batch.rows)
-        self.draft.propose(batch.rows)
-        for row in batch.rows:
-            if row.seq.grammar is not None:
-                row.proposal, row.mask = constrain(row.seq.grammar, row.seq.params, row.proposal)
-        clock.propose_s = clock.lap()
-        self._verify(batch)
+        if launched is None:
+            self.k.plan(batch.rows)
+            self.draft.propose(batch.rows)
+            for row in batch.rows:
+                if row.seq.grammar is not None:
+                    row.proposal, row.mask = constrain(row.seq.grammar, row.seq.params, row.proposal)
+            clock.propose_s = clock.lap()
+            launched = self.calls.launch(batch)
+        ahead = self.calls.after(batch, launched, self.max_model_len)
+        self.calls.read(batch, launched)
         clock.verify_s = clock.lap() - clock.sample_s
         self.counters.num_prefill_tokens += sum(row.num_pending for row in batch.rows  # not forks
                                                 if row.start < row.seq.prompt_len and row.seq.index == 0)
         for row in batch.rows:  # before advancing: that may end and free the first
             if row.seq.seq_id in self.scheduler.forks:
                 self._fork(row)
-        outputs = [out for row in batch.rows for out in self._advance_or_fail(row)]
+        live = [row for row in batch.rows if self.scheduler.running.get(row.seq.seq_id) is row.seq]
+        outputs = [out for row in live for out in self._advance_or_fail(row, ahead)]
         clock.advance_s = clock.lap()
         try:  # bookkeeping of the unit, not of a request: it must not fail the outputs above
             if batch.hidden:
@@ -213,26 +223,6 @@ class SpecDecodeEngine:
             self.draft.lost()
         return outputs
 
-    def _verify(self, batch: StepBatch) -> None:
-        """One target call: every row's verdict (and, for a proposer that reads them, the
-        features of its tokens that are now final), the prompts' chunks prefilled in the
-        same forward in row groups (:meth:`StepBatch.arrange`), so a running stream waits
-        for one forward, not a chunk's and then its own (the stall ``make bench-prefix``
-        measures)."""
-        batch.hidden = self.draft.needs_hidden and (
-            any(row.seq.draft_attached for row in batch.rows)
-            or any(self.draft.wants_features(chunk.seq) for chunk in batch.chunks))
-        batch.arrange()
-        result: Verified = self.target.verify(batch.to_verify())
-        batch.clock.sample_s = result.sample_s
-        for i, row in enumerate(batch.rows):
-            row.verdict = result.verdicts[i]
-            row.hidden = result.hidden[i] if batch.hidden else None
-        for j, chunk in enumerate(batch.chunks):
-            if self.draft.wants_features(chunk.seq):
-                chunk.seq.hidden.append(result.chunk_hidden[j])
-            self._chunk_done(chunk)
-
     def _fork(self, row: StepRow) -> None:
         """``row``'s sequence verified its prompt: its samples start from its caches
         (:meth:`Scheduler.fork`), and on the draft from its draft state
@@ -241,15 +231,16 @@ class SpecDecodeEngine:
         for seq in self.scheduler.fork(first):
             self.draft.fork(seq, first, first.prompt_len - 1, row.start, row.hidden)
 
-    def _advance_or_fail(self, row: StepRow) -> list[StepOutput]:
+    def _advance_or_fail(self, row: StepRow, ahead: bool = False) -> list[StepOutput]:
         try:
-            return [self._advance(row)]
+            return [self._advance(row, ahead)]
         except Exception as exc:  # noqa: BLE001  this row's own fault
             log.exception("request %d failed while advancing; ending it", row.seq.seq_id)
             return self._fail(row.seq, exc)
 
-    def _advance(self, row: StepRow) -> StepOutput:
-        """Append the emitted tokens through the stop checks, then roll caches back."""
+    def _advance(self, row: StepRow, ahead: bool = False) -> StepOutput:
+        """Append the emitted tokens through the stop checks, then roll caches back (past
+        the position the next step, launched ahead, wrote: ``ahead``, unless the row ends)."""
         seq, proposal, verdict = row.seq, row.proposal, row.verdict
         num_before = len(seq.token_ids)
         num_draft_tokens, num_accepted_tokens = len(proposal.token_ids), verdict.num_accepted
@@ -271,12 +262,13 @@ class SpecDecodeEngine:
         # Everything before the last emitted token is final; that token is fed next step.
         # Rolled back first even when the sequence ends: the cache then holds committed
         # tokens only, which the prefix cache may keep (never a rejected draft's keys).
-        self.target.rollback(seq.slot, num_before + num_accepted_tokens)
+        held = num_before + num_accepted_tokens
+        self.target.rollback(seq.slot, held + (1 if ahead and not seq.finish_reason else 0))
         self.target.commit(seq.slot, seq.token_ids)
         if seq.finish_reason:
             self._release(seq)
         else:
-            self.draft.commit(seq, num_before + num_accepted_tokens)
+            self.draft.commit(seq, held)
         return seq.step_output(verdict.prompt_logprobs)
 
     def _release(self, seq: Sequence) -> None:
@@ -284,25 +276,6 @@ class SpecDecodeEngine:
         that drafts from earlier responses keeps one that ended normally) go."""
         self.scheduler.release(seq)
         self.draft.detach(seq, learn=seq.finish_reason not in ("abort", "error"))
-
-    # -- prompt chunks (scheduler.py) -------------------------------------------------------
-    def _prefill_chunks(self, chunks: list[ChunkRow]) -> None:
-        """Prefill prompt chunks in forwards of their own (a step with no row to verify;
-        :meth:`_verify` takes them into its forward otherwise)."""
-        for chunk in chunks:
-            seq = chunk.seq
-            if self.draft.wants_features(seq):
-                seq.hidden.append(self.target.forward(
-                    ForwardBatch([seq.slot], [chunk.input_ids], [1], hidden=True, argmax=True)).hidden)
-            else:
-                self.target.forward(ForwardBatch([seq.slot], [chunk.input_ids], [1], argmax=True))
-            self._chunk_done(chunk)
-
-    def _chunk_done(self, chunk: ChunkRow) -> None:
-        """After a chunk's forward: its full blocks join the prefix cache; counters."""
-        self.target.commit(chunk.seq.slot, chunk.seq.token_ids)
-        self.counters.num_prefill_tokens += chunk.num_tokens
-        self.counters.num_prefill_chunks += 1
 
     # -- one request's fault (module docstring) ---------------------------------------------
     def _rows_alone(self, batch: StepBatch | None) -> list[StepRow | ChunkRow]:
@@ -321,7 +294,7 @@ class SpecDecodeEngine:
             seq = row.seq
             try:
                 if isinstance(row, ChunkRow):
-                    self._prefill_chunks([ChunkRow(seq, self.scheduler.held(seq), row.num_tokens)])
+                    self.calls.prefill_chunks([ChunkRow(seq, self.scheduler.held(seq), row.num_tokens)])
                 else:
                     outputs += self._step(StepBatch([StepRow(seq, self.scheduler.held(seq))], []))
             except TargetUnavailable:
@@ -371,6 +344,88 @@ class SpecDecodeEngine:
                 if out.finish_reason is not None:
                     done[out.seq_id] = seqs[out.seq_id].completion(out.finish_reason)
         return [done[i] for i in ids]
+
+
+class TargetCalls:
+    """What a step asks of the target: its verify, read back into the batch's rows, with the
+    prompts' chunks prefilled in the same forward (or alone, in a step with no row), and
+    where it can go, the next decode step launched before this one is read (issue 52): the
+    device runs step N + 1 while the host reads and advances step N, which on a GPU hides
+    the host's part of a step. Only where the next step needs nothing of step N on the host
+    (:meth:`StepBatch.decode_ahead <specserve.engine.step.step_batch.StepBatch.decode_ahead>`:
+    plain decodes), nothing waits to be admitted and the KV cache has room; its rows take
+    step N's tokens on the device (``VerifyBatch.follows``). ``launch_ahead`` None: where the
+    target queues work on a device that runs beside the host (``ModelWorker.queues_work``:
+    CUDA in this process); on a CPU a forward runs as it is called, and a token would only
+    come back one forward later."""
+
+    def __init__(self, target, scheduler: Scheduler, draft: DraftLink, counters: EngineCounters,
+                 launch_ahead: bool | None = None) -> None:
+        self.target, self.scheduler, self.draft, self.counters = target, scheduler, draft, counters
+        if launch_ahead is None:
+            launch_ahead = getattr(target, "queues_work", False)
+        self.launch_ahead = launch_ahead and hasattr(target, "launch")
+        self._next: tuple[StepBatch, Launched] | None = None  # launched, not read yet
+
+    def launch(self, batch: StepBatch) -> Launched | Verified:
+        """``batch``'s verify, its rows and chunks in row groups (:meth:`StepBatch.arrange`),
+        so a running stream waits for one forward, not a chunk's and then its own (the stall
+        ``make bench-prefix`` measures): launched where steps launch ahead (:meth:`read`
+        reads it), else its result."""
+        batch.hidden = any(self.draft.wants_features(seq)
+                           for seq in (*batch.seqs, *(chunk.seq for chunk in batch.chunks)))
+        batch.arrange()
+        if self.launch_ahead:
+            return self.target.launch(batch.to_verify())
+        return self.target.verify(batch.to_verify())
+
+    def after(self, batch: StepBatch, launched: Launched | Verified, max_model_len: int) -> bool:
+        """Launch the step after ``batch`` where it can go now (class docstring); whether it
+        went (:meth:`take` hands it to the next step)."""
+        if (not self.launch_ahead or isinstance(launched, Verified) or self.scheduler.waiting
+                or self.scheduler.forks):
+            return False
+        nxt = batch.decode_ahead(self.scheduler.running, max_model_len)
+        if nxt is None or (self.target.paged and self.target.kv_shortfall(
+                [(row.seq.slot, row.start + 1) for row in nxt[0].rows])):
+            return False
+        self._next = nxt[0], self.target.launch(nxt[1], after=launched)
+        return True
+
+    def take(self) -> tuple[StepBatch, Launched] | None:
+        """The step launched ahead, if any (and none after)."""
+        nxt, self._next = self._next, None
+        return nxt
+
+    def read(self, batch: StepBatch, launched: Launched | Verified) -> None:
+        """``batch``'s verify read back: every row's verdict (and, for a proposer that reads
+        them, the features of its tokens that are now final); its chunks done."""
+        result = launched if isinstance(launched, Verified) else launched.result()
+        batch.clock.sample_s = result.sample_s
+        for i, row in enumerate(batch.rows):
+            row.verdict = result.verdicts[i]
+            row.hidden = result.hidden[i] if batch.hidden else None
+        for j, chunk in enumerate(batch.chunks):
+            if self.draft.wants_features(chunk.seq):
+                chunk.seq.hidden.append(result.chunk_hidden[j])
+            self._chunk_done(chunk)
+
+    def prefill_chunks(self, chunks: list[ChunkRow]) -> None:
+        """Prefill prompt chunks in forwards of their own (a step with no row to verify)."""
+        for chunk in chunks:
+            seq = chunk.seq
+            if self.draft.wants_features(seq):
+                seq.hidden.append(self.target.forward(
+                    ForwardBatch([seq.slot], [chunk.input_ids], [1], hidden=True, argmax=True)).hidden)
+            else:
+                self.target.forward(ForwardBatch([seq.slot], [chunk.input_ids], [1], argmax=True))
+            self._chunk_done(chunk)
+
+    def _chunk_done(self, chunk: ChunkRow) -> None:
+        """After a chunk's forward: its full blocks join the prefix cache; counters."""
+        self.target.commit(chunk.seq.slot, chunk.seq.token_ids)
+        self.counters.num_prefill_tokens += chunk.num_tokens
+        self.counters.num_prefill_chunks += 1
 
 
 def _inject_fault(fault_token: int | None, batch: StepBatch) -> None:

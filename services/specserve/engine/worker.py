@@ -26,12 +26,13 @@ from specserve.engine.step.acceptance import RejectionOutput
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.step.verification import (
+    Judged,
     SamplingRow,
     Verdict,
     greedy_in_bucket,
+    judge,
     stage,
     token_logprobs,
-    verify_rows,
 )
 
 
@@ -125,6 +126,13 @@ class ModelWorker(SlotOwner):
         return self.cache.max_seq_len
 
     @property
+    def queues_work(self) -> bool:
+        """Whether the device runs a forward after the call that launched it returns (CUDA):
+        where launching the next step before reading this one pays
+        (``SpecDecodeEngine.launch_ahead``)."""
+        return self.runtime.embed.weight.device.type == "cuda"
+
+    @property
     def row_invariant(self) -> bool:
         """Whether a token's logits are the same bits whatever else its forward holds (the
         ``invariant`` kernels; :class:`~specserve.engine.spec_decode.SpecDecodeEngine`
@@ -148,7 +156,8 @@ class ModelWorker(SlotOwner):
         self.cache.fork(src, dst, length)
 
     def verify(self, batch: VerifyBatch) -> Verified:
-        """One verify forward and its rejection sampling, here, next to the logits.
+        """One verify forward and its rejection sampling, here, next to the logits: the
+        result of :meth:`launch`, read back.
 
         Row i of ``batch`` feeds its pending tokens, then its drafts (``proposals[i]``), and
         is verified under its request's parameters and seed (``sampling[i]``) and, for a
@@ -159,6 +168,17 @@ class ModelWorker(SlotOwner):
         :attr:`Verified.chunk_hidden`. On the compiled path such a batch of chains is
         verified inside the forward's graph (:func:`greedy_in_bucket`): its result is read
         back as the graph left it."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: VerifyBatch, after: Launched | None = None) -> Launched:
+        """:meth:`verify`'s forward and sampler, queued on the device and not read back
+        (:meth:`Launched.result` reads them): the host can build and launch the next step
+        while the device runs this one (issue 52). Rows of ``batch`` that follow ``after``
+        (:attr:`VerifyBatch.follows`: one pending token, a placeholder, and no drafts) feed
+        the last token their row of ``after`` emitted, taken on the device; their positions
+        count it already (``after``'s forward wrote its keys), so such a row is a decode that
+        goes on as if ``after`` had been read, which the caller undoes for a row that
+        ``after`` ended."""
         counts = batch.num_verify_logits
         masks = batch.masks or [None] * len(batch.slots)
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
@@ -173,28 +193,20 @@ class ModelWorker(SlotOwner):
                           and not s for r, s in zip(rows, scored))
         upload = Upload()  # the verification's inputs go to the device with the forward's
         staged = stage(rows, batch.proposals, upload)
-        out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload))
+        fed = None
+        if batch.followers:
+            assert after is not None and all(len(batch.token_ids[i]) == 1 and not batch.proposals[i].token_ids
+                                             for i in batch.followers), "a follower is a decode"
+            fed = after.judged.last_tokens()[[batch.follows[i] for i in batch.followers]]
+        out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload, fed=fed))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         clock.forward_done()
         judged = None
         if argmax_only and out.verdict is not None and all(p.parents is None for p in batch.proposals):
             judged = RejectionOutput.unpack(out.verdict[:len(rows)])
         per_row = list(logits.split(asked))
-        verdicts = verify_rows(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)],
-                               staged, judged)
-        for i, (ids, x, n) in enumerate(zip(batch.token_ids, per_row, counts)):
-            if scored[i]:  # logits row j predicts prompt token j + 1
-                prompt = ids[:len(ids) - n + 1]
-                logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
-                verdicts[i] = replace(verdicts[i], prompt_logprobs=token_logprobs(
-                    logp, prompt[1:], rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
-        kept = chunk_hidden = None
-        if hidden is not None:
-            per_row = hidden.split([len(ids) for ids in batch.token_ids]
-                                   + [len(ids) for _, ids in batch.chunks])
-            kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, batch.proposals, verdicts)]
-            chunk_hidden = [h.cpu() for h in per_row[len(batch.token_ids):]]
-        return Verified(verdicts, kept, *clock.split(), chunk_hidden)
+        return Launched(batch, judge(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)],
+                                     staged, judged), per_row, scored, hidden, clock)
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
@@ -230,6 +242,37 @@ class ForwardClock:
             self.events[1].synchronize()  # done already: the result was read
             self.forward_s = self.events[0].elapsed_time(self.events[1]) / 1000
         return self.forward_s, max(total - self.forward_s, 0.0)
+
+
+@dataclass
+class Launched:
+    """A verify on the device's queue (:meth:`ModelWorker.launch`): its rows judged there, its
+    logits per row, its hidden states; :meth:`result` reads it back."""
+
+    batch: VerifyBatch
+    judged: Judged
+    per_row: list[torch.Tensor]   # each row's asked logits (or argmax ids)
+    scored: list[bool]            # rows that asked for their prompt's logprobs
+    hidden: torch.Tensor | None
+    clock: ForwardClock
+
+    def result(self) -> Verified:
+        """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read
+        back to the host."""
+        batch, verdicts = self.batch, self.judged.verdicts()
+        for i, (ids, x, n) in enumerate(zip(batch.token_ids, self.per_row, batch.num_verify_logits)):
+            if self.scored[i]:  # logits row j predicts prompt token j + 1
+                prompt = ids[:len(ids) - n + 1]
+                logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
+                verdicts[i] = replace(verdicts[i], prompt_logprobs=token_logprobs(
+                    logp, prompt[1:], self.judged.rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
+        kept = chunk_hidden = None
+        if self.hidden is not None:
+            per_row = self.hidden.split([len(ids) for ids in batch.token_ids]
+                                        + [len(ids) for _, ids in batch.chunks])
+            kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, batch.proposals, verdicts)]
+            chunk_hidden = [h.cpu() for h in per_row[len(batch.token_ids):]]
+        return Verified(verdicts, kept, *self.clock.split(), chunk_hidden)
 
 
 def _kept_rows(hidden: torch.Tensor, proposal: Proposal, verdict: Verdict) -> torch.Tensor:

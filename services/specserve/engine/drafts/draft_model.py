@@ -182,7 +182,7 @@ class DraftModelProposer(Proposer):
         ids = torch.cat([i for _, i, _ in tops]).cpu() if tops else None
         probs = torch.cat([p for _, _, p in tops]).cpu() if tops else None
         at = have = 0
-        for rows, t, top in drawn:
+        for rows, _, top in drawn:
             row_q = _row_q(len(rows), top and (top[0], ids[have:have + len(top[0])],
                                                probs[have:have + len(top[0])]))
             for j, i in enumerate(rows):

@@ -79,7 +79,7 @@ from specserve.engine.runtime.forward_batch import (
     Layout,
     Upload,
     check_rows,
-    last_tokens,
+    fed_positions,
     logit_positions,
 )
 
@@ -164,6 +164,7 @@ class StaticForward:
     # int64 words of a buffer's tail per bucket token: the step's other uploads (the gather
     # indices, a verification's drafts, settings and noise); a larger tail is sent apart
     TAIL_WORDS_PER_TOKEN = 16
+    verdict: Verdict | None = None  # the step's, installed by its owner (class docstring)
 
     def __init__(self, runtime, *, backend: str | None = "inductor",
                  verify_tokens: int | None = None) -> None:
@@ -172,7 +173,6 @@ class StaticForward:
         self.buckets: set[tuple[int, int]] = set()  # (rows, tokens) compiled so far
         self.warmed = False  # set by warm_up: a new bucket afterwards compiles while serving
         self.cuda_graphs = False
-        self.verdict: Verdict | None = None
         self._buffers: dict[Layout, BucketBuffer] = {}
         self._step = self._graph
         if backend is not None:
@@ -205,7 +205,7 @@ class StaticForward:
         inputs = bucket_inputs(self.runtime, cache, batch, starts, num_logits, rows, tokens)
         buffer = self._buffer(Layout.of(inputs), rows * tokens)
         asked, real = (upload.add(x) for x in token_indices(batch.token_ids, num_logits, tokens))
-        last = None if batch.fed is None else upload.add(last_tokens(batch.token_ids))
+        last = None if batch.fed is None else upload.add(fed_positions(batch))
         buffer.fill(inputs, upload)
         if last is not None:  # into the buffer's token ids, on the device
             layout_tokens = buffer.layout.read(buffer.device)["tokens"]

@@ -49,9 +49,10 @@ class ForwardBatch:
     (:attr:`Forwarded.token_ids`) instead of the logits: all a greedy batch needs, and much
     less to move when the model is in another process.
 
-    ``fed``: each row's last new token, on the device (``token_ids[i][-1]`` is then a
-    placeholder): a draft chain feeds the token it just drew without reading it back (issue
-    52: one read a proposal, not one a draft token). Chains in one group only.
+    ``fed``: the last new token of each row of ``fed_rows`` (None: every row), on the device
+    (``token_ids[i][-1]`` is then a placeholder): a draft chain feeds the token it just drew,
+    and a verify the token its row emitted in the verify before, without reading it back
+    (issue 52). Chains in one group only.
     """
 
     slots: list[int]                               # [rows]
@@ -64,7 +65,8 @@ class ForwardBatch:
     features: torch.Tensor | None = None           # [sum(new tokens), feature width]
     hidden: bool = False                           # the result carries hidden states
     argmax: bool = False                           # the result carries argmax ids, not logits
-    fed: torch.Tensor | None = None                # [rows] int64 on the device: each row's last token
+    fed: torch.Tensor | None = None                # [fed rows] int64 on the device: their last tokens
+    fed_rows: list[int] | None = None              # the rows ``fed`` is for; None: every row
     # host tensors of the caller's (a verify's drafts and sampling settings) that go to the
     # device in the forward's own input copy; None: the forward's inputs alone
     upload: Upload | None = None
@@ -250,7 +252,8 @@ def logit_positions(token_ids: list[list[int]], num_logits: list[int]) -> torch.
     return torch.tensor([rows, cols], dtype=torch.long)
 
 
-def last_tokens(token_ids: list[list[int]]) -> torch.Tensor:
-    """``[2, rows]``: the (row, column) of each row's last new token, on the host (where
-    :attr:`ForwardBatch.fed` goes)."""
-    return logit_positions(token_ids, [1] * len(token_ids))
+def fed_positions(batch: ForwardBatch) -> torch.Tensor:
+    """``[2, fed rows]``: the (row, column) of the last new token of each row
+    :attr:`ForwardBatch.fed` is for, on the host."""
+    rows = range(len(batch.token_ids)) if batch.fed_rows is None else batch.fed_rows
+    return torch.tensor([list(rows), [len(batch.token_ids[i]) - 1 for i in rows]], dtype=torch.long)

@@ -40,7 +40,7 @@ from specserve.engine.runtime.forward_batch import (
     ForwardBatch,
     Forwarded,
     Upload,
-    last_tokens,
+    fed_positions,
     logit_positions,
 )
 from specserve.engine.runtime.forward_context import ForwardContext, chains, prepare
@@ -220,7 +220,7 @@ class LlamaRuntime(nn.Module):
                 cache.lengths[slot] += len(ids)
             return outputs
         asked = upload.add(logit_positions(token_ids, num_logits))  # with the inputs' copy
-        last = None if batch.fed is None else upload.add(last_tokens(token_ids))
+        last = None if batch.fed is None else upload.add(fed_positions(batch))
         ctx, tokens = self._prepare(cache, slots, token_ids, batch.trees, upload)
         if last is not None:
             assert chains(batch.trees), "a fed token follows a chain"

@@ -141,6 +141,35 @@ class StepBatch:
         self.chunks = [self.chunks[j] for j in layout.chunks]
         self.groups, self.padded = layout.groups, layout.padded
 
+    def decode_ahead(self, running: dict[int, Sequence], max_model_len: int
+                     ) -> tuple[StepBatch, VerifyBatch] | None:
+        """The step after this one as a verify that can be launched before this one is read
+        (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
+        (rows whose sequence has ended since this step was launched aside) that decodes
+        without drafts, a grammar or features. A row that reaches its ``max_tokens`` or the
+        context with this step has no next row; each other one feeds the token it emits now,
+        taken on the device (:attr:`VerifyBatch.follows`), at the position after it, and
+        where this step ends it otherwise (EOS, a stop string, an abort) its next row is
+        ignored. None where the next step must be scheduled after this one is read."""
+        live = [j for j, row in enumerate(self.rows) if running.get(row.seq.seq_id) is row.seq]
+        if self.chunks or self.hidden or len(live) != len(running):
+            return None
+        follows = []
+        for j in live:
+            row, seq = self.rows[j], self.rows[j].seq
+            if (not row.decoding or row.proposal.token_ids or seq.grammar is not None
+                    or seq.draft_attached):
+                return None
+            if (len(seq.output_token_ids) + 1 < (seq.params.max_tokens or max_model_len)
+                    and len(seq.token_ids) + 1 < max_model_len):  # (else this step ends it)
+                follows.append(j)
+        rows = [self.rows[j] for j in follows]
+        if not rows:
+            return None
+        return (StepBatch([StepRow(row.seq, row.start + 1) for row in rows], []),
+                VerifyBatch([r.seq.slot for r in rows], [[0]] * len(rows), [Proposal([])] * len(rows),
+                            [(r.seq.params, r.seq.sample_seed) for r in rows], follows=follows))
+
     def to_verify(self) -> VerifyBatch:
         """What the target's verify takes: the rows as plain data, in forward order."""
         trees = [r.tree for r in self.rows]
@@ -178,6 +207,10 @@ class VerifyBatch:
     chunks: list[tuple[int, list[int]]] = ()      # [chunks] (slot, prompt tokens) prefilled beside the rows
     groups: list[int] | None = None               # the forward's row groups over rows, then chunks
     hidden: bool = False                          # the kept tokens' (and chunks') features come back
+    # [rows]: the row of the verify launched before this one whose last emitted token is
+    # this row's one pending token (its token_ids a placeholder: ModelWorker.launch), -1: its
+    # own; None: every row its own
+    follows: list[int] | None = None
 
     @property
     def num_verify_logits(self) -> list[int]:
@@ -185,16 +218,23 @@ class VerifyBatch:
         return [len(p.token_ids) + 1 for p in self.proposals]
 
     def forward(self, num_logits: list[int] | None = None, *, argmax: bool = False,
-                upload: Upload | None = None) -> ForwardBatch:
+                upload: Upload | None = None, fed: torch.Tensor | None = None) -> ForwardBatch:
         """The verify's one forward: the rows (``num_logits`` each; default
         :attr:`num_verify_logits`), then the chunks (none), with their trees and groups;
-        ``upload``: the verification's inputs, to go with the forward's."""
+        ``upload``: the verification's inputs, to go with the forward's; ``fed``: the
+        pending tokens of the rows that follow another verify (:attr:`follows`)."""
         return ForwardBatch(
             [*self.slots, *(slot for slot, _ in self.chunks)],
             [*self.token_ids, *(ids for _, ids in self.chunks)],
             [*(num_logits or self.num_verify_logits), *(0 for _ in self.chunks)],
             trees=None if self.trees is None else [*self.trees, *(None for _ in self.chunks)],
-            groups=self.groups, hidden=self.hidden, argmax=argmax, upload=upload)
+            groups=self.groups, hidden=self.hidden, argmax=argmax, upload=upload, fed=fed,
+            fed_rows=None if fed is None else self.followers)
+
+    @property
+    def followers(self) -> list[int]:
+        """The rows whose pending token is another verify's (:attr:`follows`)."""
+        return [i for i, row in enumerate(self.follows or []) if row >= 0]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """From the verify forward's logits and a step's proposals to the tokens each row emits
 (pure functions; the engine's steps 3 and 4 meet here).
 
-The target forward (:meth:`SpecDecodeEngine._verify
-<specserve.engine.spec_decode.SpecDecodeEngine._verify>`) returns, per row, logits at its
+The target forward (:meth:`TargetCalls.launch
+<specserve.engine.spec_decode.TargetCalls.launch>`) returns, per row, logits at its
 ``num_draft_tokens + 1`` positions. This module pads the ragged rows to one ``[B, K + 1]``
 batch (K = ``max_spec_len``, the most drafts of any row), turns logits into ``p`` and
 proposals into ``q`` with the request's sampling transform, draws the randomness of each
@@ -180,23 +180,65 @@ def verify_rows(rows: list[SamplingRow], proposals: list[Proposal], logits: list
                 staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
                 ) -> list[Verdict]:
     """:func:`verify_batch` (``staged`` and ``judged`` as it takes them), each row's result as a
-    :class:`Verdict` (with the emitted tokens' log-probabilities where its request asked).
+    :class:`Verdict` (with the emitted tokens' log-probabilities where its request asked):
+    :func:`judge`, then its :meth:`Judged.verdicts`."""
+    return judge(rows, proposals, logits, staged, judged).verdicts()
+
+
+def judge(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
+          staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
+          ) -> Judged:
+    """:func:`verify_batch` on the device, nothing read back yet (a worker queues the next
+    forward before it reads: ``ModelWorker.launch``).
 
     A row with a grammar ``mask`` is verified on its logits with the disallowed tokens at
     -inf: the constrained target distribution, at every position (greedy argmax, p of the
-    rejection test, the recovered and bonus tokens alike). Its logprobs: a sampled row's are
-    of that constrained distribution (what the token was drawn from), a greedy row's the
-    model's log-softmax, as without a grammar."""
+    rejection test, the recovered and bonus tokens alike)."""
     constrained = [x if r.mask is None else masked(x, r.mask) for r, x in zip(rows, logits)]
-    verdicts = []
-    for r, x, c, (res, row) in zip(rows, logits, constrained,
-                                   verify_batch(rows, proposals, constrained, staged, judged)):
-        path = res.paths[row] if res.paths is not None else None
-        emitted = res.emitted(row)
-        lp = None if r.params.logprobs is None else emitted_logprobs(
-            r.params, x if r.params.greedy else c, emitted, path)
-        verdicts.append(Verdict(emitted, res.accepted(row), path, lp))
-    return verdicts
+    return Judged(rows, logits, constrained, verify_batch(rows, proposals, constrained, staged, judged))
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A step's rows judged on the device (:func:`judge`): each row's sampler output and its
+    row in it, and the logits they came from."""
+
+    rows: list[SamplingRow]
+    logits: list[torch.Tensor]
+    constrained: list[torch.Tensor]          # the logits under each row's grammar mask
+    results: list[tuple[RejectionOutput, int]]
+
+    def verdicts(self) -> list[Verdict]:
+        """Each row's :class:`Verdict`, read back (one read per sampler call). Logprobs: a
+        sampled row's are of its constrained distribution (what the token was drawn from), a
+        greedy row's the model's log-softmax, as without a grammar."""
+        verdicts = []
+        for r, x, c, (res, row) in zip(self.rows, self.logits, self.constrained, self.results):
+            path = res.paths[row] if res.paths is not None else None
+            emitted = res.emitted(row)
+            lp = None if r.params.logprobs is None else emitted_logprobs(
+                r.params, x if r.params.greedy else c, emitted, path)
+            verdicts.append(Verdict(emitted, res.accepted(row), path, lp))
+        return verdicts
+
+    def last_tokens(self) -> torch.Tensor:
+        """``[rows]``: each chain row's last emitted token (the one it feeds next), on the
+        logits' device and computed there, nothing read (what a following forward takes:
+        ``VerifyBatch.follows``); -1 for a tree row."""
+        device = self.logits[0].device
+        outputs: dict[int, tuple[RejectionOutput, list[int], list[int]]] = {}
+        for i, (res, row) in enumerate(self.results):
+            if res.paths is None:
+                _, rows, picked = outputs.setdefault(id(res), (res, [], []))
+                rows.append(i)
+                picked.append(row)
+        last = torch.full((len(self.rows),), -1, dtype=torch.long, device=device)
+        for res, rows, picked in outputs.values():
+            ends = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0].to(device)
+            if rows == picked == list(range(len(self.rows))):
+                return ends
+            last[rows] = ends[picked]
+        return last
 
 
 def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
