@@ -26,6 +26,12 @@ the step names the module):
 5. **roll back** both caches to the tokens that are now final, and free finished slots;
    everything counted goes to the engine's :class:`~specserve.engine.step.stats.EngineCounters`.
 
+**A plain decode step is launched before the one before it is read** where the target
+queues work on a device that runs beside the host (a CUDA worker in this process:
+:class:`TargetCalls`): the device runs step N + 1, its tokens taken there from step N's
+verdicts, while the host reads and advances step N. Only plain decodes take part (no drafts,
+grammar, forks or features), so the tokens are those of steps run one after the other.
+
 **One request's fault stays its own.** If a step raises anything but
 :class:`~specserve.errors.TargetUnavailable` (a dead rank or a step timeout, which only the
 unit can answer, by restarting the group), the caches are put back as they were before the

@@ -129,7 +129,7 @@ class ModelWorker(SlotOwner):
     def queues_work(self) -> bool:
         """Whether the device runs a forward after the call that launched it returns (CUDA):
         where launching the next step before reading this one pays
-        (``SpecDecodeEngine.launch_ahead``)."""
+        (``spec_decode.TargetCalls``)."""
         return self.runtime.embed.weight.device.type == "cuda"
 
     @property
