@@ -14,6 +14,10 @@ this order (the most wanted first, so a timeout cuts the least), each written to
   ``first_divergence``), its tokens/s the one their ``speedup`` divides by.
 - ``target_only_batch``: the same, ``batch`` requests at a time (its ``same_as_target_only``:
   batching left the tokens alone).
+- ``launch_ahead_off``: ``target_only`` with each step read before the next is launched
+  (``TargetCalls.launch_ahead`` off; on by default for a CUDA worker, as in the entries
+  above): its ``speedup`` below 1 is what launching ahead buys (``target_only``'s
+  ``launch_ahead`` says whether it ran).
 - ``suffix``: suffix decoding, two passes over the prompts in one engine. The proposer keeps
   the responses of finished requests, so the second pass drafts the first pass's own
   outputs: acceptance near 1, the most speculation can give at K.
@@ -203,8 +207,15 @@ def worst(*parts: dict) -> dict:
 
 # -- the entries (module docstring), each a function of the bench returning its dict ---------
 def target_only(b: Bench) -> dict:
-    b.reference = run_pass(b.engine(None), b.prompts, b.greedy, 1)
-    return {"batch": 1, **figures(b.reference, None)}
+    engine = b.engine(None)
+    b.reference = run_pass(engine, b.prompts, b.greedy, 1)
+    return {"batch": 1, "launch_ahead": engine.calls.launch_ahead, **figures(b.reference, None)}
+
+
+def launch_ahead_off(b: Bench) -> dict:
+    engine = b.engine(None)
+    engine.calls.launch_ahead = False
+    return {"batch": 1, **figures(run_pass(engine, b.prompts, b.greedy, 1), b.reference)}
 
 
 def target_only_batch(b: Bench) -> dict:
@@ -362,7 +373,7 @@ def default_dtype(dtype: torch.dtype):
 LOGGED = ("status", "reason", "tokens_per_s", "speedup", "speedup_second_pass", "acceptance_rate",
           "same_as_target_only", "num_same", "same_as_generate", "wall_s")  # an entry's log line
 ENTRIES = (("target_only", target_only), ("target_only_batch", target_only_batch),
-           ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
+           ("launch_ahead_off", launch_ahead_off), ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
            ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle),
            ("tp_world_1", tp_world_1))
 

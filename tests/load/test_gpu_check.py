@@ -104,8 +104,8 @@ def test_bench_memory_and_profile(dry_run):
     assert "kernels: compiled" in profile and "Name" in profile
 
 
-STEP_ENTRIES = ("target_only", "target_only_batch", "suffix", "ngram", "seeded", "engine_loop",
-                "self_draft", "eagle", "tp_world_1")
+STEP_ENTRIES = ("target_only", "target_only_batch", "launch_ahead_off", "suffix", "ngram", "seeded",
+                "engine_loop", "self_draft", "eagle", "tp_world_1")
 
 
 def test_step_phase_runs_the_engine_end_to_end(tmp_path):
@@ -140,6 +140,7 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     assert entries["seeded"]["num_same"] == reference["num_prompts"]
     assert entries["engine_loop"]["same_as_generate"] is True
     assert entries["tp_world_1"]["status"] == "ok"  # gloo here: the all-reduce hooks' path
+    assert reference["launch_ahead"] is False  # a CPU worker reads each step (TargetCalls)
     for name in ("self_draft", "eagle"):  # warmed up before their prompts, as a draft actor
         assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]
 
