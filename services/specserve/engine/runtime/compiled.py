@@ -90,7 +90,7 @@ BUCKET_TOKENS = (1, 2, 4, 8, 16)  # new tokens per row a compiled forward takes
 # What a step makes of a bucket inside its graph (StaticForward.verdict): from the token ids
 # [R, W], their logits' argmax [R, W], each row's first asked column [R] and number of asked
 # positions [R], a tensor [R, ...]
-Verdict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+GraphVerdict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def bucket(n: int, limit: int | None = None) -> int:
@@ -156,7 +156,7 @@ class StaticForward:
     EAGLE-3 target keeps this path); the asked rows are gathered after it.
 
     ``verdict``: what the step makes of the logits, run inside the graph where the step's
-    owner installs one (:data:`Verdict`; the verify's worker installs the greedy
+    owner installs one (:data:`GraphVerdict`; the verify's worker installs the greedy
     verification, ``verification.greedy_in_bucket``, so a greedy step's result is a graph
     output: issue 52). The runtime knows nothing of verification: it hands the function the
     bucket's token ids, their argmax and the asked positions, and returns its result."""
@@ -164,7 +164,7 @@ class StaticForward:
     # int64 words of a buffer's tail per bucket token: the step's other uploads (the gather
     # indices, a verification's drafts, settings and noise); a larger tail is sent apart
     TAIL_WORDS_PER_TOKEN = 16
-    verdict: Verdict | None = None  # the step's, installed by its owner (class docstring)
+    verdict: GraphVerdict | None = None  # the step's, installed by its owner (class docstring)
 
     def __init__(self, runtime, *, backend: str | None = "inductor",
                  verify_tokens: int | None = None) -> None:
@@ -241,7 +241,7 @@ class StaticForward:
         return self._buffers[layout]
 
     def _graph(self, buffer: torch.Tensor, layout: Layout, cache, features: torch.Tensor | None,
-               verdict: Verdict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+               verdict: GraphVerdict | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                  torch.Tensor | None]:
         """The compiled step: logits ``[R * W, vocab]`` float32, normed hidden states
         ``[R, W, hidden]``, for a runtime whose features are its own (``feature_layers``,

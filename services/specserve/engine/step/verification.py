@@ -312,7 +312,7 @@ def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor],
 def greedy_in_bucket(tokens: torch.Tensor, argmax: torch.Tensor, first: torch.Tensor,
                      count: torch.Tensor) -> torch.Tensor:
     """Greedy verification of a compiled bucket's rows, inside its graph (the forward's
-    verdict: ``compiled.Verdict``). Row r asked for logits at its last ``count[r]`` new
+    verdict: ``compiled.GraphVerdict``). Row r asked for logits at its last ``count[r]`` new
     tokens, from column ``first[r]`` of ``tokens`` (``[R, W]``); the tokens after the first of
     them are its drafts, each kept while it equals the ``argmax`` before it
     (:func:`~specserve.engine.step.acceptance.greedy_rejection_sample`, as
