@@ -202,14 +202,13 @@ class StaticForward:
         starts, lens = check_rows(cache, batch.slots, batch.token_ids)
         rows, tokens = self.bucket_of(len(lens), max(lens), cache.num_slots)
         self._note(rows, tokens)
-        inputs = bucket_inputs(self.runtime, cache, batch, starts, num_logits, rows, tokens)
+        inputs = bucket_inputs(self.runtime, cache, batch, starts, lens, num_logits, rows, tokens)
         buffer = self._buffer(Layout.of(inputs), rows * tokens)
         asked, real = (upload.add(x) for x in token_indices(batch.token_ids, num_logits, tokens))
         last = None if batch.fed is None else upload.add(fed_positions(batch))
         buffer.fill(inputs, upload)
         if last is not None:  # into the buffer's token ids, on the device
-            layout_tokens = buffer.layout.read(buffer.device)["tokens"]
-            layout_tokens[tuple(upload[last])] = batch.fed
+            buffer.layout.view(buffer.device, "tokens")[tuple(upload[last])] = batch.fed
         features = None
         if batch.features is not None:  # a draft head's, in row order: to their places
             features = batch.features.new_zeros(rows * tokens, batch.features.shape[-1])
@@ -276,14 +275,13 @@ def token_indices(token_ids: list[list[int]], num_logits: list[int], tokens: int
     return rows * tokens + cols, torch.tensor(real, dtype=torch.long)
 
 
-def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], num_logits: list[int],
-                  rows: int, tokens: int) -> dict[str, torch.Tensor]:
+def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: list[int],
+                  num_logits: list[int], rows: int, tokens: int) -> dict[str, torch.Tensor]:
     """A batch padded to the bucket ``(rows, tokens)``, on the host: what the graph reads
     (:func:`static_inputs`; each row's first asked column and number of asked positions, for
     :attr:`StaticForward.verdict`), named. Padding rows write their tokens at ``0 .. W - 1``
     of the spare slot and read those; a real row's padding tokens continue its positions
     and write to the spare slot."""
-    lens = [len(ids) for ids in batch.token_ids]
     b = len(lens)
     steps = torch.arange(tokens)
     start = torch.zeros(rows, dtype=torch.long)

@@ -144,8 +144,15 @@ class Layout:
 
     def read(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The inputs, views of ``buffer`` (inside the graph: the casts are the graph's)."""
-        return {f.name: buffer[f.offset:f.offset + math.prod(f.shape)].view(f.shape).to(f.dtype)
-                for f in self.fields}
+        return {f.name: _field(buffer, f).to(f.dtype) for f in self.fields}
+
+    def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        """Input ``name`` as a view of ``buffer``, int64 as stored (written in place)."""
+        return _field(buffer, next(f for f in self.fields if f.name == name))
+
+
+def _field(buffer: torch.Tensor, f: Field) -> torch.Tensor:
+    return buffer[f.offset:f.offset + math.prod(f.shape)].view(f.shape)
 
 
 class BucketBuffer:
