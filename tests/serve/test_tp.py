@@ -7,11 +7,15 @@ GPU machine, not in CI.
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from specserve.config import SamplingParams, UnitConfig
+from specserve.engine import spec_decode
 from specserve.engine.drafts.eagle import EagleProposer
 from specserve.engine.drafts.ngram import NgramProposer
 from specserve.engine.runtime.forward_batch import ForwardBatch
@@ -19,7 +23,7 @@ from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import unit_bundles
-from specserve.serve.target_group import TargetGroup
+from specserve.serve.target_group import GroupStep, TargetGroup
 
 from tests.engine.test_spec_decode import prompts
 from tests.models import eagle_head_of
@@ -94,6 +98,39 @@ def test_tp2_greedy_generation_equals_tp1(groups, method):
         outputs[tp] = [c.output_token_ids for c in done]
         assert group.num_free_slots == 4
     assert outputs[2] == outputs[1]
+
+
+def test_a_group_launches_each_decode_step_before_it_reads_the_last(groups, monkeypatch):
+    """Issue 52's overlap on a unit's target group: rank 0 keeps a launched step, and the
+    coordinator launches step N + 1 (its rows fed from step N's verdicts on rank 0's device,
+    which under TP sends those tokens to the other rank first) before it asks for step N's
+    result. The same tokens as one verify a step: greedy, seeded and unseeded rows (one seed
+    stream per run), an end on ``max_tokens`` mid-run and an abort."""
+    params = [SamplingParams(temperature=0, max_tokens=20),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=20),
+              SamplingParams(temperature=0.8, max_tokens=20), SamplingParams(temperature=0, max_tokens=7)]
+    sent, send = [], GroupStep.send
+    monkeypatch.setattr(GroupStep, "send", lambda self, after=None: sent.append(after) or send(self, after))
+    runs = {}
+    for ahead in (False, True):
+        stream = random.Random(7)
+        monkeypatch.setattr(spec_decode, "random_seed", lambda s=stream: s.getrandbits(62))
+        engine = SpecDecodeEngine(groups[2], make_tiny_tokenizer(), eos_token_ids=frozenset({2}),
+                                  launch_ahead=ahead)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts(4, seed=9), params)]
+        tokens = {i: [] for i in ids}
+        for step in itertools.count():
+            if step == 4:
+                assert engine.abort(ids[2])
+            for out in engine.step():
+                tokens[out.seq_id] += out.new_token_ids
+            if not engine.has_unfinished():
+                break
+        runs[ahead] = tokens
+        assert groups[2].num_free_slots == 4
+    assert runs[True] == runs[False]
+    assert [len(t) for t in runs[True].values()] == [20, 20, 4, 7]
+    assert sum(after is not None for after in sent) >= 15  # steps fed from the step before
 
 
 def test_tp2_returns_tp1_hidden_states_and_feeds_eagle(groups, tiny_models):

@@ -170,7 +170,8 @@ class ModelWorker(SlotOwner):
         back as the graph left it."""
         return self.launch(batch).result()
 
-    def launch(self, batch: VerifyBatch, after: Launched | None = None) -> Launched:
+    def launch(self, batch: VerifyBatch, after: Launched | None = None, *,
+               fed: torch.Tensor | None = None) -> Launched:
         """:meth:`verify`'s forward and sampler, queued on the device and not read back
         (:meth:`Launched.result` reads them): the host can build and launch the next step
         while the device runs this one (issue 52). Rows of ``batch`` that follow ``after``
@@ -178,7 +179,8 @@ class ModelWorker(SlotOwner):
         the last token their row of ``after`` emitted, taken on the device; their positions
         count it already (``after``'s forward wrote its keys), so such a row is a decode that
         goes on as if ``after`` had been read, which the caller undoes for a row that
-        ``after`` ended."""
+        ``after`` ended. ``fed``: those tokens already taken (:meth:`Launched.feeds`: a
+        unit's rank 0 sends them to the other ranks first), instead of ``after``."""
         counts = batch.num_verify_logits
         masks = batch.masks or [None] * len(batch.slots)
         rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
@@ -193,11 +195,11 @@ class ModelWorker(SlotOwner):
                           and not s for r, s in zip(rows, scored))
         upload = Upload()  # the verification's inputs go to the device with the forward's
         staged = stage(rows, batch.proposals, upload)
-        fed = None
         if batch.followers:
-            assert after is not None and all(len(batch.token_ids[i]) == 1 and not batch.proposals[i].token_ids
-                                             for i in batch.followers), "a follower is a decode"
-            fed = after.judged.last_tokens()[[batch.follows[i] for i in batch.followers]]
+            assert (after is not None or fed is not None) and all(
+                len(batch.token_ids[i]) == 1 and not batch.proposals[i].token_ids
+                for i in batch.followers), "a follower is a decode"
+            fed = after.feeds(batch) if fed is None else fed
         out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload, fed=fed))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         clock.forward_done()
@@ -255,6 +257,11 @@ class Launched:
     scored: list[bool]            # rows that asked for their prompt's logprobs
     hidden: torch.Tensor | None
     clock: ForwardClock
+
+    def feeds(self, batch: VerifyBatch) -> torch.Tensor:
+        """``[followers]``: the last token each row of ``batch`` that follows this verify
+        (:attr:`VerifyBatch.follows`) emitted here, on the device."""
+        return self.judged.last_tokens()[[batch.follows[i] for i in batch.followers]]
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read

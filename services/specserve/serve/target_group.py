@@ -17,6 +17,11 @@ A rank that dies or a step slower than ``target_step_timeout_s`` raises
 call outstanding that fails the moment the rank dies); :meth:`TargetGroup.restart` then kills
 the rest and starts a fresh group in the same bundles. Ray cannot restart one rank on its
 own: a new process cannot rejoin the old NCCL / gloo group, so the group restarts whole.
+
+On CUDA the coordinator launches a step of plain decodes before it reads the last
+(:meth:`TargetGroup.launch`, issue 52): rank 0 keeps each launched step by number and feeds
+the next step's rows from its verdicts on the device, so the GPU has step N + 1 queued while
+the coordinator reads and streams step N.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from specserve.engine.kv.kv_manager import KVManager
 from specserve.engine.loader import load_model
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
 from specserve.engine.step.step_batch import VerifyBatch
-from specserve.engine.worker import ModelWorker, SlotOwner, Verified
+from specserve.engine.worker import Launched, ModelWorker, SlotOwner, Verified
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import (
     ACTOR_NAMESPACE,
@@ -100,6 +105,7 @@ class TargetRank:
         self.rank, self.world_size = rank, world_size
         self.worker: ModelWorker | None = None
         self.sampling: dict[int, tuple] = {}  # slot -> its sequence's (params, seed)
+        self._launched: dict[int, Launched] = {}  # rank 0: steps launched, not read yet
         _threads(world_size)
 
     def rendezvous(self) -> tuple[str, int]:
@@ -151,13 +157,44 @@ class TargetRank:
         coordinator's lengths of the rows' and then the chunks' slots; ``tables``: a paged
         cache's block tables of those slots, and then ``forks`` are block copies
         ``(src_block, dst_block)`` (:meth:`_prepare`)."""
-        self.sampling.update(sampling)
         step = RankStep(batch.forward(), starts, moves, forks, tables)
+        return host_only(self._launch(batch, sampling, step).result())
+
+    def launch(self, number: int, batch: VerifyBatch, starts: list[int], sampling: dict[int, tuple],
+               moves: list | None, forks: list | None, tables: list | None,
+               after: int | None) -> None:
+        """Rank 0: :meth:`verify` launched and kept as step ``number``, not read back
+        (:meth:`result` reads it): the coordinator launches the next step before it asks for
+        this one's result, so the device has it queued while the host reads this one (issue
+        52). Rows that follow step ``after`` (:attr:`VerifyBatch.follows`) take their token
+        from its verdicts, here on the device (``ModelWorker.launch``); the other ranks get
+        those tokens from this one. Steps before ``number - 1`` are dropped: the coordinator
+        reads a step before it launches the one after next, or has given it up."""
+        prior = None if after is None else self._launched[after]
+        self._launched = {n: s for n, s in self._launched.items() if n >= number - 1}
+        forward = batch.forward()
+        if batch.followers:
+            forward = replace(forward, fed_rows=batch.followers)
+        self._launched[number] = self._launch(
+            batch, sampling, RankStep(forward, starts, moves, forks, tables), prior)
+
+    def result(self, number: int) -> Verified:
+        """Rank 0: step ``number``'s verdicts (:meth:`launch`), read back as :meth:`verify`'s."""
+        return host_only(self._launched.pop(number).result())
+
+    def _launch(self, batch: VerifyBatch, sampling: dict[int, tuple], step: RankStep,
+                after: Launched | None = None) -> Launched:
+        """Rank 0: broadcast ``step`` (and the tokens its followers take from ``after``),
+        bring the cache to the coordinator's view and launch the verify."""
+        self.sampling.update(sampling)
+        fed = None if after is None else after.feeds(batch)
         if self.world_size > 1:
             dist.broadcast_object_list([step], src=0)
+            if fed is not None:  # before the forward: its all-reduces must pair up
+                dist.broadcast(fed, src=0)
         self._prepare(step)
         batch = replace(batch, sampling=[self.sampling[s] for s in batch.slots])
-        return host_only(self.worker.verify(batch))
+        return self.worker.launch(batch, fed=fed)
 
     def forward(self, batch: ForwardBatch, starts: list[int], moves: list | None = None,
                 forks: list | None = None, tables: list | None = None) -> Forwarded:
@@ -201,7 +238,13 @@ class TargetRank:
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
-            self._run(box[0])
+            step = box[0]
+            if step.batch.fed_rows is not None:  # rows fed from rank 0's last verdicts
+                fed = torch.empty(len(step.batch.fed_rows), dtype=torch.long,
+                                  device=self.worker.runtime.embed.weight.device)
+                dist.broadcast(fed, src=0)
+                step = step._replace(batch=replace(step.batch, fed=fed))
+            self._run(step)
 
     def ping(self) -> bool:
         return self.worker is not None
@@ -237,6 +280,7 @@ class TargetGroup(SlotOwner):
         self._moves: dict[int, tuple[list[int], int]] = {}  # slot -> a kept path not yet sent
         self._forks: list[tuple[int, int, int]] = []  # (src, dst, length) not yet sent
         self._sampling: dict[int, tuple] = {}  # slot -> the (params, seed) rank 0 holds for it
+        self._steps = 0  # verifies so far: a launched step's number on rank 0
         self.received = Traffic()  # what rank 0 sent back
         self._launch()
 
@@ -334,6 +378,14 @@ class TargetGroup(SlotOwner):
         """:meth:`ModelWorker.verify <specserve.engine.worker.ModelWorker.verify>` on rank 0:
         a row's sampling parameters travel when its slot's holder changes, not every step;
         grammar masks (packed bits, ``V / 8`` bytes a position) with the rows that have one."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: VerifyBatch, after: GroupStep | None = None) -> GroupStep:
+        """:meth:`ModelWorker.launch <specserve.engine.worker.ModelWorker.launch>` on rank 0
+        (issue 52): rank 0 keeps the launched step and its result comes with
+        :meth:`GroupStep.result`. A step goes to rank 0 when one is launched after it, else
+        as one :meth:`verify` call when it is read: one Ray call a step where nothing
+        launches ahead, two (launch, then result) where steps do."""
         new = {}
         for slot, row in zip(batch.slots, batch.sampling):
             if self._sampling.get(slot) != row:
@@ -343,12 +395,25 @@ class TargetGroup(SlotOwner):
         tables = self._tables(forward.slots, forward.token_ids)
         moves = [(s, *self._moves.pop(s)) for s in forward.slots if s in self._moves]
         forks, self._forks = self._forks, []
-        result = self._call(self.ranks[0].verify.remote(replace(batch, sampling=None), starts, new,
-                                                        moves, forks, tables))
-        self.received.add(result)
         for slot, ids in zip(forward.slots, forward.token_ids):
             self.table.lengths[slot] += len(ids)
-        return result
+        self._steps += 1
+        step = GroupStep(self, self._steps,
+                         (replace(batch, sampling=None), starts, new, moves, forks, tables))
+        if after is not None:
+            after.send()
+            step.send(after.number)
+        return step
+
+    @property
+    def queues_work(self) -> bool:
+        """Whether launching the next step before reading this one pays
+        (``spec_decode.TargetCalls``): on CUDA, where rank 0 queues it on the device while
+        the coordinator reads and advances this one. On a CPU the ranks' threads and the
+        coordinator share the cores, and the second Ray call a step costs more than the
+        overlap gives (0.95x at batch 1 and 0.96x at 4, embedded model, 2 cores:
+        docs/BENCHMARKS.md)."""
+        return target_device(self.cfg).startswith("cuda")
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """What the batch asks for, from rank 0, on the CPU (tests and tools; serving calls
@@ -379,3 +444,29 @@ class TargetGroup(SlotOwner):
     def shutdown(self) -> None:
         for rank in self.ranks:
             ray.kill(rank)
+
+
+class GroupStep:
+    """A verify of a unit's target group (:meth:`TargetGroup.launch`), as the engine's
+    ``Launched``: sent to rank 0 when a step is launched after it (:meth:`send`), or when it
+    is read (:meth:`result`: then as one verify call)."""
+
+    def __init__(self, group: TargetGroup, number: int, args: tuple) -> None:
+        self.group, self.number, self.args = group, number, args
+        self.launched = None  # rank 0's launch call, once sent
+
+    def send(self, after: int | None = None) -> None:
+        """Launch it on rank 0 (its rows that follow step ``after`` fed from that one there)."""
+        if self.launched is None:
+            self.launched = self.group.ranks[0].launch.remote(self.number, *self.args, after)
+
+    def result(self) -> Verified:
+        """Its verdicts from rank 0 (:class:`TargetUnavailable` as :meth:`TargetGroup._call`)."""
+        group, rank0 = self.group, self.group.ranks[0]
+        if self.launched is None:  # nothing was launched after it: one call
+            result = group._call(rank0.verify.remote(*self.args))
+        else:
+            group._call(self.launched)  # its launch's error, if it had one
+            result = group._call(rank0.result.remote(self.number))
+        group.received.add(result)
+        return result
