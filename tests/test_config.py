@@ -97,18 +97,25 @@ def test_a_paged_pool_must_hold_one_sequence_of_max_model_len(kv, ok):
 
 
 def test_the_kv_layout_is_paged_by_default_where_the_kernels_read_blocks():
-    """``kv_cache.layout: auto`` (the default): paged on a CPU, slots where the kernels do
-    not read block tables yet (CUDA, the compiled path); an explicit layout stays; the unit,
-    its groups and the router resolve it by the unit's placement (``target_device``)."""
+    """``kv_cache.layout: auto`` (the default): paged on a CPU (every kernel reads block
+    tables since issue 53), slots on CUDA until a GPU window measures paged against it; an
+    explicit layout stays; on CUDA an unset block size is FlexAttention's key block (64);
+    the unit, its groups and the router resolve it by the unit's placement
+    (``target_device``)."""
     from specserve.config import EngineConfig, KVCacheConfig, UnitConfig
+    from specserve.engine.runtime.kernels import KV_BLOCK
     from specserve.serve.placement import resolved_layout
 
     auto = KVCacheConfig()
     assert auto.layout == "auto"
     assert auto.resolved("cpu", "invariant").layout == "paged"
     assert auto.resolved("cpu", "library").layout == "paged"
-    assert auto.resolved("cpu", "compiled").layout == "slots"
+    assert auto.resolved("cpu", "compiled").layout == "paged"
     assert auto.resolved("cuda:1", "auto").layout == "slots"
+    paged = KVCacheConfig(layout="paged")
+    assert (paged.resolved("cuda", "compiled").block_size, paged.resolved("cpu", "compiled").block_size,
+            KVCacheConfig(layout="paged", block_size=128).resolved("cuda", "library").block_size
+            ) == (KV_BLOCK, 16, 128)
     assert KVCacheConfig(layout="slots").resolved("cpu", "invariant").layout == "slots"
     engine = EngineConfig().for_device("cpu")
     assert engine.kv_cache.layout == "paged" and engine.draft_kv_cache is not None

@@ -41,6 +41,7 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0, le=1_000_000)]
 
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy (vLLM's _SAMPLING_EPS)
+KV_KEY_BLOCK = 64  # keys FlexAttention reads per block (engine/runtime/kernels.py's KV_BLOCK)
 
 
 class _Strict(BaseModel):
@@ -232,14 +233,15 @@ class KVCacheConfig(_Strict):
     """How the target keeps keys and values (issue 34; ``engine/kv/kv_cache.py``)."""
 
     layout: Literal["auto", "slots", "paged"] = Field(
-        "auto", description="auto: paged where the target's kernels read blocks (on a CPU, "
-                            "invariant and library), slots where they do not yet (on a GPU, and "
-                            "compiled anywhere). slots: each sequence reserves max_model_len "
-                            "positions. paged: blocks of block_size positions, a block table "
-                            "per sequence, and prefix caching (the target's cache; kernels "
-                            "invariant and library with SDPA, not compiled or FlexAttention "
-                            "yet).")
-    block_size: int = Field(16, ge=1, le=1024, description="paged: positions per KV block.")
+        "auto", description="auto: paged on a CPU, slots on a GPU until a GPU run shows paged "
+                            "decoding as fast as slots (issue 53: every kernel reads blocks). "
+                            "slots: each sequence reserves max_model_len positions. paged: "
+                            "blocks of block_size positions, a block table per sequence, and "
+                            "prefix caching (the target's cache).")
+    block_size: int = Field(16, ge=1, le=1024,
+                            description="paged: positions per KV block. Unset on a GPU: 64, the "
+                                        "key block FlexAttention reads (there it must be a "
+                                        "multiple of 64).")
     num_blocks: int | None = Field(
         None, ge=1, le=16_777_216,
         description="paged: blocks in the pool. None: as many as the slot layout's memory "
@@ -251,13 +253,17 @@ class KVCacheConfig(_Strict):
                           "request reuses its longest cached prefix, prefilling only the rest.")
 
     def resolved(self, device: str, kernels: str) -> KVCacheConfig:
-        """``auto`` made definite for a target on ``device`` with ``kernels``: paged where the
-        kernels read blocks (a CPU's C kernels, or torch's with SDPA), slots where they do
-        not yet (CUDA's FlexAttention and the compiled path, on any device)."""
-        if self.layout != "auto":
-            return self
-        blocks = not str(device).startswith("cuda") and kernels != "compiled"
-        return self.model_copy(update={"layout": "paged" if blocks else "slots"})
+        """``auto`` made definite for a target on ``device`` with ``kernels``: paged on a
+        CPU (every kernel reads blocks), slots on CUDA until a GPU window measures paged
+        FlexAttention against slots (issue 53; ``kernels`` does not change it any more). On
+        CUDA a block size left unset is FlexAttention's key block (64)."""
+        cuda = str(device).startswith("cuda")
+        update = {}
+        if self.layout == "auto":
+            update["layout"] = "slots" if cuda else "paged"
+        if cuda and "block_size" not in self.model_fields_set:
+            update["block_size"] = KV_KEY_BLOCK
+        return self.model_copy(update=update) if update else self
 
     def pool_blocks(self, max_num_seqs: int, max_model_len: int) -> int:
         """paged: the pool's blocks (``num_blocks``, or the slot layout's memory)."""

@@ -204,8 +204,8 @@ def kv_cache_bytes(shape: ModelShape, load: Workload) -> int:
     paged pool's (:class:`~specserve.engine.kv.kv_cache.PagedKVCache`)."""
     per_position = (2 * shape.num_layers * (shape.num_kv_heads // load.tp) * shape.head_dim
                     * dtype_bytes(load.dtype))
-    if load.paged:
-        return per_position * load.pool_blocks * load.block_size
+    if load.paged:  # the compiled path's pool has a spare block, for its padding
+        return per_position * (load.pool_blocks + load.spare_slot) * load.block_size
     positions = -(-load.max_model_len // KV_BLOCK) * KV_BLOCK
     return per_position * (load.max_num_seqs + load.spare_slot) * positions
 

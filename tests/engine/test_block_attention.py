@@ -62,14 +62,14 @@ def test_a_decode_and_a_verify_read_their_own_blocks_up_to_their_last_key():
     positions = torch.tensor([[70, 71, 72, 73], [5, 6, 7, 8], [200, 201, 202, 203]])
     last = torch.tensor([73, 5, 203])  # row 1: a decode padded to 4 tokens
     slots = torch.tensor([3, 0, 1])
-    blocks = key_blocks(positions, last, slots, num_kv_heads=HK, slot_len=S)
+    blocks = key_blocks(positions, last, slots[:, None], num_kv_heads=HK, block_len=S)
     per_slot = HK * S // KEY_BLOCK  # storage blocks between one slot's start and the next's
     assert blocks.num_blocks.flatten().tolist() == [2, 1, 4]
     assert [row[0] for row in listed(blocks.num_blocks, blocks.indices)] == [
         [3 * per_slot, 3 * per_slot + 1], [0], [per_slot + j for j in range(4)]]
     assert blocks.full_num_blocks is None  # decodes and verifies: the decoding kernel
     assert blocks.last[1].tolist() == [5, 5, 5, 5]  # padding queries stop at the row's last key
-    windowed = key_blocks(positions, last, slots, num_kv_heads=HK, slot_len=S, window=100)
+    windowed = key_blocks(positions, last, slots[:, None], num_kv_heads=HK, block_len=S, window=100)
     assert windowed.num_blocks.flatten().tolist() == [2, 1, 3]  # row 2 sees 101 .. 203
     assert listed(windowed.num_blocks, windowed.indices)[2][0] == [
         per_slot + 1, per_slot + 2, per_slot + 3]
@@ -95,11 +95,11 @@ def test_block_lists_cover_the_rule_and_full_blocks_are_whole(shape):
             masks.append(masks[parents[j]] | (1 << j))
         tree[0, 160:] = torch.tensor(masks)
         tree_starts = torch.tensor([199, -1])
-    blocks = key_blocks(positions, last, slots, num_kv_heads=HK, slot_len=S, window=window,
+    blocks = key_blocks(positions, last, slots[:, None], num_kv_heads=HK, block_len=S, window=window,
                         tree=tree, tree_starts=tree_starts)
     base = (slots * HK * S).tolist()
     length = storage_view(torch.zeros(3, HK, S, 1)).shape[2]
-    dense = create_mask(block_mask(blocks, t, length).mask_mod, 2, 1, t, length)[:, 0]  # [B, T, L]
+    dense = create_mask(block_mask(blocks, t, (3, HK, S, 1)).mask_mod, 2, 1, t, length)[:, 0]  # [B, T, L]
     expected = rule(positions, last, window, tree, tree_starts)                        # [B, T, S]
     for b in range(2):  # the mask_mod is the rule, inside the row's slot and nowhere else
         segment = dense[b, :, base[b]:base[b] + S]
@@ -118,6 +118,34 @@ def test_block_lists_cover_the_rule_and_full_blocks_are_whole(shape):
                 keys = slice(block * KEY_BLOCK, (block + 1) * KEY_BLOCK)
                 assert all(dense[b, r, keys].all() for r in rows), (b, q, block)
     assert any(full[0]) or shape == "window"  # a long chain has whole blocks to skip masking
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_a_paged_rows_rule_shows_its_own_positions_where_its_table_puts_them(window):
+    """Issue 53: a pool of 7 blocks of 64 (the last the spare), rows whose tables hold blocks
+    out of order (2 then 0 then 5; 4 alone) and a padding row of the spare block alone. The
+    mask_mod shows each query exactly the storage keys of its row's positions up to its last
+    (in the window), through the physical-to-logical map; the block lists hold the row's own
+    blocks in its logical order (what a GPU kernel sums in) and cover every key shown."""
+    pool, block, t = 7, 64, 5
+    spare = pool - 1
+    table = torch.tensor([[2, 0, 5, spare], [4, spare, spare, spare], [spare] * 4])
+    positions = torch.tensor([[150], [10], [0]]) + torch.arange(t)       # row 2: padding
+    last = torch.tensor([152, 12, t - 1])
+    blocks = key_blocks(positions, last, table, num_kv_heads=HK, block_len=block, paged=True,
+                        window=window)
+    length = ((pool - 1) * HK + 1) * block
+    dense = create_mask(block_mask(blocks, t, (pool, HK, block, 1)).mask_mod, 3, 1, t, length)[:, 0]
+    span = HK * block
+    for b in range(3):
+        for q in range(t):
+            end = min(int(positions[b, q]), int(last[b]))
+            shown = range(max(0, end - window + 1) if window else 0, end + 1)
+            want = {int(table[b, p // block]) * span + p % block for p in shown}
+            assert set(dense[b, q].nonzero().flatten().tolist()) == want, (b, q)
+    lists = listed(blocks.num_blocks, blocks.indices)
+    assert lists[0][0] == ([2 * HK, 0, 5 * HK] if window is None else [0, 5 * HK])
+    assert lists[1][0] == [4 * HK] and lists[2][0] == [spare * HK]
 
 
 @pytest.mark.parametrize("shape", ["chain", "window", "tree"])
@@ -140,7 +168,7 @@ def test_flex_attention_gives_sdpas_outputs(shape):
         tree = torch.zeros(3, t, dtype=torch.int64)
         tree[0] = torch.tensor(masks)
         tree_starts = torch.tensor([60, -1, -1])
-    blocks = key_blocks(positions, last, slots, num_kv_heads=HK, slot_len=S, window=window,
+    blocks = key_blocks(positions, last, slots[:, None], num_kv_heads=HK, block_len=S, window=window,
                         tree=tree, tree_starts=tree_starts)
     out = attend(q, keys, values, blocks, d ** -0.5).view(3, t, h, d)
     mask = rule(positions, last, window, tree, tree_starts)                 # [B, T, S]

@@ -168,7 +168,7 @@ def test_flex_attention_reads_only_each_rows_keys():
     last = positions[:, -1].clone()
     last[0] = 0  # a decode: one real token, four padding
     slots = torch.tensor([4, 0, 2, 1])
-    blocks = key_blocks(positions, last, slots, num_kv_heads=hk, slot_len=s)
+    blocks = key_blocks(positions, last, slots[:, None], num_kv_heads=hk, block_len=s)
     counts = blocks.num_blocks.flatten().tolist()
     assert counts == [(int(n) + KEY_BLOCK) // KEY_BLOCK for n in last] == [1, 2, 2, 4]
     read = torch.zeros(5, s, dtype=torch.bool)  # [slots, S]

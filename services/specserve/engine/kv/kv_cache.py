@@ -131,11 +131,22 @@ class SlotKVCache(SlotTable):
         that read through block tables (:class:`PagedKVCache` has real ones)."""
         return torch.tensor(slots, dtype=torch.int32)[:, None]
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+    @property
+    def spare_row(self) -> int | None:
+        """The storage row a static-shape forward writes its padding to (the spare slot)."""
+        return self.spare_slot
+
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where positions of slots are stored, on the host: ``(row, offset)`` of the storage
+        ``[rows, Hk, S, D]`` (:meth:`write` takes them): a slot is its row."""
+        return slots, positions
+
+    def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values. ``slots``/``positions``: ``[N]``; ``k``/``v``: ``[N, H, D]``."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+        """Store new keys/values at storage ``rows`` / ``offsets`` (:meth:`locate`'s, on the
+        cache's device: no read back) ``[N]``; ``k``/``v``: ``[N, H, D]``."""
+        self.k[layer][rows, :, offsets] = k
+        self.v[layer][rows, :, offsets] = v
 
     def keep(self, slot: int, positions: list[int], at: int) -> None:
         """Token-tree compaction: the keys and values at ``positions`` (increasing, each
@@ -185,13 +196,18 @@ class PagedKVCache:
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_slots: int,
                  num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, spare: bool = False) -> None:
         self.manager = KVManager(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots,
                                  max_seq_len=max_seq_len, prefix_caching=prefix_caching)
         self.lengths = self.manager.lengths  # the runtime advances it after a forward
         self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
         self.spare_slot = None
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        # ``spare``: one more block that the pool never hands out, where a static-shape forward
+        # writes its padding tokens (specserve.engine.runtime.compiled), and which its padding
+        # rows read
+        self.spare_block = num_blocks if spare else None
+        self.table_width = -(-max_seq_len // block_size)  # blocks a sequence may hold
+        shape = (num_blocks + spare, num_kv_heads, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -249,8 +265,9 @@ class PagedKVCache:
         """:meth:`SlotKVCache.keep` through the block table."""
         assert all(p >= at + i for i, p in enumerate(positions)) and positions == sorted(positions)
         if positions != list(range(at, at + len(positions))):
-            src_b, src_o = self._locate([slot] * len(positions), positions)
-            dst_b, dst_o = self._locate([slot] * len(positions), range(at, at + len(positions)))
+            slots, device = torch.full((len(positions),), slot), self.k[0].device
+            src_b, src_o = (x.to(device) for x in self.locate(slots, torch.tensor(positions)))
+            dst_b, dst_o = (x.to(device) for x in self.locate(slots, torch.arange(at, at + len(positions))))
             for storage in (*self.k, *self.v):
                 storage[dst_b, :, dst_o] = storage[src_b, :, src_o]  # the read copies first
         self.rollback(slot, at + len(positions))
@@ -268,20 +285,35 @@ class PagedKVCache:
         """``[B, W]`` int32: the rows' block tables, padded with their last block."""
         return torch.tensor(self.manager.table_rows(slots, width), dtype=torch.int32)
 
-    def _locate(self, slots, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block and offset of each ``(slot, position)`` pair: two ``[N]`` int64 tensors."""
-        tables, bs = self.manager.tables, self.block_size
-        blocks = [tables[s][p // bs] for s, p in zip(slots, positions)]
-        device = self.k[0].device
-        offsets = [p % bs for p in positions]
-        return torch.tensor(blocks, device=device), torch.tensor(offsets, device=device)
+    def static_table(self, slots: list[int], rows: int) -> torch.Tensor:
+        """``[rows, table_width]`` int64: the block tables of ``slots`` at a fixed shape, each
+        padded with the spare block, then padding rows of the spare block alone (the graph
+        maps the spare block to position 0 for those and to no position for the others:
+        :func:`~specserve.engine.runtime.block_attention.logical_blocks`)."""
+        table = torch.full((rows, self.table_width), self.spare_block, dtype=torch.long)
+        for i, slot in enumerate(slots):
+            blocks = self.manager.tables[slot]
+            table[i, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+        return table
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+    @property
+    def spare_row(self) -> int | None:
+        """The storage row (block) a static-shape forward writes its padding to."""
+        return self.spare_block
+
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where positions of slots are stored, on the host: each ``(slot, position)``'s
+        ``(block, offset)`` through its block table (the blocks reserved), for :meth:`write`."""
+        bs = self.block_size
+        blocks = [self.manager.tables[s][p // bs] for s, p in zip(slots.tolist(), positions.tolist())]
+        return torch.tensor(blocks, dtype=torch.long), positions % bs
+
+    def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values. ``slots``/``positions``: ``[N]``; ``k``/``v``: ``[N, H, D]``."""
-        blocks, offsets = self._locate(slots.tolist(), positions.tolist())
-        self.k[layer][blocks, :, offsets] = k
-        self.v[layer][blocks, :, offsets] = v
+        """Store new keys/values at ``rows`` (blocks) / ``offsets`` (:meth:`locate`'s, on
+        the cache's device: no read back) ``[N]``; ``k``/``v``: ``[N, H, D]``."""
+        self.k[layer][rows, :, offsets] = k
+        self.v[layer][rows, :, offsets] = v
 
     def gather(self, layer: int, slots: list[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` up to ``kv_len``: two ``[B, H, kv_len, D]`` copies

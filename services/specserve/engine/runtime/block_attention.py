@@ -37,10 +37,14 @@ The design, for a forward of ``B`` rows of ``T`` queries each:
   compiled path builds :class:`KeyBlocks` outside its graph and the BlockMask inside it, so
   the mask's tensors are graph inputs and a bucket is one graph (``compiled.py``).
 
-A paged cache (issue 34) fits this design, though it is not built yet
-(``LlamaRuntime.make_paged_cache`` refuses FlexAttention): a block pool ``[blocks, Hk, 64, D]``
-views the same way, a row's block-table row replaces :func:`slot_storage`, and the mask_mod
-maps a key to its position through that table instead of ``n - base[b]``.
+- **Paged** (issue 53): a block pool ``[blocks, Hk, BS, D]`` (``BS`` a multiple of 64)
+  views the same way, as a slot cache of ``BS``-long slots: a row's blocks are listed
+  through its block table (:func:`table_storage`; a slot cache's table is the row's slot, one
+  block of the whole slot), and the mask_mod maps a key to its row's position through a
+  physical-to-logical map, ``[B, blocks]``, made from the tables where the mask is made
+  (inside the compiled graph: only the tables travel), as vLLM's FlexAttention backend does
+  (:func:`logical_blocks`). Tables are padded with the pool's spare block, which a real row
+  never sees and a padding row reads as its position 0 (where it wrote).
 
 On a GPU FlexAttention must be compiled (eagerly it materializes the scores over the whole
 view): the compiled layer stack traces it with the rest, and the library path calls it
@@ -73,7 +77,7 @@ class KeyBlocks:
     """What one FlexAttention call reads, for ``B`` rows of ``T`` queries: made once per
     forward (and window kind), shared by the layers. Shapes fixed by ``(B, T, slots, S)``."""
 
-    base: torch.Tensor              # [B] int64: the key (in storage_view) of each row's position 0
+    base: torch.Tensor | None       # [B] int64: the key (in storage_view) of each row's position 0
     last: torch.Tensor              # [B, T] int64: the last position each query may see
     num_blocks: torch.Tensor        # [B, 1, NQ] int32: blocks to read (masked) per query tile
     indices: torch.Tensor           # [B, 1, NQ, J] int32: their storage_view block indices, in order
@@ -82,6 +86,7 @@ class KeyBlocks:
     window: int | None = None       # the sliding window, or None (full attention)
     tree: torch.Tensor | None = None         # [B, T] int64 bitmasks (ForwardContext.tree)
     tree_starts: torch.Tensor | None = None  # [B] int64: each tree row's base (-1: a chain)
+    table: torch.Tensor | None = None  # paged: [B, W] int64 each row's blocks (base is None)
 
     def to(self, device: torch.device) -> KeyBlocks:
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
@@ -99,39 +104,67 @@ def storage_view(storage: torch.Tensor) -> torch.Tensor:
     return storage.as_strided((1, hk, length, d), (storage.numel(), s * d, d, 1))
 
 
-def slot_storage(slots: torch.Tensor, num_kv_heads: int, slot_len: int) -> torch.Tensor:
-    """``[B, J]``: the storage_view block holding each row's logical block ``j`` (J = S / 64).
-    The slot cache's block table: a slot's blocks are consecutive."""
-    first = slots.long() * (num_kv_heads * slot_len // KEY_BLOCK)   # [B]
-    return first[:, None] + torch.arange(slot_len // KEY_BLOCK)      # [B, J]
+def table_storage(table: torch.Tensor, num_kv_heads: int, block_len: int) -> torch.Tensor:
+    """``[B, J]``: the storage_view key block holding each row's logical key block ``j``,
+    through its block table ``[B, W]`` of storage blocks of ``block_len`` positions
+    (J = W * block_len / 64). A slot cache's table is each row's slot, one block of the whole
+    slot: its key blocks are consecutive.
+
+    >>> table_storage(torch.tensor([[3, 1]]), num_kv_heads=2, block_len=128).tolist()
+    [[12, 13, 4, 5]]
+    """
+    per = block_len // KEY_BLOCK
+    first = table.long() * (num_kv_heads * per)                      # [B, W]
+    return (first[:, :, None] + torch.arange(per)).flatten(1)        # [B, J]
 
 
-def key_blocks(positions: torch.Tensor, last: torch.Tensor, slots: torch.Tensor, *,
-               num_kv_heads: int, slot_len: int, window: int | None = None,
-               tree: torch.Tensor | None = None,
+def key_blocks(positions: torch.Tensor, last: torch.Tensor, table: torch.Tensor, *,
+               num_kv_heads: int, block_len: int, paged: bool = False,
+               window: int | None = None, tree: torch.Tensor | None = None,
                tree_starts: torch.Tensor | None = None) -> KeyBlocks:
     """The blocks and rule of a forward: ``positions`` ``[B, T]`` int64, each query's
-    position (padding included); ``last`` ``[B]``, each row's last real key; ``slots``
-    ``[B]``, each row's slot (rows may share one: padding); ``slot_len``: the cache's S.
+    position (padding included); ``last`` ``[B]``, each row's last real key; ``table``
+    ``[B, W]``, each row's storage blocks of ``block_len`` positions: its slot (``[B, 1]``,
+    the cache's S; rows may share one: padding) or, ``paged``, its block table padded with
+    the pool's spare block (the last; a padding row's is the spare block alone).
 
     >>> kb = key_blocks(torch.tensor([[70, 71], [5, 6]]), torch.tensor([70, 6]),
-    ...                 torch.tensor([3, 0]), num_kv_heads=2, slot_len=128)
+    ...                 torch.tensor([[3], [0]]), num_kv_heads=2, block_len=128)
     >>> kb.num_blocks.flatten().tolist(), kb.indices[:, 0, 0].tolist()  # rows end in blocks 1, 0
     ([2, 1], [[12, 13], [0, 1]])
     """
-    assert positions.ndim == 2 and last.shape == slots.shape == positions.shape[:1]
-    assert slot_len % KEY_BLOCK == 0, "a slot is whole key blocks"
+    assert positions.ndim == 2 and last.shape == positions.shape[:1] == table.shape[:1]
+    assert block_len % KEY_BLOCK == 0, "a storage block is whole key blocks"
     query_last = torch.minimum(positions, last[:, None])                       # [B, T]
-    storage = slot_storage(slots, num_kv_heads, slot_len)                      # [B, J]
-    seen, whole = block_visibility(query_last, slot_len // KEY_BLOCK, window, tree_starts)
+    storage = table_storage(table, num_kv_heads, block_len)                    # [B, J]
+    seen, whole = block_visibility(query_last, storage.shape[1], window, tree_starts)
     if positions.shape[1] < DECODE_QUERIES:
         whole = torch.zeros_like(whole)
     num_blocks, indices = _ordered(seen & ~whole, storage)
     full = _ordered(whole, storage) if whole.any() else (None, None)
-    return KeyBlocks(base=slots.long() * num_kv_heads * slot_len, last=query_last,
-                     num_blocks=num_blocks, indices=indices, full_num_blocks=full[0],
-                     full_indices=full[1], window=window, tree=tree,
-                     tree_starts=None if tree_starts is None else tree_starts.long())
+    return KeyBlocks(base=None if paged else table[:, 0].long() * num_kv_heads * block_len,
+                     last=query_last, num_blocks=num_blocks, indices=indices,
+                     full_num_blocks=full[0], full_indices=full[1], window=window, tree=tree,
+                     tree_starts=None if tree_starts is None else tree_starts.long(),
+                     table=table.long() if paged else None)
+
+
+def logical_blocks(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[B, num_blocks]`` int64: each storage block's index in row ``b``'s block table
+    ``table`` ``[B, W]``, -1 where the row does not hold it. The tables' padding is the
+    spare block (the last): position 0 of a row that holds nothing else (a padding row
+    reads what it wrote there), of no other row. Made on the tables' device, inside the
+    compiled graph (the map is ``num_blocks`` wide; the tables are what travel).
+
+    >>> logical_blocks(torch.tensor([[2, 0, 3], [3, 3, 3]]), 4).tolist()
+    [[1, -1, 0, -1], [-1, -1, -1, 0]]
+    """
+    rows, width = table.shape
+    columns = torch.arange(width, device=table.device).expand(rows, width)
+    logical = torch.full((rows, num_blocks), -1, dtype=torch.long, device=table.device)
+    logical = logical.scatter(1, table, columns)  # the spare block's duplicates: set below
+    spare = torch.where(table[:, 0] == num_blocks - 1, 0, -1)
+    return torch.cat([logical[:, :-1], spare[:, None]], dim=1)
 
 
 def block_visibility(query_last: torch.Tensor, num_blocks: int, window: int | None,
@@ -166,14 +199,28 @@ def _ordered(listed: torch.Tensor, storage: torch.Tensor) -> tuple[torch.Tensor,
             indices[:, None].to(torch.int32))
 
 
-def block_mask(blocks: KeyBlocks, num_queries: int, num_keys: int) -> BlockMask:
-    """FlexAttention's BlockMask of ``blocks`` over ``num_keys`` keys (storage_view's L), its
+def block_mask(blocks: KeyBlocks, num_queries: int, storage: torch.Size) -> BlockMask:
+    """FlexAttention's BlockMask of ``blocks`` over the keys of a layer's cache tensor of
+    shape ``storage`` (``[slots or blocks, Hk, S or BS, D]``, seen through storage_view), its
     mask_mod the exact rule (module docstring). Made inside a compiled graph as outside."""
     base, last, window = blocks.base, blocks.last, blocks.window
     tree, tree_starts = blocks.tree, blocks.tree_starts
+    rows, heads, block_len = storage[0], storage[1], storage[2]
+    num_keys = ((rows - 1) * heads + 1) * block_len
+    span = heads * block_len  # keys from one storage block to the next in the view
+    logical = None if blocks.table is None else logical_blocks(blocks.table, rows)
+
+    def position(b: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Key ``kv``'s position in row ``b`` (< 0: not the row's)."""
+        if logical is None:
+            return kv - base[b]
+        block = kv // span
+        offset = kv - block * span  # past block_len: another head's keys
+        j = logical[b, block]
+        return torch.where((j >= 0) & (offset < block_len), j * block_len + offset, -1)
 
     def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        pos = kv - base[b]
+        pos = position(b, kv)
         seen = (pos >= 0) & (pos <= last[b, q])
         if window is not None:
             seen = seen & (pos > last[b, q] - window)
@@ -204,10 +251,11 @@ def kernel_options(dtype: torch.dtype) -> dict:
 def flex_attend(q: torch.Tensor, key_storage: torch.Tensor, value_storage: torch.Tensor,
                 blocks: KeyBlocks, scale: float) -> torch.Tensor:
     """``[B, T, H * D]`` attention outputs of queries ``q`` ``[B, T, H, D]`` over a layer's
-    cache tensors ``[slots, Hk, S, D]``, reading what ``blocks`` lists."""
+    cache tensors ``[slots, Hk, S, D]`` (or a pool's ``[blocks, Hk, BS, D]``), reading what
+    ``blocks`` lists."""
     b, t, h, d = q.shape
     keys, values = storage_view(key_storage), storage_view(value_storage)  # [1, Hk, L, D]
-    mask = block_mask(blocks, t, keys.shape[2])
+    mask = block_mask(blocks, t, key_storage.shape)
     out = flex_attention(q.transpose(1, 2), keys, values, block_mask=mask, scale=scale,
                          enable_gqa=h != keys.shape[1],
                          kernel_options=kernel_options(q.dtype))      # [B, H, T, D]
@@ -227,8 +275,9 @@ def attend(q: torch.Tensor, key_storage: torch.Tensor, value_storage: torch.Tens
     if torch.compiler.is_compiling():
         out = flex_attend(q, key_storage, value_storage, blocks, scale)
     elif q.is_cuda:
-        for tensor in (q, blocks.base, blocks.last, blocks.num_blocks, blocks.indices):
-            torch._dynamo.mark_static(tensor, 0)  # the decoding kernel wants a static batch
+        for tensor in (q, blocks.base, blocks.last, blocks.num_blocks, blocks.indices, blocks.table):
+            if tensor is not None:
+                torch._dynamo.mark_static(tensor, 0)  # the decoding kernel wants a static batch
         out = _compiled()(q, key_storage, value_storage, blocks, scale)
     else:
         with warnings.catch_warnings():  # "called without torch.compile": meant, on a CPU

@@ -132,9 +132,10 @@ class StaticInputs:
 
     cos: torch.Tensor              # [B, T, 1, D]
     sin: torch.Tensor              # [B, T, 1, D]
-    slots: torch.Tensor            # [B] int64: each row's slot
-    write_slots: torch.Tensor      # [B, T] int64: where each token's key goes (spare: padding)
-    write_positions: torch.Tensor  # [B, T] int64
+    slots: torch.Tensor            # [B] int64: each row's slot (a paged cache's: unused)
+    write_slots: torch.Tensor      # [B, T] int64: each key's storage row, slot or block (spare: padding)
+    write_positions: torch.Tensor  # [B, T] int64: its offset there
+    blocks: torch.Tensor | None = None    # paged: [B, W] int64 each row's block table (sdpa reads it)
     keys: KeyBlocks | None = None         # flex: the blocks each row reads
     window_keys: KeyBlocks | None = None  # the same inside the sliding window
     visible: torch.Tensor | None = None   # sdpa: [B, 1, T, S] bool, the keys each query sees
@@ -280,14 +281,16 @@ def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: 
     """A batch padded to the bucket ``(rows, tokens)``, on the host: what the graph reads
     (:func:`static_inputs`; each row's first asked column and number of asked positions, for
     :attr:`StaticForward.verdict`), named. Padding rows write their tokens at ``0 .. W - 1``
-    of the spare slot and read those; a real row's padding tokens continue its positions
-    and write to the spare slot."""
+    of the spare slot (a paged cache's spare block) and read those; a real row's padding
+    tokens continue its positions and write there too. A paged cache's rows read through
+    their block tables (``blocks``), at the cache's fixed table width."""
     b = len(lens)
+    spare = cache.spare_row
     steps = torch.arange(tokens)
     start = torch.zeros(rows, dtype=torch.long)
     start[:b] = torch.tensor(starts)
     positions = start[:, None] + steps                                      # [R, W]
-    slots = torch.full((rows,), cache.spare_slot, dtype=torch.long)
+    slots = torch.full((rows,), spare, dtype=torch.long)
     slots[:b] = torch.tensor(batch.slots)
     length = torch.zeros(rows, dtype=torch.long)
     length[:b] = torch.tensor(lens)
@@ -297,20 +300,29 @@ def bucket_inputs(runtime, cache, batch: ForwardBatch, starts: list[int], lens: 
         token_ids[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
     count = torch.zeros(rows, dtype=torch.long)
     count[:b] = torch.tensor(num_logits)
+    block_len = cache.k[0].shape[2]  # a slot's positions, or a block's
+    if cache.paged:
+        table = cache.static_table(batch.slots, rows)                      # [R, table width]
+        written = table.gather(1, (positions // block_len).clamp(max=table.shape[1] - 1))
+        offsets = positions % block_len
+    else:
+        table, written, offsets = slots[:, None], slots[:, None].expand(-1, tokens), positions
     inputs = {"tokens": token_ids,
               "asked.first": length - count, "asked.count": count,
               "table": positions.clamp(max=runtime.max_positions - 1),     # RoPE rows
               "slots": slots,
-              "write_slots": torch.where(valid, slots[:, None], cache.spare_slot),
-              "write_positions": torch.where(valid, positions, steps)}
+              "write_slots": torch.where(valid, written, spare),
+              "write_positions": torch.where(valid, offsets, steps)}
+    if cache.paged:
+        inputs["blocks"] = table
     window = runtime.arch.window
     if runtime.attention != "flex":
         return {**inputs, "positions": positions}
     last = torch.where(length > 0, start + length - 1, tokens - 1)          # [R]
     for name, w in (("keys", None), ("window_keys", window)):
         if name == "keys" or w is not None:
-            blocks = key_blocks(positions, last, slots, num_kv_heads=cache.k[0].shape[1],
-                                slot_len=cache.k[0].shape[2], window=w)
+            blocks = key_blocks(positions, last, table, num_kv_heads=cache.k[0].shape[1],
+                                block_len=block_len, paged=cache.paged, window=w)
             inputs.update({f"{name}.{f.name}": getattr(blocks, f.name)
                            for f in dataclasses.fields(blocks)
                            if isinstance(getattr(blocks, f.name), torch.Tensor)})
@@ -323,21 +335,24 @@ def static_inputs(runtime, inputs: dict[str, torch.Tensor], cache) -> StaticInpu
     window = runtime.arch.window
     table = inputs["table"]
     if runtime.attention == "flex":
-        attend = {name: None if f"{name}.base" not in inputs else KeyBlocks(
-            window=w, **{k.split(".", 1)[1]: v for k, v in inputs.items() if k.startswith(f"{name}.")})
+        attend = {name: None if f"{name}.last" not in inputs else KeyBlocks(
+            window=w, **{"base": None, **{k.split(".", 1)[1]: v for k, v in inputs.items()
+                                          if k.startswith(f"{name}.")}})
                   for name, w in (("keys", None), ("window_keys", window))}
     else:
         attend = _slot_masks(inputs["positions"], cache, window)
     return StaticInputs(cos=runtime.rope_cos[table].unsqueeze(2),
                         sin=runtime.rope_sin[table].unsqueeze(2), slots=inputs["slots"],
                         write_slots=inputs["write_slots"],
-                        write_positions=inputs["write_positions"], **attend)
+                        write_positions=inputs["write_positions"], blocks=inputs.get("blocks"),
+                        **attend)
 
 
 def _slot_masks(positions: torch.Tensor, cache, window: int | None) -> dict:
     """``visible`` (and ``window_visible``) ``[B', 1, T', S]``: keys up to each query's
-    position in its row's whole slot."""
-    keys = torch.arange(cache.k[0].shape[2], device=positions.device)      # [S]
+    position in its row's whole slot (a paged cache's: its table's blocks, in order)."""
+    length = cache.k[0].shape[2] * (cache.table_width if cache.paged else 1)
+    keys = torch.arange(length, device=positions.device)                   # [S]
     query = positions[:, None, :, None]                                    # [B', 1, T', 1]
     visible = keys <= query                                                # [B', 1, T', S]
     return {"visible": visible,

@@ -28,8 +28,8 @@ class ForwardContext:
     cos: torch.Tensor              # [B, T, 1, D]
     sin: torch.Tensor              # [B, T, 1, D]
     valid: torch.Tensor            # [B, T] bool: real tokens, not padding
-    write_slots: torch.Tensor      # [N] slot of each real token
-    write_positions: torch.Tensor  # [N] position of each real token
+    write_slots: torch.Tensor      # [N] storage row of each real token (its slot, or block)
+    write_positions: torch.Tensor  # [N] its offset there (its position, or in the block)
     kv_used: int                   # the longest (start + num_new) in the batch
     positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
     window: int | None             # the sliding window of the layers that have one
@@ -136,9 +136,11 @@ class ForwardContext:
             last = self.positions[:, 0] + self.lens - 1                       # [B]
             tree = None if self.tree is None else self.tree[rows]
             starts = None if self.tree_starts is None else self.tree_starts[rows]
+            table = (cache.static_table(self.slots, b) if cache.paged
+                     else torch.tensor(self.slots)[:, None])
             blocks = block_attention.key_blocks(
-                self.positions[rows], last[rows], torch.tensor(self.slots)[rows],
-                num_kv_heads=cache.k[0].shape[1], slot_len=cache.k[0].shape[2],
+                self.positions[rows], last[rows], table[rows], num_kv_heads=cache.k[0].shape[1],
+                block_len=cache.k[0].shape[2], paged=cache.paged,
                 window=self.window if window else None, tree=tree, tree_starts=starts)
             self._ranges[key] = blocks.to(self.valid.device)
         return self._ranges[key]
@@ -191,9 +193,9 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
     slot_t = torch.tensor(slots)[:, None].expand(-1, t)
     # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
-    # each real token's slot and position ([N] each), a tree's masks and bases.
+    # where each real token's key goes ([N] each: cache.locate), a tree's masks and bases.
     upload = upload or Upload()
-    parts = [upload.add(x) for x in (tokens, table_pos, valid, slot_t[valid], positions[valid],
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, *cache.locate(slot_t[valid], positions[valid]),
                                      positions, *(() if tree is None else (tree, tree_starts)))]
     upload.send(device)
     tokens_d, table_pos_d, valid_d, write_slots, write_positions, positions_d, *tree_d = (

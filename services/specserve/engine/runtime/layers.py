@@ -152,8 +152,14 @@ class Attention(nn.Module):
         if ctx.keys is not None:
             blocks = ctx.window_keys if window else ctx.keys
             return block_attention.attend(q, keys, values, blocks, self.head_dim ** -0.5)
+        if ctx.blocks is not None:  # paged: each row's blocks in table order, as one slot
+            b, w = ctx.blocks.shape
+            keys, values = (x[ctx.blocks].transpose(1, 2).reshape(b, x.shape[1], -1, x.shape[3])
+                            for x in (keys, values))
+        else:
+            keys, values = keys[ctx.slots], values[ctx.slots]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[ctx.slots], values[ctx.slots],
+            q.transpose(1, 2), keys, values,
             attn_mask=ctx.window_visible if window else ctx.visible,
             enable_gqa=self.num_kv_heads != self.num_heads)  # [B, H, T, D]
         return out.transpose(1, 2).reshape(*q.shape[:2], -1)

@@ -131,20 +131,27 @@ class LlamaRuntime(nn.Module):
 
     def make_paged_cache(self, num_slots: int, max_seq_len: int, *, block_size: int,
                          num_blocks: int, prefix_caching: bool = True) -> PagedKVCache:
-        """A paged cache shaped for this model (:class:`PagedKVCache`). The C kernels and the
-        library's torch attention read it; the compiled path and FlexAttention do not yet."""
-        if self.static is not None or (self.kernels == "library" and self.attention == "flex"):
-            raise ConfigError("kv_cache layout 'paged' runs on the invariant and library (sdpa) "
-                              "kernels so far, not on 'compiled' or FlexAttention")
+        """A paged cache shaped for this model (:class:`PagedKVCache`), read by every kernel
+        (the compiled path and FlexAttention too: issue 53). FlexAttention reads whole 64-key
+        blocks, so there ``block_size`` is a multiple of 64; a forward at static shapes (the
+        compiled path) and FlexAttention's padded tables get the pool's spare block."""
+        flex = self.kernels != "invariant" and self.attention == "flex"
+        if flex and block_size % KV_BLOCK:
+            raise ConfigError(f"kv_cache block_size {block_size}: FlexAttention reads blocks of "
+                              f"{KV_BLOCK} keys, so a paged cache on it needs a multiple of "
+                              f"{KV_BLOCK} (64 is the default on CUDA)")
         if max_seq_len > self.max_positions:
             raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
                               "positions this runtime was built for")
         attn = self.layers[0].attn
-        return PagedKVCache(num_layers=len(self.layers), num_blocks=num_blocks,
+        cache = PagedKVCache(num_layers=len(self.layers), num_blocks=num_blocks,
                             block_size=block_size, num_slots=num_slots,
                             num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
                             head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
-                            device=self.embed.weight.device, prefix_caching=prefix_caching)
+                            device=self.embed.weight.device, prefix_caching=prefix_caching,
+                            spare=self.static is not None or flex)
+        self._static_addresses(cache)
+        return cache
 
     def make_cache(self, num_slots: int, max_seq_len: int) -> SlotKVCache:
         """A cache shaped for this model (local KV heads under tensor parallelism)."""
@@ -157,10 +164,14 @@ class LlamaRuntime(nn.Module):
                             head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
                             device=self.embed.weight.device, block=KV_BLOCK,
                             spare=self.static is not None)
-        if self.static is not None and cache.k[0].is_cuda:
-            for tensor in cache.k + cache.v:  # a CUDA graph keeps the addresses it captured
-                torch._dynamo.mark_static_address(tensor)
+        self._static_addresses(cache)
         return cache
+
+    def _static_addresses(self, cache: SlotKVCache | PagedKVCache) -> None:
+        """A CUDA graph keeps the addresses it captured: the cache's tensors stay put."""
+        if self.static is not None and cache.k[0].is_cuda:
+            for tensor in cache.k + cache.v:
+                torch._dynamo.mark_static_address(tensor)
 
     @torch.inference_mode()
     def forward(self, cache: SlotKVCache, batch: ForwardBatch) -> Forwarded:
