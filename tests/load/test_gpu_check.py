@@ -145,6 +145,32 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
         assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]
 
 
+def test_paged_phase_compares_the_layouts_end_to_end(tmp_path):
+    """``--phase paged --dry-run`` (issue 53): every entry of ``paged.json`` measured on the
+    compiled path over FlexAttention with a shuffled pool: the decode and verify logits the
+    slot cache's bit for bit (the chunk's and the prefix hit's within eager FlexAttention's
+    last bits: ``tests/engine/test_paged_compiled.py``), the greedy tokens the same, a real
+    prefix hit, and the chunk-gap figures with their bound."""
+    proc = subprocess.run([sys.executable, "load/gpu_check.py", "--phase", "paged", "--dry-run",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=gpu_check.BUDGET_S * gpu_check.DRY_RUN_SLACK)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"paged.json", "log.txt", "summary.json"}
+    report = json.loads((tmp_path / "paged.json").read_text())
+    entries = report["entries"]
+    assert tuple(entries) == ("logits", "greedy", "prefix", "chunk_gap")
+    assert all(e["status"] == "ok" and e["device"] == "cpu" for e in entries.values()), entries
+    kinds = entries["logits"]["kinds"]
+    assert kinds["decode"]["bit_identical"] and kinds["verify"]["bit_identical"], kinds
+    assert all(k["argmax_flips"] == 0 and k["max_abs_diff"] < 1e-4 for k in kinds.values()), kinds
+    assert entries["greedy"]["num_same"] == report["settings"]["num_prompts"]
+    prefix = entries["prefix"]
+    assert prefix["hit_tokens"] == report["settings"]["prefix"] and prefix["argmax_flips"] == 0
+    gap = entries["chunk_gap"]
+    assert gap["largest_gap_s"] > 0 and gap["median_step_s"] > 0 and gap["chunks"] == 3
+    assert gap["free_slots"] == report["settings"]["batch"] + 2  # every request ended
+
+
 def _fake(name: str, code: str, output: str, timeout_s: float = 60) -> Step:
     return Step(name, [sys.executable, "-c", code], timeout_s, (), output)
 
