@@ -339,7 +339,11 @@ def test_a_paged_pool_is_its_blocks_and_names_its_own_fix(capsys, config_files):
     target, _ = config_files
     assert main(["memory-estimate", "--config", target, "--tp", "4", "--max-model-len", "8192",
                  "--max-num-seqs", "64", "-k", "4", "--kv-layout", "paged", "--kv-blocks", "6144",
-                 "--gpu-memory-gib", "79"]) == 0
+                 "--block-size", "16", "--gpu-memory-gib", "79"]) == 0
     out = capsys.readouterr().out
     assert "KV cache              7.50 GiB  6144 blocks of 16: 12.0 x max_model_len" in out
     assert "largest kv_cache.num_blocks that fits: " in out
+    assert main(["memory-estimate", "--config", target, "--tp", "4", "--max-model-len", "8192",
+                 "--max-num-seqs", "64", "-k", "4", "--kv-layout", "paged", "--kv-blocks", "1536"]) == 0
+    out = capsys.readouterr().out  # a GPU's block unless one is given: FlexAttention's 64 (issue 53)
+    assert "KV cache              7.50 GiB  1536 blocks of 64: 12.0 x max_model_len" in out

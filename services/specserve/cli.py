@@ -461,9 +461,9 @@ def _memory_parser(sub) -> None:
     p.add_argument("--kv-layout", default=_default(KVCacheConfig, "layout"),
                    choices=_choices(KVCacheConfig, "layout"),
                    help="the target's KV cache: a slot per sequence, or a paged pool of blocks "
-                        "(auto: what a GPU gets, slots, until the GPU path reads blocks)")
-    p.add_argument("--block-size", type=int, default=_default(KVCacheConfig, "block_size"),
-                   help="paged: positions per block")
+                        "(auto: what a GPU gets, slots, until a GPU run measures paged)")
+    p.add_argument("--block-size", type=int,
+                   help="paged: positions per block (default on a GPU: 64, FlexAttention's key block)")
     p.add_argument("--kv-blocks", type=int,
                    help="paged: blocks in the pool (default: the slots' memory, "
                         "max_num_seqs x max_model_len)")
@@ -512,7 +512,8 @@ def cmd_memory_estimate(args) -> int:
         shared_gpu_line,
     )
 
-    kv = {"layout": args.kv_layout, "block_size": args.block_size, "num_blocks": args.kv_blocks}
+    kv = {"layout": args.kv_layout, "num_blocks": args.kv_blocks,
+          **({} if args.block_size is None else {"block_size": args.block_size})}
     cfg = EngineConfig.model_validate({"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                                        "speculative": {"num_speculative_tokens": args.k},
                                        "kv_cache": kv}).for_device("cuda")  # the same checks; a GPU
@@ -529,7 +530,8 @@ def cmd_memory_estimate(args) -> int:
         load = Workload(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         num_speculative_tokens=args.k, tp=tp, dtype=args.dtype, draft=draft,
                         prefill_rows=args.prefill_rows, paged=paged,
-                        kv_blocks=kv.num_blocks if paged else None, block_size=args.block_size)
+                        kv_blocks=kv.num_blocks if paged else None,
+                        block_size=kv.block_size if paged else cfg.kv_cache.block_size)
         est = estimate(shape, load)
         totals.append(est.total)
         dtype = "auto = bfloat16" if args.dtype == "auto" else args.dtype
