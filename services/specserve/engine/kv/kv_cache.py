@@ -136,10 +136,14 @@ class SlotKVCache(SlotTable):
         """The storage row a static-shape forward writes its padding to (the spare slot)."""
         return self.spare_slot
 
-    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where positions of slots are stored, on the host: ``(row, offset)`` of the storage
-        ``[rows, Hk, S, D]`` (:meth:`write` takes them): a slot is its row."""
-        return slots, positions
+    def locate(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a forward's tokens are stored, on the host: rows ``slots`` ``[B]``, each
+        token's position ``[B, T]``, the real ones ``valid`` ``[B, T]``; ``(row, offset)`` of
+        the storage ``[rows, Hk, S, D]`` per real token ``[N]`` (:meth:`write` takes them): a
+        slot is its row."""
+        rows = torch.tensor(slots)[:, None].expand(positions.shape)
+        return rows[valid], positions[valid]
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
@@ -265,9 +269,10 @@ class PagedKVCache:
         """:meth:`SlotKVCache.keep` through the block table."""
         assert all(p >= at + i for i, p in enumerate(positions)) and positions == sorted(positions)
         if positions != list(range(at, at + len(positions))):
-            slots, device = torch.full((len(positions),), slot), self.k[0].device
-            src_b, src_o = (x.to(device) for x in self.locate(slots, torch.tensor(positions)))
-            dst_b, dst_o = (x.to(device) for x in self.locate(slots, torch.arange(at, at + len(positions))))
+            device, every = self.k[0].device, torch.ones(1, len(positions), dtype=torch.bool)
+            src_b, src_o = (x.to(device) for x in self.locate([slot], torch.tensor([positions]), every))
+            dst_b, dst_o = (x.to(device) for x in self.locate(
+                [slot], torch.arange(at, at + len(positions))[None], every))
             for storage in (*self.k, *self.v):
                 storage[dst_b, :, dst_o] = storage[src_b, :, src_o]  # the read copies first
         self.rollback(slot, at + len(positions))
@@ -301,12 +306,13 @@ class PagedKVCache:
         """The storage row (block) a static-shape forward writes its padding to."""
         return self.spare_block
 
-    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where positions of slots are stored, on the host: each ``(slot, position)``'s
-        ``(block, offset)`` through its block table (the blocks reserved), for :meth:`write`."""
-        bs = self.block_size
-        blocks = [self.manager.tables[s][p // bs] for s, p in zip(slots.tolist(), positions.tolist())]
-        return torch.tensor(blocks, dtype=torch.long), positions % bs
+    def locate(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`SlotKVCache.locate`: each real token's ``(block, offset)`` through its row's
+        block table (the blocks reserved)."""
+        table = self.block_table(slots).long()                                  # [B, W]
+        blocks = table.gather(1, (positions // self.block_size).clamp(max=table.shape[1] - 1))
+        return blocks[valid], (positions % self.block_size)[valid]
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

@@ -191,11 +191,10 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     if trees is not None and any(parents is not None for parents in trees):
         rope_positions, tree, tree_starts = _trees(trees, starts, lens, t, window)
     table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
-    slot_t = torch.tensor(slots)[:, None].expand(-1, t)
     # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
     # where each real token's key goes ([N] each: cache.locate), a tree's masks and bases.
     upload = upload or Upload()
-    parts = [upload.add(x) for x in (tokens, table_pos, valid, *cache.locate(slot_t[valid], positions[valid]),
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, *cache.locate(slots, positions, valid),
                                      positions, *(() if tree is None else (tree, tree_starts)))]
     upload.send(device)
     tokens_d, table_pos_d, valid_d, write_slots, write_positions, positions_d, *tree_d = (
