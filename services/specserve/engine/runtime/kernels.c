@@ -18,6 +18,8 @@
      storage: scores (4 queries x 4 keys at a time, each pair a dot as above), a max, exp
      and its sum (VL keys at a time from the query's first key), and the weighted values in
      key order (4 queries sharing each value row's loads, each query's sums its own).
+   - linear_rows_q4_0, _q4_1, _q8_0 (issue 54): linear_rows over a GGUF's own blocks, each
+     weight vector formed in registers exactly as the dequantizer forms it (below).
    - rms_norm_rows, silu_mul_rows, rope_and_store: a token's elementwise work in one call
      each (a layer's small torch ops cost more in dispatch than in arithmetic at batch 1).
 
@@ -249,6 +251,145 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
     }
   }
 }
+
+/* Quantized linears (issue 54): y = x W^T + b with W held as the GGUF's own blocks of 32
+   weights, packed once at load (native.pack_blocks): each block's scales as float32 (the
+   half-precision values converted, exactly), then its quants as the file holds them. A
+   vector of VL weights is formed in registers with the arithmetic of the dequantizer the
+   float32 path loads through (gguf-py's: Q4_0 d * (q - 8), Q4_1 (d * q) + m, Q8_0 q * d,
+   each operation rounded to float32, none fused), so it is that float32 weight bit for bit,
+   and it meets the input rows in linear_rows' own accumulation (the same tiles, the same
+   order over k): the same outputs from about a fifth of the bytes. A tile forms each weight
+   vector once for all of its input rows. K is a multiple of 32. */
+typedef struct { float d; uint8_t qs[16]; } q4_0_block;    /* 20 bytes (18 in the file) */
+typedef struct { float d, m; uint8_t qs[16]; } q4_1_block; /* 24 bytes (20 in the file) */
+typedef struct { float d; int8_t qs[32]; } q8_0_block;     /* 36 bytes (34 in the file) */
+/* Quants o .. o + VL - 1 of a 4-bit block (o a multiple of VL) as ints: quant j < 16 is the
+   low nibble of byte j, quant j >= 16 the high nibble of byte j - 16. And VL int8 quants.
+   The widening is written with the ISA's instructions: GCC's generic conversion of a byte
+   vector extracted and converted each byte alone (7x slower than the float32 kernel). */
+#if VL == 16
+static inline vi nibbles(const uint8_t *qs, int o) {
+  __m128i b = _mm_loadu_si128((const __m128i *)qs);
+  if (o >= 16) b = _mm_srli_epi16(b, 4);
+  return (vi)_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(15)));
+}
+static inline vi bytes_i8(const int8_t *p) {
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vi nibbles(const uint8_t *qs, int o) {
+  __m128i b = _mm_loadl_epi64((const __m128i *)(qs + (o & 15)));
+  if (o >= 16) b = _mm_srli_epi16(b, 4);
+  return (vi)_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(15)));
+}
+static inline vi bytes_i8(const int8_t *p) {
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#else
+typedef uint8_t vu8 __attribute__((vector_size(VL)));
+typedef int8_t vi8 __attribute__((vector_size(VL)));
+static inline vi nibbles(const uint8_t *qs, int o) {
+  vu8 b;
+  __builtin_memcpy(&b, qs + (o & 15), sizeof b);
+  return __builtin_convertvector(o < 16 ? (b & 15) : (b >> 4), vi);
+}
+static inline vi bytes_i8(const int8_t *p) {
+  vi8 b;
+  __builtin_memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+}
+#endif
+static inline vf q4_0_weights(const q4_0_block *blk, int o) {
+  return blk->d * __builtin_convertvector(nibbles(blk->qs, o) - 8, vf);
+}
+static inline vf q4_1_weights(const q4_1_block *blk, int o) {
+  return blk->d * __builtin_convertvector(nibbles(blk->qs, o), vf) + blk->m;
+}
+static inline vf q8_0_weights(const q8_0_block *blk, int o) {
+  return __builtin_convertvector(bytes_i8(blk->qs + o), vf) * blk->d;
+}
+
+/* TILE's arithmetic over blocks of type T: NR weight rows x MR input rows. */
+#define QTILE(T, NR, MR, PF)                                                                  \
+  static inline void qtile_##T##_##NR##_##MR(const float *x, const T##_block *w,             \
+                                             const float *bias, float *y, int N, int K,      \
+                                             int n, int m) {                                 \
+    vf acc[NR][MR];                                                                           \
+    for (int i = 0; i < NR; i++)                                                              \
+      for (int j = 0; j < MR; j++) acc[i][j] = (vf){0};                                       \
+    int nb = K / 32;                                                                          \
+    for (int b = 0; b < nb; b++)                                                              \
+      for (int o = 0; o < 32; o += VL) {                                                      \
+        vf xs[MR];                                                                            \
+        for (int j = 0; j < MR; j++) xs[j] = load(x + (size_t)(m + j) * K + b * 32 + o);     \
+        for (int i = 0; i < NR; i++) {                                                        \
+          const T##_block *blk = w + (size_t)(n + i) * nb + b;                                \
+          if (PF && o == 0) __builtin_prefetch(blk + (size_t)PREFETCH_ROWS * nb);             \
+          vf wv = T##_weights(blk, o);                                                        \
+          for (int j = 0; j < MR; j++) acc[i][j] = fmadd(wv, xs[j], acc[i][j]);               \
+        }                                                                                     \
+      }                                                                                       \
+    float sums[NR * MR];                                                                      \
+    int p = 0;                                                                                \
+    for (; p + 16 <= NR * MR; p += 16) hsum16(&acc[0][0] + p, sums + p);                      \
+    for (; p < NR * MR; p++) sums[p] = hsum(acc[p / MR][p % MR]);                             \
+    for (int i = 0; i < NR; i++)                                                              \
+      for (int j = 0; j < MR; j++) {                                                          \
+        float s = sums[i * MR + j];                                                           \
+        if (bias) s += bias[n + i];                                                           \
+        y[(size_t)(m + j) * N + n + i] = s;                                                   \
+      }                                                                                       \
+  }
+
+#define QROWS_OF(T, NR, x, w, bias, y, N, K, n, m0, m1)                                       \
+  do {                                                                                        \
+    int m = m0;                                                                               \
+    for (; m + 4 <= m1; m += 4) qtile_##T##_##NR##_4(x, w, bias, y, N, K, n, m);              \
+    switch (m1 - m) {                                                                         \
+      case 3: qtile_##T##_##NR##_3(x, w, bias, y, N, K, n, m); break;                         \
+      case 2: qtile_##T##_##NR##_2(x, w, bias, y, N, K, n, m); break;                         \
+      case 1: qtile_##T##_##NR##_1(x, w, bias, y, N, K, n, m); break;                         \
+    }                                                                                         \
+  } while (0)
+
+#define QROWS_OF8(T, x, w, bias, y, N, K, n, m0, m1)                                          \
+  do {                                                                                        \
+    int m = m0;                                                                               \
+    for (; m + 3 <= m1; m += 3) qtile_##T##_8_3(x, w, bias, y, N, K, n, m);                   \
+    switch (m1 - m) {                                                                         \
+      case 2: qtile_##T##_8_2(x, w, bias, y, N, K, n, m); break;                              \
+      case 1: qtile_##T##_8_1(x, w, bias, y, N, K, n, m); break;                              \
+    }                                                                                         \
+  } while (0)
+
+/* linear_rows over blocks of type T: the same tasks, passes and tiles. */
+#define LINEAR_Q(T)                                                                           \
+  QTILE(T, 4, 4, 1) QTILE(T, 4, 3, 1) QTILE(T, 4, 2, 1) QTILE(T, 4, 1, 1)                     \
+  QTILE(T, 1, 4, 1) QTILE(T, 1, 3, 1) QTILE(T, 1, 2, 1) QTILE(T, 1, 1, 1)                     \
+  QTILE(T, 8, 3, 0) QTILE(T, 8, 2, 0) QTILE(T, 8, 1, 0)                                       \
+  void linear_rows_##T(const float *x, const T##_block *w, const float *bias, float *y, int M, \
+                       int N, int K, int threads) {                                          \
+    int per_thread = (N + threads * WEIGHT_ROWS_PER_TASK - 1) / (threads * WEIGHT_ROWS_PER_TASK); \
+    int rows = (N + threads * per_thread - 1) / (threads * per_thread);                       \
+    rows = (rows + 3) / 4 * 4;                                                                \
+    int tasks = (N + rows - 1) / rows;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if ((long)M * N * K >= PARALLEL_MIN_WORK)") \
+    for (int t = 0; t < tasks; t++) {                                                         \
+      int n0 = t * rows;                                                                      \
+      int n1 = n0 + rows < N ? n0 + rows : N;                                                 \
+      for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {                                   \
+        int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;                 \
+        int n = n0;                                                                           \
+        if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                       \
+          for (; n + 8 <= n1; n += 8) QROWS_OF8(T, x, w, bias, y, N, K, n, m0, m1);           \
+        for (; n + 4 <= n1; n += 4) QROWS_OF(T, 4, x, w, bias, y, N, K, n, m0, m1);           \
+        for (; n < n1; n++) QROWS_OF(T, 1, x, w, bias, y, N, K, n, m0, m1);                   \
+      }                                                                                       \
+    }                                                                                         \
+  }
+LINEAR_Q(q4_0) LINEAR_Q(q4_1) LINEAR_Q(q8_0)
 
 /* p[r][j] = scale * q[r] . k[j] for the nq (<= 4) queries q[r] and keys j0 <= j < j1 (key j's
    D floats at k[j]: wherever its block put it), each pair with dot()'s arithmetic: 4 queries

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,8 +128,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
     lib.rope_and_store.argtypes = [ptr] * 6 + [i32] + [ptr] * 2 + [i32] * 7
     lib.exponential_noise_rows.argtypes = [ptr] + [i32] * 2 + [ptr, i32]
+    quantized = [getattr(lib, f"linear_rows_{kind.lower()}") for kind in QUANT_BLOCKS]
+    for fn in quantized:
+        fn.argtypes = [ptr] * 4 + [i32] * 4
     for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
-               lib.rope_and_store, lib.exponential_noise_rows):
+               lib.rope_and_store, lib.exponential_noise_rows, *quantized):
         fn.restype = None
     return lib
 
@@ -188,6 +192,59 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     _built().linear_rows(flat.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(),
                          flat.shape[0], weight.shape[0], k, torch.get_num_threads())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+# -- quantized weights (issue 54) ---------------------------------------------------------------
+QUANT_BLOCK = 32  # weights per block, in every type here
+# GGUF block types the kernels read (kernels.c, "Quantized linears"): the bytes of a block in
+# the file and as packed here (its scales as float32, then its quants).
+QUANT_BLOCKS = {"Q4_0": (18, 20), "Q4_1": (20, 24), "Q8_0": (34, 36)}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear's weight ``[out_features, in_features]`` as packed blocks (:func:`pack_blocks`):
+    ``data`` ``[out_features, in_features / 32 * packed bytes]`` uint8, a row's blocks in
+    order."""
+
+    kind: str  # a key of QUANT_BLOCKS
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> QuantizedWeight:
+    """A GGUF tensor's blocks (``raw``: its bytes, uint8, rows of ``in_features / 32`` blocks)
+    in the kernels' layout: each block's half-precision scales (``d``, and Q4_1's ``m``)
+    converted to float32 (exact), then its quants as they are."""
+    if kind not in QUANT_BLOCKS:
+        raise ValueError(f"no kernel reads {kind} blocks (they read {', '.join(QUANT_BLOCKS)})")
+    if in_features % QUANT_BLOCK:
+        raise ValueError(f"{in_features} inputs are not whole blocks of {QUANT_BLOCK}")
+    file_bytes, _ = QUANT_BLOCKS[kind]
+    blocks = raw.reshape(out_features, in_features // QUANT_BLOCK, file_bytes)
+    scales = 2 if kind == "Q4_1" else 1
+    as_float = [blocks[..., 2 * i:2 * i + 2].contiguous().view(torch.float16).float().view(torch.uint8)
+                for i in range(scales)]
+    packed = torch.cat([*as_float, blocks[..., 2 * scales:]], dim=-1)
+    return QuantizedWeight(kind, packed.reshape(out_features, -1).contiguous(), out_features,
+                           in_features)
+
+
+def linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` with a weight of packed blocks: the float32 path's outputs bit for bit
+    (the weight formed in registers as the dequantizer forms it)."""
+    k, n = weight.in_features, weight.out_features
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    kernel = getattr(_built(), f"linear_rows_{weight.kind.lower()}")
+    kernel(flat.data_ptr(), weight.data.data_ptr(), _ptr(bias), out.data_ptr(), flat.shape[0], n, k,
+           torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,

@@ -1,0 +1,93 @@
+"""Quantized linears (issue 54): the GGUF's own 4- and 8-bit blocks read by the C kernels, each
+weight formed in registers with the dequantizer's arithmetic, must give the outputs of the
+float32 linear over the dequantized weight **bit for bit** (``torch.equal``), for every row
+count (a decode, a verify's K + 1, a batch, a prefill's passes of 24), on every C build
+(this CPU's, its AVX2 code where it has AVX512, the portable one). The reference weight is
+what the runtime loads today: ``gguf``'s ``dequantize``, the function ``transformers``
+dequantizes a GGUF with. Planted changes (the nibble order, one rounding fused) are caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from specserve.engine.runtime import native
+
+from tests.engine.test_kernels import other_builds, use_build  # noqa: F401  (the builds' fixture)
+
+# The embedded model's weights (q, k and v, o, gate_up, down; an LM head cut to 4,096 of its
+# 49,152 rows: the kernel's loop is the same), and odd shapes (row counts off the tiles').
+SHAPES = [(576, 576), (192, 576), (3072, 576), (576, 1536), (4096, 576), (7, 64), (13, 96)]
+ROWS = [*range(1, 17), 24, 50]
+
+
+@pytest.fixture(params=["native", "avx2", "portable"])
+def build(request, monkeypatch, other_builds):  # noqa: F811
+    if request.param not in ("native", *other_builds):
+        pytest.skip("this CPU builds the AVX2 code natively")
+    use_build(monkeypatch, request.param, other_builds)
+    return request.param
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """``[n, k / 32 * file bytes]`` uint8: random quants, scales of a trained model's size."""
+    gen = torch.Generator().manual_seed(seed)
+    file_bytes, _ = native.QUANT_BLOCKS[kind]
+    raw = torch.randint(0, 256, (n, k // 32, file_bytes), dtype=torch.uint8, generator=gen)
+    scales = ((torch.rand(n, k // 32, 2, generator=gen) - 0.5) * 0.04).half()
+    raw[..., :2] = scales[..., :1].view(torch.uint8)
+    if kind == "Q4_1":
+        raw[..., 2:4] = scales[..., 1:].view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def dequantized(kind: str, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    weights = dequantize(raw.numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).reshape(n, k)
+
+
+@pytest.mark.parametrize("kind", list(native.QUANT_BLOCKS))
+def test_quantized_linears_are_the_dequantized_float32_linears_bit_for_bit(kind, build):
+    for i, (n, k) in enumerate(SHAPES):
+        raw = random_blocks(kind, n, k, seed=i)
+        weight, packed = dequantized(kind, raw, n, k), native.pack_blocks(kind, raw, n, k)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(100 + i))
+        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(200 + i))
+        for m in ROWS if n * k < 1_000_000 else [1, 5, 24]:
+            want = native.linear(x[:m], weight, bias)
+            got = native.linear_quantized(x[:m], packed, bias)
+            assert torch.equal(got, want), (kind, n, k, m, float((got - want).abs().max()))
+        assert packed.nbytes == n * k // 32 * native.QUANT_BLOCKS[kind][1]
+
+
+def test_a_planted_nibble_order_or_rounding_is_caught():
+    """The comparison above would see a kernel that read the nibbles the other way round, or
+    rounded otherwise: ``d * (q + m / d)``, the same weight in exact arithmetic. (One rounding
+    of ``d * q + m`` instead of two is not a change: ``d`` has 11 significant bits and ``q``
+    4, so ``d * q`` is exact in float32; only the addition rounds, as in Q4_0's and Q8_0's
+    products nothing does.)"""
+    n, k = 576, 576
+    raw = random_blocks("Q4_1", n, k, seed=0)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(1))
+    got = native.linear_quantized(x, native.pack_blocks("Q4_1", raw, n, k), None)
+    swapped = raw.view(n, -1, 20).clone()
+    swapped[..., 4:] = (swapped[..., 4:] >> 4) | (swapped[..., 4:] << 4)
+    assert not torch.equal(got, native.linear(x, dequantized("Q4_1", swapped.view(n, -1), n, k), None))
+    blocks = raw.view(n, -1, 20)
+    d, m = (blocks[..., i:i + 2].contiguous().view(torch.float16).double() for i in (0, 2))
+    q = torch.stack([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], dim=2).view(n, -1, 32).double()
+    d, m, q = d.float(), m.float(), q.float()
+    assert torch.equal((d * q + m).view(n, k), dequantized("Q4_1", raw, n, k))  # the kernel's
+    other = (d * (q + m / d)).view(n, k)
+    assert not torch.equal(other, dequantized("Q4_1", raw, n, k))
+    assert not torch.equal(got, native.linear(x, other.contiguous(), None))
+
+
+def test_only_the_block_types_the_kernels_read_are_packed():
+    with pytest.raises(ValueError, match="no kernel reads Q5_K"):
+        native.pack_blocks("Q5_K", torch.zeros(1, 176, dtype=torch.uint8), 1, 256)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        native.pack_blocks("Q8_0", torch.zeros(1, 34, dtype=torch.uint8), 1, 48)
