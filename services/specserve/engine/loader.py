@@ -50,6 +50,7 @@ class ResolvedSource:
     name: str                 # the served model id
     location: str             # directory or hub id
     gguf_file: str | None = None
+    blocks: str | None = None  # the GGUF a dequantized copy came from: its blocks (gguf_blocks.py)
 
 
 def embedded_gguf() -> Path:
@@ -78,10 +79,11 @@ def resolve(source: str | None, cache_dir: Path | None = None) -> ResolvedSource
     source = source or EMBEDDED
     cache_dir = Path(cache_dir or default_cache_dir())
     if source == EMBEDDED:
-        return ResolvedSource(EMBEDDED_NAME, str(_dequantized(embedded_gguf(), cache_dir)))
+        gguf = embedded_gguf()
+        return ResolvedSource(EMBEDDED_NAME, str(_dequantized(gguf, cache_dir)), blocks=str(gguf))
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedSource(path.stem, str(_dequantized(path, cache_dir)))
+        return ResolvedSource(path.stem, str(_dequantized(path, cache_dir)), blocks=str(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {path} has no config.json")
@@ -248,14 +250,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(cfg, *, max_model_len: int,
                tp_group: torch.distributed.ProcessGroup | None = None,
-               verify_tokens: int | None = None) -> LoadedModel:
+               verify_tokens: int | None = None, blocks: bool = True) -> LoadedModel:
     """Load a :class:`~specserve.config.ModelConfig` into our runtime: the whole model, or
     with ``tp_group`` this rank's tensor-parallel shard of it (read as a shard: see
     :mod:`specserve.engine.shard_loader`). ``verify_tokens``: new tokens per row of a
     verify (``EngineConfig.verify_tokens``), the token shape the GPU kernels give decodes
-    too (``engine/runtime/compiled.py``); None: the kernels' default."""
+    too (``engine/runtime/compiled.py``); None: the kernels' default. ``blocks``: a GGUF's
+    decoder linears keep its quantized blocks where the C kernels read them
+    (:mod:`specserve.engine.gguf_blocks`: the same logits, a fifth of the bytes); False:
+    float32 weights throughout (what training copies and updates)."""
     from transformers.utils import logging as hf_logging
 
+    from specserve.engine.gguf_blocks import quantize_linears
+    from specserve.engine.runtime.kernels import native_ready
     from specserve.engine.runtime.model import default_kernels
     from specserve.engine.shard_loader import load_sharded
 
@@ -273,6 +280,9 @@ def load_model(cfg, *, max_model_len: int,
     runtime.requires_grad_(False)
     kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device)
     runtime.use_kernels(kernels, verify_tokens=verify_tokens)
+    if (blocks and src.blocks is not None and tp_group is None and kernels == "invariant"
+            and native_ready(runtime.embed.weight)):
+        quantize_linears(runtime, Path(src.blocks))
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))
 
 

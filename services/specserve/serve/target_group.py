@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from specserve.config import EngineConfig, UnitConfig
 from specserve.engine.drafts.draft_head import eagle3_target_layers
+from specserve.engine.gguf_blocks import resident_weights
 from specserve.engine.kv.kv_cache import SlotTable
 from specserve.engine.kv.kv_manager import KVManager
 from specserve.engine.loader import load_model
@@ -134,7 +135,7 @@ class TargetRank:
                                   kv=cfg.kv_cache)
         return {"name": loaded.name, "vocab_size": runtime.arch.vocab_size,
                 "eos_token_ids": sorted(loaded.eos_token_ids),
-                "row_invariant": self.worker.row_invariant}
+                "row_invariant": self.worker.row_invariant, "weights": resident_weights(runtime)}
 
     def warm_up(self) -> dict:
         """Every rank at once, after :meth:`setup`: run a forward in every shape serving will

@@ -222,6 +222,7 @@ class SpeculationUnit:
                 "prefill_chunks": counters.num_prefill_chunks,
                 "preemptions": counters.num_preemptions,
                 "kv_cache": self._kv_stats(),
+                "weights": self.target_group.info.get("weights"),  # rank 0's: bytes held, blocks
                 "free_slots": self.engine.target.num_free_slots,
                 "num_slots": self.cfg.engine.max_num_seqs,
                 "draft_available": self.engine.draft.available,

@@ -94,7 +94,7 @@ def _run(args, *, progress: bool) -> dict:
                                 allow_empty=num_self > 0)
     eval_msgs = select_prompts(args.eval_prompts, num_prompts=None, seed=args.seed)
     target = load_model(ModelConfig(source=args.target, dtype="float32", device="cpu"),
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, blocks=False)  # a draft copies its layers
     tok, eos = target.tokenizer, target.eos_token_ids
     # eagle3's data: the layer states it reads, then the final hidden state (the soft labels)
     layers = _target_layers(args, target.runtime.arch.num_layers)

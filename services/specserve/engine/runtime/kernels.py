@@ -69,8 +69,30 @@ class Linear(nn.Linear):
     gradient) uses ``F.linear``, and so do other devices and dtypes."""
 
     invariant = True  # False: plain ``F.linear`` (the "library" kernels, see LlamaRuntime)
+    # The weight as a GGUF's blocks (issue 54: :meth:`quantize`); ``weight`` is then empty
+    quantized: native.QuantizedWeight | None = None
+
+    def quantize(self, blocks: native.QuantizedWeight) -> None:
+        """Hold the weight as ``blocks`` and drop its float32 copy, after checking that they
+        are that weight bit for bit (:func:`native.dequantize_blocks`): the C kernels then
+        read a fifth of the bytes for the same outputs. Raises ValueError where they are not
+        (a wrong row order, another file)."""
+        if not torch.equal(native.dequantize_blocks(blocks), self.weight):
+            raise ValueError(f"the {blocks.kind} blocks are not this linear's weight")
+        self.quantized = blocks
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # shapes fail loudly
+
+    def dequantize(self) -> None:
+        """The float32 weight back from the blocks (what every path but the C kernels reads)."""
+        if self.quantized is not None:
+            self.weight = nn.Parameter(native.dequantize_blocks(self.quantized), requires_grad=False)
+            self.quantized = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            if self.invariant and native_ready(x):
+                return native.linear_quantized(x, self.quantized, self.bias)
+            self.dequantize()  # another path (no C build, library kernels): the float weight
         wants_grad = torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad)
         if (wants_grad or not self.invariant or not cpu_float32(self.weight)
                 or x.dtype != torch.float32):

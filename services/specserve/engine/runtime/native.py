@@ -235,6 +235,22 @@ def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: in
                            in_features)
 
 
+def dequantize_blocks(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight ``[out_features, in_features]`` of packed blocks, in torch: the
+    dequantizer's arithmetic (``d * (q - 8)``, ``d * q + m``, ``q * d``, each operation
+    rounded to float32), so the weight the float32 path loads, bit for bit."""
+    n, k = weight.out_features, weight.in_features
+    blocks = weight.data.view(n, k // QUANT_BLOCK, QUANT_BLOCKS[weight.kind][1])
+    scales = 2 if weight.kind == "Q4_1" else 1
+    d, m = (blocks[..., 4 * i:4 * i + 4].contiguous().view(torch.float32) for i in (0, 1))
+    qs = blocks[..., 4 * scales:]
+    if weight.kind == "Q8_0":
+        return (qs.contiguous().view(torch.int8).float() * d).view(n, k)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()            # [n, blocks, 32]
+    out = d * (q - 8) if weight.kind == "Q4_0" else d * q + m
+    return out.view(n, k)
+
+
 def linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`linear` with a weight of packed blocks: the float32 path's outputs bit for bit
     (the weight formed in registers as the dequantizer forms it)."""
