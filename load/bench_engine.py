@@ -4,7 +4,9 @@ For each dtype (``--dtypes``, default float32 and bfloat16) on the embedded defa
 (SmolLM2-135M-Instruct), greedy, EOS on, at most ``--max-tokens`` new tokens:
 
 1. ``generate()``: the ``transformers`` model, cast to the dtype, ``do_sample=False``;
-2. ``target-only``: our engine with speculation off (``num_speculative_tokens=0``);
+2. ``target-only``: our engine with speculation off (``num_speculative_tokens=0``), on the
+   GGUF's own blocks (issue 54), and ``target-only (float32)`` on its dequantized weights
+   (``weights: float32``, the same bits) and ``target-only (library)`` on torch's kernels;
 3. ``ngram K=k``: our engine with prompt-lookup drafts of up to k tokens (``--k``),
 
 on an input-repeating workload (``load/prompts/rewrite.jsonl``) and on open chat
@@ -74,7 +76,10 @@ WORKLOADS = ("rewrite", "chat")
 # Every mode runs the same prompts: a prefix cache would serve the later modes' prefills.
 NO_PREFIX_CACHE = KVCacheConfig(prefix_caching=False)
 GENERATE, TARGET, TARGET_LIBRARY = "generate()", "target-only", "target-only (library)"
+TARGET_FLOAT32 = "target-only (float32)"  # ours on dequantized weights (issue 54's before)
 OURS, LIBRARY = "invariant", "library"  # ModelConfig.kernels
+OURS_FLOAT32 = "invariant, float32 weights"  # ModelConfig.weights: float32
+ROOFLINE_NAMES = {LIBRARY: "library", OURS_FLOAT32: "ours f32", OURS: "ours"}  # its rows
 WARMUP_TOKENS = 16
 ROOFLINE_CONTEXT = 100  # tokens of context before the measured forwards
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "bench_engine.json"
@@ -138,10 +143,13 @@ def engine_runner(engine, num_speculative_tokens: int) -> Runner:
 
 
 def build_engines(dtype: str, ks: list[int]) -> dict[str, tuple]:
-    """``kernels -> (engine, target)``: ours (``invariant``) and torch's (``library``)."""
+    """``kernels -> (engine, target)``: ours (``invariant``, the GGUF's blocks where it has
+    them), ours on float32 weights (``weights: float32``, issue 54's before) and torch's
+    (``library``)."""
     engines = {}
-    for kernels in (LIBRARY, OURS):
-        config = EngineConfig(target=ModelConfig(dtype=dtype, device="cpu", kernels=kernels),
+    for kernels, weights in ((LIBRARY, "auto"), (OURS, "auto"), (OURS_FLOAT32, "float32")):
+        config = EngineConfig(target=ModelConfig(dtype=dtype, device="cpu", weights=weights,
+                                                 kernels=OURS if kernels == OURS_FLOAT32 else kernels),
                               speculative=SpeculativeConfig(method="ngram",
                                                             num_speculative_tokens=max(ks)),
                               max_model_len=1024, max_num_seqs=1,
@@ -157,6 +165,7 @@ def build_runners(dtype: str, ks: list[int], engines: dict[str, tuple]) -> dict[
     hf = load_hf_model(resolve("embedded")).to(getattr(torch, dtype))
     runners = {GENERATE: hf_runner(hf, sorted(target.eos_token_ids)),
                TARGET_LIBRARY: engine_runner(engines[LIBRARY][0], 0),
+               TARGET_FLOAT32: engine_runner(engines[OURS_FLOAT32][0], 0),
                TARGET: engine_runner(engine, 0)}
     runners.update({f"ngram K={k}": engine_runner(engine, k) for k in ks})
     return runners
@@ -212,7 +221,8 @@ def bench_dtype(dtype: str, args, workloads: dict[str, list[list[int]]], bar: tq
     context = next(iter(workloads.values()))[0][:ROOFLINE_CONTEXT]
     roofline[dtype] = {kernels: forward_costs(target.runtime, context)
                        for kernels, (_, target) in engines.items()}
-    roofline[dtype]["decode_bytes"] = decode_bytes(engines[OURS][1].runtime)
+    roofline[dtype]["decode_bytes"] = {kernels: decode_bytes(target.runtime)
+                                       for kernels, (_, target) in engines.items()}
     runners = build_runners(dtype, args.k, engines)
     bar.set_description(f"{dtype}: warm-up")
     first = next(iter(workloads.values()))[0]
@@ -242,7 +252,8 @@ def first_divergence(a: Tally, b: Tally) -> list[int | None]:
 def mode_row(dtype: str, workload: str, mode: str, tallies: dict[str, Tally]) -> dict:
     """One table row; ``baseline`` is what the speedup and same-ids columns compare with."""
     tally = tallies[mode]
-    baseline = {GENERATE: None, TARGET: TARGET_LIBRARY, TARGET_LIBRARY: GENERATE}.get(mode, TARGET)
+    baseline = {GENERATE: None, TARGET: TARGET_FLOAT32, TARGET_FLOAT32: TARGET_LIBRARY,
+                TARGET_LIBRARY: GENERATE}.get(mode, TARGET)
     row = {"dtype": dtype, "workload": workload, "mode": mode, "tokens": tally.tokens,
            "seconds": round(tally.seconds, 3), "tokens_per_second": round(tally.tokens_per_second, 2),
            "baseline": baseline, "other_load": round(tally.other_load, 3), "retries": tally.retries}
@@ -269,7 +280,9 @@ COLUMNS = (("dtype", 9), ("workload", 9), ("mode", 21), ("tokens", 7), ("seconds
 
 
 def format_row(row: dict) -> list[str]:
-    speedup = f"{row['speedup']:.2f}x vs {row['baseline'].split()[0]}" if row["baseline"] else ""
+    base = row["baseline"] or ""
+    label = base.split("(")[-1].rstrip(")") if "(" in base else base.split(" ")[0]
+    speedup = f"{row['speedup']:.2f}x vs {label}" if base else ""
     return [row["dtype"], row["workload"], row["mode"], str(row["tokens"]),
             f"{row['seconds']:.1f}", f"{row['tokens_per_second']:.1f}", speedup,
             f"{row['acceptance_rate']:.2f}" if "acceptance_rate" in row else "",
@@ -285,9 +298,10 @@ def print_table(rows: list[dict]) -> None:
             print()
         previous = (row["dtype"], row["workload"])
         print("  ".join(cell.ljust(width) for cell, (_, width) in zip(format_row(row), COLUMNS)))
-    print("\nspeedup / same ids: target-only (library) vs generate(); target-only (ours) vs "
-          "target-only (library); ngram vs target-only (same ids = prompts whose greedy output "
-          "token ids are identical)")
+    print("\nspeedup / same ids: target-only (library) vs generate(); target-only (float32: "
+          "ours on dequantized weights) vs library; target-only (ours, the GGUF's blocks) vs "
+          "float32; ngram vs target-only (same ids = prompts whose greedy output token ids are "
+          "identical)")
     print(f"others: share of the CPU other processes used during the runs that count; a run "
           f"during which they used more than {NOISY:.0%} was measured again "
           f"({sum(row['retries'] for row in rows)} times in all, at most {MAX_TRIES} tries a run)")
@@ -301,10 +315,10 @@ def roofline_rows(roofline: dict, bandwidth: float) -> list[dict]:
     """Per dtype and kernels: the forward cost at T = 1..8 and how near T = 1 is the roofline."""
     rows = []
     for dtype, by_kernels in roofline.items():
-        nbytes = by_kernels["decode_bytes"]
-        for kernels in (LIBRARY, OURS):
-            costs = by_kernels[kernels]
-            rows.append({"dtype": dtype, "kernels": kernels, "decode_mb": round(nbytes / 1e6, 1),
+        for kernels in (LIBRARY, OURS_FLOAT32, OURS):
+            costs, nbytes = by_kernels[kernels], by_kernels["decode_bytes"][kernels]
+            rows.append({"dtype": dtype, "kernels": ROOFLINE_NAMES[kernels],
+                         "decode_mb": round(nbytes / 1e6, 1),
                          "forward_ms": {t: round(c * 1e3, 2) for t, c in costs.items()},
                          "verify_over_decode": {t: round(c / costs[1], 3) for t, c in costs.items()},
                          "achieved_gbs": round(nbytes / costs[1] / 1e9, 2),

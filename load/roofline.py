@@ -42,13 +42,16 @@ def decode_bytes(runtime) -> int:
     for one row. The KV cache a short context adds is left out (a few hundred KB here)."""
     total = 0
     for name, p in runtime.named_parameters():
-        if name == "embed.weight":
-            total += p.shape[1] * p.element_size()
+        if name == "embed.weight":  # one row (formed from blocks where the table is: counted below)
+            total += p.shape[-1] * p.element_size() if p.numel() else 0
         else:
             total += p.numel() * p.element_size()
     if runtime.lm_head.weight is runtime.embed.weight:
         total += runtime.lm_head.weight.numel() * runtime.lm_head.weight.element_size()
-    return total
+    # linears on a GGUF's blocks (issue 54): their blocks, not the emptied float32 weight
+    blocks = {id(m.quantized): m.quantized for m in runtime.modules()  # a tied head's once
+              if getattr(m, "quantized", None) is not None}
+    return total + sum(b.nbytes for b in blocks.values())
 
 
 def forward_costs(runtime, context: list[int], ts=(1, 2, 3, 4, 5, 6, 7, 8),

@@ -126,6 +126,11 @@ class ModelConfig(_Strict):
                             "H200: a Llama-3-8B-shaped decode at 55-60% of the memory "
                             "bandwidth, 4-5x library, which is launch-bound there; "
                             "docs/BENCHMARKS.md). auto: invariant on CPU, library on CUDA.")
+    weights: Literal["auto", "float32"] = Field(
+        "auto", description="auto: a GGUF's decoder linears of Q4_0, Q4_1 or Q8_0 blocks run on "
+                            "those blocks where the kernels are invariant on a CPU (the float32 "
+                            "weight's outputs bit for bit, about a fifth of the bytes); "
+                            "float32: every weight dequantized, as before issue 54.")
     cache_dir: str | None = Field(
         None, description="Where dequantized GGUF models are cached; default $SPECSERVE_CACHE_DIR "
                           "or ~/.cache/specserve.")

@@ -9,9 +9,12 @@ of the bytes. The fused linears take their parts' rows in the runtime's order (q
 gate, up), and q's and k's rows the order ``transformers`` gives them (a GGUF of a Llama
 stores them permuted for its RoPE; the loader puts them back, and so does this).
 
-Left in float32, said in one log line: tensors of other block types, other architectures
-than Llama's, the embedding and the LM head (the embedding is read by row, and a draft may
-share it), a tensor-parallel shard, and any linear whose blocks fail the check.
+The LM head takes its blocks too, and a tied one's are the embedding's (``token_embd``):
+the embedding then forms the rows it looks up from them (``kernels.Embedding``), and a draft
+head made on it in the same process gets a float32 copy (``Embedding.float_weight``). An
+untied model's embedding stays float32. Left in float32, said in one log line: tensors of
+other block types, other architectures than Llama's, a tensor-parallel shard, and any linear
+whose blocks fail the check.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ def quantize_linears(runtime, path: Path) -> dict:
                 kept["blocks that are not the loaded weight"] += 1
                 continue
             done, size, dropped = done + 1, size + blocks.nbytes, dropped + weight_bytes
+    head = _lm_head(runtime, tensors, arch)
+    if isinstance(head, str):
+        kept[head] += 1
+    else:
+        tied = runtime.lm_head.weight is runtime.embed.weight
+        weight_bytes = runtime.lm_head.weight.numel() * runtime.lm_head.weight.element_size()
+        try:
+            runtime.lm_head.quantize(head)
+            if tied:  # the embedding is the same table: its rows are formed from these blocks
+                runtime.embed.quantize(head)
+            done, size, dropped = done + 1, size + head.nbytes, dropped + weight_bytes
+        except ValueError:
+            kept["blocks that are not the loaded weight"] += 1
     report = {"linears": done, "bytes": size, "bytes_dropped": dropped, "kept_float32": dict(kept)}
     log.info("%s: %d linears on their %s blocks (%.0f MB, were %.0f MB in float32)%s", path.name, done,
              "/".join(sorted({lin.quantized.kind for lin in _linears(runtime) if lin.quantized})) or "-",
@@ -140,6 +156,18 @@ def read_tensors(path: Path) -> tuple[str, dict[str, Tensor]]:
     return fields.get("general.architecture", ""), tensors
 
 
+def _lm_head(runtime, tensors: dict[str, Tensor], arch: str) -> native.QuantizedWeight | str:
+    """The LM head's blocks (a tied head's are the embedding's, ``token_embd``), or why not.
+    Its rows are the vocabulary's, as stored."""
+    tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    reason = _unfit(arch, [tensor], {tensor.kind} if tensor is not None else set())
+    if reason:
+        return f"LM head: {reason}"
+    head = runtime.lm_head
+    return native.pack_blocks(tensor.kind, torch.from_numpy(np.array(tensor.rows)), head.out_features,
+                              head.in_features)
+
+
 def _unfit(arch: str, found: list, kinds: set[str]) -> str | None:
     """Why a linear keeps its float32 weight, or None."""
     if arch != "llama":
@@ -163,14 +191,16 @@ def _rows(part: str, raw: torch.Tensor, arch) -> torch.Tensor:
 
 
 def _linears(runtime):
-    return [layer.get_submodule(attr) for layer in runtime.layers for attr in LAYER_LINEARS]
+    return [runtime.lm_head, *(layer.get_submodule(attr) for layer in runtime.layers
+                               for attr in LAYER_LINEARS)]
 
 
 def resident_weights(runtime) -> dict:
     """What ``runtime``'s weights hold in memory: ``bytes`` (its parameters, a tied one once,
     and its linears' quantized blocks), of which ``quantized_bytes`` in
     ``quantized_linears`` linears (``/v1/units/stats``' ``weights``)."""
-    blocks = [m.quantized for m in runtime.modules() if getattr(m, "quantized", None) is not None]
+    blocks = list({id(m.quantized): m.quantized for m in runtime.modules()  # a tied head's once
+                   if getattr(m, "quantized", None) is not None}.values())
     params = sum(p.numel() * p.element_size() for p in runtime.parameters())
     quantized = sum(b.nbytes for b in blocks)
     return {"bytes": params + quantized, "quantized_bytes": quantized,

@@ -258,7 +258,8 @@ def load_model(cfg, *, max_model_len: int,
     too (``engine/runtime/compiled.py``); None: the kernels' default. ``blocks``: a GGUF's
     decoder linears keep its quantized blocks where the C kernels read them
     (:mod:`specserve.engine.gguf_blocks`: the same logits, a fifth of the bytes); False:
-    float32 weights throughout (what training copies and updates)."""
+    float32 weights throughout (what training copies and updates; ``cfg.weights: float32``
+    asks the same)."""
     from transformers.utils import logging as hf_logging
 
     from specserve.engine.gguf_blocks import quantize_linears
@@ -280,7 +281,8 @@ def load_model(cfg, *, max_model_len: int,
     runtime.requires_grad_(False)
     kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device)
     runtime.use_kernels(kernels, verify_tokens=verify_tokens)
-    if (blocks and src.blocks is not None and tp_group is None and kernels == "invariant"
+    if (blocks and cfg.weights == "auto" and src.blocks is not None and tp_group is None
+            and kernels == "invariant"
             and native_ready(runtime.embed.weight)):
         quantize_linears(runtime, Path(src.blocks))
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))

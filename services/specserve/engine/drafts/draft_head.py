@@ -309,7 +309,8 @@ def new_draft_head(target: LlamaRuntime, *, kind: str, num_layers: int,
         layers = tuple(target_layers or default_target_layers(target.arch.num_layers))
     head = DraftHead(arch, target.rope_cos, target.rope_sin, kind=kind, draft_vocab=draft_vocab,
                      target_layers=layers, target_hidden=target.arch.hidden_size)
-    head.embed.weight = target.embed.weight
+    head.embed.weight = target.embed.weight if target.embed.quantized is None else nn.Parameter(
+        target.embed.float_weight(), requires_grad=False)
     source = target.layers[:num_layers] if kind == "decoder" else target.layers[-num_layers:]
     with torch.no_grad():
         for mine, theirs in zip(head.layers, source):
@@ -320,7 +321,7 @@ def new_draft_head(target: LlamaRuntime, *, kind: str, num_layers: int,
                 state["hidden_norm"] = state["input_norm"]
             mine.load_state_dict(state)
         head.norm.copy_(target.norm)
-        head.lm_head.weight.copy_(target.lm_head.weight[draft_vocab])
+        head.lm_head.weight.copy_(target.lm_head.float_weight()[draft_vocab])
         if head.fc is not None and kind == "eagle3":
             hidden = arch.hidden_size
             head.fc.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed))
@@ -376,7 +377,7 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
     arch_fields = {**meta["arch"], "sliding_windows": tuple(meta["arch"]["sliding_windows"])}
     arch = ModelArch(**arch_fields)
     if target is not None:
-        embed, cos, sin = target.embed.weight, target.rope_cos, target.rope_sin
+        embed, cos, sin = target.embed.float_weight(), target.rope_cos, target.rope_sin
     else:
         from specserve.engine.loader import load_target_parts
         embed, cos, sin = load_target_parts(target_cfg, max_model_len=max_model_len)
@@ -408,8 +409,8 @@ def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_
     from specserve.engine.drafts.published_drafts import read_published_head, rope_of
 
     if target is not None:
-        embed, num_layers = target.embed.weight, target.arch.num_layers
-        lm_head = target.lm_head.weight
+        embed, num_layers = target.embed.float_weight(), target.arch.num_layers
+        lm_head = target.lm_head.float_weight()  # (a copy where the target's is on blocks)
     else:
         from specserve.engine.loader import (
             load_configs,

@@ -364,6 +364,25 @@ static inline vf q8_0_weights(const q8_0_block *blk, int o) {
     }                                                                                         \
   } while (0)
 
+/* Where a call has this many input rows or more (a prefill's), a task forms its weight rows
+   once, into a float32 buffer of its thread, and runs linear_rows' own tiles on them: forming
+   a weight vector costs about five instructions, which a decode's one or a verify's few
+   input rows cannot amortise in registers but a prefill's passes of 24 can (0.5x the float32
+   kernel's prefill when every tile formed its own). The same float32 weights either way. */
+#define DEQUANT_MIN_ROWS 16
+
+static __thread float *task_buf;
+static __thread size_t task_cap;
+
+static float *task_buffer(size_t floats) {
+  if (floats > task_cap) { /* 64-byte aligned: a row of K floats is then whole cache lines */
+    free(task_buf);
+    task_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    task_cap = task_buf ? floats : 0;
+  }
+  return task_buf;
+}
+
 /* linear_rows over blocks of type T: the same tasks, passes and tiles. */
 #define LINEAR_Q(T)                                                                           \
   QTILE(T, 4, 4, 1) QTILE(T, 4, 3, 1) QTILE(T, 4, 2, 1) QTILE(T, 4, 1, 1)                     \
@@ -379,6 +398,25 @@ static inline vf q8_0_weights(const q8_0_block *blk, int o) {
     for (int t = 0; t < tasks; t++) {                                                         \
       int n0 = t * rows;                                                                      \
       int n1 = n0 + rows < N ? n0 + rows : N;                                                 \
+      float *wf = M >= DEQUANT_MIN_ROWS ? task_buffer((size_t)(n1 - n0) * K) : NULL;          \
+      if (wf) { /* the task's rows formed once; then linear_rows' tiles over them */          \
+        int nb = K / 32;                                                                      \
+        for (int i = n0; i < n1; i++)                                                         \
+          for (int b = 0; b < nb; b++)                                                        \
+            for (int o = 0; o < 32; o += VL)                                                  \
+              store(wf + (size_t)(i - n0) * K + b * 32 + o, T##_weights(w + (size_t)i * nb + b, o)); \
+        const float *bt = bias ? bias + n0 : NULL;                                            \
+        float *yt = y + n0;                                                                   \
+        for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {                                 \
+          int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;               \
+          int n = 0, nt = n1 - n0;                                                            \
+          if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                     \
+            for (; n + 8 <= nt; n += 8) ROWS_OF8(x, wf, bt, yt, N, K, n, m0, m1);             \
+          for (; n + 4 <= nt; n += 4) ROWS_OF(4, x, wf, bt, yt, N, K, n, m0, m1);             \
+          for (; n < nt; n++) ROWS_OF(1, x, wf, bt, yt, N, K, n, m0, m1);                     \
+        }                                                                                     \
+        continue;                                                                             \
+      }                                                                                       \
       for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {                                   \
         int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;                 \
         int n = n0;                                                                           \

@@ -82,6 +82,11 @@ class Linear(nn.Linear):
         self.quantized = blocks
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # shapes fail loudly
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight in float32 whether or not it is held as blocks (a copy if it is): for
+        readers of its values (a draft head made on this model's LM head)."""
+        return self.weight if self.quantized is None else native.dequantize_blocks(self.quantized)
+
     def dequantize(self) -> None:
         """The float32 weight back from the blocks (what every path but the C kernels reads)."""
         if self.quantized is not None:
@@ -114,6 +119,30 @@ class Linear(nn.Linear):
             self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             self._packed_key = key
         return self._packed_weight
+
+
+class Embedding(nn.Embedding):
+    """An ``nn.Embedding`` that may hold its table as a GGUF's blocks (issue 54: a tied LM
+    head's, shared with it): a lookup forms its rows from them, the float32 table's bits."""
+
+    quantized: native.QuantizedWeight | None = None  # ``weight`` is then empty
+
+    def quantize(self, blocks: native.QuantizedWeight) -> None:
+        """Hold the table as ``blocks`` (checked to be it bit for bit) and drop the float32 one."""
+        if not torch.equal(native.dequantize_blocks(blocks), self.weight):
+            raise ValueError(f"the {blocks.kind} blocks are not this embedding")
+        self.quantized = blocks
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # shapes fail loudly
+
+    def float_weight(self) -> torch.Tensor:
+        """The table in float32 (a copy where it is held as blocks): for readers of its
+        values, a draft head made on this model's embedding."""
+        return self.weight if self.quantized is None else native.dequantize_blocks(self.quantized)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return super().forward(tokens)
+        return native.dequantize_blocks(self.quantized, tokens.reshape(-1)).view(*tokens.shape, -1)
 
 
 def hidden_keys(visible: torch.Tensor, group: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ from specserve.engine.runtime.forward_batch import (
 )
 from specserve.engine.runtime.forward_context import ForwardContext, chains, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
-from specserve.engine.runtime.kernels import KV_BLOCK, Linear
+from specserve.engine.runtime.kernels import KV_BLOCK, Embedding, Linear
 from specserve.engine.runtime.layers import MLP, Attention, DecoderLayer, rms_norm
 from specserve.errors import ConfigError
 
@@ -56,7 +56,7 @@ class LlamaRuntime(nn.Module):
     def __init__(self, arch: ModelArch, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
         super().__init__()
         self.arch = arch
-        self.embed = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -124,6 +124,7 @@ class LlamaRuntime(nn.Module):
         at their lengths), so compiles happen now and not inside a step; returns what was
         compiled (:func:`specserve.engine.runtime.compiled.warm_up`)."""
         return warm_up(self, cache)
+
 
     @property
     def max_positions(self) -> int:

@@ -235,12 +235,15 @@ def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: in
                            in_features)
 
 
-def dequantize_blocks(weight: QuantizedWeight) -> torch.Tensor:
-    """The float32 weight ``[out_features, in_features]`` of packed blocks, in torch: the
-    dequantizer's arithmetic (``d * (q - 8)``, ``d * q + m``, ``q * d``, each operation
-    rounded to float32), so the weight the float32 path loads, bit for bit."""
-    n, k = weight.out_features, weight.in_features
-    blocks = weight.data.view(n, k // QUANT_BLOCK, QUANT_BLOCKS[weight.kind][1])
+def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight ``[out_features, in_features]`` of packed blocks (or its ``rows``,
+    ``[R]`` indices: an embedding's lookup), in torch: the dequantizer's arithmetic
+    (``d * (q - 8)``, ``d * q + m``, ``q * d``, each operation rounded to float32), so the
+    weight the float32 path loads, bit for bit."""
+    k = weight.in_features
+    data = weight.data if rows is None else weight.data[rows]
+    n = data.shape[0]
+    blocks = data.view(n, k // QUANT_BLOCK, QUANT_BLOCKS[weight.kind][1])
     scales = 2 if weight.kind == "Q4_1" else 1
     d, m = (blocks[..., 4 * i:4 * i + 4].contiguous().view(torch.float32) for i in (0, 1))
     qs = blocks[..., 4 * scales:]
