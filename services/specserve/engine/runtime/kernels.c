@@ -383,11 +383,25 @@ static float *task_buffer(size_t floats) {
   return task_buf;
 }
 
-/* linear_rows over blocks of type T: the same tasks, passes and tiles. */
+/* A verify's 5 to 8 input rows in one tile of NR weight rows: each weight vector formed once
+   for all of them (tiles of 4 would form it twice: a verify of 8 cost 2.0 decodes). */
+#define QROWS_WIDE(T, NR, x, w, bias, y, N, K, n, m0, m1)                                     \
+  do {                                                                                        \
+    switch (m1 - m0) {                                                                        \
+      case 8: qtile_##T##_##NR##_8(x, w, bias, y, N, K, n, m0); break;                        \
+      case 7: qtile_##T##_##NR##_7(x, w, bias, y, N, K, n, m0); break;                        \
+      case 6: qtile_##T##_##NR##_6(x, w, bias, y, N, K, n, m0); break;                        \
+      case 5: qtile_##T##_##NR##_5(x, w, bias, y, N, K, n, m0); break;                        \
+    }                                                                                         \
+  } while (0)
+
+/* linear_rows over blocks of type T: the same tasks, passes and tiles (and the wide ones). */
 #define LINEAR_Q(T)                                                                           \
   QTILE(T, 4, 4, 1) QTILE(T, 4, 3, 1) QTILE(T, 4, 2, 1) QTILE(T, 4, 1, 1)                     \
   QTILE(T, 1, 4, 1) QTILE(T, 1, 3, 1) QTILE(T, 1, 2, 1) QTILE(T, 1, 1, 1)                     \
   QTILE(T, 8, 3, 0) QTILE(T, 8, 2, 0) QTILE(T, 8, 1, 0)                                       \
+  QTILE(T, 2, 8, 1) QTILE(T, 2, 7, 1) QTILE(T, 2, 6, 1) QTILE(T, 2, 5, 1)                     \
+  QTILE(T, 1, 8, 1) QTILE(T, 1, 7, 1) QTILE(T, 1, 6, 1) QTILE(T, 1, 5, 1)                     \
   void linear_rows_##T(const float *x, const T##_block *w, const float *bias, float *y, int M, \
                        int N, int K, int threads) {                                          \
     int per_thread = (N + threads * WEIGHT_ROWS_PER_TASK - 1) / (threads * WEIGHT_ROWS_PER_TASK); \
@@ -422,6 +436,10 @@ static float *task_buffer(size_t floats) {
         int n = n0;                                                                           \
         if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                       \
           for (; n + 8 <= n1; n += 8) QROWS_OF8(T, x, w, bias, y, N, K, n, m0, m1);           \
+        if (m1 - m0 >= 5 && m1 - m0 <= 8) {                                                   \
+          for (; n + 2 <= n1; n += 2) QROWS_WIDE(T, 2, x, w, bias, y, N, K, n, m0, m1);       \
+          for (; n < n1; n++) QROWS_WIDE(T, 1, x, w, bias, y, N, K, n, m0, m1);               \
+        }                                                                                     \
         for (; n + 4 <= n1; n += 4) QROWS_OF(T, 4, x, w, bias, y, N, K, n, m0, m1);           \
         for (; n < n1; n++) QROWS_OF(T, 1, x, w, bias, y, N, K, n, m0, m1);                   \
       }                                                                                       \
