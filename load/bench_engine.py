@@ -33,7 +33,7 @@ also runs the same prompts as token ids on the same GGUF (its own 4-bit weights)
 through ``load/llama_cpp_run.py``, after ours: its tokens/s and ours over it per workload.
 
 Then the prefill (``--prefill``, ``load/prefill_speed.py``): a prompt's time to its first
-token at 128, 512 and 1,400 tokens, ours against torch's kernels and ``transformers``
+token at 128, 512, 1,400 and 2,048 tokens, ours against torch's kernels and ``transformers``
 (``--only-prefill``: that table alone).
 
 Prints a table and writes the same numbers to ``results/bench_engine.json``.
@@ -412,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt, at most")
     p.add_argument("--k", default="4", help="ngram K, comma-separated to compare several")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path")
-    p.add_argument("--prefill", default="128,512,1400",
+    p.add_argument("--prefill", default="128,512,1400,2048",
                    help="prompt lengths whose prefill is timed (load/prefill_speed.py); '' for none")
     p.add_argument("--prefill-reps", type=int, default=3, help="rounds per prefill length (median)")
     p.add_argument("--only-prefill", action="store_true", help="the prefill table alone")

@@ -55,3 +55,5 @@ def test_full_unit_queues_then_429(tight_app, tiny_models):
     assert all(r.json()["usage"]["completion_tokens"] == 150 for r in ok)
     stats = httpx.get(tight_app + "/v1/units/stats", timeout=60).json()
     assert stats["free_slots"] == stats["num_slots"] == 1 and stats["waiting"] == 0
+    # the target's weights as held (a tiny safetensors model: float32, no GGUF blocks)
+    assert stats["weights"]["bytes"] > 0 and stats["weights"]["quantized_linears"] == 0

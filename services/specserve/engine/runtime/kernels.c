@@ -437,7 +437,8 @@ static float *task_buffer(size_t floats) {
         if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                       \
           for (; n + 8 <= n1; n += 8) QROWS_OF8(T, x, w, bias, y, N, K, n, m0, m1);           \
         if (m1 - m0 >= 5 && m1 - m0 <= 8) {                                                   \
-          for (; n + 2 <= n1; n += 2) QROWS_WIDE(T, 2, x, w, bias, y, N, K, n, m0, m1);       \
+          if (VL == 16) /* (AVX2's 16 registers hold one weight row's 8 sums, not two) */    \
+            for (; n + 2 <= n1; n += 2) QROWS_WIDE(T, 2, x, w, bias, y, N, K, n, m0, m1);     \
           for (; n < n1; n++) QROWS_WIDE(T, 1, x, w, bias, y, N, K, n, m0, m1);               \
         }                                                                                     \
         for (; n + 4 <= n1; n += 4) QROWS_OF(T, 4, x, w, bias, y, N, K, n, m0, m1);           \
