@@ -36,7 +36,7 @@ import random
 import statistics
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,9 +47,8 @@ from specserve.engine.worker import ModelWorker
 
 from load.bench_gpu import SHAPES, random_runtime
 from load.gpu.identity import IdText, compare, first_divergence, make_prompts
-from load.gpu.output import write_json
-from load.gpu.runtime import cudagraph_skips, sync
-from load.gpu.step import SEED, attempt, device_name, run_pass
+from load.gpu.runtime import sync
+from load.gpu.step import SEED, run_entries, run_pass
 
 log = logging.getLogger(__name__)
 
@@ -276,19 +275,4 @@ def build(s: Settings) -> tuple[Caches, dict]:
 
 
 def run(out: Path, dry_run: bool) -> None:
-    s = DRY if dry_run else GPU
-    started = time.perf_counter()
-    device = device_name(s.device)
-    report = {"settings": asdict(s), "device": device,
-              "entries": {name: {"status": "pending"} for name, _ in ENTRIES}}
-    write_json(out / FILE, report)
-    caches, header = build(s)
-    report.update(header)
-    for name, measure in ENTRIES:
-        report["entries"][name] = {"device": device, **attempt(name, measure, caches)}
-        report.update(cudagraph_skips=cudagraph_skips(), seconds=round(time.perf_counter() - started, 1))
-        write_json(out / FILE, report)
-    bad = {n: e["status"] for n, e in report["entries"].items() if e["status"] != "ok"}
-    log.info("paged: %s in %.0f s", f"not ok: {bad}" if bad else "every entry ok", report["seconds"])
-    if "failed" in bad.values():
-        raise SystemExit(f"error: paged.json entries not ok: {bad}")
+    run_entries(out / FILE, DRY if dry_run else GPU, build, ENTRIES)

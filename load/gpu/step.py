@@ -411,19 +411,27 @@ def device_name(device: str) -> str:
 
 
 def run(out: Path, dry_run: bool) -> None:
-    s = DRY if dry_run else GPU
+    run_entries(out / FILE, DRY if dry_run else GPU, build, ENTRIES)
+
+
+def run_entries(path: Path, s, build_with, entries) -> None:
+    """A step of entries (``entries``: ``(name, measure)`` in order, each measuring what
+    ``build_with(s)`` returned): the report at ``path`` rewritten as each entry ends, the
+    pending ones named; exits 1 where one failed (the step's status in summary.json, with
+    this line as its reason)."""
     started = time.perf_counter()
     device = device_name(s.device)
     report = {"settings": asdict(s), "device": device,
-              "entries": {name: {"status": "pending"} for name, _ in ENTRIES}}
-    write_json(out / FILE, report)
-    bench, header = build(s)
+              "entries": {name: {"status": "pending"} for name, _ in entries}}
+    write_json(path, report)
+    bench, header = build_with(s)
     report.update(header)
-    for name, measure in ENTRIES:
+    for name, measure in entries:
         report["entries"][name] = {"device": device, **attempt(name, measure, bench)}
         report.update(cudagraph_skips=cudagraph_skips(), seconds=round(time.perf_counter() - started, 1))
-        write_json(out / FILE, report)
+        write_json(path, report)
     bad = {n: e["status"] for n, e in report["entries"].items() if e["status"] != "ok"}
-    log.info("step: %s in %.0f s", f"not ok: {bad}" if bad else "every entry ok", report["seconds"])
-    if "failed" in bad.values():  # the step's status in summary.json, with this line as its reason
-        raise SystemExit(f"error: step.json entries not ok: {bad}")
+    log.info("%s: %s in %.0f s", path.stem, f"not ok: {bad}" if bad else "every entry ok",
+             report["seconds"])
+    if "failed" in bad.values():
+        raise SystemExit(f"error: {path.name} entries not ok: {bad}")

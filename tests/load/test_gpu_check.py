@@ -108,16 +108,22 @@ STEP_ENTRIES = ("target_only", "target_only_batch", "launch_ahead_off", "suffix"
                 "engine_loop", "self_draft", "eagle", "tp_world_1")
 
 
+def dry_phase(phase: str, out: Path) -> None:
+    """``--phase PHASE --dry-run`` into ``out``: it exits 0 and leaves its one file, the log
+    and the summary."""
+    proc = subprocess.run([sys.executable, "load/gpu_check.py", "--phase", phase, "--dry-run",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=gpu_check.BUDGET_S * gpu_check.DRY_RUN_SLACK)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {f"{phase}.json", "log.txt", "summary.json"}
+
+
 def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     """``--phase step --dry-run``: its own phase (``all`` is at the 8 files already), every
     entry of ``step.json`` measured, and on the CPU's row-invariant kernels every speculative
     run, greedy or seeded, in process or streamed through the engine loop, gives exactly
     target-only's tokens, with drafts made and accepted (a real comparison)."""
-    proc = subprocess.run([sys.executable, "load/gpu_check.py", "--phase", "step", "--dry-run",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=gpu_check.BUDGET_S * gpu_check.DRY_RUN_SLACK)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"step.json", "log.txt", "summary.json"}
+    dry_phase("step", tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(s["step"], s["status"]) for s in summary["steps"]] == [("step", "ok")]
     report = json.loads((tmp_path / "step.json").read_text())
@@ -151,11 +157,7 @@ def test_paged_phase_compares_the_layouts_end_to_end(tmp_path):
     slot cache's bit for bit (the chunk's and the prefix hit's within eager FlexAttention's
     last bits: ``tests/engine/test_paged_compiled.py``), the greedy tokens the same, a real
     prefix hit, and the chunk-gap figures with their bound."""
-    proc = subprocess.run([sys.executable, "load/gpu_check.py", "--phase", "paged", "--dry-run",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=gpu_check.BUDGET_S * gpu_check.DRY_RUN_SLACK)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"paged.json", "log.txt", "summary.json"}
+    dry_phase("paged", tmp_path)
     report = json.loads((tmp_path / "paged.json").read_text())
     entries = report["entries"]
     assert tuple(entries) == ("logits", "greedy", "prefix", "chunk_gap")

@@ -162,6 +162,15 @@ static inline float dot(const float *a, const float *b, int n) {
   return s;
 }
 
+/* sums[i * MR + j] = hsum(acc[i][j]) of a tile's NR x MR accumulators, 16 at a time where
+   they come in sixteens (hsum16: the same bits). */
+#define HSUMS(acc, sums, NR, MR)                                                              \
+  do {                                                                                        \
+    int p = 0;                                                                                \
+    for (; p + 16 <= NR * MR; p += 16) hsum16(&acc[0][0] + p, sums + p);                      \
+    for (; p < NR * MR; p++) sums[p] = hsum(acc[p / MR][p % MR]);                             \
+  } while (0)
+
 /* NR weight rows (from n) x MR input rows (from m). Every (n, m) pair gets the arithmetic of
    dot() above whatever NR and MR are. PF: prefetch the weight rows PREFETCH_ROWS ahead (for
    rows streamed once, as a decode's). */
@@ -182,9 +191,7 @@ static inline float dot(const float *a, const float *b, int n) {
       }                                                                                       \
     }                                                                                         \
     float sums[NR * MR];                                                                      \
-    int p = 0;                                                                                \
-    for (; p + 16 <= NR * MR; p += 16) hsum16(&acc[0][0] + p, sums + p);                      \
-    for (; p < NR * MR; p++) sums[p] = hsum(acc[p / MR][p % MR]);                             \
+    HSUMS(acc, sums, NR, MR);                                                                 \
     for (int i = 0; i < NR; i++)                                                              \
       for (int j = 0; j < MR; j++) {                                                          \
         const float *wr = w + (size_t)(n + i) * K, *xr = x + (size_t)(m + j) * K;            \
@@ -198,24 +205,27 @@ TILE(4, 4, 1) TILE(4, 3, 1) TILE(4, 2, 1) TILE(4, 1, 1)
 TILE(1, 4, 1) TILE(1, 3, 1) TILE(1, 2, 1) TILE(1, 1, 1)
 TILE(8, 3, 0) TILE(8, 2, 0) TILE(8, 1, 0)
 
-#define ROWS_OF8(x, w, bias, y, N, K, n, m0, m1)                                              \
+/* Input rows m0..m1 against weight rows n.. in tiles of 8 x 3 (ROWS_OF8) or NR x 4, the
+   last tile of what is left; TILE_ names the tiles (tile_ for float32 weights, qtile_T_
+   for blocks of type T). */
+#define ROWS_OF8(TILE_, x, w, bias, y, N, K, n, m0, m1)                                       \
   do {                                                                                        \
     int m = m0;                                                                               \
-    for (; m + 3 <= m1; m += 3) tile_8_3(x, w, bias, y, N, K, n, m);                          \
+    for (; m + 3 <= m1; m += 3) TILE_##8_3(x, w, bias, y, N, K, n, m);                        \
     switch (m1 - m) {                                                                         \
-      case 2: tile_8_2(x, w, bias, y, N, K, n, m); break;                                     \
-      case 1: tile_8_1(x, w, bias, y, N, K, n, m); break;                                     \
+      case 2: TILE_##8_2(x, w, bias, y, N, K, n, m); break;                                   \
+      case 1: TILE_##8_1(x, w, bias, y, N, K, n, m); break;                                   \
     }                                                                                         \
   } while (0)
 
-#define ROWS_OF(NR, x, w, bias, y, N, K, n, m0, m1)                                           \
+#define ROWS_OF(TILE_, NR, x, w, bias, y, N, K, n, m0, m1)                                    \
   do {                                                                                        \
     int m = m0;                                                                               \
-    for (; m + 4 <= m1; m += 4) tile_##NR##_4(x, w, bias, y, N, K, n, m);                     \
+    for (; m + 4 <= m1; m += 4) TILE_##NR##_4(x, w, bias, y, N, K, n, m);                     \
     switch (m1 - m) {                                                                         \
-      case 3: tile_##NR##_3(x, w, bias, y, N, K, n, m); break;                                \
-      case 2: tile_##NR##_2(x, w, bias, y, N, K, n, m); break;                                \
-      case 1: tile_##NR##_1(x, w, bias, y, N, K, n, m); break;                                \
+      case 3: TILE_##NR##_3(x, w, bias, y, N, K, n, m); break;                                \
+      case 2: TILE_##NR##_2(x, w, bias, y, N, K, n, m); break;                                \
+      case 1: TILE_##NR##_1(x, w, bias, y, N, K, n, m); break;                                \
     }                                                                                         \
   } while (0)
 
@@ -245,9 +255,9 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
       int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;
       int n = n0;
       if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)  /* a prefill's full pass */
-        for (; n + 8 <= n1; n += 8) ROWS_OF8(x, w, bias, y, N, K, n, m0, m1);
-      for (; n + 4 <= n1; n += 4) ROWS_OF(4, x, w, bias, y, N, K, n, m0, m1);
-      for (; n < n1; n++) ROWS_OF(1, x, w, bias, y, N, K, n, m0, m1);
+        for (; n + 8 <= n1; n += 8) ROWS_OF8(tile_, x, w, bias, y, N, K, n, m0, m1);
+      for (; n + 4 <= n1; n += 4) ROWS_OF(tile_, 4, x, w, bias, y, N, K, n, m0, m1);
+      for (; n < n1; n++) ROWS_OF(tile_, 1, x, w, bias, y, N, K, n, m0, m1);
     }
   }
 }
@@ -332,9 +342,7 @@ static inline vf q8_0_weights(const q8_0_block *blk, int o) {
         }                                                                                     \
       }                                                                                       \
     float sums[NR * MR];                                                                      \
-    int p = 0;                                                                                \
-    for (; p + 16 <= NR * MR; p += 16) hsum16(&acc[0][0] + p, sums + p);                      \
-    for (; p < NR * MR; p++) sums[p] = hsum(acc[p / MR][p % MR]);                             \
+    HSUMS(acc, sums, NR, MR);                                                                 \
     for (int i = 0; i < NR; i++)                                                              \
       for (int j = 0; j < MR; j++) {                                                          \
         float s = sums[i * MR + j];                                                           \
@@ -342,27 +350,6 @@ static inline vf q8_0_weights(const q8_0_block *blk, int o) {
         y[(size_t)(m + j) * N + n + i] = s;                                                   \
       }                                                                                       \
   }
-
-#define QROWS_OF(T, NR, x, w, bias, y, N, K, n, m0, m1)                                       \
-  do {                                                                                        \
-    int m = m0;                                                                               \
-    for (; m + 4 <= m1; m += 4) qtile_##T##_##NR##_4(x, w, bias, y, N, K, n, m);              \
-    switch (m1 - m) {                                                                         \
-      case 3: qtile_##T##_##NR##_3(x, w, bias, y, N, K, n, m); break;                         \
-      case 2: qtile_##T##_##NR##_2(x, w, bias, y, N, K, n, m); break;                         \
-      case 1: qtile_##T##_##NR##_1(x, w, bias, y, N, K, n, m); break;                         \
-    }                                                                                         \
-  } while (0)
-
-#define QROWS_OF8(T, x, w, bias, y, N, K, n, m0, m1)                                          \
-  do {                                                                                        \
-    int m = m0;                                                                               \
-    for (; m + 3 <= m1; m += 3) qtile_##T##_8_3(x, w, bias, y, N, K, n, m);                   \
-    switch (m1 - m) {                                                                         \
-      case 2: qtile_##T##_8_2(x, w, bias, y, N, K, n, m); break;                              \
-      case 1: qtile_##T##_8_1(x, w, bias, y, N, K, n, m); break;                              \
-    }                                                                                         \
-  } while (0)
 
 /* Where a call has this many input rows or more (a prefill's), a task forms its weight rows
    once, into a float32 buffer of its thread, and runs linear_rows' own tiles on them: forming
@@ -425,9 +412,9 @@ static float *task_buffer(size_t floats) {
           int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;               \
           int n = 0, nt = n1 - n0;                                                            \
           if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                     \
-            for (; n + 8 <= nt; n += 8) ROWS_OF8(x, wf, bt, yt, N, K, n, m0, m1);             \
-          for (; n + 4 <= nt; n += 4) ROWS_OF(4, x, wf, bt, yt, N, K, n, m0, m1);             \
-          for (; n < nt; n++) ROWS_OF(1, x, wf, bt, yt, N, K, n, m0, m1);                     \
+            for (; n + 8 <= nt; n += 8) ROWS_OF8(tile_, x, wf, bt, yt, N, K, n, m0, m1);             \
+          for (; n + 4 <= nt; n += 4) ROWS_OF(tile_, 4, x, wf, bt, yt, N, K, n, m0, m1);             \
+          for (; n < nt; n++) ROWS_OF(tile_, 1, x, wf, bt, yt, N, K, n, m0, m1);                     \
         }                                                                                     \
         continue;                                                                             \
       }                                                                                       \
@@ -435,14 +422,14 @@ static float *task_buffer(size_t floats) {
         int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;                 \
         int n = n0;                                                                           \
         if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                       \
-          for (; n + 8 <= n1; n += 8) QROWS_OF8(T, x, w, bias, y, N, K, n, m0, m1);           \
+          for (; n + 8 <= n1; n += 8) ROWS_OF8(qtile_##T##_, x, w, bias, y, N, K, n, m0, m1);           \
         if (m1 - m0 >= 5 && m1 - m0 <= 8) {                                                   \
           if (VL == 16) /* (AVX2's 16 registers hold one weight row's 8 sums, not two) */    \
             for (; n + 2 <= n1; n += 2) QROWS_WIDE(T, 2, x, w, bias, y, N, K, n, m0, m1);     \
           for (; n < n1; n++) QROWS_WIDE(T, 1, x, w, bias, y, N, K, n, m0, m1);               \
         }                                                                                     \
-        for (; n + 4 <= n1; n += 4) QROWS_OF(T, 4, x, w, bias, y, N, K, n, m0, m1);           \
-        for (; n < n1; n++) QROWS_OF(T, 1, x, w, bias, y, N, K, n, m0, m1);                   \
+        for (; n + 4 <= n1; n += 4) ROWS_OF(qtile_##T##_, 4, x, w, bias, y, N, K, n, m0, m1);           \
+        for (; n < n1; n++) ROWS_OF(qtile_##T##_, 1, x, w, bias, y, N, K, n, m0, m1);                   \
       }                                                                                       \
     }                                                                                         \
   }
