@@ -16,7 +16,6 @@ attention).
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 import stat
 
@@ -28,6 +27,7 @@ from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.runtime.kernels import KV_BLOCK, Linear, attention, hidden_keys
 from specserve.engine.runtime.layers import rms_norm
 
+from tests.engine.conftest import OTHER_BUILDS  # (conftest's other_builds compiles them)
 from tests.models import runtime_of, tiny_hf_model
 
 # The linear shapes of SmolLM2-135M (qkv, o, gate_up, down) and an LM head of a small vocab.
@@ -37,27 +37,6 @@ ROW_COUNTS = [1, 2, 3, 4, 5, 8, 9, 16, 33, 64]
 
 def seeded(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-# The C builds besides this CPU's own: the portable one always, the AVX2 code where the CPU
-# would otherwise build AVX512 (on an AVX2 machine the native build is that code).
-OTHER_BUILDS = {"portable": native.PORTABLE_FLAGS}
-if "avx512f" in native._cpu():
-    OTHER_BUILDS["avx2"] = native.FLAGS + ["-mno-avx512f"]
-
-
-@pytest.fixture(scope="module")
-def other_builds(tmp_path_factory):
-    """Each build of OTHER_BUILDS, compiled once for the module into a temporary cache."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    assert compiler, "the suite runs with a C compiler"
-    cache = tmp_path_factory.mktemp("kernels")
-    libs = {}
-    for name, flags in OTHER_BUILDS.items():
-        path = cache / f"kernels-{name}.so"
-        native._compile(compiler, flags, path)
-        libs[name] = native.declare(ctypes.CDLL(str(path)))
-    return libs
 
 
 def use_build(monkeypatch, name: str, other_builds) -> None:

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from specserve.engine.runtime import native
 
-from tests.engine.test_kernels import other_builds, use_build  # noqa: F401  (the builds' fixture)
+from tests.engine.test_kernels import use_build
 
 # The embedded model's weights (q, k and v, o, gate_up, down, the LM head) and odd shapes
 # (row counts off the tiles').
@@ -25,7 +25,7 @@ ROWS = [*range(1, 17), 24, 50]
 
 
 @pytest.fixture(params=["native", "avx2", "portable"])
-def build(request, monkeypatch, other_builds):  # noqa: F811
+def build(request, monkeypatch, other_builds):
     if request.param not in ("native", *other_builds):
         pytest.skip("this CPU builds the AVX2 code natively")
     use_build(monkeypatch, request.param, other_builds)
