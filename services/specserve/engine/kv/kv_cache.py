@@ -136,13 +136,13 @@ class SlotKVCache(SlotTable):
         """The storage row a static-shape forward writes its padding to (the spare slot)."""
         return self.spare_slot
 
-    def locate(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor
+    def locate(self, table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where a forward's tokens are stored, on the host: rows ``slots`` ``[B]``, each
-        token's position ``[B, T]``, the real ones ``valid`` ``[B, T]``; ``(row, offset)`` of
-        the storage ``[rows, Hk, S, D]`` per real token ``[N]`` (:meth:`write` takes them): a
-        slot is its row."""
-        rows = torch.tensor(slots)[:, None].expand(positions.shape)
+        """Where a forward's tokens are stored, on the host: the rows' :meth:`block_table`
+        ``[B, W]`` (made once per forward), each token's position ``[B, T]``, the real ones
+        ``valid`` ``[B, T]``; ``(row, offset)`` of the storage ``[rows, Hk, S, D]`` per real
+        token ``[N]`` (:meth:`write` takes them): a slot is its row."""
+        rows = table[:, :1].long().expand(positions.shape)
         return rows[valid], positions[valid]
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
@@ -270,9 +270,10 @@ class PagedKVCache:
         assert all(p >= at + i for i, p in enumerate(positions)) and positions == sorted(positions)
         if positions != list(range(at, at + len(positions))):
             device, every = self.k[0].device, torch.ones(1, len(positions), dtype=torch.bool)
-            src_b, src_o = (x.to(device) for x in self.locate([slot], torch.tensor([positions]), every))
+            table = self.block_table([slot])
+            src_b, src_o = (x.to(device) for x in self.locate(table, torch.tensor([positions]), every))
             dst_b, dst_o = (x.to(device) for x in self.locate(
-                [slot], torch.arange(at, at + len(positions))[None], every))
+                table, torch.arange(at, at + len(positions))[None], every))
             for storage in (*self.k, *self.v):
                 storage[dst_b, :, dst_o] = storage[src_b, :, src_o]  # the read copies first
         self.rollback(slot, at + len(positions))
@@ -306,12 +307,11 @@ class PagedKVCache:
         """The storage row (block) a static-shape forward writes its padding to."""
         return self.spare_block
 
-    def locate(self, slots: list[int], positions: torch.Tensor, valid: torch.Tensor
+    def locate(self, table: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`SlotKVCache.locate`: each real token's ``(block, offset)`` through its row's
         block table (the blocks reserved)."""
-        table = self.block_table(slots).long()                                  # [B, W]
-        blocks = table.gather(1, (positions // self.block_size).clamp(max=table.shape[1] - 1))
+        blocks = table.long().gather(1, (positions // self.block_size).clamp(max=table.shape[1] - 1))
         return blocks[valid], (positions % self.block_size)[valid]
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,

@@ -193,8 +193,8 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
     # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
     # where each real token's key goes ([N] each: cache.locate), a tree's masks and bases.
-    upload = upload or Upload()
-    parts = [upload.add(x) for x in (tokens, table_pos, valid, *cache.locate(slots, positions, valid),
+    upload, table = upload or Upload(), cache.block_table(slots)
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, *cache.locate(table, positions, valid),
                                      positions, *(() if tree is None else (tree, tree_starts)))]
     upload.send(device)
     tokens_d, table_pos_d, valid_d, write_slots, write_positions, positions_d, *tree_d = (
@@ -205,7 +205,7 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
         slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d,
         write_slots=write_slots, write_positions=write_positions,
         kv_used=kv_used, positions=positions, window=window, tree=tree,
-        tree_starts=tree_starts, lens=torch.tensor(lens), table=cache.block_table(slots),
+        tree_starts=tree_starts, lens=torch.tensor(lens), table=table,
         on_device=(positions_d, *(tree_d or (None, None))))
     return ctx, tokens_d
 

@@ -229,6 +229,21 @@ TILE(8, 3, 0) TILE(8, 2, 0) TILE(8, 1, 0)
     }                                                                                         \
   } while (0)
 
+/* A task's passes: input rows in groups of INPUT_ROWS_PER_PASS against weight rows n0..n1,
+   in tiles of 8 x 3 where a pass is full (AVX512's 32 registers), then WIDE's (a quantized
+   verify's: QROWS_WIDE), then NR x 4 and what is left. T names the block type for WIDE. */
+#define PASSES(TILE_, WIDE, T, x, w, bias, y, N, K, M, n0, n1)                                \
+  for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {                                       \
+    int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;                     \
+    int n = n0;                                                                               \
+    if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                           \
+      for (; n + 8 <= n1; n += 8) ROWS_OF8(TILE_, x, w, bias, y, N, K, n, m0, m1);            \
+    WIDE(T, x, w, bias, y, N, K, n, n1, m0, m1);                                              \
+    for (; n + 4 <= n1; n += 4) ROWS_OF(TILE_, 4, x, w, bias, y, N, K, n, m0, m1);            \
+    for (; n < n1; n++) ROWS_OF(TILE_, 1, x, w, bias, y, N, K, n, m0, m1);                    \
+  }
+#define NO_WIDE(...) ((void)0)
+
 /* 24 input rows a pass: whole 8 x 3 and 4 x 4 tiles (measured: 24, 32, 48 and 96 within noise). */
 enum { WEIGHT_ROWS_PER_TASK = 64, INPUT_ROWS_PER_PASS = 24 };
 
@@ -251,14 +266,7 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
   for (int t = 0; t < tasks; t++) {
     int n0 = t * rows;
     int n1 = n0 + rows < N ? n0 + rows : N;
-    for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {
-      int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;
-      int n = n0;
-      if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)  /* a prefill's full pass */
-        for (; n + 8 <= n1; n += 8) ROWS_OF8(tile_, x, w, bias, y, N, K, n, m0, m1);
-      for (; n + 4 <= n1; n += 4) ROWS_OF(tile_, 4, x, w, bias, y, N, K, n, m0, m1);
-      for (; n < n1; n++) ROWS_OF(tile_, 1, x, w, bias, y, N, K, n, m0, m1);
-    }
+    PASSES(tile_, NO_WIDE, f32, x, w, bias, y, N, K, M, n0, n1)
   }
 }
 
@@ -382,6 +390,17 @@ static float *task_buffer(size_t floats) {
     }                                                                                         \
   } while (0)
 
+/* The wide tiles where a pass has 5 to 8 rows (AVX2's 16 registers hold one weight row's 8
+   sums, not two). */
+#define QWIDE(T, x, w, bias, y, N, K, n, n1, m0, m1)                                          \
+  do {                                                                                        \
+    if (m1 - m0 >= 5 && m1 - m0 <= 8) {                                                       \
+      if (VL == 16)                                                                           \
+        for (; n + 2 <= n1; n += 2) QROWS_WIDE(T, 2, x, w, bias, y, N, K, n, m0, m1);         \
+      for (; n < n1; n++) QROWS_WIDE(T, 1, x, w, bias, y, N, K, n, m0, m1);                   \
+    }                                                                                         \
+  } while (0)
+
 /* linear_rows over blocks of type T: the same tasks, passes and tiles (and the wide ones). */
 #define LINEAR_Q(T)                                                                           \
   QTILE(T, 4, 4, 1) QTILE(T, 4, 3, 1) QTILE(T, 4, 2, 1) QTILE(T, 4, 1, 1)                     \
@@ -408,29 +427,10 @@ static float *task_buffer(size_t floats) {
               store(wf + (size_t)(i - n0) * K + b * 32 + o, T##_weights(w + (size_t)i * nb + b, o)); \
         const float *bt = bias ? bias + n0 : NULL;                                            \
         float *yt = y + n0;                                                                   \
-        for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {                                 \
-          int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;               \
-          int n = 0, nt = n1 - n0;                                                            \
-          if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                     \
-            for (; n + 8 <= nt; n += 8) ROWS_OF8(tile_, x, wf, bt, yt, N, K, n, m0, m1);             \
-          for (; n + 4 <= nt; n += 4) ROWS_OF(tile_, 4, x, wf, bt, yt, N, K, n, m0, m1);             \
-          for (; n < nt; n++) ROWS_OF(tile_, 1, x, wf, bt, yt, N, K, n, m0, m1);                     \
-        }                                                                                     \
+        PASSES(tile_, NO_WIDE, f32, x, wf, bt, yt, N, K, M, 0, n1 - n0)                       \
         continue;                                                                             \
       }                                                                                       \
-      for (int m0 = 0; m0 < M; m0 += INPUT_ROWS_PER_PASS) {                                   \
-        int m1 = m0 + INPUT_ROWS_PER_PASS < M ? m0 + INPUT_ROWS_PER_PASS : M;                 \
-        int n = n0;                                                                           \
-        if (VL == 16 && m1 - m0 == INPUT_ROWS_PER_PASS)                                       \
-          for (; n + 8 <= n1; n += 8) ROWS_OF8(qtile_##T##_, x, w, bias, y, N, K, n, m0, m1);           \
-        if (m1 - m0 >= 5 && m1 - m0 <= 8) {                                                   \
-          if (VL == 16) /* (AVX2's 16 registers hold one weight row's 8 sums, not two) */    \
-            for (; n + 2 <= n1; n += 2) QROWS_WIDE(T, 2, x, w, bias, y, N, K, n, m0, m1);     \
-          for (; n < n1; n++) QROWS_WIDE(T, 1, x, w, bias, y, N, K, n, m0, m1);               \
-        }                                                                                     \
-        for (; n + 4 <= n1; n += 4) ROWS_OF(qtile_##T##_, 4, x, w, bias, y, N, K, n, m0, m1);           \
-        for (; n < n1; n++) ROWS_OF(qtile_##T##_, 1, x, w, bias, y, N, K, n, m0, m1);                   \
-      }                                                                                       \
+      PASSES(qtile_##T##_, QWIDE, T, x, w, bias, y, N, K, M, n0, n1)                         \
     }                                                                                         \
   }
 LINEAR_Q(q4_0) LINEAR_Q(q4_1) LINEAR_Q(q8_0)

@@ -61,7 +61,29 @@ def native_ready(t: torch.Tensor) -> bool:
     return cpu_float32(t) and native.library() is not None
 
 
-class Linear(nn.Linear):
+class HeldAsBlocks:
+    """A module whose ``weight`` may be held as a GGUF's blocks (issue 54): ``weight`` is then
+    empty, and the C kernels read the blocks, a fifth of the bytes for the same outputs."""
+
+    quantized: native.QuantizedWeight | None = None
+    weight: nn.Parameter
+
+    def quantize(self, blocks: native.QuantizedWeight) -> None:
+        """Hold the weight as ``blocks`` and drop its float32 copy, after checking that they
+        are that weight bit for bit (:func:`native.dequantize_blocks`). Raises ValueError
+        where they are not (a wrong row order, another file)."""
+        if not torch.equal(native.dequantize_blocks(blocks), self.weight):
+            raise ValueError(f"the {blocks.kind} blocks are not this {type(self).__name__}'s weight")
+        self.quantized = blocks
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # shapes fail loudly
+
+    def float_weight(self) -> torch.Tensor:
+        """The weight in float32 whether or not it is held as blocks (a copy if it is): for
+        readers of its values (a draft head made on this model's LM head or embedding)."""
+        return self.weight if self.quantized is None else native.dequantize_blocks(self.quantized)
+
+
+class Linear(HeldAsBlocks, nn.Linear):
     """An ``nn.Linear`` whose inference forward is row-invariant on a CPU in float32: the C
     kernel where it is built, else oneDNN with a copy of the weight in its blocked layout
     (made on first use, made again if the weight changes; the model then holds those
@@ -69,23 +91,6 @@ class Linear(nn.Linear):
     gradient) uses ``F.linear``, and so do other devices and dtypes."""
 
     invariant = True  # False: plain ``F.linear`` (the "library" kernels, see LlamaRuntime)
-    # The weight as a GGUF's blocks (issue 54: :meth:`quantize`); ``weight`` is then empty
-    quantized: native.QuantizedWeight | None = None
-
-    def quantize(self, blocks: native.QuantizedWeight) -> None:
-        """Hold the weight as ``blocks`` and drop its float32 copy, after checking that they
-        are that weight bit for bit (:func:`native.dequantize_blocks`): the C kernels then
-        read a fifth of the bytes for the same outputs. Raises ValueError where they are not
-        (a wrong row order, another file)."""
-        if not torch.equal(native.dequantize_blocks(blocks), self.weight):
-            raise ValueError(f"the {blocks.kind} blocks are not this linear's weight")
-        self.quantized = blocks
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # shapes fail loudly
-
-    def float_weight(self) -> torch.Tensor:
-        """The weight in float32 whether or not it is held as blocks (a copy if it is): for
-        readers of its values (a draft head made on this model's LM head)."""
-        return self.weight if self.quantized is None else native.dequantize_blocks(self.quantized)
 
     def dequantize(self) -> None:
         """The float32 weight back from the blocks (what every path but the C kernels reads)."""
@@ -121,23 +126,9 @@ class Linear(nn.Linear):
         return self._packed_weight
 
 
-class Embedding(nn.Embedding):
+class Embedding(HeldAsBlocks, nn.Embedding):
     """An ``nn.Embedding`` that may hold its table as a GGUF's blocks (issue 54: a tied LM
     head's, shared with it): a lookup forms its rows from them, the float32 table's bits."""
-
-    quantized: native.QuantizedWeight | None = None  # ``weight`` is then empty
-
-    def quantize(self, blocks: native.QuantizedWeight) -> None:
-        """Hold the table as ``blocks`` (checked to be it bit for bit) and drop the float32 one."""
-        if not torch.equal(native.dequantize_blocks(blocks), self.weight):
-            raise ValueError(f"the {blocks.kind} blocks are not this embedding")
-        self.quantized = blocks
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # shapes fail loudly
-
-    def float_weight(self) -> torch.Tensor:
-        """The table in float32 (a copy where it is held as blocks): for readers of its
-        values, a draft head made on this model's embedding."""
-        return self.weight if self.quantized is None else native.dequantize_blocks(self.quantized)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:

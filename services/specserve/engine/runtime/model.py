@@ -125,10 +125,14 @@ class LlamaRuntime(nn.Module):
         compiled (:func:`specserve.engine.runtime.compiled.warm_up`)."""
         return warm_up(self, cache)
 
-
     @property
     def max_positions(self) -> int:
         return self.rope_cos.shape[0]
+
+    def _check_length(self, max_seq_len: int) -> None:
+        if max_seq_len > self.max_positions:
+            raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
+                              "positions this runtime was built for")
 
     def make_paged_cache(self, num_slots: int, max_seq_len: int, *, block_size: int,
                          num_blocks: int, prefix_caching: bool = True) -> PagedKVCache:
@@ -141,24 +145,20 @@ class LlamaRuntime(nn.Module):
             raise ConfigError(f"kv_cache block_size {block_size}: FlexAttention reads blocks of "
                               f"{KV_BLOCK} keys, so a paged cache on it needs a multiple of "
                               f"{KV_BLOCK} (64 is the default on CUDA)")
-        if max_seq_len > self.max_positions:
-            raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
-                              "positions this runtime was built for")
+        self._check_length(max_seq_len)
         attn = self.layers[0].attn
         cache = PagedKVCache(num_layers=len(self.layers), num_blocks=num_blocks,
-                            block_size=block_size, num_slots=num_slots,
-                            num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
-                            head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
-                            device=self.embed.weight.device, prefix_caching=prefix_caching,
-                            spare=self.static is not None or flex)
+                             block_size=block_size, num_slots=num_slots,
+                             num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
+                             head_dim=attn.head_dim, dtype=self.embed.weight.dtype,
+                             device=self.embed.weight.device, prefix_caching=prefix_caching,
+                             spare=self.static is not None or flex)
         self._static_addresses(cache)
         return cache
 
     def make_cache(self, num_slots: int, max_seq_len: int) -> SlotKVCache:
         """A cache shaped for this model (local KV heads under tensor parallelism)."""
-        if max_seq_len > self.max_positions:
-            raise ConfigError(f"max_seq_len {max_seq_len} exceeds the {self.max_positions} "
-                              "positions this runtime was built for")
+        self._check_length(max_seq_len)
         attn = self.layers[0].attn
         cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots,
                             num_kv_heads=attn.num_kv_heads, max_seq_len=max_seq_len,
