@@ -263,6 +263,35 @@ def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind, kernels)
     assert torch.equal(got[1:6], alone[:5])
 
 
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "mistral-window"])
+def test_a_layer_in_one_call_is_its_modules_calls_bit_for_bit(kind, build):
+    """kernels.c's decoder_layer makes the calls the layer's modules make (layers.py), in their
+    order: the same logits and the same cache storage as module by module, for a ragged
+    prefill, a decode, a verify beside a decode and a token tree, on slots and on blocks."""
+    hf = tiny_hf_model(kind, seed=0, logit_scale=3.0)
+    prompt = seeded(80, seed=3).abs().mul(100).long().remainder(500).tolist()
+    runs = {}
+    for one_call in (True, False):
+        rt = runtime_of(hf, max_len=256)
+        for layer in rt.layers:
+            layer.one_call = one_call
+        out = []
+        for paged in (False, True):
+            cache = (rt.make_paged_cache(4, 256, block_size=16, num_blocks=64) if paged
+                     else rt.make_cache(num_slots=4, max_seq_len=256))
+            a, b = cache.allocate(), cache.allocate()
+            for batch in (ForwardBatch([a, b], [prompt[:50], prompt[:23]], [1, 3]),
+                          ForwardBatch([a], [[7]]),
+                          ForwardBatch([a, b], [prompt[50:56], [9]], [6, 1]),
+                          *([] if kind == "mistral-window"  # (trees are not for windows)
+                            else [ForwardBatch([b], [[4, 5, 6, 7]], [4], trees=[[-1, 0, 0, 1]])])):
+                out.append(rt(cache, batch).logits)
+            out += [*cache.k, *cache.v]
+        assert (getattr(rt.layers[0], "_native_ref", None) is not None) == one_call  # it ran
+        runs[one_call] = out
+    assert all(torch.equal(x, y) for x, y in zip(runs[True], runs[False], strict=True))
+
+
 def test_library_kernels_compute_the_same_logits_up_to_rounding(kernels):
     """``kernels: library`` (F.linear + SDPA, the runtime before these kernels; kept for GPUs
     and side-by-side benchmarks) is the same model."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine.kv.kv_cache import SlotKVCache
-from specserve.engine.runtime import block_attention
+from specserve.engine.runtime import block_attention, native
 from specserve.engine.runtime.arch import one_window
 from specserve.engine.runtime.block_attention import KeyBlocks
 from specserve.engine.runtime.compiled import bucket
@@ -123,6 +123,31 @@ class ForwardContext:
                 start = (self.query_last - self.window + 1).clamp(min=0)
             self._ranges[key] = start.to(torch.int32)
         return self._ranges[key]
+
+    def native_forward(self, cache: SlotKVCache, layer: native.LayerRef) -> native.ForwardRef:
+        """What :func:`native.decoder_layer` reads of this forward (made once; its tensors
+        held here), with scratch for ``layer``. The C kernels trust the block table, so the
+        bounds are checked here, once for every layer."""
+        b, t = self.valid.shape
+        floats = native.layer_scratch(layer, b * t)
+        held = self._ranges.get("native")
+        if held is None:
+            table, starts, lens, hi = self.table, self.row_starts, self.row_lens, self.key_end
+            assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
+            room = table.shape[1] * cache.k[0].shape[2]
+            assert int(hi.max()) <= room and int((starts + lens).max()) <= room, \
+                f"keys past the block table ({table.shape[1]} x {cache.k[0].shape[2]})"
+            lo = self.key_start(False)
+            lo_window = self.key_start(True) if self.window is not None else lo
+            tensors = [self.cos, self.sin, table, starts, lens, lo, lo_window, hi, self.tree_starts,
+                       self.tree]
+            ref = native.ForwardRef(b, t, cache.k[0].shape[2], table.shape[1], torch.get_num_threads(),
+                                    *(None if x is None else x.data_ptr() for x in tensors), None)
+            held = self._ranges["native"] = [ref, torch.empty(0), tensors]
+        if held[1].numel() < floats:
+            held[1] = torch.empty(floats, dtype=torch.float32)
+            held[0].scratch = held[1].data_ptr()
+        return held[0]
 
     def key_blocks(self, cache: SlotKVCache, window: bool) -> KeyBlocks:
         """The key blocks each row reads in :mod:`~specserve.engine.runtime.block_attention` (made

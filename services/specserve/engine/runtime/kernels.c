@@ -728,6 +728,77 @@ void rope_and_store(float *qkv, const float *cos, const float *sin, float *k_cac
   }
 }
 
+/* A decoder layer in one call (decoder_layer): what a token's layer runs between two
+   residual streams, the calls above in the order the layer's modules make them from Python
+   (layers.py: DecoderLayer, Attention._native, MLP), so the same bits; one call instead of
+   about seven kernels and their modules' Python a layer (at batch 1 that Python cost about
+   a third of a decode on the 4-bit weights). */
+enum { W_F32, W_Q4_0, W_Q4_1, W_Q8_0 };  /* native.WEIGHT_KINDS */
+
+typedef struct {          /* a linear's weight: float32 [n, k], or a GGUF's packed blocks */
+  int kind, n, k;
+  const void *w;
+  const float *bias;      /* or NULL */
+} weight_ref;
+
+typedef struct {          /* one layer: its weights, norms, shapes and cache storage */
+  weight_ref qkv, o, gate_up, down;
+  const float *input_norm, *post_norm;
+  float *keys, *values;   /* [blocks, Hk, BS, D] */
+  int H, Hk, D, hidden, intermediate, window;  /* window: reads lo_window, not lo */
+  float eps, scale;
+} layer_ref;
+
+typedef struct {          /* one forward: its rows and what every layer reads of them */
+  int B, T, BS, W, threads;
+  const float *cos, *sin;                                         /* [B * T, D] */
+  const int32_t *table, *start, *lens, *lo, *lo_window, *hi, *tree_start;
+  const uint64_t *tree;
+  float *scratch;         /* decoder_layer_scratch(layer, B * T) floats */
+} forward_ref;
+
+static void linear_any(const float *x, const weight_ref *w, float *y, int M, int threads) {
+  switch (w->kind) {
+    case W_Q4_0: linear_rows_q4_0(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
+    case W_Q4_1: linear_rows_q4_1(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
+    case W_Q8_0: linear_rows_q8_0(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
+    default: linear_rows(x, w->w, w->bias, y, M, w->n, w->k, threads);
+  }
+}
+
+/* y[i] = a[i] + y[i]: a residual add (torch's x + h, one IEEE add each). */
+static void add_into(float *y, const float *a, long n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_MIN_WORK)
+  for (long i = 0; i < n; i++) y[i] = a[i] + y[i];
+}
+
+long decoder_layer_scratch(const layer_ref *l, int M) {
+  return (long)M * (2 * l->hidden + (l->H + 2 * l->Hk) * l->D + l->H * l->D + 3 * l->intermediate);
+}
+
+/* out[M, hidden] = the layer over x[M, hidden] (M = B * T tokens); the new keys and values
+   stored in the cache as rope_and_store stores them. */
+void decoder_layer(const float *x, float *out, const layer_ref *l, const forward_ref *f) {
+  int M = f->B * f->T, qkv_n = (l->H + 2 * l->Hk) * l->D, th = f->threads;
+  float *normed = f->scratch, *mlp_out = normed + (size_t)M * l->hidden;
+  float *qkv = mlp_out + (size_t)M * l->hidden, *attn = qkv + (size_t)M * qkv_n;
+  float *gate_up = attn + (size_t)M * l->H * l->D, *act = gate_up + (size_t)M * 2 * l->intermediate;
+  rms_norm_rows(x, l->input_norm, normed, M, l->hidden, l->eps, th);
+  linear_any(normed, &l->qkv, qkv, M, th);
+  rope_and_store(qkv, f->cos, f->sin, l->keys, l->values, f->table, f->W, f->start, f->lens,
+                 f->B, f->T, l->H, l->Hk, f->BS, l->D, th);
+  attention_rows(qkv, qkv_n, l->keys, l->values, f->table, f->W, l->window ? f->lo_window : f->lo,
+                 f->hi, f->tree, f->tree_start, attn, f->B, f->T, l->H, l->Hk, f->BS, l->D,
+                 l->scale, th);
+  linear_any(attn, &l->o, out, M, th);
+  add_into(out, x, (long)M * l->hidden, th);                      /* x + attn(norm(x)) */
+  rms_norm_rows(out, l->post_norm, normed, M, l->hidden, l->eps, th);
+  linear_any(normed, &l->gate_up, gate_up, M, th);
+  silu_mul_rows(gate_up, act, M, l->intermediate, th);
+  linear_any(act, &l->down, mlp_out, M, th);
+  add_into(out, mlp_out, (long)M * l->hidden, th);                /* x + mlp(norm(x)) */
+}
+
 /* Exp(1) noise, N rows of V (sampling.exponential_noise's formula, which the torch path
    computes op by op): entry j of row i is SplitMix64's finaliser of keys[i] + (j + 1) *
    golden, its top 53 bits a uniform u in (0, 1), the noise -log(u) in double, then float.

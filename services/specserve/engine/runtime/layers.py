@@ -202,13 +202,50 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.mlp = MLP(arch)
         self.invariant = True  # the C kernels where they apply (see LlamaRuntime.use_kernels)
+        self.one_call = True   # on the C kernels, the layer in one call (False: module by module)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
                 cache: SlotKVCache) -> torch.Tensor:
+        if self.one_call and self.invariant and native_ready(x) and type(ctx) is ForwardContext:
+            layer = self._native_layer(cache)
+            if layer is not None:  # the same calls as below, from C
+                return native.decoder_layer(x.contiguous(), layer, ctx.native_forward(cache, layer))
         norm = native.rms_norm if self.invariant and native_ready(x) else rms_norm
         attn_in = x if self.input_norm is None else norm(x, self.input_norm, self.eps)
         x = x + self.attn(attn_in, ctx, cache)
         return x + self.mlp(norm(x, self.post_attn_norm, self.eps))
+
+    def _native_layer(self, cache: SlotKVCache) -> native.LayerRef | None:
+        """What :func:`native.decoder_layer` reads of this layer, where it runs the layer as
+        :meth:`forward` would (made again when a weight or the cache storage moves); None
+        where it does not: another module's kernels, tensor parallelism, q/k norms, a weight
+        autograd must see, or one the C kernels cannot read."""
+        attn, mlp = self.attn, self.mlp
+        linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+        tensors = (cache.k[attn.layer_idx], cache.v[attn.layer_idx], self.input_norm,
+                   self.post_attn_norm, *(lin.weight if lin.quantized is None else lin.quantized.data
+                                          for lin in linears), *(lin.bias for lin in linears))
+        key = tuple(None if x is None else x.data_ptr() for x in tensors)
+        if getattr(self, "_native_key", None) != key:
+            self._native_key, self._native_ref = key, self._make_native_layer(cache, linears)
+        return self._native_ref
+
+    def _make_native_layer(self, cache: SlotKVCache, linears: tuple[Linear, ...]) -> native.LayerRef | None:
+        attn, mlp = self.attn, self.mlp
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        if (grad or self.input_norm is None or attn.q_norm is not None or not attn.invariant
+                or not mlp.invariant or attn.all_reduce is not None or mlp.all_reduce is not None
+                or not all(lin.invariant and (lin.quantized is not None
+                                              or native.cpu_float32_contiguous(lin.weight))
+                           for lin in linears)):
+            return None
+        refs = [native.weight_ref(lin.weight if lin.quantized is None else lin.quantized, lin.bias)
+                for lin in linears]
+        window = attn.sliding_window is not None
+        return native.LayerRef(*refs, self.input_norm.data_ptr(), self.post_attn_norm.data_ptr(),
+                               cache.k[attn.layer_idx].data_ptr(), cache.v[attn.layer_idx].data_ptr(),
+                               attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_norm.shape[0],
+                               mlp.intermediate_size, window, self.eps, attn.head_dim ** -0.5)
 
     def forward_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: see :meth:`Attention.forward_full`."""

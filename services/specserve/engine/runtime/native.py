@@ -128,11 +128,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_mul_rows.argtypes = [ptr] * 2 + [i32] * 3
     lib.rope_and_store.argtypes = [ptr] * 6 + [i32] + [ptr] * 2 + [i32] * 7
     lib.exponential_noise_rows.argtypes = [ptr] + [i32] * 2 + [ptr, i32]
+    lib.decoder_layer.argtypes = [ptr, ptr, ctypes.POINTER(LayerRef), ctypes.POINTER(ForwardRef)]
+    lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(LayerRef), i32]
+    lib.decoder_layer_scratch.restype = ctypes.c_long
     quantized = [getattr(lib, f"linear_rows_{kind.lower()}") for kind in QUANT_BLOCKS]
     for fn in quantized:
         fn.argtypes = [ptr] * 4 + [i32] * 4
     for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
-               lib.rope_and_store, lib.exponential_noise_rows, *quantized):
+               lib.rope_and_store, lib.exponential_noise_rows, lib.decoder_layer, *quantized):
         fn.restype = None
     return lib
 
@@ -343,4 +346,56 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     out = torch.empty(keys.shape[0], vocab, dtype=torch.float32)
     _built().exponential_noise_rows(keys.data_ptr(), keys.shape[0], vocab, out.data_ptr(),
                                     torch.get_num_threads())
+    return out
+
+
+# -- a decoder layer in one call (kernels.c, "A decoder layer in one call") ----------------------
+WEIGHT_KINDS = {"float32": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # kernels.c's W_F32 ...
+
+
+class WeightRef(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
+                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class LayerRef(ctypes.Structure):
+    _fields_ = [("qkv", WeightRef), ("o", WeightRef), ("gate_up", WeightRef), ("down", WeightRef),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                *((name, ctypes.c_int) for name in ("H", "Hk", "D", "hidden", "intermediate", "window")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class ForwardRef(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int) for name in ("B", "T", "BS", "W", "threads")),
+                *((name, ctypes.c_void_p) for name in ("cos", "sin", "table", "start", "lens", "lo",
+                                                       "lo_window", "hi", "tree_start", "tree",
+                                                       "scratch"))]
+
+
+def weight_ref(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> WeightRef:
+    """What the C kernels read of a linear (its weight's storage must outlive the ref)."""
+    if isinstance(weight, QuantizedWeight):
+        return WeightRef(WEIGHT_KINDS[weight.kind], weight.out_features, weight.in_features,
+                         weight.data.data_ptr(), _ptr(bias))
+    assert cpu_float32_contiguous(weight), "the C kernels read float32 rows"
+    return WeightRef(WEIGHT_KINDS["float32"], weight.shape[0], weight.shape[1], weight.data_ptr(),
+                     _ptr(bias))
+
+
+def cpu_float32_contiguous(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def layer_scratch(layer: LayerRef, tokens: int) -> int:
+    """Floats of scratch :func:`decoder_layer` needs for ``tokens`` rows."""
+    return _built().decoder_layer_scratch(ctypes.byref(layer), tokens)
+
+
+def decoder_layer(x: torch.Tensor, layer: LayerRef, forward: ForwardRef) -> torch.Tensor:
+    """A decoder layer over ``x`` ``[B, T, hidden]`` (contiguous float32) in one call: its
+    output, and its keys and values in the cache (see :class:`LayerRef`, :class:`ForwardRef`;
+    the tensors they point to are the caller's to keep alive)."""
+    out = torch.empty_like(x)
+    _built().decoder_layer(x.data_ptr(), out.data_ptr(), ctypes.byref(layer), ctypes.byref(forward))
     return out
