@@ -11,8 +11,9 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
-from specserve.config import AppConfig
+from specserve.app_config import AppConfig
 from specserve.engine.builder import check_draft_files
+from specserve.serve.autoscaling import UnitPolicy, requests_target
 from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.placement import resolved_layout, unit_bundles
 from specserve.serve.request_router import UnitRouter
@@ -28,12 +29,13 @@ def build_app(args: dict) -> Application:
     cfg = AppConfig.model_validate(args)
     check_draft_files(cfg.unit.engine)
     capacity = cfg.unit.engine.max_num_seqs + cfg.unit.max_queue_len
+    most = cfg.num_units if cfg.autoscaling is None else cfg.autoscaling.max_units
     unit = serve.deployment(SpeculationUnit, name="SpeculationUnit").options(
-        num_replicas=cfg.num_units,
+        **_replicas(cfg),
         # One more than the unit holds: the overflow request reaches the unit, which answers
         # 429 itself, instead of waiting unbounded in a handle queue.
         max_ongoing_requests=capacity + 1,
-        max_queued_requests=capacity * cfg.num_units,
+        max_queued_requests=capacity * most,
         ray_actor_options={"num_cpus": cfg.unit.coordinator_cpus},
         placement_group_bundles=unit_bundles(cfg.unit),
         placement_group_strategy="STRICT_PACK",
@@ -45,10 +47,34 @@ def build_app(args: dict) -> Application:
         **_drain(cfg.drain_timeout_s),
     ).bind(cfg.unit.model_dump())
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
-        num_replicas=1, max_ongoing_requests=4 * capacity * cfg.num_units,
+        num_replicas=1, max_ongoing_requests=4 * capacity * most,
         ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)},
         **_drain(cfg.drain_timeout_s))
     return ingress.bind(unit=unit, config=cfg.model_dump())
+
+
+def _replicas(cfg: AppConfig) -> dict:
+    """``num_units`` fixed, or Serve's autoscaling between the bounds: this project's policy
+    on the units' signals (``serve/autoscaling.py``), or Serve's own on ongoing requests at the
+    same target utilisation of a unit's slots (``policy: requests``, for comparison). Serve
+    holds a wanted count for the delay before it acts, and a unit it removes drains
+    (:func:`_drain`)."""
+    scaling = cfg.autoscaling
+    if scaling is None:
+        return {"num_replicas": cfg.num_units}
+    config = {"min_replicas": scaling.min_units, "max_replicas": scaling.max_units,
+              "initial_replicas": cfg.num_units, "upscale_delay_s": scaling.upscale_delay_s,
+              "downscale_delay_s": scaling.downscale_delay_s,
+              "look_back_period_s": scaling.look_back_s,
+              "metrics_interval_s": scaling.metrics_interval_s}
+    if scaling.policy == "requests":
+        config["target_ongoing_requests"] = requests_target(cfg.unit.engine.max_num_seqs,
+                                                            scaling.target_utilization)
+    else:
+        config["policy"] = {"policy_function": f"{UnitPolicy.__module__}:{UnitPolicy.__name__}",
+                            "policy_kwargs": {"target_utilization": scaling.target_utilization,
+                                              "hysteresis": scaling.hysteresis}}
+    return {"autoscaling_config": config}
 
 
 def _router_kwargs(cfg: AppConfig) -> dict:

@@ -64,7 +64,7 @@ def chart_schema(app_schema: dict) -> dict:
                              "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}),
             "imagePullSecrets": LIST_OF_OBJECTS,
             "rayVersion": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+$"},
-            "specserve": {**app_schema, "description": "AppConfig (services/specserve/config.py)"},
+            "specserve": {**app_schema, "description": "AppConfig (services/specserve/app_config.py)"},
             "head": strict({"resources": RESOURCES,
                             "nodeSelector": {"type": "object", "additionalProperties": STR},
                             "tolerations": LIST_OF_OBJECTS, "affinity": OBJ, "shmSize": QUANTITY}),
@@ -127,7 +127,7 @@ def chart_schema(app_schema: dict) -> dict:
 
 def render() -> str:
     sys.path.insert(0, str(HERE.parent / "services"))
-    from specserve.config import AppConfig
+    from specserve.app_config import AppConfig
 
     app = AppConfig.model_json_schema(mode="validation")
     app.pop("title", None)

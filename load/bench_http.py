@@ -43,7 +43,7 @@ def app_args(method: str) -> dict:
 def start(method: str):
     """Local Ray + the Serve app, and the same engine in-process."""
     from ray import serve
-    from specserve.config import AppConfig
+    from specserve.app_config import AppConfig
     from specserve.engine.builder import build_engine
     from specserve.serve.local import start_local_ray, start_serve
 

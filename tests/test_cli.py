@@ -49,7 +49,7 @@ def test_serve_says_what_it_speculates_with(monkeypatch, capsys, tmp_path):
 
     import yaml
     from specserve import cli
-    from specserve.config import AppConfig
+    from specserve.app_config import AppConfig
     from specserve.engine.drafts import draft_head
 
     shipped = yaml.safe_load(open("deploy/serve_config.yaml"))["applications"][0]["args"]

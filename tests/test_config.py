@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
-from specserve.config import AppConfig, SpeculativeConfig, UnitConfig
+from specserve.app_config import AppConfig
+from specserve.config import SpeculativeConfig, UnitConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

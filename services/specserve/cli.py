@@ -147,7 +147,7 @@ def cmd_serve(args) -> int:
     if os.environ.get(SERVER_ENV) != "1" and sys.platform.startswith("linux"):
         return _supervise(args.argv)
     metrics_port = _check_ports(args)  # the first thing the server does: a taken port is one line
-    from specserve.config import AppConfig
+    from specserve.app_config import AppConfig
 
     stop = threading.Event()  # a stop signal, from the first moment: one during start-up
     _stop_on_signal(stop)      # drains as soon as the app is up

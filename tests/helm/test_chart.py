@@ -19,7 +19,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from specserve.config import AppConfig
+from specserve.app_config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "specserve"

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 import pytest
-from specserve.config import AppConfig
+from specserve.app_config import AppConfig
 from specserve.memory import (
     GIB,
     MAX_UTILIZATION,

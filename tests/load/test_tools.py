@@ -102,7 +102,7 @@ def test_header_and_request_bodies():
 
 
 def test_local_app_args_validate():
-    from specserve.config import AppConfig
+    from specserve.app_config import AppConfig
 
     cfg = AppConfig.model_validate(sweep.local_app_args(32, 64, 2048, 4))
     assert cfg.unit.engine.max_num_seqs == 32 and cfg.unit.max_queue_len >= 32

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from specserve.config import AuthConfig, LimitsConfig
+from specserve.app_config import AuthConfig, LimitsConfig
 from specserve.errors import ConfigError
 from specserve.serve.guard import ANONYMOUS, Guard, KeyRing, Lease, Refusal, TokenBucket, key_id
 

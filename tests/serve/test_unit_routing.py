@@ -10,6 +10,7 @@ lands on the unit holding its prefix shows in ``usage.prompt_tokens_details.cach
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,27 @@ def test_what_the_router_remembers_is_bounded():
     assert len(affinity._owners) == 8
     assert affinity.owner(old, {"a", "b"}) is None and affinity.owner(new, {"a", "b"}) == "b"
     assert affinity.owner(new, {"a"}) is None  # a unit that is gone owns nothing
+
+
+def test_a_unit_that_goes_is_forgotten_and_its_prompts_are_learnt_where_they_land():
+    """Autoscaling's scale-down (issue 55): Serve hands the router the units that remain
+    (``update_replicas``, which wants the event loop Serve runs routers on)."""
+    asyncio.run(_scale_down_and_up())
+
+
+async def _scale_down_and_up() -> None:
+    router, (a, b, c) = make_router(), [Unit("a"), Unit("b"), Unit("c")]
+    prompt = list(range(12))
+    assert send(router, [a, b], prompt) == "a"  # a holds the prefix, its request in flight
+    router.update_replicas([b])                 # a drains and goes
+    assert "a" not in router.in_flight and "a" not in router.sent
+    assert "a" not in router.affinity._owners.values()
+    router.update_replicas([b, c])              # a new unit comes
+    assert send(router, [b, c], prompt) == "b"  # no owner left: the least loaded, first listed
+    finish(router, "b")
+    assert send(router, [b, c], prompt + [5] * 4) == "b"  # learnt there
+    finish(router, "b")
+    assert send(router, [b, c], [77] * 12) == "c"         # fresh prompts: the new unit first
 
 
 # -- two units behind Serve's router, over HTTP ------------------------------------------------

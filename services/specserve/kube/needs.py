@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from specserve.config import AppConfig
+from specserve.app_config import AppConfig
 from specserve.errors import ConfigError
 
 DRAFT_METHODS = ("draft_model", "eagle")  # the chart's specserve.draftMethod

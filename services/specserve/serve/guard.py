@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specserve.config import AuthConfig, LimitsConfig
+from specserve.app_config import AuthConfig, LimitsConfig
 from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from ray import serve
 
-from specserve.config import AppConfig
+from specserve.app_config import AppConfig
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.request import EngineRequest, RequestLimits, check_request
 from specserve.engine.tokenizer import encode_chat, encode_prompt

@@ -52,6 +52,11 @@ class PrefixAffinity:
                 return unit
         return None
 
+    def forget(self, units: set[str]) -> None:
+        """Drop what it remembers of ``units`` (gone: scaled down or replaced)."""
+        for h in [h for h, unit in self._owners.items() if unit in units]:
+            del self._owners[h]
+
     def remember(self, hashes: list[BlockHash], unit: str) -> None:
         for h in hashes:
             self._owners[h] = unit
@@ -102,6 +107,19 @@ class UnitRouter(FIFOMixin, RequestRouter):
                 first = next(r for r in replicas if r.replica_id.unique_id == unit)
             self.affinity.remember(hashes, first.replica_id.unique_id)
         return [[first]] + [[r] for r in by_load if r is not first]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of units: a unit that has gone (scaled down, replaced) is forgotten,
+        its prefixes and counts with it, so its prompts go to the units that remain and are
+        learnt there; a new unit has sent nothing, so it goes first among the least loaded."""
+        super().update_replicas(replicas)
+        here = {r.replica_id.unique_id for r in replicas}
+        gone = (set(self.in_flight) | set(self.sent)) - here
+        for counts in (self.in_flight, self.sent):
+            for unit in gone:
+                counts.pop(unit, None)
+        if self.affinity is not None and gone:
+            self.affinity.forget(gone)
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)

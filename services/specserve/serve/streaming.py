@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from specserve.config import LimitsConfig
+from specserve.app_config import LimitsConfig
 from specserve.serve.api_errors import from_unit_error, server_error, timeout_error
 from specserve.serve.guard import Lease
 from specserve.serve.metrics import record_finish

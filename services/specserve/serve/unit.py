@@ -28,6 +28,7 @@ from specserve.engine.request import EngineRequest
 from specserve.engine.step.sequence import StepOutput
 from specserve.engine.step.stats import SpecStats
 from specserve.errors import InvalidRequestError
+from specserve.serve.autoscaling import NO_GATE
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
@@ -207,6 +208,18 @@ class SpeculationUnit:
                 "blocks_free": pool.num_free, "blocks_cached": pool.num_cached,
                 "prefix_cache_queries": table.stats.queries, "prefix_cache_hits": table.stats.hits,
                 "evictions": pool.evictions}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The signals unit autoscaling scales on (``serve/autoscaling.py``), which Serve
+        collects every ``autoscaling.metrics_interval_s`` and averages."""
+        kv, ctl = self._kv_stats(), self.engine.controller
+        slots = self.cfg.engine.max_num_seqs
+        used = (1 - kv["blocks_free"] / kv["blocks_total"] if kv.get("blocks_total")
+                else 1 - self.engine.target.num_free_slots / slots)
+        return {"seqs": float(self.loop.num_running + self.loop.num_waiting),
+                "max_seqs": float(slots), "kv_used": float(used),
+                "gate_off_at": float(self.policy.gate.off_at if self.method else NO_GATE),
+                "speedup": float(ctl.estimated_speedup if ctl is not None and ctl.calibrated else 1.0)}
 
     def record_routing_stats(self) -> dict:
         return {"load": self.loop.load, "free_slots": self.engine.target.num_free_slots}
