@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve import autoscaling_policy
+from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from specserve.app_config import AppConfig
