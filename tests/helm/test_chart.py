@@ -218,6 +218,23 @@ def test_auth_off_is_explicit_and_mounts_no_keys():
     assert "SPECSERVE_API_KEYS_FILE" not in {e["name"] for e in head["containers"][0]["env"]}
 
 
+def test_autoscaling_turns_on_kuberays_autoscaler_with_the_groups_bounded_by_units():
+    """A unit is a target pod and a draft pod: each group scales between the unit bounds;
+    without autoscaling the groups are fixed at num_units (as before)."""
+    docs = render(CHART / "ci" / "autoscaling-values.yaml")
+    [svc] = by_kind(docs, "RayService")
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+    bounds = {name: (g["replicas"], g["minReplicas"], g["maxReplicas"]) for name, g in groups(docs).items()}
+    assert bounds == {"target": (1, 1, 3), "draft": (1, 1, 3)}
+    scaling = AppConfig.model_validate(app_args(docs)).autoscaling
+    assert (scaling.policy, scaling.min_units, scaling.max_units) == ("speculation", 1, 3)
+    fixed = render(sets=("specserve.num_units=2",))
+    assert by_kind(fixed, "RayService")[0]["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+    assert {(g["minReplicas"], g["maxReplicas"]) for g in groups(fixed).values()} == {(2, 2)}
+
+
 def test_limits_and_drain_reach_the_app():
     docs = render(sets=("specserve.limits.requests_per_minute=600",
                         "specserve.limits.max_concurrent_requests=8", "specserve.drain_timeout_s=120"))

@@ -89,6 +89,18 @@ def test_how_many_units_fit_counts_gpus_left_after_each_unit(flagship):
     assert units == 3
 
 
+def test_with_autoscaling_the_cluster_is_counted_for_max_units(tmp_path):
+    values = tmp_path / "scaling.yaml"
+    values.write_text("specserve:\n  autoscaling: {min_units: 1, max_units: 3}\n")
+    needs = needs_of(load_values([values], CHART))
+    assert needs.units == 3 and needs.autoscaled
+    gpu_nodes = [node(f"gpu-{i}", 8, taints=[GPU_TAINT]) for i in range(2)]
+    findings, units, lines = run(needs, CPU_NODES + gpu_nodes)
+    assert units == 3 and lines[-1].startswith("ok   3 of 3 unit(s) (autoscaling's max_units) fit")
+    _, units, lines = run(needs, CPU_NODES + gpu_nodes[:1])
+    assert units == 1 and lines[-1].startswith("warn 1 of 3 unit(s) (autoscaling's max_units)")
+
+
 def test_no_node_with_four_gpus_names_the_biggest_node_and_what_it_lacks(flagship):
     findings, units, lines = run(flagship, CPU_NODES + [node("gpu-a", 2, taints=[GPU_TAINT]),
                                                         node("gpu-b", 3, taints=[GPU_TAINT])])

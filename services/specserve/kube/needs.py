@@ -68,6 +68,7 @@ class Needs:
     crds: list[CRDNeed]
     secrets: list[SecretNeed]
     storage_class: str | None  # the model cache's claim: "" = the cluster's default; None: no claim made
+    autoscaled: bool = False   # units: autoscaling's max_units (the most the cluster must hold)
 
 
 def load_values(files: list[Path], chart_dir: Path | None) -> dict:
@@ -102,13 +103,15 @@ def needs_of(values: dict) -> Needs:
     if method not in DRAFT_METHODS:  # the chart drops the default draft where no method reads it
         spec = _without_draft(spec)
     app = AppConfig.model_validate(spec)
-    tp, units = app.unit.tensor_parallel_size, app.num_units
+    tp, scaling = app.unit.tensor_parallel_size, app.autoscaling
+    units = app.num_units if scaling is None else scaling.max_units
     pods = [_pod("head", values.get("head") or {}, 1, 0)]
     pods.append(_pod("target", values.get("target") or {}, units, tp))
     if method in DRAFT_METHODS and not app.unit.draft_shares_gpu:  # else in the target pod
         pods.append(_pod("draft", values.get("draft") or {}, units, 1))
     return Needs(units=units, tensor_parallel_size=tp, method=method, pods=pods,
-                 crds=_crds(values), secrets=_secrets(values), storage_class=_storage_class(values))
+                 crds=_crds(values), secrets=_secrets(values), storage_class=_storage_class(values),
+                 autoscaled=scaling is not None)
 
 
 def _without_draft(spec: dict) -> dict:

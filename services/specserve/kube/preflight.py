@@ -241,7 +241,8 @@ def preflight(needs: Needs, nodes: list, crds: list, classes: list, secrets: dic
     findings += check_crds(crds, needs) + check_storage(classes, needs)
     findings += check_secrets(secrets, needs, namespace)
     fit = units >= needs.units
-    findings.append(Finding(fit, f"{units} of {needs.units} unit(s) fit on the cluster's allocatable "
+    most = " (autoscaling's max_units)" if needs.autoscaled else ""
+    findings.append(Finding(fit, f"{units} of {needs.units} unit(s){most} fit on the cluster's allocatable "
                                  "resources (pods already running not counted)", fatal=units == 0))
     return findings, units
 
