@@ -50,7 +50,9 @@ def build_app(args: dict) -> Application:
         num_replicas=1, max_ongoing_requests=4 * capacity * most,
         ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)},
         **_drain(cfg.drain_timeout_s))
-    return ingress.bind(unit=unit, config=cfg.model_dump())
+    # The ingress reads neither the units' count nor their scaling: a change to them leaves
+    # it running (its streams with it), as it leaves the units (options only).
+    return ingress.bind(unit=unit, config=cfg.model_dump(exclude={"num_units", "autoscaling"}))
 
 
 def _replicas(cfg: AppConfig) -> dict:

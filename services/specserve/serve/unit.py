@@ -280,9 +280,11 @@ class SpeculationUnit:
         ``token_id`` makes its step raise, as a request-caused failure would (None: off)."""
         self.engine.fault_token = token_id
 
-    def stall(self, seconds: float) -> None:
-        """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``."""
+    def stall(self, seconds: float) -> str:
+        """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``;
+        returns this unit's id (which unit the call reached)."""
         self.loop.stall(min(float(seconds), 60.0))
+        return self.unit_id
 
     def end_stall(self) -> None:
         """Fault injection: end a :meth:`stall` now."""
