@@ -242,6 +242,24 @@ def serving() -> _Dashboard:
                (16, 41, 8, 8), "short", "Chunks: prompts longer than a step's budget "
                                         "(chunked_prefill_size). Preemptions: sequences sent back "
                                         "to wait because the KV pool ran short."),
+        RowPanel(title="Units and autoscaling", gridPos=GridPos(h=1, w=24, x=0, y=49)),
+        series("Units",
+               [q(f"sum(ray_specserve_autoscaling_units_running{{{NS}}})", "running", "A"),
+                q(f"sum(ray_specserve_autoscaling_units_target{{{NS}}})", "target", "B"),
+                q(f"sum(ray_specserve_autoscaling_units_wanted{{{NS}}})", "wanted by the rule", "C")],
+               (0, 50, 8, 8), "short", "With autoscaling (policy: speculation): units running, the "
+                                       "count Serve scales to once the delay held, and the rule's "
+                                       "count before the delays (serve/autoscaling.py)."),
+        series("Autoscaling load",
+               [q(f"max(ray_specserve_autoscaling_signal{{{NS}}})", "each unit (the policy)", "A"),
+                q(f"max by (unit) (specserve:autoscaling_load{{{UNIT}}})", "{{unit}}", "B")],
+               (8, 50, 8, 8), "percentunit", "The rule's load: a unit's fuller resource, KV blocks "
+                                             "or slots priced at speculation's cost; the policy "
+                                             "holds it near target_utilization."),
+        series("Scale events",
+               [q(f"sum(changes(ray_specserve_autoscaling_units_target{{{NS}}}[1h]))",
+                  "in the last hour", "A")],
+               (16, 50, 8, 8), "short", "Changes of the units' target count."),
     ]
     return dashboard("specserve / Serving", "specserve-serving",
                      "Requests, tokens/s, latency percentiles, running / waiting, free slots, "

@@ -51,10 +51,14 @@ def prometheus_bin() -> str:
 @pytest.fixture(scope="module")
 def obs_app(ray_cluster, tiny_models) -> str:
     """n-gram, adaptive K, two slots and one queue place: enough to make 429s on purpose. A
-    paged KV cache, so the prefix cache's and the blocks' series carry values."""
+    paged KV cache, so the prefix cache's and the blocks' series carry values. Autoscaled
+    between 1 and 1 unit: the policy runs and reports."""
     args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2,
                      kv_cache={"layout": "paged"})
     args["unit"]["max_queue_len"] = 1
+    # Unit autoscaling's policy runs (its gauges feed the Serving dashboard's last row); one
+    # unit at most, so it never scales.
+    args["autoscaling"] = {"min_units": 1, "max_units": 1, "metrics_interval_s": 0.5, "look_back_s": 2}
     yield from deployed_one("obs", args)
 
 

@@ -66,6 +66,11 @@ class Fleet:
         return cls(n, total("seqs"), total("kv_used"), total("max_seqs") / n,
                    total("gate_off_at") / n, max(1.0, total("speedup") / n))
 
+    @classmethod
+    def of_unit(cls, signals: dict[str, float]) -> Fleet:
+        """One unit's own (:meth:`SpeculationUnit.record_autoscaling_stats`)."""
+        return cls.of({name: {0: value} for name, value in signals.items()})
+
     def load(self, n: int) -> float:
         """The load of each of ``n`` units sharing this traffic (the module's rule)."""
         per_unit = self.seqs / n
@@ -85,22 +90,57 @@ def wanted_units(fleet: Fleet, current: int, low: int, high: int, target: float,
 
 class UnitPolicy:
     """Serve's custom autoscaling policy for the units (``autoscaling.policy: speculation``):
-    called by the Serve controller every control period with the deployment's context; its
-    ``policy_state`` carries the signal for the dashboards (:meth:`__call__`)."""
+    called by the Serve controller every control period with the deployment's context. What
+    it sees goes to the dashboards through Ray's metrics port (:data:`GAUGES`, as
+    ``ray_specserve_autoscaling_*``; a scale event is a change of ``units_target``) and into
+    ``policy_state``."""
 
     def __init__(self, target_utilization: float = 0.7, hysteresis: float = 0.2) -> None:
         self.target, self.hysteresis = target_utilization, hysteresis
+        self._gauges: dict | None = None
 
     def __call__(self, ctx) -> tuple[int, dict]:
         state = dict(ctx.policy_state or {})
         fleet = Fleet.of(ctx.aggregated_metrics or {})
-        if fleet is None:  # no unit has reported yet: hold
-            return ctx.target_num_replicas, state
         current = max(ctx.current_num_replicas, 1)
-        wanted = wanted_units(fleet, current, max(ctx.capacity_adjusted_min_replicas, 1),
-                              ctx.capacity_adjusted_max_replicas, self.target, self.hysteresis)
-        state.update(specserve_signal=round(fleet.load(current), 4), specserve_wanted=wanted)
+        wanted = ctx.target_num_replicas  # no unit has reported yet: hold
+        if fleet is not None:
+            wanted = wanted_units(fleet, current, max(ctx.capacity_adjusted_min_replicas, 1),
+                                  ctx.capacity_adjusted_max_replicas, self.target, self.hysteresis)
+            state.update(specserve_signal=round(fleet.load(current), 4), specserve_wanted=wanted)
+        self._export(ctx, wanted, None if fleet is None else fleet.load(current))
         return wanted, state
+
+    def _export(self, ctx, wanted: int, signal: float | None) -> None:
+        if self._gauges is None:
+            self._gauges = _gauges()
+        tags = {"application": ctx.app_name or ""}
+        values = {"units_running": ctx.current_num_replicas, "units_target": ctx.target_num_replicas,
+                  "units_wanted": wanted, "signal": signal}
+        for name, gauge in self._gauges.items():
+            if values[name] is not None:
+                gauge.set(float(values[name]), tags=tags)
+
+
+GAUGES = {
+    "units_running": "Units running now (Serve's replicas of the unit deployment).",
+    "units_target": "Units Serve is scaling to: the policy's count once held for the up or down "
+                    "delay (each change is a scale event).",
+    "units_wanted": "Units the rule wants now, before the delays (serve/autoscaling.py).",
+    "signal": "The load of each running unit by the rule: its fuller resource, KV blocks or "
+              "slots priced at speculation's cost; held near target_utilization.",
+}
+
+
+def _gauges() -> dict:
+    """Ray metrics for :data:`GAUGES` (in the Serve controller; none where Ray is not up)."""
+    import ray
+    from ray.util.metrics import Gauge
+
+    if not ray.is_initialized():
+        return {}
+    return {name: Gauge(f"specserve_autoscaling_{name}", description=doc, tag_keys=("application",))
+            for name, doc in GAUGES.items()}
 
 
 def requests_target(max_num_seqs: int, target_utilization: float) -> float:

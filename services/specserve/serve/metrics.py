@@ -193,6 +193,8 @@ _GAUGES = {
     "speculation_length_current": "The K the coordinator drafts for adaptive requests now.",
     "concurrency_gate_open": "1 while the router speculates new requests, 0 in high_concurrency.",
     "target_available": "1 while the target group serves, 0 while it is restarted after a failure.",
+    "autoscaling_load": "The unit's load by unit autoscaling's rule (serve/autoscaling.py): its "
+                        "fuller resource, KV blocks or slots priced at speculation's cost.",
     "kv_blocks_total": "KV blocks of a paged target (kv_cache.layout paged; 0 with slots).",
     "kv_blocks_free": "KV blocks no sequence holds (cached prefixes among them, reusable).",
 }

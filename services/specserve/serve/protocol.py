@@ -571,6 +571,7 @@ class UnitSnapshot:
     requests_aborted: int
     router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
     engine: EngineCounters = field(default_factory=EngineCounters)  # a copy (snapshot())
+    autoscaling_load: float = 0.0      # its load by unit autoscaling's rule (serve/autoscaling.py)
     kv_blocks_total: int = 0           # a paged target's KV blocks (0: the slot layout)
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache

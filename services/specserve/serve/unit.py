@@ -28,7 +28,7 @@ from specserve.engine.request import EngineRequest
 from specserve.engine.step.sequence import StepOutput
 from specserve.engine.step.stats import SpecStats
 from specserve.errors import InvalidRequestError
-from specserve.serve.autoscaling import NO_GATE
+from specserve.serve.autoscaling import NO_GATE, Fleet
 from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
@@ -180,6 +180,7 @@ class SpeculationUnit:
             requests_aborted=self.loop.num_aborted,
             router_decisions=dict(self.decisions),
             engine=engine.counters.snapshot(),
+            autoscaling_load=Fleet.of_unit(self.record_autoscaling_stats()).load(1),
             kv_blocks_total=kv.get("blocks_total", 0), kv_blocks_free=kv.get("blocks_free", 0),
             prefix_cache_queries=kv.get("prefix_cache_queries", 0),
             prefix_cache_hits=kv.get("prefix_cache_hits", 0),
