@@ -142,6 +142,9 @@ bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, 
 bench-prefix: install ## The prompt: a stream's gaps while a long prompt arrives (HTTP, chunked vs whole), turns with prefix caching, KV capacity
 	$(PY) load/bench_prefix.py $(BENCH_PREFIX_ARGS)
 
+bench-autoscale: install ## Unit autoscaling under a ramp: the speculation policy vs Serve's vs a fixed max (HTTP, ~10 min)
+	$(PY) load/bench_autoscale.py $(BENCH_AUTOSCALE_ARGS)
+
 bench-spec: install ## K x method in-process (ngram, truncated self-draft) vs target-only, with the cost model
 	$(PY) load/bench_speculative.py $(BENCH_SPEC_ARGS)
 
@@ -177,4 +180,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema golden
+.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema golden

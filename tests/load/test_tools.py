@@ -113,6 +113,27 @@ def test_local_app_args_validate():
         .speculative.method == "suffix"
 
 
+def test_bench_autoscale_apps_validate_and_its_summary_counts_what_it_says():
+    from specserve.app_config import AppConfig
+
+    from load import bench_autoscale as ba
+
+    args = ba.parse_args(["--stages", "10x1,30x8"])
+    assert args.stages == [(10, 1), (30, 8)]
+    apps = {p: AppConfig.model_validate(ba.app_args(p, args)) for p in ba.POLICIES}
+    assert apps["fixed"].autoscaling is None and apps["fixed"].num_units == 2
+    assert apps["requests"].autoscaling.policy == "requests"
+    assert (apps["speculation"].autoscaling.min_units, apps["speculation"].autoscaling.max_units) == (1, 2)
+    samples = [{"t": 0.0, "RUNNING": 1, "load": 0.2}, {"t": 1.0, "RUNNING": 1, "load": 0.9},
+               {"t": 2.0, "RUNNING": 1, "STARTING": 1, "load": 1.0},
+               {"t": 3.0, "RUNNING": 2, "load": 0.5}]
+    results = [{"status": 200, "complete": True, "ttft": 0.1 * i, "gaps": [0.05]} for i in range(5)]
+    results += [{"status": 429, "complete": False}, {"status": 200, "complete": False, "gaps": []}]
+    row = ba.summarize("speculation", args, samples, results, 0.0)
+    assert (row["unit_seconds"], row["requests"], row["failed"], row["cut"]) == (5, 7, 1, 1)
+    assert (row["load_crossed_s"], row["second_unit_asked_s"], row["second_unit_running_s"]) == (1.0, 2.0, 3.0)
+
+
 def _fake_server(delay_s: float, hang: bool = False, peers: int = 1):
     """An httpx transport that streams a chat answer as SSE, counting requests in flight.
     With ``peers``, the first answer starts only once that many requests were in flight
