@@ -6,8 +6,10 @@ app on 127.0.0.1 with units of ``--slots`` sequences (at most 2 units: what 2 co
 then runs a Locust-style ramp of streaming chat users (``--stages``: seconds x users; by
 default 1 user, then enough to saturate one unit, then 1 again) and records, once a second,
 the units Serve runs (and starts and stops) and each unit's load by the rule
-(``specserve:autoscaling_load`` on ``/metrics``). Per request: status, time to first token,
-the gaps between chunks, whether the stream ended with its finish reason and ``[DONE]``.
+(``specserve:autoscaling_load`` on ``/metrics``), and its mean over Serve's look-back window
+(what the policy sees: a scale-up is due ``--up-delay`` after that crosses the target). Per
+request: status, time to first token, the gaps between chunks, whether the stream ended with
+its finish reason and ``[DONE]``.
 
     speculation  autoscaling.policy speculation (serve/autoscaling.py), 1..2 units
     requests     Serve's own policy, target_ongoing_requests = max_num_seqs x target, 1..2 units
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from load.prompts import load_prompts  # noqa: E402
 
 PORT = 18520
+LOOK_BACK_S = 5.0  # autoscaling.look_back_s: Serve averages the units' reports over it
 POLICIES = ("speculation", "requests", "fixed")
 
 
@@ -68,7 +71,7 @@ def app_args(policy: str, args) -> dict:
     return {**out, "num_units": 1, "autoscaling": {
         "policy": policy, "min_units": 1, "max_units": 2, "target_utilization": args.target,
         "upscale_delay_s": args.up_delay, "downscale_delay_s": args.down_delay,
-        "look_back_s": 5, "metrics_interval_s": 1}}
+        "look_back_s": LOOK_BACK_S, "metrics_interval_s": 1}}
 
 
 def one_request(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -181,6 +184,10 @@ def summarize(policy: str, args, samples: list[dict], results: list[dict], t0: f
                   and policy != "fixed"), None)
     running_two = next((s["t"] for s in samples if s.get("RUNNING", 0) > 1 and policy != "fixed"), None)
     crossed = next((s["t"] for s in samples if (s["load"] or 0) > args.target), None)
+    # What the policy sees: the reports' mean over the look-back window (Serve's aggregation)
+    seen = [(s["t"], statistics.fmean([(o["load"] or 0) for o in samples
+                                       if s["t"] - LOOK_BACK_S < o["t"] <= s["t"]])) for s in samples]
+    crossed_seen = next((t for t, load in seen if load > args.target), None)
     times = [s["t"] for s in samples]
     steps = [b - a for a, b in zip(times, times[1:])] + [1.0]  # a sample holds until the next
     unit_seconds = round(sum(s.get("RUNNING", 0) * dt for s, dt in zip(samples, steps)), 1)
@@ -188,7 +195,7 @@ def summarize(policy: str, args, samples: list[dict], results: list[dict], t0: f
             "ttft_p95": pct(ttft, 95), "itl_p95": pct(gaps, 95), "requests": len(results),
             "failed": sum(r["status"] != 200 for r in results),
             "cut": sum(r["status"] == 200 and not r["complete"] for r in results),
-            "load_crossed_s": crossed, "second_unit_asked_s": up_at,
+            "load_crossed_s": crossed, "mean_crossed_s": crossed_seen, "second_unit_asked_s": up_at,
             "second_unit_running_s": running_two, "samples": samples}
 
 
@@ -226,11 +233,12 @@ def main(argv: list[str] | None = None) -> None:
           f"cpu flags: {' '.join(flags)}; stages {args.stages} (seconds, users); units of "
           f"{args.slots} slots; up / down delay {args.up_delay} / {args.down_delay} s")
     print(f"{'policy':12} {'unit-s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p95':>8} {'requests':>9} "
-          f"{'failed':>7} {'cut':>4} {'crossed':>8} {'asked':>6} {'running':>8}")
+          f"{'failed':>7} {'cut':>4} {'crossed':>8} {'mean crossed':>13} {'asked':>6} {'running':>8}")
     for r in rows:
         print(f"{r['policy']:12} {r['unit_seconds']:>7} {r['ttft_p50']!s:>9} {r['ttft_p95']!s:>9} "
               f"{r['itl_p95']!s:>8} {r['requests']:>9} {r['failed']:>7} {r['cut']:>4} "
-              f"{r['load_crossed_s']!s:>8} {r['second_unit_asked_s']!s:>6} {r['second_unit_running_s']!s:>8}")
+              f"{r['load_crossed_s']!s:>8} {r['mean_crossed_s']!s:>13} {r['second_unit_asked_s']!s:>6} "
+              f"{r['second_unit_running_s']!s:>8}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, indent=1))

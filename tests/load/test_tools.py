@@ -125,14 +125,15 @@ def test_bench_autoscale_apps_validate_and_its_summary_counts_what_it_says():
     assert apps["requests"].autoscaling.policy == "requests"
     assert (apps["speculation"].autoscaling.min_units, apps["speculation"].autoscaling.max_units) == (1, 2)
     samples = [{"t": 0.0, "RUNNING": 1, "load": 0.2}, {"t": 1.0, "RUNNING": 1, "load": 0.9},
-               {"t": 2.0, "RUNNING": 1, "STARTING": 1, "load": 1.0},
-               {"t": 3.0, "RUNNING": 2, "load": 0.5}]
+               {"t": 2.0, "RUNNING": 1, "STARTING": 1, "load": 0.8},
+               {"t": 3.0, "RUNNING": 2, "load": 0.5}, {"t": 4.0, "RUNNING": 2, "load": 2.0}]
     results = [{"status": 200, "complete": True, "ttft": 0.1 * i, "gaps": [0.05]} for i in range(5)]
     results += [{"status": 429, "complete": False}, {"status": 200, "complete": False, "gaps": []}]
     row = ba.summarize("speculation", args, samples, results, 0.0)
-    assert (row["unit_seconds"], row["requests"], row["failed"], row["cut"]) == (5, 7, 1, 1)
+    assert (row["unit_seconds"], row["requests"], row["failed"], row["cut"]) == (7, 7, 1, 1)
     times = ("load_crossed_s", "second_unit_asked_s", "second_unit_running_s")
     assert tuple(row[k] for k in times) == (1.0, 2.0, 3.0)
+    assert row["mean_crossed_s"] == 4.0  # the 5 s mean: 0.2, 0.55, 0.63, 0.6, then 0.88
 
 
 def _fake_server(delay_s: float, hang: bool = False, peers: int = 1):
