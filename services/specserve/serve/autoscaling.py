@@ -103,12 +103,13 @@ class UnitPolicy:
         state = dict(ctx.policy_state or {})
         fleet = Fleet.of(ctx.aggregated_metrics or {})
         current = max(ctx.current_num_replicas, 1)
-        wanted = ctx.target_num_replicas  # no unit has reported yet: hold
+        wanted, signal = ctx.target_num_replicas, None  # no unit has reported yet: hold
         if fleet is not None:
             wanted = wanted_units(fleet, current, max(ctx.capacity_adjusted_min_replicas, 1),
                                   ctx.capacity_adjusted_max_replicas, self.target, self.hysteresis)
-            state.update(specserve_signal=round(fleet.load(current), 4), specserve_wanted=wanted)
-        self._export(ctx, wanted, None if fleet is None else fleet.load(current))
+            signal = fleet.load(current)
+            state.update(specserve_signal=round(signal, 4), specserve_wanted=wanted)
+        self._export(ctx, wanted, signal)
         return wanted, state
 
     def _export(self, ctx, wanted: int, signal: float | None) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -71,6 +72,7 @@ class _Abort:
 @dataclass(frozen=True)
 class _Stall:
     seconds: float  # fault injection
+    release: str | None = None  # ... ended early once this file exists
 
 
 class EngineFailed(SpecServeError):
@@ -248,17 +250,27 @@ class EngineLoop:
         self._inbox.put(item)
         self._wake.set()
 
-    def stall(self, seconds: float) -> None:
+    def stall(self, seconds: float, release: str | None = None) -> None:
         """Fault injection: the engine thread sleeps ``seconds`` at its next turn, as a hung
         target step would (tests of timeouts and of what waits behind a stuck unit), or
-        until :meth:`end_stall`."""
+        until :meth:`end_stall`, or until the file ``release`` exists (a test that must end
+        the stall of a unit it can no longer call: one being drained)."""
         self._stall_ended.clear()
-        self._submit(_Stall(seconds))
+        self._submit(_Stall(seconds, release))
 
     def end_stall(self) -> None:
         """End the stall now (a test that has seen what it waited for); if the engine thread
         has not begun it yet, it does not sleep at all."""
         self._stall_ended.set()
+
+    def _sleep(self, seconds: float, release: str | None) -> None:
+        if release is None:
+            self._stall_ended.wait(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            if self._stall_ended.wait(0.05):
+                return
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -304,8 +316,8 @@ class EngineLoop:
             match item:
                 case _Add():
                     self._add(item)
-                case _Stall(seconds):
-                    self._stall_ended.wait(seconds)
+                case _Stall(seconds, release):
+                    self._sleep(seconds, release)
                 case _Abort(seq_ids):
                     for seq_id in seq_ids:
                         self.num_aborted += self.engine.abort(seq_id)

@@ -180,7 +180,7 @@ class SpeculationUnit:
             requests_aborted=self.loop.num_aborted,
             router_decisions=dict(self.decisions),
             engine=engine.counters.snapshot(),
-            autoscaling_load=Fleet.of_unit(self.record_autoscaling_stats()).load(1),
+            autoscaling_load=Fleet.of_unit(self._autoscaling_signals(kv)).load(1),
             kv_blocks_total=kv.get("blocks_total", 0), kv_blocks_free=kv.get("blocks_free", 0),
             prefix_cache_queries=kv.get("prefix_cache_queries", 0),
             prefix_cache_hits=kv.get("prefix_cache_hits", 0),
@@ -213,7 +213,10 @@ class SpeculationUnit:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The signals unit autoscaling scales on (``serve/autoscaling.py``), which Serve
         collects every ``autoscaling.metrics_interval_s`` and averages."""
-        kv, ctl = self._kv_stats(), self.engine.controller
+        return self._autoscaling_signals(self._kv_stats())
+
+    def _autoscaling_signals(self, kv: dict) -> dict[str, float]:
+        ctl = self.engine.controller
         slots = self.cfg.engine.max_num_seqs
         used = (1 - kv["blocks_free"] / kv["blocks_total"] if kv.get("blocks_total")
                 else 1 - self.engine.target.num_free_slots / slots)
@@ -281,10 +284,11 @@ class SpeculationUnit:
         ``token_id`` makes its step raise, as a request-caused failure would (None: off)."""
         self.engine.fault_token = token_id
 
-    def stall(self, seconds: float) -> str:
-        """Fault injection (handle call only, not HTTP): hang the engine for ``seconds``;
-        returns this unit's id (which unit the call reached)."""
-        self.loop.stall(min(float(seconds), 60.0))
+    def stall(self, seconds: float, release: str | None = None) -> str:
+        """Fault injection (handle call only, not HTTP): hang the engine for ``seconds`` (at
+        most a minute), or with ``release`` until that file exists (at most ten); returns
+        this unit's id (which unit the call reached)."""
+        self.loop.stall(min(float(seconds), 600.0 if release else 60.0), release)
         return self.unit_id
 
     def end_stall(self) -> None:

@@ -133,10 +133,8 @@ class ForwardContext:
         held = self._ranges.get("native")
         if held is None:
             table, starts, lens, hi = self.table, self.row_starts, self.row_lens, self.key_end
-            assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
-            room = table.shape[1] * cache.k[0].shape[2]
-            assert int(hi.max()) <= room and int((starts + lens).max()) <= room, \
-                f"keys past the block table ({table.shape[1]} x {cache.k[0].shape[2]})"
+            native.check_table(table, b, cache.k[0].shape[2],
+                               max(int(hi.max()), int((starts + lens).max())))
             lo = self.key_start(False)
             lo_window = self.key_start(True) if self.window is not None else lo
             tensors = [self.cos, self.sin, table, starts, lens, lo, lo_window, hi, self.tree_starts,

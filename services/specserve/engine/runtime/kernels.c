@@ -344,12 +344,11 @@ typedef vf q4_0_prep;
 typedef vf q4_1_prep;
 static inline q4_0_prep q4_0_prepare(const q4_0_block *blk) { return blk->d * (iota16() - 8.0f); }
 static inline q4_1_prep q4_1_prepare(const q4_1_block *blk) { return blk->d * iota16() + blk->m; }
-static inline vf q4_0_form(q4_0_prep p, const q4_0_block *blk, int o) {
-  return (vf)_mm512_permutexvar_ps((__m512i)nibbles(blk->qs, o), (__m512)p);
+static inline vf permuted(vf table, const uint8_t *qs, int o) {  /* table[q] for each quant */
+  return (vf)_mm512_permutexvar_ps((__m512i)nibbles(qs, o), (__m512)table);
 }
-static inline vf q4_1_form(q4_1_prep p, const q4_1_block *blk, int o) {
-  return (vf)_mm512_permutexvar_ps((__m512i)nibbles(blk->qs, o), (__m512)p);
-}
+static inline vf q4_0_form(q4_0_prep p, const q4_0_block *blk, int o) { return permuted(p, blk->qs, o); }
+static inline vf q4_1_form(q4_1_prep p, const q4_1_block *blk, int o) { return permuted(p, blk->qs, o); }
 #else
 typedef const q4_0_block *q4_0_prep;
 typedef const q4_1_block *q4_1_prep;

@@ -269,6 +269,14 @@ def linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     return out.view(*x.shape[:-1], n)
 
 
+def check_table(table: torch.Tensor, rows: int, block_len: int, end: int) -> None:
+    """The kernels trust a block table (a key past its blocks would be read from anywhere):
+    ``[rows, W]`` int32, contiguous, and positions below ``end`` within its ``W`` blocks."""
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == rows
+    assert end <= table.shape[1] * block_len, \
+        f"positions up to {end} past the block table ({table.shape[1]} x {block_len})"
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
               lo: torch.Tensor, hi: torch.Tensor, scale: float, tree: torch.Tensor | None = None,
               starts: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,10 +295,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: 
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(0) != t * q.stride(1):
         q = q.contiguous()
     out = torch.empty(b, t, h * d, dtype=torch.float32)
-    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
-    # the kernel trusts the table: a key past its blocks would be read from anywhere
-    assert int(hi.max()) <= table.shape[1] * keys.shape[2], \
-        f"keys up to {int(hi.max())} past the block table ({table.shape[1]} x {keys.shape[2]})"
+    check_table(table, b, keys.shape[2], int(hi.max()))
     _built().attention_rows(q.data_ptr(), q.stride(1), keys.data_ptr(), values.data_ptr(),
                             table.data_ptr(), table.shape[1], lo.data_ptr(), hi.data_ptr(),
                             _ptr(tree), _ptr(starts),
@@ -330,9 +335,7 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     b, t, _ = qkv.shape
     d = keys.shape[3]
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-    assert table.dtype == torch.int32 and table.is_contiguous() and table.shape[0] == b
-    assert int((starts + lens).max()) <= table.shape[1] * keys.shape[2], \
-        f"writes up to {int((starts + lens).max())} past the block table ({table.shape[1]} x {keys.shape[2]})"
+    check_table(table, b, keys.shape[2], int((starts + lens).max()))
     _built().rope_and_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
                             values.data_ptr(), table.data_ptr(), table.shape[1], starts.data_ptr(),
                             lens.data_ptr(),
