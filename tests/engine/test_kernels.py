@@ -266,13 +266,16 @@ def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind, kernels)
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "mistral-window"])
 def test_a_layer_in_one_call_is_its_modules_calls_bit_for_bit(kind, build):
     """kernels.c's decoder_layer makes the calls the layer's modules make (layers.py), in their
-    order: the same logits and the same cache storage as module by module, for a ragged
-    prefill, a decode, a verify beside a decode and a token tree, on slots and on blocks."""
+    order, and decoder_layers makes each layer's in turn: the same logits and the same cache
+    storage as module by module, for a ragged prefill, a decode, a verify beside a decode and
+    a token tree, on slots and on blocks."""
     hf = tiny_hf_model(kind, seed=0, logit_scale=3.0)
     prompt = seeded(80, seed=3).abs().mul(100).long().remainder(500).tolist()
     runs = {}
-    for one_call in (True, False):
+    for mode in ("stack", "layer", "modules"):
         rt = runtime_of(hf, max_len=256)
+        one_call = mode != "modules"
+        rt.stacked = mode == "stack"
         for layer in rt.layers:
             layer.one_call = one_call
         out = []
@@ -288,8 +291,10 @@ def test_a_layer_in_one_call_is_its_modules_calls_bit_for_bit(kind, build):
                 out.append(rt(cache, batch).logits)
             out += [*cache.k, *cache.v]
         assert (getattr(rt.layers[0], "_native_ref", None) is not None) == one_call  # it ran
-        runs[one_call] = out
-    assert all(torch.equal(x, y) for x, y in zip(runs[True], runs[False], strict=True))
+        assert (rt.native_stack._held is not None) == (mode == "stack")
+        runs[mode] = out
+    for mode in ("stack", "layer"):
+        assert all(torch.equal(x, y) for x, y in zip(runs[mode], runs["modules"], strict=True)), mode
 
 
 def test_library_kernels_compute_the_same_logits_up_to_rounding(kernels):

@@ -252,3 +252,33 @@ class DecoderLayer(nn.Module):
         attn_in = x if self.input_norm is None else rms_norm(x, self.input_norm, self.eps)
         x = x + self.attn.forward_full(attn_in, cos, sin)
         return x + self.mlp(rms_norm(x, self.post_attn_norm, self.eps))
+
+
+class NativeStack:
+    """A model's decoder layers in one C call (:func:`native.decoder_layers`) where each would
+    run in one (:meth:`DecoderLayer.forward`'s first branch): the same calls in the same order,
+    so the same bits, without the Python between them (module calls, each layer's checks and
+    output: at batch 1 about a sixth of a 4-bit decode). The refs are each layer's own,
+    checked every forward (:meth:`DecoderLayer._native_layer`)."""
+
+    def __init__(self) -> None:
+        self._held: tuple | None = None  # (refs, their array, the widest ref)
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
+                 cache: SlotKVCache) -> torch.Tensor | None:
+        """The stack's output over ``x``, or None where a layer would not run in one call."""
+        if type(ctx) is not ForwardContext or not native_ready(x):
+            return None
+        refs = []
+        for layer in layers:
+            if type(layer) is not DecoderLayer or not (layer.one_call and layer.invariant):
+                return None
+            ref = layer._native_layer(cache)
+            if ref is None:
+                return None
+            refs.append(ref)
+        if self._held is None or self._held[0] != tuple(refs):  # the refs by identity
+            widest = max(refs, key=lambda ref: native.layer_scratch(ref, 1))
+            self._held = (tuple(refs), native.layer_stack(refs), widest)
+        _, stack, widest = self._held
+        return native.decoder_layers(x.contiguous(), stack, ctx.native_forward(cache, widest))

@@ -46,7 +46,7 @@ from specserve.engine.runtime.forward_batch import (
 from specserve.engine.runtime.forward_context import ForwardContext, chains, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
 from specserve.engine.runtime.kernels import KV_BLOCK, Embedding, Linear
-from specserve.engine.runtime.layers import MLP, Attention, DecoderLayer, rms_norm
+from specserve.engine.runtime.layers import MLP, Attention, DecoderLayer, NativeStack, rms_norm
 from specserve.errors import ConfigError
 
 
@@ -60,6 +60,7 @@ class LlamaRuntime(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.native_stack = NativeStack()  # the layers in one C call where each runs in one
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         # [max_len, D] tables; buffers so .to(device/dtype) carries them.
@@ -74,6 +75,7 @@ class LlamaRuntime(nn.Module):
     decode_width: int | None = None      # library on CUDA: decodes and verifies padded to it
     static: StaticForward | None = None  # set by use_kernels("compiled")
     fixed_head = True                    # decodes' and verifies' LM head at one shape (_head_shape)
+    stacked = True                       # on the C kernels, the layers in one call (NativeStack)
     # The hidden states a forward returns (``ForwardBatch.hidden``: the features an EAGLE head
     # reads): by default the final hidden state after the last norm; with ``feature_layers``
     # (a target serving an EAGLE-3 head) the residual stream entering each of those layers,
@@ -261,6 +263,10 @@ class LlamaRuntime(nn.Module):
                 capture: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every layer over ``x``; with ``capture``, also the inputs of ``feature_layers``."""
         captured = []
+        if not capture and self.stacked:
+            out = self.native_stack(self.layers, x, ctx, cache)
+            if out is not None:
+                return out, captured
         for i, layer in enumerate(self.layers):
             if capture and i in self.feature_layers:
                 captured.append(x)

@@ -129,13 +129,16 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rope_and_store.argtypes = [ptr] * 6 + [i32] + [ptr] * 2 + [i32] * 7
     lib.exponential_noise_rows.argtypes = [ptr] + [i32] * 2 + [ptr, i32]
     lib.decoder_layer.argtypes = [ptr, ptr, ctypes.POINTER(LayerRef), ctypes.POINTER(ForwardRef)]
+    lib.decoder_layers.argtypes = [ptr] * 3 + [ctypes.POINTER(ctypes.POINTER(LayerRef)), i32,
+                                               ctypes.POINTER(ForwardRef)]
     lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(LayerRef), i32]
     lib.decoder_layer_scratch.restype = ctypes.c_long
     quantized = [getattr(lib, f"linear_rows_{kind.lower()}") for kind in QUANT_BLOCKS]
     for fn in quantized:
         fn.argtypes = [ptr] * 4 + [i32] * 4
     for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
-               lib.rope_and_store, lib.exponential_noise_rows, lib.decoder_layer, *quantized):
+               lib.rope_and_store, lib.exponential_noise_rows, lib.decoder_layer,
+               lib.decoder_layers, *quantized):
         fn.restype = None
     return lib
 
@@ -401,4 +404,19 @@ def decoder_layer(x: torch.Tensor, layer: LayerRef, forward: ForwardRef) -> torc
     the tensors they point to are the caller's to keep alive)."""
     out = torch.empty_like(x)
     _built().decoder_layer(x.data_ptr(), out.data_ptr(), ctypes.byref(layer), ctypes.byref(forward))
+    return out
+
+
+def layer_stack(layers: list[LayerRef]) -> ctypes.Array:
+    """``layers`` as :func:`decoder_layers` takes them (the refs must outlive the array)."""
+    return (ctypes.POINTER(LayerRef) * len(layers))(*(ctypes.pointer(layer) for layer in layers))
+
+
+def decoder_layers(x: torch.Tensor, stack: ctypes.Array, forward: ForwardRef) -> torch.Tensor:
+    """:func:`decoder_layer` of each layer of ``stack`` (:func:`layer_stack`) in turn, in one
+    call: the last layer's output. ``forward``'s scratch fits the widest layer."""
+    out = torch.empty_like(x)
+    spare = torch.empty_like(x) if len(stack) > 1 else out
+    _built().decoder_layers(x.data_ptr(), out.data_ptr(), spare.data_ptr(), stack, len(stack),
+                            ctypes.byref(forward))
     return out
