@@ -11,8 +11,10 @@
 test_server_process.py.
 
 The streams are in flight at every moment the tests need them to be, whatever the machine's
-speed: the unit's engine is held (fault injection) before they are sent, and a stream's 200
-comes from the unit before its first token, so none can finish before the hold ends. Every
+speed: the unit's engine is held (fault injection) before they are sent, until the test makes
+a release file (a unit being stopped or drained takes no more calls) or, where the test needs
+a time the hold ended by (the redeploy), for a set time, and a stream's 200 comes from the
+unit before its first token, so none can finish before the hold ends. Every
 other wait polls for its condition, or waits for the line a server prints (``serving on``) or
 its exit.
 """
@@ -36,6 +38,7 @@ from tests.serve.test_http import PROMPTS
 MAX_TOKENS = 120
 # Generous bound of every wait for a condition (a poll), for a busy 2-core machine.
 WAIT_S = 120
+HOLD_S = 600.0  # the most a unit holds for its release file (every test makes it well before)
 
 
 def app_args(tiny_target: str) -> dict:
@@ -72,27 +75,24 @@ def stream_to_end(url: str, body: dict, started: threading.Event) -> dict:
             "text": text}
 
 
-def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor, stall_s: float,
-                  n: int = 3):
-    """``n`` streams, each in the unit once this returns; ``(futures, held_until)``. The
-    unit's engine is held for ``stall_s`` (fault injection) before they are sent, so none
-    can finish before ``held_until`` (monotonic), however fast the machine."""
+def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor, release: Path,
+                  stall_s: float = HOLD_S, n: int = 3):
+    """``n`` streams, each in the unit once this returns; ``held_until`` (monotonic). The
+    unit's engine is held (fault injection) before they are sent, for ``stall_s`` or until
+    the file ``release`` exists, so none can finish before either, however fast the machine
+    (a unit being stopped takes no calls: the file ends its hold)."""
     body = {"model": model, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
             "speculation": {"enabled": False}}
     held_until = time.monotonic() + stall_s  # the stall starts after this, so ends after it
-    serve.get_deployment_handle("SpeculationUnit", app_name=app).stall.remote(stall_s).result()
+    handle = serve.get_deployment_handle("SpeculationUnit", app_name=app)
+    handle.stall.remote(stall_s, str(release)).result()
     started = [threading.Event() for _ in range(n)]
     futures = [pool.submit(stream_to_end, url, {**body, "prompt": PROMPTS[i]}, started[i])
                for i in range(n)]
     for event in started:
         assert event.wait(WAIT_S), "a stream did not start"
     return futures, held_until
-
-
-def end_stall(app: str) -> None:
-    """The held engine steps again (the streams run on to their ends)."""
-    serve.get_deployment_handle("SpeculationUnit", app_name=app).end_stall.remote().result()
 
 
 def wait_stopping(url: str) -> None:
@@ -111,7 +111,7 @@ def assert_complete(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("how", ["delete", "redeploy"])
-def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, how):
+def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, tmp_path, how):
     """``delete``: the app is removed; ``redeploy``: the same app with a new config, so Serve
     replaces every replica. Either way the old replicas drain their streams: the stop comes
     while they run (they are held), and they end complete."""
@@ -120,14 +120,17 @@ def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, how):
     model = Path(tiny_models[0]).name
     name = f"stop-{how}"
     url = apps[name]
+    release = tmp_path / "release"
     with ThreadPoolExecutor(4) as pool:
-        streams, held_until = start_streams(url, name, model, pool, stall_s=12.0)
-        if how == "delete":
+        if how == "delete":  # held until the route is down, however long that takes
+            streams, _ = start_streams(url, name, model, pool, release)
             serve.delete(name, _blocking=False)
             wait_stopping(url)
             assert not any(f.done() for f in streams), "the stop must come while streams run"
+            release.touch()
             results = [f.result(timeout=300) for f in streams]
         else:
+            streams, held_until = start_streams(url, name, model, pool, release, stall_s=12.0)
             new = app_args(tiny_models[0])
             new["max_tokens_cap"] = 199  # any change: new replicas replace the old ones
 
@@ -152,11 +155,12 @@ def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, how):
         assert "at most 199" in r.json()["error"]["message"]
 
 
-def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny_models):
+def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny_models, tmp_path):
     model = Path(tiny_models[0]).name
     url = apps["stop-redeploy"]  # its replicas since the redeploy test (apps)
     with ThreadPoolExecutor(4) as pool:
-        streams, _ = start_streams(url, "stop-redeploy", model, pool, stall_s=WAIT_S)
+        release = tmp_path / "release"
+        streams, _ = start_streams(url, "stop-redeploy", model, pool, release)
         drained = pool.submit(drain, "stop-redeploy", 300.0)
         deadline = time.monotonic() + WAIT_S
         while httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
@@ -169,7 +173,7 @@ def test_drain_finishes_streams_refuses_new_ones_and_reports_draining(apps, tiny
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "draining"
         assert not any(f.done() for f in streams), "the drain must come while streams run"
-        end_stall("stop-redeploy")
+        release.touch()
         results = [f.result(timeout=300) for f in streams]
         assert drained.result(timeout=300) == 0  # nothing was left running
     assert_complete(results)
