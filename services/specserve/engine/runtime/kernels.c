@@ -864,7 +864,7 @@ void decoder_layer(const float *x, float *out, const layer_ref *l, const forward
 /* out = the layers l[0] .. l[L - 1] over x, each as decoder_layer runs it, through out and
    spare in turn (the last layer writes out): a forward's whole layer stack in one call, the
    same calls in the same order, so the same bits (at batch 1 the Python between 30 layers'
-   calls cost about a sixth of a 4-bit decode). */
+   calls cost about 0.5 ms of a 10 ms 4-bit decode on an EPYC). */
 void decoder_layers(const float *x, float *out, float *spare, const layer_ref *const *l, int L,
                     const forward_ref *f) {
   const float *in = x;

@@ -258,7 +258,7 @@ class NativeStack:
     """A model's decoder layers in one C call (:func:`native.decoder_layers`) where each would
     run in one (:meth:`DecoderLayer.forward`'s first branch): the same calls in the same order,
     so the same bits, without the Python between them (module calls, each layer's checks and
-    output: at batch 1 about a sixth of a 4-bit decode). The refs are each layer's own,
+    output: at batch 1 about 0.5 ms of a 10 ms 4-bit decode). The refs are each layer's own,
     checked every forward (:meth:`DecoderLayer._native_layer`)."""
 
     def __init__(self) -> None:
@@ -277,6 +277,8 @@ class NativeStack:
             if ref is None:
                 return None
             refs.append(ref)
+        if not refs:
+            return None
         if self._held is None or self._held[0] != tuple(refs):  # the refs by identity
             widest = max(refs, key=lambda ref: native.layer_scratch(ref, 1))
             self._held = (tuple(refs), native.layer_stack(refs), widest)
