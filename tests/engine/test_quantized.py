@@ -18,9 +18,10 @@ from specserve.engine.runtime import native
 
 from tests.engine.test_kernels import use_build
 
-# The embedded model's weights (q, k and v, o, gate_up, down, the LM head) and odd shapes
-# (row counts off the tiles').
-SHAPES = [(576, 576), (192, 576), (3072, 576), (576, 1536), (49152, 576), (7, 64), (13, 96)]
+# The embedded model's weights (q, k and v, the fused qkv the runtime holds, o, gate_up, down,
+# the LM head) and odd shapes (row counts off the tiles').
+SHAPES = [(576, 576), (192, 576), (960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 64),
+          (13, 96)]
 ROWS = [*range(1, 17), 24, 50]
 
 
