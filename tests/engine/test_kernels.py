@@ -275,7 +275,7 @@ def test_a_layer_in_one_call_is_its_modules_calls_bit_for_bit(kind, build):
     for mode in ("stack", "layer", "modules"):
         rt = runtime_of(hf, max_len=256)
         one_call = mode != "modules"
-        rt.stacked = mode == "stack"
+        rt.native_stack.enabled = mode == "stack"
         for layer in rt.layers:
             layer.one_call = one_call
         out = []

@@ -262,12 +262,13 @@ class NativeStack:
     checked every forward (:meth:`DecoderLayer._native_layer`)."""
 
     def __init__(self) -> None:
+        self.enabled = True  # False: layer by layer (tests compare the two)
         self._held: tuple | None = None  # (refs, their array, the widest ref)
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
                  cache: SlotKVCache) -> torch.Tensor | None:
         """The stack's output over ``x``, or None where a layer would not run in one call."""
-        if type(ctx) is not ForwardContext or not native_ready(x):
+        if not self.enabled or type(ctx) is not ForwardContext or not native_ready(x):
             return None
         refs = []
         for layer in layers:

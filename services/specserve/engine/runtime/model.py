@@ -75,7 +75,6 @@ class LlamaRuntime(nn.Module):
     decode_width: int | None = None      # library on CUDA: decodes and verifies padded to it
     static: StaticForward | None = None  # set by use_kernels("compiled")
     fixed_head = True                    # decodes' and verifies' LM head at one shape (_head_shape)
-    stacked = True                       # on the C kernels, the layers in one call (NativeStack)
     # The hidden states a forward returns (``ForwardBatch.hidden``: the features an EAGLE head
     # reads): by default the final hidden state after the last norm; with ``feature_layers``
     # (a target serving an EAGLE-3 head) the residual stream entering each of those layers,
@@ -262,11 +261,10 @@ class LlamaRuntime(nn.Module):
     def _layers(self, x: torch.Tensor, ctx, cache: SlotKVCache,
                 capture: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every layer over ``x``; with ``capture``, also the inputs of ``feature_layers``."""
+        out = None if capture else self.native_stack(self.layers, x, ctx, cache)
+        if out is not None:
+            return out, []
         captured = []
-        if not capture and self.stacked:
-            out = self.native_stack(self.layers, x, ctx, cache)
-            if out is not None:
-                return out, captured
         for i, layer in enumerate(self.layers):
             if capture and i in self.feature_layers:
                 captured.append(x)
