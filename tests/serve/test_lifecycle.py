@@ -75,18 +75,18 @@ def stream_to_end(url: str, body: dict, started: threading.Event) -> dict:
             "text": text}
 
 
-def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor, release: Path,
-                  stall_s: float = HOLD_S, n: int = 3):
+def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor,
+                  release: Path | None, stall_s: float = HOLD_S, n: int = 3):
     """``n`` streams, each in the unit once this returns; ``held_until`` (monotonic). The
-    unit's engine is held (fault injection) before they are sent, for ``stall_s`` or until
-    the file ``release`` exists, so none can finish before either, however fast the machine
-    (a unit being stopped takes no calls: the file ends its hold)."""
+    unit's engine is held (fault injection) before they are sent, until the file ``release``
+    exists (a unit being stopped takes no calls: the file ends its hold) or, without one, for
+    ``stall_s``, so none can finish before, however fast the machine."""
     body = {"model": model, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
             "speculation": {"enabled": False}}
     held_until = time.monotonic() + stall_s  # the stall starts after this, so ends after it
     handle = serve.get_deployment_handle("SpeculationUnit", app_name=app)
-    handle.stall.remote(stall_s, str(release)).result()
+    handle.stall.remote(stall_s, None if release is None else str(release)).result()
     started = [threading.Event() for _ in range(n)]
     futures = [pool.submit(stream_to_end, url, {**body, "prompt": PROMPTS[i]}, started[i])
                for i in range(n)]
@@ -120,9 +120,9 @@ def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, tmp_path, 
     model = Path(tiny_models[0]).name
     name = f"stop-{how}"
     url = apps[name]
-    release = tmp_path / "release"
     with ThreadPoolExecutor(4) as pool:
         if how == "delete":  # held until the route is down, however long that takes
+            release = tmp_path / "release"
             streams, _ = start_streams(url, name, model, pool, release)
             serve.delete(name, _blocking=False)
             wait_stopping(url)
@@ -130,7 +130,7 @@ def test_serve_stop_lets_streams_that_began_finish(apps, tiny_models, tmp_path, 
             release.touch()
             results = [f.result(timeout=300) for f in streams]
         else:
-            streams, held_until = start_streams(url, name, model, pool, release, stall_s=12.0)
+            streams, held_until = start_streams(url, name, model, pool, None, stall_s=12.0)
             new = app_args(tiny_models[0])
             new["max_tokens_cap"] = 199  # any change: new replicas replace the old ones
 
