@@ -12,6 +12,12 @@ this order (the most wanted first, so a timeout cuts the least), each written to
   at a time (batch 1): tokens/s and the mean step time. Its tokens are the reference the
   other entries are compared with (``same_as_target_only``, ``num_same`` prompts,
   ``first_divergence``), its tokens/s the one their ``speedup`` divides by.
+- ``host_gap``: ``target_only`` again on its first ``HOST_GAP_PROMPTS`` prompts under
+  ``torch.profiler``: the time per step the device was idle while the host worked
+  (``host_gap_ms_per_step``: the wall time less the union of the device's kernel and copy
+  intervals, over the steps; issue 52's aim is 0.3 ms). On a CPU the same sum over torch's
+  own operators (the time outside them: Python, the C kernels called through ctypes), a dry
+  run's figure only.
 - ``target_only_batch``: the same, ``batch`` requests at a time (its ``same_as_target_only``:
   batching left the tokens alone).
 - ``launch_ahead_off``: ``target_only`` with each step read before the next is launched
@@ -35,6 +41,12 @@ this order (the most wanted first, so a timeout cuts the least), each written to
 - ``tp_world_1``: target-only with tensor parallelism's all-reduces in every layer over a
   process group of one (NCCL on the GPU): the collectives inside the captured graph, as a
   TP unit runs them, where they must leave the tokens alone.
+
+Every speculative entry also says what the cost model (``engine/step/cost_model.py``)
+predicts of it (``cost_model``): from its measured acceptance rate and mean K, the
+independent-acceptance tokens per step, over its step's cost (propose, verify and accept,
+measured) relative to a target-only step; ``measured_over_predicted`` is its speedup over
+that prediction (issue 52's aim for the truncated draft: within 20%).
 
 The speculative entries run at batch 1 with K drafts per step. An entry whose requests ended
 in error or whose proposer fell back to target-only is ``failed``; so is one that raised,
@@ -69,10 +81,12 @@ from specserve.engine.request import check_request
 from specserve.engine.runtime.model import LlamaRuntime, default_kernels
 from specserve.engine.runtime.tp import all_reducer
 from specserve.engine.spec_decode import SpecDecodeEngine
-from specserve.engine.step.stats import EngineCounters, SpecStats
+from specserve.engine.step.cost_model import expected_speedup
+from specserve.engine.step.stats import EngineCounters, SpecStats, StepTimes
 from specserve.engine.worker import ModelWorker
 from specserve.methods import proposer_class
 from specserve.serve.engine_loop import EngineLoop
+from torch.profiler import ProfilerActivity, profile
 
 from load.bench_gpu import SHAPES, random_runtime
 from load.gpu.identity import IdText, first_divergence, make_prompts
@@ -85,6 +99,8 @@ FILE = "step.json"
 SEED = 0              # the random weights' (identity.py's: the same model)
 SAMPLING_SEED = 1234  # the seeded entry's requests'
 TEMPERATURE = 0.8     # ... and their temperature
+HOST_GAP_PROMPTS = 4  # host_gap's requests (the profiler's trace grows with every kernel)
+HOST_GAP_AIM_MS = 0.3  # issue 52: wall time less device-busy time a step
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,7 @@ class Pass:
     drafts: SpecStats  # this pass's verified drafts
     errors: int        # requests that ended in error
     fallbacks: int     # times the proposer stopped answering
+    times: StepTimes   # this pass's steps, phase by phase
 
     @property
     def tokens(self) -> int:
@@ -169,8 +186,11 @@ def counted(after: EngineCounters, before: EngineCounters, outputs: list[list[in
     drafts = SpecStats(num_drafts=after.spec.num_drafts - before.spec.num_drafts,
                        num_draft_tokens=after.spec.num_draft_tokens - before.spec.num_draft_tokens,
                        num_accepted_tokens=after.spec.num_accepted_tokens - before.spec.num_accepted_tokens)
-    return Pass(outputs, seconds, after.times.steps - before.times.steps, drafts, errors,
-                after.num_draft_fallbacks - before.num_draft_fallbacks)
+    a, b = after.times, before.times
+    times = StepTimes(a.steps - b.steps, a.propose_s - b.propose_s, a.verify_s - b.verify_s,
+                      a.accept_s - b.accept_s)
+    return Pass(outputs, seconds, times.steps, drafts, errors,
+                after.num_draft_fallbacks - before.num_draft_fallbacks, times)
 
 
 def compare(reference: list[list[int]], outputs: list[list[int]]) -> dict:
@@ -196,7 +216,30 @@ def figures(p: Pass, reference: Pass | None) -> dict:
     if reference is not None:
         entry.update(compare(reference.outputs, p.outputs),
                      speedup=round(p.tokens_per_s / reference.tokens_per_s, 3))
+        if p.drafts.num_drafts and reference.steps:
+            entry["cost_model"] = predicted(p, reference, entry["speedup"])
     return entry
+
+
+def step_seconds(t: StepTimes) -> float:
+    """A step's mean wall time over its phases."""
+    return (t.propose_s + t.verify_s + t.accept_s) / t.steps
+
+
+def predicted(p: Pass, reference: Pass, speedup: float) -> dict:
+    """What the cost model says of a speculative pass: ``expected_speedup(alpha, K, c, v)``
+    with its measured acceptance rate ``alpha``, its mean K (draft tokens per draft), the
+    draft's cost per drafted token ``c`` and the verify's (with the acceptance) ``v``, both
+    relative to a step of ``reference`` (target-only); against the measured speedup."""
+    decode = step_seconds(reference.times)
+    k = p.drafts.num_draft_tokens / p.drafts.num_drafts
+    c = p.times.propose_s / max(p.drafts.num_draft_tokens, 1) / decode
+    v = (p.times.verify_s + p.times.accept_s) / p.times.steps / decode
+    alpha = min(p.drafts.acceptance_rate, 1.0)
+    expected = expected_speedup(alpha, round(k), c, v) if v > 0 else None
+    return {"alpha": round(alpha, 4), "mean_k": round(k, 3), "c": round(c, 4), "v": round(v, 4),
+            "predicted_speedup": round(expected, 3) if expected else None,
+            "measured_over_predicted": round(speedup / expected, 3) if expected else None}
 
 
 def worst(*parts: dict) -> dict:
@@ -210,6 +253,41 @@ def target_only(b: Bench) -> dict:
     engine = b.engine(None)
     b.reference = run_pass(engine, b.prompts, b.greedy, 1)
     return {"batch": 1, "launch_ahead": engine.calls.launch_ahead, **figures(b.reference, None)}
+
+
+def host_gap(b: Bench) -> dict:
+    """``target_only`` on a few prompts under the profiler: per step, the wall time the
+    device was not busy (module docstring)."""
+    cuda = b.worker.runtime.embed.weight.device.type == "cuda"
+    engine = b.engine(None)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        p = run_pass(engine, b.prompts[:HOST_GAP_PROMPTS], b.greedy, 1)
+    kind = "CUDA" if cuda else "CPU"
+    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == kind]
+    busy = union_us(intervals) / 1e6
+    gap_ms = 1e3 * (p.seconds - busy) / p.steps if p.steps else None
+    entry = {"batch": 1, "num_prompts": len(p.outputs), "steps": p.steps,
+             "seconds": round(p.seconds, 4), "busy_s": round(busy, 4), "busy_of": kind,
+             "intervals": len(intervals),
+             "host_gap_ms_per_step": None if gap_ms is None else round(gap_ms, 4),
+             "aim_ms": HOST_GAP_AIM_MS, **compare(b.reference.outputs[:len(p.outputs)], p.outputs)}
+    if not intervals or gap_ms is None:
+        entry.update(status="failed", reason=f"the profiler recorded no {kind} activity")
+    else:
+        entry.update(status="ok", within_aim=gap_ms <= HOST_GAP_AIM_MS)
+    return entry
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals (nested and overlapping ones
+    counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def launch_ahead_off(b: Bench) -> dict:
@@ -371,8 +449,9 @@ def default_dtype(dtype: torch.dtype):
 
 
 LOGGED = ("status", "reason", "tokens_per_s", "speedup", "speedup_second_pass", "acceptance_rate",
-          "same_as_target_only", "num_same", "same_as_generate", "wall_s")  # an entry's log line
-ENTRIES = (("target_only", target_only), ("target_only_batch", target_only_batch),
+          "same_as_target_only", "num_same", "same_as_generate", "host_gap_ms_per_step",
+          "wall_s")  # an entry's log line
+ENTRIES = (("target_only", target_only), ("host_gap", host_gap), ("target_only_batch", target_only_batch),
            ("launch_ahead_off", launch_ahead_off), ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
            ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle),
            ("tp_world_1", tp_world_1))

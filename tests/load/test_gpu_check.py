@@ -104,8 +104,8 @@ def test_bench_memory_and_profile(dry_run):
     assert "kernels: compiled" in profile and "Name" in profile
 
 
-STEP_ENTRIES = ("target_only", "target_only_batch", "launch_ahead_off", "suffix", "ngram", "seeded",
-                "engine_loop", "self_draft", "eagle", "tp_world_1")
+STEP_ENTRIES = ("target_only", "host_gap", "target_only_batch", "launch_ahead_off", "suffix", "ngram",
+                "seeded", "engine_loop", "self_draft", "eagle", "tp_world_1")
 
 
 def dry_phase(phase: str, out: Path) -> None:
@@ -149,6 +149,22 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     assert reference["launch_ahead"] is False  # a CPU worker reads each step (TargetCalls)
     for name in ("self_draft", "eagle"):  # warmed up before their prompts, as a draft actor
         assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]
+    gap = entries["host_gap"]  # the profiler's busy time: torch's CPU operators here
+    assert gap["busy_of"] == "CPU" and gap["intervals"] > 0 and 0 < gap["busy_s"] < gap["seconds"]
+    assert gap["host_gap_ms_per_step"] > 0 and gap["same_as_target_only"] is True, gap
+    for part in (entries["suffix"]["second_pass"], entries["self_draft"], entries["ngram"]):
+        model = part["cost_model"]  # the cost model's prediction at the measured acceptance
+        assert model["alpha"] == part["acceptance_rate"] and model["v"] > 0, part
+        assert model["measured_over_predicted"] == pytest.approx(
+            part["speedup"] / model["predicted_speedup"], rel=0.01), part
+
+
+def test_union_of_intervals_counts_overlaps_once():
+    """host_gap's device-busy time: nested and overlapping kernels count once, gaps not."""
+    from load.gpu.step import union_us
+
+    assert union_us([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (5.5, 5.6), (2.0, 2.5)]) == 4.0
+    assert union_us([]) == 0.0
 
 
 def test_paged_phase_compares_the_layouts_end_to_end(tmp_path):
