@@ -39,6 +39,10 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 TopK = Annotated[int, Field(ge=0, le=1_000_000)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+MinTokens = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's logit_bias values
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy (vLLM's _SAMPLING_EPS)
 KV_KEY_BLOCK = 64  # keys FlexAttention reads per block (engine/runtime/kernels.py's KV_BLOCK)
@@ -58,6 +62,18 @@ class SamplingParams(_Strict):
     temperature: Temperature = Field(1.0, description="0 is greedy; higher flattens the distribution.")
     top_p: TopP = Field(1.0, description="Nucleus mass to keep; 1 disables.")
     top_k: TopK = Field(0, description="Keep the k most likely tokens; 0 disables.")
+    min_p: MinP = Field(
+        0.0, description="Drop the tokens less likely than min_p times the likeliest one (after "
+                         "the temperature, before top-k and top-p, as vLLM); 0 disables.")
+    min_tokens: MinTokens = Field(
+        0, description="Output tokens before EOS, a stop token id or a stop string may end the "
+                       "output: until then those tokens are banned and stop strings not looked "
+                       "for (vLLM's); at most max_tokens.")
+    logit_bias: tuple[tuple[int, Bias], ...] = Field(
+        (), max_length=MAX_LOGIT_BIAS,
+        description="(token id, bias) pairs added to the target's logits before everything "
+                    "else, argmax included (OpenAI's logit_bias: -100 bans a token in "
+                    "practice, 100 all but forces it).")
     seed: Seed | None = Field(
         None,
         description="Seed of this request's draws; same seed, same output, with or without "
@@ -76,8 +92,9 @@ class SamplingParams(_Strict):
         None, ge=0, le=20,
         description="Report each output token's log-probability under the target and this many "
                     "most likely alternatives (OpenAI's top_logprobs); None: none. Sampled "
-                    "requests: after their temperature / top-k / top-p (the distribution the "
-                    "token was drawn from); greedy ones: the model's own softmax.")
+                    "requests: after their logit bias, temperature, min-p, top-k and top-p "
+                    "(the distribution the token was drawn from); greedy ones: the model's "
+                    "own softmax.")
 
     @field_validator("temperature")
     @classmethod
@@ -97,6 +114,9 @@ class SamplingParams(_Strict):
     def _check(self) -> SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        ids = [token for token, _ in self.logit_bias]
+        if min(ids, default=0) < 0 or len(set(ids)) < len(ids):
+            raise ValueError("logit_bias: token ids must be non-negative and each given once")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_tokens 0 only scores a prompt: it needs prompt_logprobs")
         return self

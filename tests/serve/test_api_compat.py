@@ -155,12 +155,37 @@ def test_stop_token_ids_are_honoured(ngram_app, model, tiny_models):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
+def test_logit_bias_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_models):
+    """OpenAI's logit_bias and vLLM's min_tokens and min_p reach the engine (their losslessness
+    under speculation: tests/engine/test_logit_rules.py): a token biased +100 is every greedy
+    token; with min_tokens 5 a forced stop token comes sixth; min_p 1 samples the greedy
+    text; refusals name the field."""
+    tokenizer = make_tiny_tokenizer()
+    ids = encode_prompt(tokenizer, PROMPT)
+    [forced] = encode_prompt(tokenizer, "e")
+    body = {"model": model, "prompt": ids, "temperature": 0, "max_tokens": 8}
+    r = post(ngram_app, {**body, "max_tokens": 4, "logit_bias": {str(forced): 100}}, chat=False)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "eeee", r.text
+    r = post(ngram_app, {**body, "logit_bias": {str(forced): 100}, "stop_token_ids": [forced],
+                         "min_tokens": 5}, chat=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop", r.text
+    assert r.json()["usage"]["completion_tokens"] == 6, r.text  # five others, then the stop
+    greedy_text = post(ngram_app, body, chat=False).json()["choices"][0]["text"]
+    r = post(ngram_app, {**body, "temperature": 1.5, "seed": 3, "min_p": 1}, chat=False)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_text, r.text
+    for bad, param in (({"min_tokens": 9}, "min_tokens"), ({"min_p": 1.5}, "min_p"),
+                       ({"logit_bias": {"e": 5}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+                       ({"logit_bias": {str(10**6): 5}}, "logit_bias")):
+        assert_error(post(ngram_app, {**body, **bad}, chat=False), 400, param=param)
+
+
 # -- features we do not implement: a 400 that names them ----------------------------------------
 UNSUPPORTED = [
-    ("logit_bias", {"50": 100}),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
     ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 4),
+    ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("bad_words", ["x"]),
+    ("allowed_token_ids", [5]),
     ("guided_grammar", "root ::= 'a'"), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("use_beam_search", True), ("skip_special_tokens", False),
@@ -186,9 +211,9 @@ def test_openai_client_gets_the_refusal(client, model):
 
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
-                                       logit_bias={"50": 100})
-    assert exc.value.status_code == 400 and exc.value.param == "logit_bias"
-    assert "logit_bias is not supported by this server" in exc.value.message
+                                       presence_penalty=0.5)
+    assert exc.value.status_code == 400 and exc.value.param == "presence_penalty"
+    assert "presence_penalty is not supported by this server" in exc.value.message
 
 
 @pytest.mark.parametrize("field, value", [

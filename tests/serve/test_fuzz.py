@@ -87,7 +87,8 @@ NASTY: list[tuple[str, bytes, int | None]] = [
     ("response_format xml", chat("x", response_format={"type": "xml"}), 400),
     ("uncompilable schema", chat("x", response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}), 400),
-    ("logit_bias", chat("x", logit_bias={"5": 100}), 400),
+    ("logit_bias key not a token id", chat("x", logit_bias={"five": 100}), 400),
+    ("logit_bias past 100", chat("x", logit_bias={"5": 1e6}), 400),
     ("NaN presence_penalty", chat_raw(b'"presence_penalty": NaN'), 400),
     ("-Infinity temperature", chat_raw(b'"temperature": -Infinity'), 400),
     ("top_k -1.0", chat("x", top_k=-1.0), 400),  # -1 disables; a float is still not an int
@@ -106,6 +107,7 @@ FINE: list[tuple[str, bytes]] = [  # odd but valid: 200
     ("values that ask for nothing", chat("x", top_k=-1, n=1, logprobs=False, tools=[],
                                          response_format={"type": "text"}, tool_choice="none")),
     ("subnormal temperature", chat_raw(b'"temperature": 5e-324, "max_tokens": 4')),
+    ("logit_bias bans and forces", chat("x", logit_bias={"5": 100, "6": -100}, min_p=0.5)),
 ]
 
 

@@ -11,7 +11,8 @@ filled (the unit, once per request; a draft in another process builds its own ma
 the same spec), with the refusal naming the field that asked (:attr:`EngineRequest.grammar_param`).
 
 The checks, each here and nowhere else: a prompt that is empty, holds a token id outside the
-vocabulary or leaves no room for one output token; ``n`` beyond the
+vocabulary or leaves no room for one output token; a ``logit_bias`` token outside the
+vocabulary; ``min_tokens`` above ``max_tokens``; ``n`` beyond the
 samples a unit runs side by side; a seed whose samples leave the seed range (sample ``i``
 draws with ``seed + i``). The bounds of each field alone are its type's
 (:class:`~specserve.config.SamplingParams`, the API's request models); the server's own caps
@@ -68,6 +69,12 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     if n > limits.max_num_seqs:
         raise InvalidRequestError(f"n: at most {limits.max_num_seqs} (the unit's max_num_seqs: the "
                                   "samples run side by side)", param="n")
+    if params.logit_bias and max(t for t, _ in params.logit_bias) >= limits.vocab_size:
+        raise InvalidRequestError(f"logit_bias: token ids must be in [0, {limits.vocab_size})",
+                                  param="logit_bias")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise InvalidRequestError(f"min_tokens: at most max_tokens ({params.max_tokens})",
+                                  param="min_tokens")
     if params.seed is not None and params.seed + n - 1 > MAX_SEED:
         raise InvalidRequestError(f"seed: with n = {n}, at most {MAX_SEED - n + 1} (sample i draws "
                                   "with seed + i, which must stay at most 2**63 - 1)", param="seed")

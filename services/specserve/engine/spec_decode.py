@@ -144,7 +144,8 @@ class SpecDecodeEngine:
             seq_id=next(self._ids), prompt_len=len(prompt), token_ids=list(prompt), params=params,
             num_speculative_tokens=k if self.draft.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop,
+                                              min_tokens=params.min_tokens),
             sample_seed=random_seed() if params.seed is None else params.seed + i, index=i,
             grammar=grammar.matcher() if grammar is not None else None)
             for i in range(request.n)]
@@ -206,6 +207,7 @@ class SpecDecodeEngine:
             for row in batch.rows:
                 if row.seq.grammar is not None:
                     row.proposal, row.mask = constrain(row.seq.grammar, row.seq.params, row.proposal)
+                self._ban_stops(row)
             clock.propose_s = clock.lap()
             launched = self.calls.launch(batch)
         ahead = self.calls.after(batch, launched, self.max_model_len)
@@ -228,6 +230,16 @@ class SpecDecodeEngine:
             log.exception("step bookkeeping failed; the draft starts afresh")
             self.draft.lost()
         return outputs
+
+    def _ban_stops(self, row: StepRow) -> None:
+        """A row short of its ``min_tokens``: the tokens that would stop it banned where they
+        would come too early (:meth:`Sequence.stop_bans`), with its grammar's masks where it
+        has them. A draft of a banned token stays: its target probability is 0 there, so the
+        verification rejects it, greedy, seeded or not."""
+        bans = row.seq.stop_bans(row.proposal.parents, len(row.proposal.token_ids),
+                                 self.target.vocab_size, self.eos_token_ids)
+        if bans is not None:
+            row.mask = bans if row.mask is None else row.mask & bans
 
     def _fork(self, row: StepRow) -> None:
         """``row``'s sequence verified its prompt: its samples start from its caches

@@ -38,12 +38,16 @@ class IncrementalDetokenizer:
 
     After a stop string matched, ``add`` ignores further tokens (the engine may have sampled
     a few more in the same speculative step); ``stop_reason`` says which string matched.
-    Once ``pop_delta(final=True)`` was called, ``add`` ignores tokens too.
+    Once ``pop_delta(final=True)`` was called, ``add`` ignores tokens too. Stop strings are
+    looked for from the ``min_tokens``-th output token on (vLLM's rule: text completed
+    before it does not stop the output, then or later).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
-                 stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+                 stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens, self._added = min_tokens, 0
         self._skip_special = skip_special_tokens
         self._stop = tuple(s for s in stop if s)  # an empty stop string would match at once
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
@@ -66,6 +70,7 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None or self._finished:
             return
         self._ids.append(token_id)
+        self._added += 1
         self._advance(flush=False)
 
     def pop_delta(self, final: bool = False) -> str:
@@ -98,7 +103,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._text += delta
-        self._check_stop(len(delta))
+        if self._added >= self._min_tokens:
+            self._check_stop(len(delta))
 
     def _check_stop(self, delta_len: int) -> None:
         """Cut ``_text`` at the earliest stop string that the last ``delta_len`` chars completed."""

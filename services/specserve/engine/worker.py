@@ -161,8 +161,9 @@ class ModelWorker(SlotOwner):
 
         Row i of ``batch`` feeds its pending tokens, then its drafts (``proposals[i]``), and
         is verified under its request's parameters and seed (``sampling[i]``) and, for a
-        structured output, its grammar masks (:attr:`SamplingRow.mask`). Greedy-only batches
-        without masks compute the argmax on the device and nothing else. With ``hidden``
+        structured output or a ``min_tokens``, its masks (:attr:`SamplingRow.mask`), and its
+        ``logit_bias``. Greedy-only batches without masks or biases compute the argmax on the
+        device and nothing else. With ``hidden``
         the kept tokens' hidden states come back (:attr:`Verified.hidden`), and the prompt
         chunks' (prefilled in the same forward, after the rows: no logits, no verdict) in
         :attr:`Verified.chunk_hidden`. On the compiled path such a batch of chains is
@@ -192,7 +193,7 @@ class ModelWorker(SlotOwner):
         asked = [len(ids) if s else n for ids, s, n in zip(batch.token_ids, scored, counts)]
         clock = ForwardClock(self.runtime.embed.weight.device)
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
-                          and not s for r, s in zip(rows, scored))
+                          and not r.params.logit_bias and not s for r, s in zip(rows, scored))
         upload = Upload()  # the verification's inputs go to the device with the forward's
         staged = stage(rows, batch.proposals, upload)
         if batch.followers:

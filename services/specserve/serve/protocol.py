@@ -11,7 +11,7 @@ Three rules decide what a request may carry:
   every optional field (``"max_tokens": null`` on /v1/completions is 16).
 - **Features we do not implement are refused**, with a 400 whose ``param`` names the field
   (``response_format is not supported by this server``), whenever the value would change the
-  output: tools, ``best_of``, penalties, ``guided_grammar``... A value that asks for nothing
+  output: ``best_of``, penalties, ``guided_grammar``... A value that asks for nothing
   (``best_of: 1``, ``tools: []``, ``response_format: {"type": "text"}``) is accepted.
   Silently ignoring one would hand a client output it did not ask for.
 - **Unknown fields are ignored**, as OpenAI's own API and vLLM do, so clients that send newer
@@ -40,7 +40,18 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.config import SamplingParams, Seed, SpecMethod, Temperature, TopK, TopP
+from specserve.config import (
+    MAX_LOGIT_BIAS,
+    Bias,
+    MinP,
+    MinTokens,
+    SamplingParams,
+    Seed,
+    SpecMethod,
+    Temperature,
+    TopK,
+    TopP,
+)
 from specserve.engine.grammar import GrammarSpec
 from specserve.engine.request import EngineRequest
 from specserve.engine.step.stats import EngineCounters
@@ -74,8 +85,6 @@ def _empty(value: Any) -> bool:
 # Each alias is the type a client may send, the JSON schema of the values accepted, and the rule.
 Refused = Annotated[Any, WithJsonSchema({"type": "null"}), _only(_never)]
 EmptyList = Annotated[list[Any], WithJsonSchema({"type": "array", "maxItems": 0}), _only(_empty)]
-EmptyObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "maxProperties": 0}),
-                        _only(_empty)]
 NoneChoice = Annotated[str | dict[str, Any], WithJsonSchema({"type": "string", "enum": ["none"]}),
                        _only(lambda v: v == "none")]
 No = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [False]}), _only(lambda v: not v)]
@@ -89,9 +98,8 @@ def _off(type_: type, value: float) -> Any:
                      _only(lambda v: v == value, hint=f"; only {value:g} (off) is accepted")]
 
 
-ZeroPenalty = _off(float, 0.0)   # presence / frequency penalties, min_p
+ZeroPenalty = _off(float, 0.0)   # presence / frequency penalties
 OnePenalty = _off(float, 1.0)    # vLLM's repetition_penalty
-ZeroCount = _off(int, 0)         # top_logprobs, min_tokens
 
 
 def _null_means_default(schema: dict[str, Any]) -> None:
@@ -169,9 +177,10 @@ class _Request(_Lenient):
     presence_penalty: ZeroPenalty = 0.0
     frequency_penalty: ZeroPenalty = 0.0
     repetition_penalty: OnePenalty = 1.0
-    min_p: ZeroPenalty = 0.0
-    min_tokens: ZeroCount = 0
-    logit_bias: EmptyObject | None = None
+    min_p: MinP = Field(0.0, description=SamplingParams.model_fields["min_p"].description)
+    min_tokens: MinTokens = Field(0, description=SamplingParams.model_fields["min_tokens"].description)
+    logit_bias: dict[str, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS, description=(
+        "Token id (a string: a JSON key) -> a bias added to its logit before sampling or argmax."))
     response_format: Annotated[
         dict[str, Any], WithJsonSchema({"type": "object", "properties": {
             "type": {"enum": ["text", "json_object", "json_schema"]},
@@ -252,6 +261,14 @@ class _Request(_Lenient):
             return f"{' and '.join(asked)}: give one structured output, not several", asked[1]
         return None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Each key a token id: decimal digits (the vocabulary's bound is the engine's check)."""
+        if bad := [key for key in value or () if not (key.isascii() and key.isdigit()) or len(key) > 10]:
+            raise ValueError(f"keys must be token ids (decimal integers as strings); got {bad[0]!r}")
+        return value
+
     @field_validator("top_k", mode="before")
     @classmethod
     def _top_k_minus_one_disables(cls, value: Any) -> Any:
@@ -289,8 +306,9 @@ class _Request(_Lenient):
         parameter is copied without a line here), and the ones each route spells its own way."""
         same = {name: getattr(self, name) for name in SamplingParams.model_fields
                 if name in type(self).model_fields}
+        bias = tuple(sorted((int(token), value) for token, value in (self.logit_bias or {}).items()))
         return SamplingParams(**{**same, "max_tokens": max_tokens, "stop": tuple(self.stop_list),
-                                 "logprobs": self.num_logprobs,
+                                 "logprobs": self.num_logprobs, "logit_bias": bias,
                                  "prompt_logprobs": self.num_prompt_logprobs})
 
 

@@ -1,7 +1,7 @@
 """Turning logits into the distributions p (target) and q (draft), and drawing randomness.
 
-The same transform (temperature, then top-k, then top-p: the order ``transformers`` and vLLM
-use) is applied to draft and target logits. Speculative sampling then reproduces sampling
+The same transform (temperature, then min-p, top-k and top-p: vLLM's order; ``transformers``
+applies min-p last) is applied to draft and target logits. Speculative sampling then reproduces sampling
 from the *transformed* target distribution exactly, which is what a target-only run with the
 same settings samples from.
 
@@ -24,13 +24,14 @@ from specserve.engine.runtime import native
 
 
 def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, *, truncate: bool | None = None) -> torch.Tensor:
-    """Probabilities after temperature / top-k / top-p, per row.
+                  top_p: torch.Tensor, *, min_p: torch.Tensor | None = None,
+                  truncate: bool | None = None) -> torch.Tensor:
+    """Probabilities after temperature / min-p / top-k / top-p, per row.
 
-    logits: ``[N, V]``; temperature, top_k, top_p: ``[N]`` (top_k ≤ 0 and top_p ≥ 1 disable
-    them). Rows with temperature 0 are greedy and must not be passed here. ``truncate``:
-    whether any row has a top-k or a top-p, as the caller knows it on the host (None: read
-    it off the tensors, which on a GPU waits for them).
+    logits: ``[N, V]``; temperature, top_k, top_p, min_p: ``[N]`` (top_k ≤ 0, top_p ≥ 1 and
+    min_p 0 disable them; ``min_p`` None: no row has one). Rows with temperature 0 are greedy
+    and must not be passed here. ``truncate``: whether any row has a top-k or a top-p, as the
+    caller knows it on the host (None: read it off the tensors, which on a GPU waits for them).
     Returns ``[N, V]`` float32 rows that sum to 1.
     """
     assert logits.ndim == 2 and temperature.shape == (logits.shape[0],)
@@ -38,9 +39,19 @@ def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         assert bool((temperature > 0).all()), "greedy rows have no sampling distribution"
         truncate = bool((top_k > 0).any()) or bool((top_p < 1).any())
     logits = logits.float() / temperature[:, None]
+    if min_p is not None:
+        logits = _min_p(logits, min_p)
     if truncate:
         logits = _top_k_top_p(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf the tokens whose probability is below ``min_p`` times their row's largest
+    (a row's min-p 0 drops nothing: its values stay as they are, beside any other row)."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def compute_probs_rows(logits: list[torch.Tensor], params: Sequence,
@@ -65,16 +76,20 @@ def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int]
     truncate = any(p.top_k > 0 or p.top_p < 1 for p in params)
     if settings is None:
         settings = settings_host(params, counts).to(logits.device)
+    min_p = settings[:, 3].float() if any(p.min_p > 0 for p in params) else None
     return compute_probs(logits, settings[:, 0].float(), settings[:, 1].long(),
-                         settings[:, 2].float(), truncate=truncate)  # [sum(counts), V]
+                         settings[:, 2].float(), min_p=min_p, truncate=truncate)  # [sum(counts), V]
+
+
+SETTINGS = 4  # a row's sampling settings (settings_host)
 
 
 def settings_host(params: Sequence, counts: list[int]) -> torch.Tensor:
-    """``[sum(counts), 3]`` float64 on the host: each row's temperature, top-k and top-p,
-    repeated once per logits row of it (float64 holds the three exactly: a float32 of it is
-    the float32 of the request's value)."""
-    return torch.tensor([[p.temperature, p.top_k, p.top_p] for p, n in zip(params, counts)
-                         for _ in range(n)], dtype=torch.float64).view(-1, 3)
+    """``[sum(counts), 4]`` float64 on the host: each row's temperature, top-k, top-p and
+    min-p, repeated once per logits row of it (float64 holds each exactly: a float32 of it
+    is the float32 of the request's value)."""
+    return torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p, n in zip(params, counts)
+                         for _ in range(n)], dtype=torch.float64).view(-1, SETTINGS)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

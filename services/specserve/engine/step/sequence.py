@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.grammar import Matcher
+from specserve.engine.grammar import Matcher, num_words
 from specserve.engine.step.stats import SpecStats
 from specserve.engine.tokenizer import IncrementalDetokenizer
 
@@ -78,10 +78,12 @@ class Sequence:
     def stop_reason(self, token: int, *, eos_token_ids: frozenset[int],
                     max_model_len: int) -> str | None:
         """Why the sequence stops after ``token``, its newest token: ``"stop"`` (EOS, a stop
-        token id or a stop string), ``"length"`` (``max_tokens`` or the context), else None."""
+        token id or a stop string, once ``min_tokens`` are out), ``"length"`` (``max_tokens``
+        or the context), else None."""
         params = self.params
-        if (token in eos_token_ids and not params.ignore_eos) \
-                or token in params.stop_token_ids or self.detokenizer.stop_reason is not None:
+        if len(self.output_token_ids) >= params.min_tokens and (
+                (token in eos_token_ids and not params.ignore_eos)
+                or token in params.stop_token_ids or self.detokenizer.stop_reason is not None):
             return "stop"
         if self.grammar is not None and self.grammar.is_terminated:
             return "stop"  # the structured output is complete: nothing but EOS may follow
@@ -90,6 +92,36 @@ class Sequence:
         if len(self.token_ids) >= max_model_len:
             return "length"
         return None
+
+    def stop_bans(self, parents: list[int] | None, num_drafts: int, vocab_size: int,
+                  eos_token_ids: frozenset[int]) -> torch.Tensor | None:
+        """The masks of a verify of ``num_drafts`` drafts (a tree's ``parents``) banning the
+        tokens that would stop the output (EOS unless ``ignore_eos``, the stop token ids)
+        where they would come before ``min_tokens``: ``[num_drafts + 1, W]`` packed int32 as a
+        grammar's (allowed bits set), row 0 deciding output token ``L`` (the output so far),
+        a chain's row j token ``L + j``, a tree node's row token ``L`` + its depth. None where
+        no verified position comes before ``min_tokens``."""
+        params, done = self.params, len(self.output_token_ids)
+        if done >= params.min_tokens:
+            return None
+        banned = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+        banned = sorted(t for t in banned if t < vocab_size)
+        if parents is None:
+            index = [done + j for j in range(num_drafts + 1)]
+        else:
+            depth: list[int] = []
+            for parent in parents:  # a parent comes before its children
+                depth.append(1 if parent == -1 else depth[parent] + 1)
+            index = [done, *(done + d for d in depth)]
+        masks = torch.full((num_drafts + 1, num_words(vocab_size)), -1, dtype=torch.int32)
+        rows = torch.tensor([j for j, i in enumerate(index) if i < params.min_tokens])
+        if banned:
+            ids = torch.tensor(banned)
+            bits = torch.zeros(masks.shape[1], dtype=torch.int64)  # each word's banned bits
+            bits.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))  # (distinct: an OR)
+            words = ~bits & 0xFFFFFFFF  # the allowed bits, as the int32 of the same bits
+            masks[rows] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        return masks
 
     def step_output(self, prompt_logprobs: list | None = None) -> StepOutput:
         """What the step that just advanced it produced: the output tokens (and logprobs) not

@@ -48,7 +48,7 @@ class StepRow:
     k: int = 0                      # drafts asked of the proposer (<= cap)
     proposal: Proposal = field(default_factory=lambda: Proposal([]))
     source: str | None = None       # the proposer method that drafted it (a hybrid: its part)
-    mask: torch.Tensor | None = None     # [num drafts + 1, W] int32 grammar bitmask; None: free
+    mask: torch.Tensor | None = None     # [num drafts + 1, W] int32 bitmask (grammar, min_tokens); None: free
     verdict: Verdict | None = None       # what the target kept (after verify)
     hidden: torch.Tensor | None = None   # [kept tokens, H] target features (after verify), CPU
 
@@ -146,9 +146,10 @@ class StepBatch:
         """The step after this one as a verify that can be launched before this one is read
         (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
         (rows whose sequence has ended since this step was launched aside) that decodes
-        without drafts, a grammar or features. A row that reaches its ``max_tokens`` or the
-        context with this step has no next row; each other one feeds the token it emits now,
-        taken on the device (:attr:`VerifyBatch.follows`), at the position after it, and
+        without drafts, a grammar, features or stop tokens to ban. A row that reaches its
+        ``max_tokens`` or the context with this step has no next row; each other one feeds
+        the token it emits now, taken on the device (:attr:`VerifyBatch.follows`), at the
+        position after it, and
         where this step ends it otherwise (EOS, a stop string, an abort) its next row is
         ignored. None where the next step must be scheduled after this one is read."""
         live = [j for j, row in enumerate(self.rows) if running.get(row.seq.seq_id) is row.seq]
@@ -158,8 +159,8 @@ class StepBatch:
         for j in live:
             row, seq = self.rows[j], self.rows[j].seq
             if (not row.decoding or row.proposal.token_ids or seq.grammar is not None
-                    or seq.draft_attached):
-                return None
+                    or seq.draft_attached or len(seq.output_token_ids) + 1 < seq.params.min_tokens):
+                return None  # (the last: its next row bans the stop tokens, Sequence.stop_bans)
             if (len(seq.output_token_ids) + 1 < (seq.params.max_tokens or max_model_len)
                     and len(seq.token_ids) + 1 < max_model_len):  # (else this step ends it)
                 follows.append(j)

@@ -191,11 +191,24 @@ def judge(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch
     """:func:`verify_batch` on the device, nothing read back yet (a worker queues the next
     forward before it reads: ``ModelWorker.launch``).
 
-    A row with a grammar ``mask`` is verified on its logits with the disallowed tokens at
-    -inf: the constrained target distribution, at every position (greedy argmax, p of the
-    rejection test, the recovered and bonus tokens alike)."""
-    constrained = [x if r.mask is None else masked(x, r.mask) for r, x in zip(rows, logits)]
+    A row with a ``logit_bias`` or a ``mask`` (a grammar's, a ``min_tokens``'s) is verified
+    on its logits with the bias added, then the disallowed tokens at -inf: the constrained
+    target distribution, at every position (greedy argmax, p of the rejection test, the
+    recovered and bonus tokens alike)."""
+    constrained = [constrain_logits(x, r) for r, x in zip(rows, logits)]
     return Judged(rows, logits, constrained, verify_batch(rows, proposals, constrained, staged, judged))
+
+
+def constrain_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """``logits`` (``[n, V]``) as ``row`` is decided on: its request's ``logit_bias`` added
+    (a copy; the bias goes to the device in one small copy of its own), then its mask
+    applied; the same tensor where it has neither."""
+    bias = row.params.logit_bias
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], device=logits.device)
+        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(1, ids, values[None, :].expand(logits.shape[0], -1))
+    return logits if row.mask is None else masked(logits, row.mask)
 
 
 @dataclass(frozen=True)
@@ -205,7 +218,7 @@ class Judged:
 
     rows: list[SamplingRow]
     logits: list[torch.Tensor]
-    constrained: list[torch.Tensor]          # the logits under each row's grammar mask
+    constrained: list[torch.Tensor]          # the logits as each row is decided on (biased, masked)
     results: list[tuple[RejectionOutput, int]]
 
     def verdicts(self) -> list[Verdict]:

@@ -1,0 +1,202 @@
+"""``logit_bias``, ``min_tokens`` and ``min_p`` with speculation: each changes the target's
+distribution (the bias at every position, ``min_tokens`` at the positions before it, ``min_p``
+for sampled rows), so the verification must decide every verified position on the changed
+logits. Greedy and seeded outputs identical to target-only's with the same settings, for
+every proposer; each setting does what it says; a planted bug (the stop tokens banned only
+at a verify's first position, not at its drafts') is caught."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from specserve.config import SamplingParams
+from specserve.engine.step.sampling import compute_probs
+from specserve.engine.step.sequence import Sequence
+from specserve.engine.tokenizer import IncrementalDetokenizer
+from specserve.errors import InvalidRequestError
+
+from tests.engine.test_spec_decode import (
+    EOS,
+    chi_square_pvalue,
+    chi_square_pvalue_or_zero,
+    far_draft,
+    make_engine,
+    prompts,
+)
+from tests.models import VOCAB, perturbed, tiny_hf_model
+from tests.tiny import make_tiny_tokenizer
+
+[EOS_ID] = EOS
+METHODS = ["ngram", "suffix", "draft_model", "eagle", "suffix-tree"]
+MIN_TOKENS = 6
+# EOS all but forced (+100), and banned until MIN_TOKENS: every output is MIN_TOKENS tokens,
+# then EOS; a second, smaller bias shifts the rest of the distribution.
+STOP_AT_MIN = dict(logit_bias=((EOS_ID, 100.0), (7, 2.5)), min_tokens=MIN_TOKENS, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def draft_hf(target_hf):
+    return perturbed(target_hf, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def reference(target_hf):
+    """Target-only's outputs of the cases below, once for the module."""
+    engine = make_engine(target_hf, None)
+    return {name: [c.output_token_ids for c in engine.generate(prompts(4, seed=31), params)]
+            for name, params in CASES.items()}
+
+
+CASES = {
+    "greedy": SamplingParams(temperature=0.0, **STOP_AT_MIN),
+    "seeded": SamplingParams(temperature=0.9, seed=5, min_p=0.05, **STOP_AT_MIN),
+    "seeded-long": SamplingParams(temperature=0.9, seed=5, min_p=0.2, top_k=40, max_tokens=30,
+                                  logit_bias=((11, -100.0), (12, 3.0))),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_speculation_keeps_target_onlys_output_under_each_setting(target_hf, draft_hf, reference,
+                                                                  method):
+    engine = make_engine(target_hf, method, 4, draft_hf=draft_hf)
+    batch = prompts(4, seed=31)
+    drafted = 0
+    for name, params in CASES.items():
+        got = engine.generate(batch, params)
+        assert [c.output_token_ids for c in got] == reference[name], (method, name)
+        drafted += sum(c.stats.num_draft_tokens for c in got)
+    assert drafted > 0, method  # a comparison with drafts in it
+
+
+def test_each_setting_does_what_it_says(target_hf, reference):
+    for name in ("greedy", "seeded"):  # EOS banned until MIN_TOKENS, then taken at once
+        for out in reference[name]:
+            assert EOS_ID not in out[:MIN_TOKENS] and out[MIN_TOKENS:] == [EOS_ID], (name, out)
+    assert all(11 not in out for out in reference["seeded-long"])  # banned by its bias
+    engine = make_engine(target_hf, None)
+    batch = prompts(4, seed=31)
+    plain = SamplingParams(temperature=0.0, max_tokens=20)
+    free = [c.output_token_ids for c in engine.generate(batch, plain)]
+    common, _ = Counter(t for out in free for t in out).most_common(1)[0]
+    banned = SamplingParams(temperature=0.0, max_tokens=20, logit_bias=((common, -100.0),))
+    assert all(common not in c.output_token_ids for c in engine.generate(batch, banned))
+    # min_p 1 keeps only the likeliest token: a seeded sample at any temperature is greedy.
+    sharp = SamplingParams(temperature=1.5, seed=9, min_p=1.0, max_tokens=20)
+    assert [c.output_token_ids for c in engine.generate(batch, sharp)] == free
+
+
+def test_a_suffix_draft_of_an_early_eos_is_rejected(target_hf, monkeypatch):
+    """Suffix decoding drafts an earlier response, EOS at MIN_TOKENS included; asked for more
+    tokens now, that EOS comes before min_tokens and must be rejected at its draft position.
+    Planted: bans at a verify's first position only; the output then stops early."""
+    batch = prompts(4, seed=32)
+    more = SamplingParams(temperature=0.0, **{**STOP_AT_MIN, "min_tokens": MIN_TOKENS + 5})
+
+    def outputs(engine) -> list[list[int]]:
+        engine.generate(batch, SamplingParams(temperature=0.0, **STOP_AT_MIN))  # the suffix cache
+        return [c.output_token_ids for c in engine.generate(batch, more)]
+
+    want = outputs(make_engine(target_hf, None))
+    assert all(len(out) == MIN_TOKENS + 6 for out in want)
+    assert outputs(make_engine(target_hf, "suffix", 8)) == want
+    first_row_only = Sequence.stop_bans
+
+    def planted(self, parents, num_drafts, vocab_size, eos_token_ids):
+        masks = first_row_only(self, parents, num_drafts, vocab_size, eos_token_ids)
+        if masks is not None:
+            masks[1:] = -1
+        return masks
+
+    monkeypatch.setattr(Sequence, "stop_bans", planted)
+    assert outputs(make_engine(target_hf, "suffix", 8)) != want
+
+
+def test_stop_bans_follow_each_drafts_output_position():
+    """Row j of a chain decides output token L + j, a tree node's row L + its depth; the rows
+    at or past min_tokens allow everything; ignore_eos leaves EOS allowed, stop ids not."""
+    params = SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=(40,))
+    seq = Sequence(0, 2, [5, 6, 9, 9], params, 4, False, None, 0)  # two output tokens: L = 2
+    chain = seq.stop_bans(None, 4, VOCAB, EOS)
+    banned = [[bool(~int(row[t // 32]) >> (t % 32) & 1) for t in (EOS_ID, 40, 41)] for row in chain]
+    assert banned == [[True, True, False]] * 2 + [[False, False, False]] * 3
+    tree = seq.stop_bans([-1, -1, 0, 2], 4, VOCAB, EOS)  # depths 1, 1, 2, 3: rows L, L+1, L+1, L+2, L+3
+    assert [bool(int(row[0]) != -1) for row in tree] == [True, True, True, False, False]
+    relaxed = Sequence(0, 2, [5, 6, 9], params.model_copy(update={"ignore_eos": True}), 4, False, None, 0)
+    row = relaxed.stop_bans(None, 0, VOCAB, EOS)[0]
+    assert int(row[0]) >> EOS_ID & 1 and not int(row[1]) >> (40 - 32) & 1
+    done = Sequence(0, 2, [5, 6, 9, 9, 9, 9], params, 4, False, None, 0)
+    assert done.stop_bans(None, 4, VOCAB, EOS) is None
+
+
+def test_stop_strings_are_looked_for_from_min_tokens_on():
+    """vLLM's rule: a stop string completed before the min_tokens-th output token does not
+    stop the output, then or later; one completed after does."""
+    tokenizer = make_tiny_tokenizer()
+    ids = tokenizer.encode("ab ab ab", add_special_tokens=False)
+    stop = tokenizer.decode(ids[:1])
+    for min_tokens, stops in ((0, True), (len(ids) + 1, False)):
+        detok = IncrementalDetokenizer(tokenizer, [1], stop=[stop], min_tokens=min_tokens)
+        for t in ids:
+            detok.add(t)
+        assert (detok.stop_reason is not None) is stops, (min_tokens, detok.text)
+
+
+def test_bad_settings_are_refused_by_name(target_hf):
+    engine = make_engine(target_hf, None)
+    for params, param in ((SamplingParams(max_tokens=3, min_tokens=4), "min_tokens"),
+                          (SamplingParams(max_tokens=3, logit_bias=((VOCAB, 1.0),)), "logit_bias")):
+        with pytest.raises(InvalidRequestError) as err:
+            engine.generate([[5, 6]], params)
+        assert err.value.param == param
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))
+
+
+# -- the distribution: unseeded rows, where the rejection test reads the draft's q ------------
+UNSEEDED = SamplingParams(temperature=1.0, min_p=0.02, max_tokens=3,
+                          logit_bias=((7, 3.0), (11, 3.0), (13, 2.0), (301, -100.0)))
+PROMPT = [5, 301, 45, 17, 5, 301]
+
+
+def joint(target_hf, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2) of target-only sampling under ``params``: the target's logits, its bias
+    added, then temperature and min-p."""
+    bias = torch.zeros(VOCAB)
+    for token, value in params.logit_bias:
+        bias[token] = value
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        n = logits.shape[0]
+        return compute_probs(logits + bias, torch.full((n,), params.temperature), torch.zeros(n),
+                             torch.ones(n), min_p=torch.full((n,), params.min_p)).double()
+
+    with torch.no_grad():
+        p1 = probs(target_hf(torch.tensor([PROMPT])).logits[0, -1:])[0]
+        support = p1.nonzero()[:, 0].tolist()
+        p2 = probs(target_hf(torch.tensor([PROMPT + [t] for t in support])).logits[:, -1])
+    out = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    out[support] = p1[support, None] * p2
+    return (out / out.sum()).numpy()
+
+
+def test_unseeded_samples_have_the_biased_distribution(target_hf):
+    """6000 unseeded samples of the first two tokens from a mismatched draft model, whose q
+    knows nothing of the bias or min-p (any q keeps the rejection test exact): chi-square
+    against the exact joint distribution of the biased, min-p target, fails below p = 1e-3;
+    the same samples against the unbiased target's joint must fail it (the test has power)."""
+    engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256)
+    done = engine.generate([PROMPT] * 6000, UNSEEDED)
+    rate = engine.counters.spec.acceptance_rate
+    assert engine.counters.spec.num_draft_tokens > 0 and 0.0 < rate < 0.95, rate
+    samples = [tuple(c.output_token_ids[:2]) for c in done]
+    assert chi_square_pvalue(samples, joint(target_hf, UNSEEDED)) > 1e-3
+    plain = SamplingParams(temperature=1.0, max_tokens=3)
+    assert chi_square_pvalue_or_zero(samples, joint(target_hf, plain)) < 1e-3
