@@ -42,6 +42,8 @@ TopK = Annotated[int, Field(ge=0, le=1_000_000)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 MinTokens = Annotated[int, Field(ge=0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's logit_bias values
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's presence and frequency penalties
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]  # vLLM's (1: off)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy (vLLM's _SAMPLING_EPS)
@@ -69,6 +71,13 @@ class SamplingParams(_Strict):
         0, description="Output tokens before EOS, a stop token id or a stop string may end the "
                        "output: until then those tokens are banned and stop strings not looked "
                        "for (vLLM's); at most max_tokens.")
+    presence_penalty: Penalty = Field(
+        0.0, description="Subtracted from the logit of every token the output holds (OpenAI's).")
+    frequency_penalty: Penalty = Field(
+        0.0, description="Subtracted from a token's logit once per time the output holds it (OpenAI's).")
+    repetition_penalty: RepetitionPenalty = Field(
+        1.0, description="Divides a positive logit, multiplies a negative one, of every token the "
+                         "prompt or the output holds (vLLM's; 1 disables).")
     logit_bias: tuple[tuple[int, Bias], ...] = Field(
         (), max_length=MAX_LOGIT_BIAS,
         description="(token id, bias) pairs added to the target's logits before everything "
@@ -124,6 +133,11 @@ class SamplingParams(_Strict):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the tokens so far (``engine/step/penalties.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 class ModelConfig(_Strict):

@@ -1,9 +1,11 @@
-"""``logit_bias``, ``min_tokens`` and ``min_p`` with speculation: each changes the target's
-distribution (the bias at every position, ``min_tokens`` at the positions before it, ``min_p``
-for sampled rows), so the verification must decide every verified position on the changed
-logits. Greedy and seeded outputs identical to target-only's with the same settings, for
-every proposer; each setting does what it says; a planted bug (the stop tokens banned only
-at a verify's first position, not at its drafts') is caught."""
+"""``logit_bias``, ``min_tokens``, ``min_p`` and the presence, frequency and repetition
+penalties with speculation: each changes the target's distribution (the bias at every
+position, ``min_tokens`` at the positions before it, ``min_p`` for sampled rows, a penalty by
+the tokens before the position, drafts included), so the verification must decide every
+verified position on the changed logits. Greedy and seeded outputs identical to
+target-only's with the same settings, for every proposer; each setting does what it says;
+unseeded samples distributed as the target's under all of them; a planted bug (the stop
+tokens banned only at a verify's first position, not at its drafts') is caught."""
 
 from __future__ import annotations
 
@@ -60,7 +62,24 @@ CASES = {
     "seeded": SamplingParams(temperature=0.9, seed=5, min_p=0.05, **STOP_AT_MIN),
     "seeded-long": SamplingParams(temperature=0.9, seed=5, min_p=0.2, top_k=40, max_tokens=30,
                                   logit_bias=((11, -100.0), (12, 3.0))),
+    "greedy-penalized": SamplingParams(temperature=0.0, max_tokens=30, presence_penalty=0.15,
+                                       frequency_penalty=0.3, repetition_penalty=1.2),
+    "seeded-penalized": SamplingParams(temperature=0.9, seed=6, max_tokens=30, presence_penalty=-0.3,
+                                       frequency_penalty=0.7, repetition_penalty=0.8, min_p=0.05),
 }
+
+
+def reference_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+                        output: list[int]) -> torch.Tensor:
+    """vLLM's penalties written out token by token, for one logits row (``[V]``)."""
+    x = logits.clone()
+    counts = Counter(output)
+    for token in set(prompt) | set(output):
+        r = params.repetition_penalty
+        x[token] = x[token] / r if x[token] > 0 else x[token] * r
+    for token, c in counts.items():
+        x[token] -= params.frequency_penalty * c + params.presence_penalty
+    return x
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -91,6 +110,16 @@ def test_each_setting_does_what_it_says(target_hf, reference):
     # min_p 1 keeps only the likeliest token: a seeded sample at any temperature is greedy.
     sharp = SamplingParams(temperature=1.5, seed=9, min_p=1.0, max_tokens=20)
     assert [c.output_token_ids for c in engine.generate(batch, sharp)] == free
+    # the penalties: greedy decoding with the model itself and vLLM's formulas written out
+    params = CASES["greedy-penalized"]
+    for prompt, got in zip(batch, reference["greedy-penalized"]):
+        want: list[int] = []
+        with torch.no_grad():
+            while len(want) < params.max_tokens:
+                x = target_hf(torch.tensor([prompt + want])).logits[0, -1]
+                want.append(int(reference_penalties(x, params, prompt, want).argmax()))
+        assert got == want
+    assert reference["greedy-penalized"] != free  # (and they changed something)
 
 
 def test_a_suffix_draft_of_an_early_eos_is_rejected(target_hf, monkeypatch):
@@ -117,6 +146,18 @@ def test_a_suffix_draft_of_an_early_eos_is_rejected(target_hf, monkeypatch):
 
     monkeypatch.setattr(Sequence, "stop_bans", planted)
     assert outputs(make_engine(target_hf, "suffix", 8)) != want
+
+
+def test_penalties_blind_to_the_drafts_are_caught(target_hf, draft_hf, reference, monkeypatch):
+    """Planted: each verified position penalized for the output alone, not for the drafts
+    before it; a draft's repeat then goes unpenalized and the greedy output changes. (EAGLE:
+    its drafts are accepted most here; n-gram's are repeats, which the penalties reject.)"""
+    from specserve.engine.step import penalties
+
+    monkeypatch.setattr(penalties, "prefixes", lambda token_ids, parents: [[]] * (len(token_ids) + 1))
+    engine = make_engine(target_hf, "eagle", 4, draft_hf=draft_hf)
+    got = engine.generate(prompts(4, seed=31), CASES["greedy-penalized"])
+    assert [c.output_token_ids for c in got] != reference["greedy-penalized"]
 
 
 def test_stop_bans_follow_each_drafts_output_position():
@@ -162,26 +203,30 @@ def test_bad_settings_are_refused_by_name(target_hf):
 
 # -- the distribution: unseeded rows, where the rejection test reads the draft's q ------------
 UNSEEDED = SamplingParams(temperature=1.0, min_p=0.02, max_tokens=3,
-                          logit_bias=((7, 3.0), (11, 3.0), (13, 2.0), (301, -100.0)))
+                          logit_bias=((7, 3.0), (11, 3.0), (13, 2.0), (301, -100.0)),
+                          presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
 PROMPT = [5, 301, 45, 17, 5, 301]
 
 
 def joint(target_hf, params: SamplingParams) -> np.ndarray:
     """P(t1, t2) of target-only sampling under ``params``: the target's logits, its bias
-    added, then temperature and min-p."""
+    added, its penalties for the output before each token, then temperature and min-p."""
     bias = torch.zeros(VOCAB)
     for token, value in params.logit_bias:
         bias[token] = value
 
-    def probs(logits: torch.Tensor) -> torch.Tensor:
+    def probs(logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
         n = logits.shape[0]
-        return compute_probs(logits + bias, torch.full((n,), params.temperature), torch.zeros(n),
+        logits = torch.stack([reference_penalties(x + bias, params, PROMPT, out)
+                              for x, out in zip(logits, outputs)])
+        return compute_probs(logits, torch.full((n,), params.temperature), torch.zeros(n),
                              torch.ones(n), min_p=torch.full((n,), params.min_p)).double()
 
     with torch.no_grad():
-        p1 = probs(target_hf(torch.tensor([PROMPT])).logits[0, -1:])[0]
+        p1 = probs(target_hf(torch.tensor([PROMPT])).logits[0, -1:], [[]])[0]
         support = p1.nonzero()[:, 0].tolist()
-        p2 = probs(target_hf(torch.tensor([PROMPT + [t] for t in support])).logits[:, -1])
+        p2 = probs(target_hf(torch.tensor([PROMPT + [t] for t in support])).logits[:, -1],
+                   [[t] for t in support])
     out = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     out[support] = p1[support, None] * p2
     return (out / out.sum()).numpy()

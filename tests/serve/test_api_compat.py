@@ -155,11 +155,12 @@ def test_stop_token_ids_are_honoured(ngram_app, model, tiny_models):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
-def test_logit_bias_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_models):
-    """OpenAI's logit_bias and vLLM's min_tokens and min_p reach the engine (their losslessness
-    under speculation: tests/engine/test_logit_rules.py): a token biased +100 is every greedy
-    token; with min_tokens 5 a forced stop token comes sixth; min_p 1 samples the greedy
-    text; refusals name the field."""
+def test_logit_bias_penalties_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_models):
+    """OpenAI's logit_bias and penalties and vLLM's repetition_penalty, min_tokens and min_p
+    reach the engine (their losslessness under speculation: tests/engine/test_logit_rules.py):
+    a token biased +100 is every greedy token; with min_tokens 5 a forced stop token comes
+    sixth; min_p 1 samples the greedy text; penalized greedy text is the engine's; refusals
+    name the field."""
     tokenizer = make_tiny_tokenizer()
     ids = encode_prompt(tokenizer, PROMPT)
     [forced] = encode_prompt(tokenizer, "e")
@@ -174,7 +175,14 @@ def test_logit_bias_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_mod
     greedy_text = post(ngram_app, body, chat=False).json()["choices"][0]["text"]
     r = post(ngram_app, {**body, "temperature": 1.5, "seed": 3, "min_p": 1}, chat=False)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_text, r.text
+    penalties = {"presence_penalty": 0.3, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
+    r = post(ngram_app, {**body, **penalties}, chat=False)
+    [want] = make_engine(tiny_models[2], None, max_len=256).generate(
+        [ids], SamplingParams(temperature=0, max_tokens=8, **penalties))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text, r.text
     for bad, param in (({"min_tokens": 9}, "min_tokens"), ({"min_p": 1.5}, "min_p"),
+                       ({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"repetition_penalty": 0}, "repetition_penalty"),
                        ({"logit_bias": {"e": 5}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias.5"),
                        ({"logit_bias": {str(10**6): 5}}, "logit_bias")):
         assert_error(post(ngram_app, {**body, **bad}, chat=False), 400, param=param)
@@ -183,9 +191,7 @@ def test_logit_bias_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_mod
 # -- features we do not implement: a 400 that names them ----------------------------------------
 UNSUPPORTED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -0.5), ("repetition_penalty", 1.2), ("bad_words", ["x"]),
-    ("allowed_token_ids", [5]),
+    ("bad_words", ["x"]), ("allowed_token_ids", [5]),
     ("guided_grammar", "root ::= 'a'"), ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("use_beam_search", True), ("skip_special_tokens", False),
@@ -211,9 +217,9 @@ def test_openai_client_gets_the_refusal(client, model):
 
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
-                                       presence_penalty=0.5)
-    assert exc.value.status_code == 400 and exc.value.param == "presence_penalty"
-    assert "presence_penalty is not supported by this server" in exc.value.message
+                                       functions=[{"name": "f"}])
+    assert exc.value.status_code == 400 and exc.value.param == "functions"
+    assert "functions is not supported by this server" in exc.value.message
 
 
 @pytest.mark.parametrize("field, value", [

@@ -162,8 +162,8 @@ class ModelWorker(SlotOwner):
         Row i of ``batch`` feeds its pending tokens, then its drafts (``proposals[i]``), and
         is verified under its request's parameters and seed (``sampling[i]``) and, for a
         structured output or a ``min_tokens``, its masks (:attr:`SamplingRow.mask`), and its
-        ``logit_bias``. Greedy-only batches without masks or biases compute the argmax on the
-        device and nothing else. With ``hidden``
+        ``logit_bias`` and penalties (:attr:`VerifyBatch.histories`). Greedy-only batches
+        without any of them compute the argmax on the device and nothing else. With ``hidden``
         the kept tokens' hidden states come back (:attr:`Verified.hidden`), and the prompt
         chunks' (prefilled in the same forward, after the rows: no logits, no verdict) in
         :attr:`Verified.chunk_hidden`. On the compiled path such a batch of chains is
@@ -184,16 +184,18 @@ class ModelWorker(SlotOwner):
         unit's rank 0 sends them to the other ranks first), instead of ``after``."""
         counts = batch.num_verify_logits
         masks = batch.masks or [None] * len(batch.slots)
-        rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask)
-                for slot, ids, p, (params, seed), mask
-                in zip(batch.slots, batch.token_ids, batch.proposals, batch.sampling, masks)]
+        pasts = batch.histories or [None] * len(batch.slots)
+        rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask, past)
+                for slot, ids, p, (params, seed), mask, past
+                in zip(batch.slots, batch.token_ids, batch.proposals, batch.sampling, masks, pasts)]
         # A prefill that scores its prompt asks for logits at every prompt position.
         scored = [r.params.prompt_logprobs is not None and self.length(slot) == 0
                   for r, slot in zip(rows, batch.slots)]
         asked = [len(ids) if s else n for ids, s, n in zip(batch.token_ids, scored, counts)]
         clock = ForwardClock(self.runtime.embed.weight.device)
         argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
-                          and not r.params.logit_bias and not s for r, s in zip(rows, scored))
+                          and not r.params.logit_bias and r.history is None and not s
+                          for r, s in zip(rows, scored))
         upload = Upload()  # the verification's inputs go to the device with the forward's
         staged = stage(rows, batch.proposals, upload)
         if batch.followers:

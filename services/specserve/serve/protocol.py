@@ -11,7 +11,7 @@ Three rules decide what a request may carry:
   every optional field (``"max_tokens": null`` on /v1/completions is 16).
 - **Features we do not implement are refused**, with a 400 whose ``param`` names the field
   (``response_format is not supported by this server``), whenever the value would change the
-  output: ``best_of``, penalties, ``guided_grammar``... A value that asks for nothing
+  output: ``best_of``, ``bad_words``, ``guided_grammar``... A value that asks for nothing
   (``best_of: 1``, ``tools: []``, ``response_format: {"type": "text"}``) is accepted.
   Silently ignoring one would hand a client output it did not ask for.
 - **Unknown fields are ignored**, as OpenAI's own API and vLLM do, so clients that send newer
@@ -45,6 +45,8 @@ from specserve.config import (
     Bias,
     MinP,
     MinTokens,
+    Penalty,
+    RepetitionPenalty,
     SamplingParams,
     Seed,
     SpecMethod,
@@ -91,15 +93,10 @@ No = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [False]}), _only
 Yes = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [True]}), _only(lambda v: v)]
 
 
-def _off(type_: type, value: float) -> Any:
-    """A number whose only implemented value is ``value``: the one that turns the feature off."""
-    kind = "integer" if type_ is int else "number"
-    return Annotated[type_, WithJsonSchema({"type": kind, "minimum": value, "maximum": value}),
-                     _only(lambda v: v == value, hint=f"; only {value:g} (off) is accepted")]
-
-
-ZeroPenalty = _off(float, 0.0)   # presence / frequency penalties
-OnePenalty = _off(float, 1.0)    # vLLM's repetition_penalty
+def _engines(name: str) -> Any:
+    """The engine's field ``name`` (:class:`SamplingParams`): its default and description."""
+    field_info = SamplingParams.model_fields[name]
+    return Field(field_info.default, description=field_info.description)
 
 
 def _null_means_default(schema: dict[str, Any]) -> None:
@@ -174,11 +171,11 @@ class _Request(_Lenient):
                    "is the single request with seed + i.")
     best_of: Annotated[int, _only(lambda v: v == 1, "best_of > 1")] = \
         Field(1, ge=1, json_schema_extra={"maximum": 1})
-    presence_penalty: ZeroPenalty = 0.0
-    frequency_penalty: ZeroPenalty = 0.0
-    repetition_penalty: OnePenalty = 1.0
-    min_p: MinP = Field(0.0, description=SamplingParams.model_fields["min_p"].description)
-    min_tokens: MinTokens = Field(0, description=SamplingParams.model_fields["min_tokens"].description)
+    presence_penalty: Penalty = _engines("presence_penalty")
+    frequency_penalty: Penalty = _engines("frequency_penalty")
+    repetition_penalty: RepetitionPenalty = _engines("repetition_penalty")
+    min_p: MinP = _engines("min_p")
+    min_tokens: MinTokens = _engines("min_tokens")
     logit_bias: dict[str, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS, description=(
         "Token id (a string: a JSON key) -> a bias added to its logit before sampling or argmax."))
     response_format: Annotated[

@@ -33,6 +33,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.runtime.forward_batch import ForwardBatch, Upload
+from specserve.engine.step.penalties import History, history
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sequence import Sequence
 from specserve.engine.step.verification import Verdict
@@ -146,7 +147,7 @@ class StepBatch:
         """The step after this one as a verify that can be launched before this one is read
         (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
         (rows whose sequence has ended since this step was launched aside) that decodes
-        without drafts, a grammar, features or stop tokens to ban. A row that reaches its
+        without drafts, a grammar, features, penalties or stop tokens to ban. A row that reaches its
         ``max_tokens`` or the context with this step has no next row; each other one feeds
         the token it emits now, taken on the device (:attr:`VerifyBatch.follows`), at the
         position after it, and
@@ -159,8 +160,9 @@ class StepBatch:
         for j in live:
             row, seq = self.rows[j], self.rows[j].seq
             if (not row.decoding or row.proposal.token_ids or seq.grammar is not None
-                    or seq.draft_attached or len(seq.output_token_ids) + 1 < seq.params.min_tokens):
-                return None  # (the last: its next row bans the stop tokens, Sequence.stop_bans)
+                    or seq.draft_attached or seq.params.penalized
+                    or len(seq.output_token_ids) + 1 < seq.params.min_tokens):
+                return None  # (the last two: the next row's penalties and bans need this one's)
             if (len(seq.output_token_ids) + 1 < (seq.params.max_tokens or max_model_len)
                     and len(seq.token_ids) + 1 < max_model_len):  # (else this step ends it)
                 follows.append(j)
@@ -175,12 +177,15 @@ class StepBatch:
         """What the target's verify takes: the rows as plain data, in forward order."""
         trees = [r.tree for r in self.rows]
         masks = [r.mask for r in self.rows]
+        pasts = [history(r.seq.params, r.seq.token_ids[:r.seq.prompt_len], r.seq.output_token_ids)
+                 for r in self.rows]
         return VerifyBatch(
             slots=[r.seq.slot for r in self.rows], token_ids=[r.input_ids for r in self.rows],
             proposals=[r.proposal for r in self.rows],
             sampling=[(r.seq.params, r.seq.sample_seed) for r in self.rows],
             trees=trees if any(trees) else None,
             masks=masks if any(m is not None for m in masks) else None,
+            histories=pasts if any(h is not None for h in pasts) else None,
             chunks=[(c.seq.slot, c.input_ids) for c in self.chunks], groups=self.groups or None,
             hidden=self.hidden)
 
@@ -204,7 +209,8 @@ class VerifyBatch:
     # per slot (they travel when a slot's holder changes: ``TargetGroup.verify``)
     sampling: list[tuple[SamplingParams, int]] | None
     trees: list[list[int] | None] | None = None   # [rows] a tree over the row's tokens; None: chains
-    masks: list[torch.Tensor | None] | None = None  # [rows] [drafts + 1, W] grammar bitmasks; None: free
+    masks: list[torch.Tensor | None] | None = None  # [rows] [drafts + 1, W] bitmasks; None: free
+    histories: list[History | None] | None = None  # [rows] a penalized row's tokens so far (penalties.py)
     chunks: list[tuple[int, list[int]]] = ()      # [chunks] (slot, prompt tokens) prefilled beside the rows
     groups: list[int] | None = None               # the forward's row groups over rows, then chunks
     hidden: bool = False                          # the kept tokens' (and chunks') features come back

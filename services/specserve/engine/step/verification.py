@@ -52,6 +52,7 @@ from specserve.engine.step.acceptance import (
     tree_accept_sampled,
     tree_accept_seeded,
 )
+from specserve.engine.step.penalties import History, penalize
 from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.step.sampling import (
     compute_probs_each,
@@ -90,6 +91,7 @@ class SamplingRow:
     # structured output: the grammar's packed bitmask of allowed tokens at each verified
     # position (``[num_draft_tokens + 1, W]`` int32, a tree's root then its nodes); None: free
     mask: torch.Tensor | None = None
+    history: History | None = None  # a penalized row's tokens so far (penalties.py)
 
 
 class KindInputs:
@@ -195,19 +197,22 @@ def judge(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch
     on its logits with the bias added, then the disallowed tokens at -inf: the constrained
     target distribution, at every position (greedy argmax, p of the rejection test, the
     recovered and bonus tokens alike)."""
-    constrained = [constrain_logits(x, r) for r, x in zip(rows, logits)]
+    constrained = [constrain_logits(x, r, p) for r, x, p in zip(rows, logits, proposals)]
     return Judged(rows, logits, constrained, verify_batch(rows, proposals, constrained, staged, judged))
 
 
-def constrain_logits(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+def constrain_logits(logits: torch.Tensor, row: SamplingRow, proposal: Proposal) -> torch.Tensor:
     """``logits`` (``[n, V]``) as ``row`` is decided on: its request's ``logit_bias`` added
-    (a copy; the bias goes to the device in one small copy of its own), then its mask
-    applied; the same tensor where it has neither."""
+    (a copy; the bias goes to the device in one small copy of its own), its penalties for
+    the tokens before each position (``penalties.py``), then its mask applied; the same
+    tensor where it has none of them."""
     bias = row.params.logit_bias
     if bias:
         ids = torch.tensor([t for t, _ in bias], device=logits.device)
         values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
         logits = logits.index_add(1, ids, values[None, :].expand(logits.shape[0], -1))
+    if row.history is not None:
+        logits = penalize(logits, row.params, row.history, proposal.token_ids, proposal.parents)
     return logits if row.mask is None else masked(logits, row.mask)
 
 

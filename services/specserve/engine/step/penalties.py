@@ -1,0 +1,78 @@
+"""Presence, frequency and repetition penalties, at every verified position.
+
+A penalty reads the tokens so far: the output's (presence and frequency), the prompt's too
+(repetition). At a verify's position j those are the output plus the drafts before j (a tree
+node's row: the path to it), which is what they are wherever that position decides a token:
+it is reached only when those drafts were accepted. So each position is decided on the
+logits target-only decoding would have penalized there, and greedy and seeded outputs stay
+target-only's, samples its distribution.
+
+The formulas are vLLM's (``apply_penalties``), after the logit bias and before a mask, the
+temperature and the truncations: with ``c`` a token's count in the output so far, the logit
+``x`` becomes ``x / r`` (``x > 0``) or ``x * r`` for a token of the prompt or the output, then
+``x - frequency * c - presence * (c > 0)``.
+
+The coordinator holds the tokens; a verify carries each penalized row's :class:`History`
+(its output, and the prompt's distinct tokens where repetition reads them), so a unit's
+rank 0, which verifies, needs no state of its own. A step of a penalized row is not launched
+ahead (``StepBatch.decode_ahead``): its history would need the token the step before emits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class History:
+    """What a penalized row's penalties read, besides its drafts."""
+
+    output: tuple[int, ...]   # the output tokens so far
+    prompt: tuple[int, ...]   # the prompt's distinct tokens (repetition only; else empty)
+
+
+def history(params: SamplingParams, prompt: list[int], output: list[int]) -> History | None:
+    """A sequence's :class:`History`; None where its request has no penalty."""
+    if not params.penalized:
+        return None
+    return History(tuple(output), tuple(sorted(set(prompt))) if params.repetition_penalty != 1 else ())
+
+
+def prefixes(token_ids: list[int], parents: list[int] | None) -> list[list[int]]:
+    """The drafts before each verified position: a chain's row j the first j drafts; a tree's
+    row 0 none, and node i's row the path from the root to node i, node i included."""
+    if parents is None:
+        return [token_ids[:j] for j in range(len(token_ids) + 1)]
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):  # a parent comes before its children
+        paths.append((paths[parent] if parent != -1 else []) + [token_ids[i]])
+    return [[], *paths]
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, past: History,
+             token_ids: list[int], parents: list[int] | None) -> torch.Tensor:
+    """``logits`` (``[drafts + 1, V]``, the rows of a verify of ``token_ids``) penalized, each
+    row for the tokens before it (module docstring): a new tensor. The counts go to the
+    device in one copy."""
+    n, vocab = logits.shape
+    rows, tokens = [], []
+    for j, prefix in enumerate(prefixes(token_ids, parents)):
+        seen = (*past.output, *prefix)
+        rows += [j] * len(seen)
+        tokens += seen
+    pairs = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device)
+    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=logits.device)
+    counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=logits.dtype),
+                      accumulate=True)
+    seen = counts > 0
+    if params.repetition_penalty != 1.0:
+        repeated = seen.clone()
+        if past.prompt:
+            repeated[:, torch.tensor(past.prompt, device=logits.device)] = True
+        r = params.repetition_penalty
+        logits = torch.where(repeated, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * seen.to(logits.dtype)
