@@ -169,6 +169,9 @@ bench-tree: install ## EAGLE token trees vs chains: verify cost per tree size, b
 bench-wire: install ## Bytes per row and step between a unit's groups (TP = 2 target, draft actor), before and after issue 21 (results/bench-wire.json)
 	$(PY) load/bench_wire.py $(BENCH_ARGS)
 
+bench-sampling: install ## Sampling settings (logit_bias, min_tokens, penalties) with speculation: tokens/s and acceptance against plain greedy, embedded model (results/bench-sampling.json)
+	$(PY) load/bench_sampling.py $(BENCH_ARGS)
+
 bench-grammar: install ## Structured outputs: the grammar's cost per verify step and per token end to end, embedded model (results/bench-grammar.json)
 	$(PY) load/bench_grammar.py $(BENCH_ARGS)
 
@@ -180,4 +183,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire dashboards rules prometheus helm-lint helm-schema golden
+.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire bench-grammar bench-sampling dashboards rules prometheus helm-lint helm-schema golden
