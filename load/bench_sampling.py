@@ -3,8 +3,9 @@
 Each setting (``SETTINGS``: greedy as it is, with a ``logit_bias``, with ``min_tokens``, with
 the presence / frequency / repetition penalties; all greedy, so every run can be checked
 against its target-only twin) runs the same prompts target-only and with the speculation of
-``--method`` (n-gram by default: its drafts are the repeats a penalty pushes down), one
-request at a time, in rounds whose order rotates. Per setting: tokens/s of each, the
+``--method`` (n-gram by default: its drafts are the repeats a penalty pushes down) at a
+fixed K (no K controller: ``engine.generate``), one request at a time, in rounds whose order
+rotates. Per setting: tokens/s of each, the
 speedup, the acceptance rate, and whether the tokens are target-only's (they must be).
 The cost of a setting is its speedup against plain greedy's: a row with any of them asks its
 verify for logits rather than the argmax, its bias or tokens so far go to the device in a
