@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from specserve.config import SamplingParams
+from specserve.engine.grammar import GrammarCompiler, GrammarSpec
 from specserve.engine.step.sampling import compute_probs
-from specserve.engine.step.sequence import Sequence
+from specserve.engine.step.sequence import Sequence, with_bans
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.errors import InvalidRequestError
 
@@ -158,6 +159,25 @@ def test_penalties_blind_to_the_drafts_are_caught(target_hf, draft_hf, reference
     engine = make_engine(target_hf, "eagle", 4, draft_hf=draft_hf)
     got = engine.generate(prompts(4, seed=31), CASES["greedy-penalized"])
     assert [c.output_token_ids for c in got] != reference["greedy-penalized"]
+
+
+def test_a_grammar_complete_before_min_tokens_ends_its_output(target_hf):
+    """A structured output whose grammar is complete before ``min_tokens`` ends there
+    ("stop"), with and without speculation: min_tokens does not keep it going. Within a verify,
+    a drafted position after the grammar's completion allows only a stop, which min_tokens
+    bans: there the grammar's mask stays (``with_bans``), so no row is left with nothing
+    allowed (its token is dropped after the stop anyway)."""
+    compiled = GrammarCompiler(make_tiny_tokenizer(), VOCAB, EOS).compile(GrammarSpec("regex", "[a-m]{2,3}"))
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12)
+    batch = prompts(3, seed=33)
+    want = make_engine(target_hf, None).generate(batch, params, grammar=compiled)
+    got = make_engine(target_hf, "ngram", 4).generate(batch, params, grammar=compiled)
+    assert [c.output_token_ids for c in got] == [c.output_token_ids for c in want]
+    for c in want:
+        assert c.finish_reason == "stop" and 2 <= len(c.text) <= 3 and len(c.output_token_ids) < 12, c
+    grammar = torch.tensor([[0b1100, -1], [0b0100, 0]], dtype=torch.int32)  # row 1: EOS (2) only
+    bans = torch.tensor([[~0b0100, -1], [~0b0100, -1]], dtype=torch.int32)
+    assert with_bans(grammar, bans).tolist() == [[0b1000, -1], [0b0100, 0]]
 
 
 def test_stop_bans_follow_each_drafts_output_position():

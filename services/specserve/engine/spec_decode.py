@@ -68,7 +68,7 @@ from specserve.engine.step.adaptive import SpecLengthController
 from specserve.engine.step.k_planner import KPlanner
 from specserve.engine.step.sampling import random_seed
 from specserve.engine.step.scheduler import Scheduler
-from specserve.engine.step.sequence import Completion, Sequence, StepOutput
+from specserve.engine.step.sequence import Completion, Sequence, StepOutput, with_bans
 from specserve.engine.step.stats import EngineCounters
 from specserve.engine.step.step_batch import ChunkRow, StepBatch, StepRow
 from specserve.engine.tokenizer import IncrementalDetokenizer
@@ -234,12 +234,13 @@ class SpecDecodeEngine:
     def _ban_stops(self, row: StepRow) -> None:
         """A row short of its ``min_tokens``: the tokens that would stop it banned where they
         would come too early (:meth:`Sequence.stop_bans`), with its grammar's masks where it
-        has them. A draft of a banned token stays: its target probability is 0 there, so the
-        verification rejects it, greedy, seeded or not."""
+        has them; where a grammar allows nothing but a stop (its output complete), the
+        grammar wins. A draft of a banned token stays: its target probability is 0 there, so
+        the verification rejects it, greedy, seeded or not."""
         bans = row.seq.stop_bans(row.proposal.parents, len(row.proposal.token_ids),
                                  self.target.vocab_size, self.eos_token_ids)
         if bans is not None:
-            row.mask = bans if row.mask is None else row.mask & bans
+            row.mask = bans if row.mask is None else with_bans(row.mask, bans)
 
     def _fork(self, row: StepRow) -> None:
         """``row``'s sequence verified its prompt: its samples start from its caches

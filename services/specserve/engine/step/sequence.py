@@ -145,6 +145,14 @@ class Sequence:
                           self.prompt_logprobs)
 
 
+def with_bans(masks: torch.Tensor, bans: torch.Tensor) -> torch.Tensor:
+    """A grammar's ``masks`` with :meth:`Sequence.stop_bans`' ``bans`` (both ``[n, W]``
+    packed), except at a position where together they allow nothing: a grammar whose output is
+    complete allows only a stop, and there the grammar wins (its request ends complete)."""
+    both = masks & bans
+    return torch.where((both != 0).any(dim=1, keepdim=True), both, masks)
+
+
 @dataclass
 class StepOutput:
     """What one step produced for one sequence (streaming reads these)."""
