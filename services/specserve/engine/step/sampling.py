@@ -1,9 +1,9 @@
 """Turning logits into the distributions p (target) and q (draft), and drawing randomness.
 
 The same transform (temperature, then min-p, top-k and top-p: vLLM's order; ``transformers``
-applies min-p last) is applied to draft and target logits. Speculative sampling then reproduces sampling
-from the *transformed* target distribution exactly, which is what a target-only run with the
-same settings samples from.
+applies min-p last) is applied to draft and target logits. Speculative sampling then
+reproduces sampling from the *transformed* target distribution exactly, which is what a
+target-only run with the same settings samples from.
 
 Randomness is counter-based: every draw is a function of the request's seed, the **position**
 of the token it decides (its index in the sequence, prompt included) and a stream name

@@ -147,12 +147,12 @@ class StepBatch:
         """The step after this one as a verify that can be launched before this one is read
         (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
         (rows whose sequence has ended since this step was launched aside) that decodes
-        without drafts, a grammar, features, penalties or stop tokens to ban. A row that reaches its
-        ``max_tokens`` or the context with this step has no next row; each other one feeds
-        the token it emits now, taken on the device (:attr:`VerifyBatch.follows`), at the
-        position after it, and
-        where this step ends it otherwise (EOS, a stop string, an abort) its next row is
-        ignored. None where the next step must be scheduled after this one is read."""
+        without drafts, a grammar, features, penalties or stop tokens to ban. A row that
+        reaches its ``max_tokens`` or the context with this step has no next row; each other
+        one feeds the token it emits now, taken on the device (:attr:`VerifyBatch.follows`),
+        at the position after it, and where this step ends it otherwise (EOS, a stop string,
+        an abort) its next row is ignored. None where the next step must be scheduled after
+        this one is read."""
         live = [j for j, row in enumerate(self.rows) if running.get(row.seq.seq_id) is row.seq]
         if self.chunks or self.hidden or len(live) != len(running):
             return None
