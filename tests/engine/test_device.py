@@ -28,18 +28,13 @@ from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
 
 from tests.device_double import DeviceDouble, DeviceMix, OnDevice, to_double
 from tests.engine.test_spec_decode import EOS, prompts
-from tests.models import eagle_head_of, perturbed, runtime_of, tiny_hf_model
+from tests.models import eagle_head_of, perturbed, runtime_of
 from tests.tiny import make_tiny_tokenizer
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
           SamplingParams(temperature=0.8, top_k=30, max_tokens=12, seed=7),   # drafter-invariant
           SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, logprobs=1),  # rejection test
           SamplingParams(temperature=0.7, max_tokens=12)]
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
 
 
 def _worker(runtime, device: bool, slots: int = 8) -> ModelWorker:

@@ -27,14 +27,9 @@ from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError, ProposerUnavailable
 
 from tests.engine.test_spec_decode import GREEDY, make_engine, prompts
-from tests.models import eagle_head_of, runtime_of, tiny_hf_model, worker_of
+from tests.models import eagle_head_of, runtime_of, worker_of
 from tests.serve.conftest import save_tiny
 from tests.tiny import make_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
 
 
 @pytest.fixture(scope="module")

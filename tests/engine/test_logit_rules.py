@@ -29,7 +29,7 @@ from tests.engine.test_spec_decode import (
     make_engine,
     prompts,
 )
-from tests.models import VOCAB, perturbed, tiny_hf_model
+from tests.models import VOCAB
 from tests.tiny import make_tiny_tokenizer
 
 [EOS_ID] = EOS
@@ -38,16 +38,6 @@ MIN_TOKENS = 6
 # EOS all but forced (+100), and banned until MIN_TOKENS: every output is MIN_TOKENS tokens,
 # then EOS; a second, smaller bias shifts the rest of the distribution.
 STOP_AT_MIN = dict(logit_bias=((EOS_ID, 100.0), (7, 2.5)), min_tokens=MIN_TOKENS, max_tokens=40)
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def draft_hf(target_hf):
-    return perturbed(target_hf, scale=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +74,9 @@ def reference_penalties(logits: torch.Tensor, params: SamplingParams, prompt: li
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_speculation_keeps_target_onlys_output_under_each_setting(target_hf, draft_hf, reference,
+def test_speculation_keeps_target_onlys_output_under_each_setting(target_hf, close_draft_hf, reference,
                                                                   method):
-    engine = make_engine(target_hf, method, 4, draft_hf=draft_hf)
+    engine = make_engine(target_hf, method, 4, draft_hf=close_draft_hf)
     batch = prompts(4, seed=31)
     drafted = 0
     for name, params in CASES.items():
@@ -149,14 +139,14 @@ def test_a_suffix_draft_of_an_early_eos_is_rejected(target_hf, monkeypatch):
     assert outputs(make_engine(target_hf, "suffix", 8)) != want
 
 
-def test_penalties_blind_to_the_drafts_are_caught(target_hf, draft_hf, reference, monkeypatch):
+def test_penalties_blind_to_the_drafts_are_caught(target_hf, close_draft_hf, reference, monkeypatch):
     """Planted: each verified position penalized for the output alone, not for the drafts
     before it; a draft's repeat then goes unpenalized and the greedy output changes. (EAGLE:
     its drafts are accepted most here; n-gram's are repeats, which the penalties reject.)"""
     from specserve.engine.step import penalties
 
     monkeypatch.setattr(penalties, "prefixes", lambda token_ids, parents: [[]] * (len(token_ids) + 1))
-    engine = make_engine(target_hf, "eagle", 4, draft_hf=draft_hf)
+    engine = make_engine(target_hf, "eagle", 4, draft_hf=close_draft_hf)
     got = engine.generate(prompts(4, seed=31), CASES["greedy-penalized"])
     assert [c.output_token_ids for c in got] != reference["greedy-penalized"]
 

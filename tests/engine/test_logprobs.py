@@ -11,15 +11,10 @@ from specserve.config import SamplingParams
 from specserve.engine.runtime.forward_batch import ForwardBatch
 
 from tests.engine.test_spec_decode import make_engine, prompts
-from tests.models import perturbed, runtime_of, tiny_hf_model
+from tests.models import perturbed, runtime_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=5)
 SEEDED = SamplingParams(temperature=0.8, top_k=30, max_tokens=24, logprobs=3, seed=11)
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
 
 
 @pytest.fixture(scope="module")

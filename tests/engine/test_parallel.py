@@ -9,16 +9,11 @@ from specserve.config import SamplingParams
 from specserve.errors import InvalidRequestError
 
 from tests.engine.test_spec_decode import make_engine, prompts
-from tests.models import perturbed, tiny_hf_model
+from tests.models import perturbed
 
 SEEDED = SamplingParams(temperature=0.9, top_k=40, max_tokens=20, seed=7, logprobs=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 METHODS = [None, "ngram", "suffix", "draft_model", "eagle", "eagle-tree"]
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
 
 
 def run(engine, prompt, params, n, **kw) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 from specserve.config import EngineConfig, KVCacheConfig, SamplingParams
 
 from tests.engine.test_spec_decode import make_engine, prompts
-from tests.models import perturbed, random_sequences, tiny_hf_model
+from tests.models import random_sequences
 
 METHODS = [None, "ngram", "draft_model", "suffix", "eagle"]
 MODEL_DRAFTS = ("draft_model", "eagle")
@@ -35,16 +35,6 @@ def turns(engine) -> list[list[int]]:
     second = [p + c.output_token_ids + list(range(40, 49)) for p, c in zip(first, done)]
     return [c.output_token_ids for c in done] + \
         [c.output_token_ids for c in engine.generate(second, PARAMS)]
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def close_draft_hf(target_hf):
-    return perturbed(target_hf, scale=0.3)
 
 
 @pytest.fixture(scope="module")

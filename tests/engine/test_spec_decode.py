@@ -31,17 +31,6 @@ from tests.tiny import make_tiny_tokenizer
 EOS = frozenset({2})
 
 
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def close_draft_hf(target_hf):
-    """Agrees with the target most of the time: long accepted runs and some rejections."""
-    return perturbed(target_hf, scale=0.3)
-
-
 class RandomK(SpecLengthController):
     """A controller that drafts a random K in [0, cap] for every adaptive row at every step
     (and a random K for rows in prefill): the engine must stay lossless whatever K it is given."""

@@ -17,7 +17,7 @@ from specserve.engine import grammar
 from specserve.engine.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, unpack_bitmask
 
 from tests.engine.test_spec_decode import EOS, chi_square_pvalue, far_draft, make_engine, prompts
-from tests.models import VOCAB, perturbed, tiny_hf_model
+from tests.models import VOCAB, perturbed
 from tests.tiny import make_tiny_tokenizer
 
 SCHEMA = {"type": "object", "properties": {
@@ -28,11 +28,6 @@ SCHEMA = {"type": "object", "properties": {
 METHODS = ["ngram", "suffix", "draft_model", "eagle", "eagle-tree", "suffix-tree"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 SEEDED = SamplingParams(temperature=0.8, max_tokens=40, seed=3)
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0)
 
 
 @pytest.fixture(scope="module")
