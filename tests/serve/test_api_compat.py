@@ -383,19 +383,22 @@ def test_the_router_class_key_is_per_api_key():
 
 
 def test_the_router_class_key_separates_request_shapes():
-    """A long prompt, or a conversation that carries an earlier answer, is another class than
-    a one-line question on the same route and key."""
+    """A long prompt, a conversation that carries an earlier answer, or a penalty is another
+    class than a one-line question on the same route and key."""
     from specserve.serve.ingress import class_key as _class_key
     from specserve.serve.protocol import ChatCompletionRequest
 
-    def key(messages, prompt_len):
-        req = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    def key(messages, prompt_len, **fields):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
         return _class_key(req, True, "key-aaaa1111", prompt_len)
 
     revise = [*MESSAGES, {"role": "assistant", "content": "an answer"},
               {"role": "user", "content": "shorter, please"}]
     assert len({key(MESSAGES, 40), key(MESSAGES, 600), key(revise, 40), key(MESSAGES, 5000)}) == 4
     assert key(revise, 40).endswith("|p<128,multi") and key(MESSAGES, 5000).endswith("|p>=2048,single")
+    for penalty in ({"presence_penalty": 0.5}, {"frequency_penalty": -0.1}, {"repetition_penalty": 1.1}):
+        assert key(MESSAGES, 40, **penalty).endswith("|p<128,single,penalized")
+    assert key(MESSAGES, 40, presence_penalty=0, repetition_penalty=1) == key(MESSAGES, 40)
 
 
 def _nested(levels: int) -> str:
