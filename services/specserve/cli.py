@@ -46,6 +46,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=_default(SamplingParams, "top_p"))
     p.add_argument("--top-k", type=int, default=_default(SamplingParams, "top_k"))
+    for name in ("min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _default(SamplingParams, name)
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=_choices(ModelConfig, "dtype"))
@@ -84,7 +87,10 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=tuple(args.stop))
+                            stop=tuple(args.stop), min_p=args.min_p, min_tokens=args.min_tokens,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
     config = _engine_config(args)  # validated before any model loads
     engine, target = build_engine(config)
     tok = target.tokenizer
