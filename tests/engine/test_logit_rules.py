@@ -86,6 +86,17 @@ def test_speculation_keeps_target_onlys_output_under_each_setting(target_hf, clo
     assert drafted > 0, method  # a comparison with drafts in it
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle-tree"])
+def test_model_drafts_draw_with_the_bias(target_hf, close_draft_hf, method):
+    """A bias of 100 makes the target emit one token; a model draft that adds the request's
+    bias drafts it too, so its drafts are accepted (without the bias in the drafts: none)."""
+    forced = SamplingParams(temperature=0.0, max_tokens=24, logit_bias=((9, 100.0),))
+    engine = make_engine(target_hf, method, 4, draft_hf=close_draft_hf)
+    done = engine.generate(prompts(2, seed=34), forced)
+    assert all(c.output_token_ids == [9] * 24 for c in done)
+    assert engine.counters.spec.acceptance_rate > 0.9, engine.counters.spec
+
+
 def test_each_setting_does_what_it_says(target_hf, reference):
     for name in ("greedy", "seeded"):  # EOS banned until MIN_TOKENS, then taken at once
         for out in reference[name]:

@@ -40,6 +40,7 @@ from specserve.engine.step.sampling import (
     exponential_noise,
     noise_key,
     sample_from,
+    with_logit_bias,
 )
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError
@@ -274,7 +275,7 @@ class DraftModelProposer(Proposer):
         ``[n]`` tokens and, where unseeded rows drew, ``(their rows, [m, k] ids, [m, k] probs)``:
         that q, for the rejection test. ``masks``: grammar masks (``[n, W]`` packed) applied
         to the logits first."""
-        logits = self._to_target_vocab(logits)  # [n, V_target]
+        logits = self._biased(requests, self._to_target_vocab(logits))  # [n, V_target]
         if masks is not None:
             logits = masked(logits, masks)
         device = logits.device
@@ -300,6 +301,16 @@ class DraftModelProposer(Proposer):
             top = ([sampled[n] for n in free], ids, probs)
         tokens[sampled] = picks
         return tokens, top
+
+    @staticmethod
+    def _biased(requests: list[DraftRequest], logits: torch.Tensor) -> torch.Tensor:
+        """Each row's logits with its request's ``logit_bias``, as the target's will have it:
+        a draft that draws from them proposes what the bias pushes (a bias of 100 forcing a
+        token is accepted instead of rejected), and its q is still what it drew from."""
+        if not any(r.params.logit_bias for r in requests):
+            return logits
+        return torch.cat([with_logit_bias(logits[j:j + 1], r.params.logit_bias)
+                          for j, r in enumerate(requests)])
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """``[n, V_draft]`` -> ``[n, V_target]``: extra rows dropped, missing ones -inf."""

@@ -54,6 +54,16 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
+def with_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """``logits`` (``[n, V]``) with a request's ``logit_bias`` added to every row: a copy (the
+    bias goes to the device in one small copy of its own); the same tensor without one."""
+    if not bias:
+        return logits
+    ids = torch.tensor([t for t, _ in bias], device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(1, ids, values[None, :].expand(logits.shape[0], -1))
+
+
 def compute_probs_rows(logits: list[torch.Tensor], params: Sequence,
                        settings: torch.Tensor | None = None) -> list[torch.Tensor]:
     """:func:`compute_probs` of several rows' logits (``[m_i, V]`` each), row ``i`` under

@@ -63,6 +63,7 @@ from specserve.engine.step.sampling import (
     position_uniform,
     settings_host,
     step_generator,
+    with_logit_bias,
 )
 
 
@@ -202,15 +203,10 @@ def judge(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch
 
 
 def constrain_logits(logits: torch.Tensor, row: SamplingRow, proposal: Proposal) -> torch.Tensor:
-    """``logits`` (``[n, V]``) as ``row`` is decided on: its request's ``logit_bias`` added
-    (a copy; the bias goes to the device in one small copy of its own), its penalties for
-    the tokens before each position (``penalties.py``), then its mask applied; the same
-    tensor where it has none of them."""
-    bias = row.params.logit_bias
-    if bias:
-        ids = torch.tensor([t for t, _ in bias], device=logits.device)
-        values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
-        logits = logits.index_add(1, ids, values[None, :].expand(logits.shape[0], -1))
+    """``logits`` (``[n, V]``) as ``row`` is decided on: its request's ``logit_bias`` added,
+    its penalties for the tokens before each position (``penalties.py``), then its mask
+    applied; the same tensor where it has none of them."""
+    logits = with_logit_bias(logits, row.params.logit_bias)
     if row.history is not None:
         logits = penalize(logits, row.params, row.history, proposal.token_ids, proposal.parents)
     return logits if row.mask is None else masked(logits, row.mask)
