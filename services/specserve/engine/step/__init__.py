@@ -6,7 +6,8 @@ built by the scheduler (``scheduler.py``: admission, the prefill budget, preempt
 model controller of ``adaptive.py`` and ``cost_model.py``), drafts by the draft link
 (``drafts/``), then the target's verdicts: ``verification.py`` turns a verify's logits and the
 proposals (``proposal.py``) into emitted tokens with the rules of ``acceptance.py`` and the
-distributions and counter-based draws of ``sampling.py``. A request inside the engine is a
+distributions and counter-based draws of ``sampling.py``, each position's logits first
+penalized for the tokens before it (``penalties.py``). A request inside the engine is a
 ``sequence.py`` :class:`~specserve.engine.step.sequence.Sequence`; everything counted goes to
 ``stats.py``. The loop that runs a step is ``engine/spec_decode.py``.
 """
