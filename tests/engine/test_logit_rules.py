@@ -97,6 +97,22 @@ def test_model_drafts_draw_with_the_bias(target_hf, close_draft_hf, method):
     assert engine.counters.spec.acceptance_rate > 0.9, engine.counters.spec
 
 
+def test_model_drafts_draw_with_the_penalties(target_hf, close_draft_hf, monkeypatch):
+    """An EAGLE chain drafting under the request's penalties (each draft counted for the next)
+    is accepted more often than one blind to them; the tokens are the target's either way
+    (test_speculation_keeps_target_onlys_output_under_each_setting)."""
+    from specserve.engine.drafts.draft_model import DraftModelProposer
+
+    def acceptance() -> float:
+        engine = make_engine(target_hf, "eagle", 4, draft_hf=close_draft_hf)
+        engine.generate(prompts(8, seed=35), CASES["seeded-penalized"])
+        return engine.counters.spec.acceptance_rate
+
+    aware = acceptance()
+    monkeypatch.setattr(DraftModelProposer, "_penalties", lambda self, requests, feeds, silent: {})
+    assert aware > acceptance() + 0.05
+
+
 def test_each_setting_does_what_it_says(target_hf, reference):
     for name in ("greedy", "seeded"):  # EOS banned until MIN_TOKENS, then taken at once
         for out in reference[name]:

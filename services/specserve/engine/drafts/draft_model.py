@@ -32,6 +32,7 @@ from specserve.config import PROPOSER_OPTIONS
 from specserve.engine.drafts.base import Proposer
 from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask, masked
 from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.step.penalties import DraftCounts
 from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.sampling import (
     DRAFT,
@@ -124,8 +125,9 @@ class DraftModelProposer(Proposer):
         follows each token on the host. Without one the chain stays on the device
         (:meth:`_draft_on_device`)."""
         matchers = {i: m for i in feeds if i not in silent and (m := self._matcher(requests[i]))}
+        pens = self._penalties(requests, feeds, silent)
         if not matchers:
-            return self._draft_on_device(requests, feeds, silent)
+            return self._draft_on_device(requests, feeds, silent, pens)
         drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
         try:
@@ -136,7 +138,7 @@ class DraftModelProposer(Proposer):
                 masks = self._masks(requests, rows, matchers, drafts)
                 tokens, top = self._draw([requests[i] for i in rows], logits,
                                          [len(requests[i].token_ids) + len(drafts[i]) for i in rows],
-                                         masks)
+                                         masks, [pens.get(i) for i in rows])
                 tokens, row_q = tokens.tolist(), _row_q(len(rows), top)
                 feeds = {}
                 for j, i in enumerate(rows):
@@ -158,7 +160,8 @@ class DraftModelProposer(Proposer):
 
     def _draft_on_device(self, requests: list[DraftRequest],
                          feeds: dict[int, tuple[list[int], torch.Tensor | None]],
-                         silent: frozenset[int] | set[int]) -> list[Proposal]:
+                         silent: frozenset[int] | set[int],
+                         pens: dict[int, DraftCounts]) -> list[Proposal]:
         """:meth:`_draft` without grammars: each drawn token is fed to the next forward where
         it was drawn (``ForwardBatch.fed``), and the drafts (and unseeded rows' q) are read
         back once at the end (issue 52: on a GPU the host no longer waits for the device
@@ -169,7 +172,8 @@ class DraftModelProposer(Proposer):
             logits, predicted = self._forward_grouped([self.slots[requests[i].seq_id] for i in rows],
                                                       [feeds[i] for i in rows], fed)
             tokens, top = self._draw([requests[i] for i in rows], logits,
-                                     [len(requests[i].token_ids) + len(drawn) for i in rows])
+                                     [len(requests[i].token_ids) + len(drawn) for i in rows],
+                                     pens=[pens.get(i) for i in rows])
             drawn.append((rows, tokens, top))
             keep = [j for j, i in enumerate(rows) if i not in silent and requests[i].k > len(drawn)]
             feeds = {rows[j]: ([0], None if predicted is None else predicted[j:j + 1]) for j in keep}
@@ -266,18 +270,38 @@ class DraftModelProposer(Proposer):
             fed = torch.where(fed < limit, fed, 0)
         return self.worker.forward(ForwardBatch(slots, tokens, fed=fed)).logits, None
 
+    def _penalties(self, requests: list[DraftRequest], feeds: dict, silent) -> dict[int, DraftCounts]:
+        """The penalty counts of the rows that draft under penalties (``penalties.py``)."""
+        device = self.worker.runtime.embed.weight.device
+        return {i: DraftCounts(r.params, r.token_ids, r.output_start, self.vocab_size, device)
+                for i, r in enumerate(requests) if i in feeds and i not in silent and r.params.penalized}
+
     def _draw(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int],
-              masks: torch.Tensor | None = None
+              masks: torch.Tensor | None = None, pens: list[DraftCounts | None] | None = None
               ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor, torch.Tensor] | None]:
         """One draft token per row, for the token at ``positions[j]``, on the device: argmax
         for greedy rows, a sample from q otherwise: seeded rows from the full q with the
         target's noise, unseeded ones from q's top ``q_top_k`` (renormalised). Returns the
         ``[n]`` tokens and, where unseeded rows drew, ``(their rows, [m, k] ids, [m, k] probs)``:
-        that q, for the rejection test. ``masks``: grammar masks (``[n, W]`` packed) applied
-        to the logits first."""
+        that q, for the rejection test. The logits are the target's way first: the request's
+        bias, its penalties (``pens``: each row's counts, which count the token it draws),
+        ``masks`` (grammar masks, ``[n, W]`` packed)."""
         logits = self._biased(requests, self._to_target_vocab(logits))  # [n, V_target]
+        pens = pens or [None] * len(requests)
+        if any(pens):
+            logits = torch.cat([x if pen is None else pen.apply(x)
+                                for x, pen in zip(logits.split(1), pens)])
         if masks is not None:
             logits = masked(logits, masks)
+        tokens, top = self._choose(requests, logits, positions)
+        for j, pen in enumerate(pens):
+            if pen is not None:
+                pen.drew(tokens[j:j + 1])
+        return tokens, top
+
+    def _choose(self, requests: list[DraftRequest], logits: torch.Tensor, positions: list[int]
+                ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor, torch.Tensor] | None]:
+        """:meth:`_draw`'s tokens and q from its logits as the target would see them."""
         device = logits.device
         tokens = logits.argmax(dim=-1)
         sampled = [j for j, r in enumerate(requests) if r.params.temperature > 0]

@@ -56,8 +56,8 @@ def prefixes(token_ids: list[int], parents: list[int] | None) -> list[list[int]]
 def penalize(logits: torch.Tensor, params: SamplingParams, past: History,
              token_ids: list[int], parents: list[int] | None) -> torch.Tensor:
     """``logits`` (``[drafts + 1, V]``, the rows of a verify of ``token_ids``) penalized, each
-    row for the tokens before it (module docstring): a new tensor. The counts go to the
-    device in one copy."""
+    row for the tokens before it (module docstring): a new tensor. The counts and the prompt
+    go to the device in a small copy each."""
     n, vocab = logits.shape
     rows, tokens = [], []
     for j, prefix in enumerate(prefixes(token_ids, parents)):
@@ -68,11 +68,43 @@ def penalize(logits: torch.Tensor, params: SamplingParams, past: History,
     counts = torch.zeros(n, vocab, dtype=logits.dtype, device=logits.device)
     counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=logits.dtype),
                       accumulate=True)
+    prompt = torch.tensor(past.prompt, dtype=torch.long).to(logits.device)
+    return apply_penalties(logits, params, counts, prompt)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
+                    prompt: torch.Tensor) -> torch.Tensor:
+    """The formulas (module docstring) on ``logits`` ``[n, V]``, each row with its ``counts``
+    row (``[n, V]``: each token's count in the output so far), the ``prompt``'s distinct
+    tokens (device ids; repetition only): a new tensor."""
     seen = counts > 0
     if params.repetition_penalty != 1.0:
         repeated = seen.clone()
-        if past.prompt:
-            repeated[:, torch.tensor(past.prompt, device=logits.device)] = True
+        repeated[:, prompt] = True
         r = params.repetition_penalty
         logits = torch.where(repeated, torch.where(logits > 0, logits / r, logits * r), logits)
     return logits - params.frequency_penalty * counts - params.presence_penalty * seen.to(logits.dtype)
+
+
+class DraftCounts:
+    """What a model draft's penalties read while it drafts a chain (a draft that applies the
+    request's penalties drafts what the target will not push down: the penalties reject a
+    repeat): each row's output counts and prompt tokens on the draft's device, one copy each,
+    then each drawn token counted where it was drawn (no read back)."""
+
+    def __init__(self, params: SamplingParams, token_ids: list[int], output_start: int,
+                 vocab: int, device: torch.device) -> None:
+        self.params = params
+        past = history(params, token_ids[:output_start], token_ids[output_start:])
+        self.counts = torch.zeros(1, vocab, device=device)
+        ids = torch.tensor(past.output, dtype=torch.long).to(device)
+        self.counts.index_add_(1, ids, torch.ones(1, len(past.output), device=device))
+        self.prompt = torch.tensor(past.prompt, dtype=torch.long).to(device)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[1, V]`` penalized for the output and the drafts so far."""
+        return apply_penalties(logits, self.params, self.counts.to(logits.dtype), self.prompt)
+
+    def drew(self, token: torch.Tensor) -> None:
+        """Count a drawn token (``[1]``, on the device)."""
+        self.counts.index_add_(1, token, torch.ones(1, 1, device=self.counts.device))
