@@ -155,8 +155,9 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     for part in (entries["suffix"]["second_pass"], entries["self_draft"], entries["ngram"]):
         model = part["cost_model"]  # the cost model's prediction at the measured acceptance
         assert model["alpha"] == part["acceptance_rate"] and model["v"] > 0, part
-        assert model["measured_over_predicted"] == pytest.approx(
-            part["speedup"] / model["predicted_speedup"], rel=0.01), part
+        ratio, predicted = model["measured_over_predicted"], model["predicted_speedup"]
+        # ratio x predicted is the speedup, within what rounding each to 3 decimals allows
+        assert abs(ratio * predicted - part["speedup"]) <= 6e-4 * (1 + ratio + predicted), part
 
 
 def test_union_of_intervals_counts_overlaps_once():
