@@ -46,6 +46,12 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's presence and freq
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]  # vLLM's (1: off)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
+
+def penalized(settings) -> bool:
+    """Whether ``settings`` (:class:`SamplingParams`, or an API request with the same fields)
+    has a penalty, which reads the tokens so far (``engine/step/penalties.py``)."""
+    return bool(settings.presence_penalty or settings.frequency_penalty) or settings.repetition_penalty != 1.0
+
 MIN_TEMPERATURE = 1e-5  # below it a temperature means greedy (vLLM's _SAMPLING_EPS)
 KV_KEY_BLOCK = 64  # keys FlexAttention reads per block (engine/runtime/kernels.py's KV_BLOCK)
 
@@ -136,8 +142,7 @@ class SamplingParams(_Strict):
 
     @property
     def penalized(self) -> bool:
-        """Whether a penalty reads the tokens so far (``engine/step/penalties.py``)."""
-        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+        return penalized(self)
 
 
 class ModelConfig(_Strict):

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from specserve.app_config import AppConfig
+from specserve.config import penalized
 from specserve.engine.loader import load_tokenizer, resolve
 from specserve.engine.request import EngineRequest, RequestLimits, check_request
 from specserve.engine.tokenizer import encode_chat, encode_prompt
@@ -74,8 +75,7 @@ def class_key(req, chat: bool, key_id: str, prompt_len: int) -> str:
     cls = req.speculation.traffic_class if req.speculation else None
     size = next((f"p<{n}" for n in (128, 512, 2048) if prompt_len < n), "p>=2048")
     turns = "multi" if chat and any(m.role == "assistant" for m in req.messages) else "single"
-    penalized = (req.presence_penalty or req.frequency_penalty or req.repetition_penalty != 1.0)
-    shape = f"{size},{turns}" + (",penalized" if penalized else "")
+    shape = f"{size},{turns}" + (",penalized" if penalized(req) else "")
     return f"{'chat' if chat else 'completions'}|{key_id}|{req.user or ''}|{cls or ''}|{shape}"
 
 

@@ -59,20 +59,27 @@ def prefixes(token_ids: list[int], parents: list[int] | None) -> list[list[int]]
 def penalize(logits: torch.Tensor, params: SamplingParams, past: History,
              token_ids: list[int], parents: list[int] | None) -> torch.Tensor:
     """``logits`` (``[drafts + 1, V]``, the rows of a verify of ``token_ids``) penalized, each
-    row for the tokens before it (module docstring): a new tensor. The counts and the prompt
-    go to the device in a small copy each."""
+    row for the tokens before it (module docstring): a new tensor. The output's counts are
+    made once for every row, then each row's drafts added (counts are whole numbers: the same
+    values in any order); the tokens and the prompt go to the device in a small copy each."""
     n, vocab = logits.shape
     rows, tokens = [], []
     for j, prefix in enumerate(prefixes(token_ids, parents)):
-        seen = (*past.output, *prefix)
-        rows += [j] * len(seen)
-        tokens += seen
+        rows += [j] * len(prefix)
+        tokens += prefix
     pairs = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device)
-    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=logits.device)
+    counts = output_counts(past.output, vocab, logits.device).to(logits.dtype).expand(n, vocab).clone()
     counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=logits.dtype),
                       accumulate=True)
     prompt = torch.tensor(past.prompt, dtype=torch.long).to(logits.device)
     return apply_penalties(logits, params, counts, prompt)
+
+
+def output_counts(output: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[1, V]`` float32: each token's count in ``output``, on ``device`` (one copy)."""
+    counts = torch.zeros(1, vocab, device=device)
+    ids = torch.tensor(output, dtype=torch.long).to(device)
+    return counts.index_add_(1, ids, torch.ones(1, len(output), device=device))
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
@@ -99,9 +106,7 @@ class DraftCounts:
                  vocab: int, device: torch.device) -> None:
         self.params = params
         past = history(params, token_ids[:output_start], token_ids[output_start:])
-        self.counts = torch.zeros(1, vocab, device=device)
-        ids = torch.tensor(past.output, dtype=torch.long).to(device)
-        self.counts.index_add_(1, ids, torch.ones(1, len(past.output), device=device))
+        self.counts = output_counts(past.output, vocab, device)
         self.prompt = torch.tensor(past.prompt, dtype=torch.long).to(device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
