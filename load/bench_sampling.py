@@ -1,15 +1,17 @@
 """What the sampling settings cost with speculation, on the embedded model at batch 1.
 
 Each setting (``SETTINGS``: greedy as it is, with a ``logit_bias``, with ``min_tokens``, with
-the presence / frequency / repetition penalties; all greedy, so every run can be checked
+the presence / frequency / repetition penalties, with ``bad_words``, with
+``allowed_token_ids``; all greedy, so every run can be checked
 against its target-only twin) runs the same prompts target-only and with the speculation of
 ``--method`` (n-gram by default: its drafts are the repeats a penalty pushes down) at a
 fixed K (no K controller: ``engine.generate``), one request at a time, in rounds whose order
 rotates. Per setting: tokens/s of each, the
 speedup, the acceptance rate, and whether the tokens are target-only's (they must be).
 The cost of a setting is its speedup against plain greedy's: a row with any of them asks its
-verify for logits rather than the argmax, its bias or tokens so far go to the device in a
-copy of their own, and a penalty rejects the drafts that repeat.
+verify for logits rather than the argmax, its bias, masks or tokens so far go to the device
+in a copy of their own, and a penalty rejects the drafts that repeat (a bad word, the drafts
+that spell it).
 
     python load/bench_sampling.py           # --help
 
@@ -41,6 +43,8 @@ SETTINGS = {
     "logit_bias": {"logit_bias": ((198, -2.0), (30, 1.0), (28, 1.0))},  # newline down, "." and "," up
     "min_tokens": {"min_tokens": 48},
     "penalties": {"presence_penalty": 0.2, "frequency_penalty": 0.2, "repetition_penalty": 1.1},
+    "bad_words": {"bad_words": ("the", "and", "is", "However")},  # banned where they would come
+    "allowed_token_ids": {"allowed_token_ids": tuple(t for t in range(49152) if t != 198)},  # no newline
 }
 
 
@@ -101,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{' '.join(cpu_flags())}; {datetime.date.today()}")
     print(f"embedded model, {args.method} K = {args.k}, {args.prompts} {args.workload} prompts x "
           f"{args.max_tokens} tokens, batch 1, greedy, {args.rounds} rounds (medians)")
-    print(f"{'setting':<12}{'target tok/s':>13}{'spec tok/s':>11}{'speedup':>9}{'accept':>8}"
+    print(f"{'setting':<18}{'target tok/s':>13}{'spec tok/s':>11}{'speedup':>9}{'accept':>8}"
           f"{'vs greedy':>10}{'same':>6}")
     for row in rows:
-        print(f"{row['setting']:<12}{row['target_only_tok_s']:>13.1f}{row['speculative_tok_s']:>11.1f}"
+        print(f"{row['setting']:<18}{row['target_only_tok_s']:>13.1f}{row['speculative_tok_s']:>11.1f}"
               f"{row['speedup']:>9.2f}{row['acceptance']:>8.2f}{row['speculative_tok_s'] / plain:>10.2f}"
               f"{'yes' if row['same_tokens'] else 'NO':>6}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -112,9 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_label(), "cpu_flags": cpu_flags(), "date": str(datetime.date.today()),
         "method": args.method, "k": args.k, "workload": args.workload, "prompts": args.prompts,
         "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "settings": {k: {f: list(v) if isinstance(v, tuple) else v for f, v in s.items()}
-                     for k, s in SETTINGS.items()}, "rows": rows}, indent=2) + "\n")
+        "settings": {k: {f: _shown(v) for f, v in s.items()} for k, s in SETTINGS.items()},
+        "rows": rows}, indent=2) + "\n")
     return 0 if all(row["same_tokens"] for row in rows) else 1
+
+
+def _shown(value):
+    """A setting's value as the JSON shows it (a long list: its length)."""
+    if isinstance(value, tuple):
+        return list(value) if len(value) <= 16 else f"{len(value)} values"
+    return value
 
 
 if __name__ == "__main__":

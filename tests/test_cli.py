@@ -22,6 +22,7 @@ from tests.net import free_port
     (["--method", "draft_model", "--draft", "/nope/draft"], "'/nope/draft' does not exist"),
     (["--max-tokens", "0"], "max_tokens 0 only scores a prompt"),
     (["--repetition-penalty", "0"], "repetition_penalty: Input should be greater than 0"),
+    (["--bad-word", " "], "a bad word needs a character that is not whitespace"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(["generate", "--prompt", "hi", *args]) == 2

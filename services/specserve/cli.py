@@ -51,6 +51,7 @@ def _generate_parser(sub) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--bad-word", action="append", default=[], help="never in the output (repeatable)")
     p.add_argument("--dtype", default=_default(ModelConfig, "dtype"), choices=_choices(ModelConfig, "dtype"))
     p.add_argument("--max-model-len", type=int, default=_default(EngineConfig, "max_model_len"))
     p.add_argument("--cache-dir", help="where dequantized GGUF models are cached")
@@ -90,7 +91,7 @@ def cmd_generate(args) -> int:
                             stop=tuple(args.stop), min_p=args.min_p, min_tokens=args.min_tokens,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
-                            repetition_penalty=args.repetition_penalty)
+                            repetition_penalty=args.repetition_penalty, bad_words=tuple(args.bad_word))
     config = _engine_config(args)  # validated before any model loads
     engine, target = build_engine(config)
     tok = target.tokenizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -45,6 +46,17 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's logit_bias value
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's presence and frequency penalties
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]  # vLLM's (1: off)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # (the vocabulary's bound: check_request)
+
+
+def _has_text(word: str) -> str:
+    if word.isspace():
+        raise ValueError("a bad word needs a character that is not whitespace")
+    return word
+
+
+BadWord = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_has_text)]
+MAX_BAD_WORDS = 128
 
 
 def penalized(settings) -> bool:
@@ -89,6 +101,15 @@ class SamplingParams(_Strict):
         description="(token id, bias) pairs added to the target's logits before everything "
                     "else, argmax included (OpenAI's logit_bias: -100 bans a token in "
                     "practice, 100 all but forces it).")
+    allowed_token_ids: tuple[TokenId, ...] | None = Field(
+        None, min_length=1,
+        description="Only these tokens may be emitted, at every position (vLLM's; EOS ends the "
+                    "output only if it is listed); None: every token.")
+    bad_words: tuple[BadWord, ...] = Field(
+        (), max_length=MAX_BAD_WORDS,
+        description="Words the output never contains (vLLM's): a word's last token is banned "
+                    "where the output ends with its other tokens, as the word is tokenized "
+                    "alone and after a space.")
     seed: Seed | None = Field(
         None,
         description="Seed of this request's draws; same seed, same output, with or without "

@@ -154,6 +154,8 @@ def step_by_step_masks(compiled, prefix: list[int], tokens: list[int]) -> torch.
     (GrammarSpec.json_schema({"properties": {"x": {"$ref": "#/$defs/missing"}}}), "/$defs/missing"),
     (GrammarSpec.json_schema({"type": "strin"}), "Invalid type: strin"),
     (GrammarSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 1}), "minimum (5) is greater"),
+    (GrammarSpec("grammar", "root ::= ("), "Expected ')'"),
+    (GrammarSpec("grammar", "start: nope"), 'unknown name: "nope"'),
 ])
 def test_a_grammar_the_library_refuses_is_an_invalid_request(compiler, spec, message):
     with pytest.raises(InvalidRequestError) as info:

@@ -1,11 +1,12 @@
-"""``logit_bias``, ``min_tokens``, ``min_p`` and the presence, frequency and repetition
-penalties with speculation: each changes the target's distribution (the bias at every
-position, ``min_tokens`` at the positions before it, ``min_p`` for sampled rows, a penalty by
-the tokens before the position, drafts included), so the verification must decide every
-verified position on the changed logits. Greedy and seeded outputs identical to
-target-only's with the same settings, for every proposer; each setting does what it says;
-unseeded samples distributed as the target's under all of them; a planted bug (the stop
-tokens banned only at a verify's first position, not at its drafts') is caught."""
+"""``logit_bias``, ``min_tokens``, ``min_p``, the presence, frequency and repetition
+penalties, ``allowed_token_ids`` and ``bad_words`` with speculation: each changes the
+target's distribution (the bias and the allowed tokens at every position, ``min_tokens`` at
+the positions before it, ``min_p`` for sampled rows, a penalty and a bad word by the tokens
+before the position, drafts included), so the verification must decide every verified
+position on the changed logits. Greedy and seeded outputs identical to target-only's with
+the same settings, for every proposer; each setting does what it says; unseeded samples
+distributed as the target's under all of them; planted bugs (the stop tokens banned only at
+a verify's first position, penalties or bad words blind to the drafts) are caught."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 from specserve.config import SamplingParams
 from specserve.engine.grammar import GrammarCompiler, GrammarSpec
+from specserve.engine.step.bans import narrowed, word_bans, word_token_ids
 from specserve.engine.step.sampling import compute_probs
-from specserve.engine.step.sequence import Sequence, with_bans
+from specserve.engine.step.sequence import Sequence
 from specserve.engine.tokenizer import IncrementalDetokenizer
 from specserve.errors import InvalidRequestError
 
@@ -48,6 +50,7 @@ def reference(target_hf):
             for name, params in CASES.items()}
 
 
+WORDS = ("in in", "the sys", "oran", " namem")
 CASES = {
     "greedy": SamplingParams(temperature=0.0, **STOP_AT_MIN),
     "seeded": SamplingParams(temperature=0.9, seed=5, min_p=0.05, **STOP_AT_MIN),
@@ -57,6 +60,11 @@ CASES = {
                                        frequency_penalty=0.3, repetition_penalty=1.2),
     "seeded-penalized": SamplingParams(temperature=0.9, seed=6, max_tokens=30, presence_penalty=-0.3,
                                        frequency_penalty=0.7, repetition_penalty=0.8, min_p=0.05),
+    # " in in" (and "in in") is a repeat the free output makes; the others, pairs it makes
+    "greedy-words": SamplingParams(temperature=0.0, max_tokens=30,
+                                   bad_words=WORDS),
+    "seeded-allowed": SamplingParams(temperature=0.9, seed=8, max_tokens=30, bad_words=("in in",),
+                                     allowed_token_ids=(*range(100, 400), EOS_ID)),
 }
 
 
@@ -88,12 +96,14 @@ def test_speculation_keeps_target_onlys_output_under_each_setting(target_hf, clo
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle-tree"])
 def test_model_drafts_draw_with_the_bias(target_hf, close_draft_hf, method):
-    """A bias of 100 makes the target emit one token; a model draft that adds the request's
-    bias drafts it too, so its drafts are accepted (without the bias in the drafts: none)."""
-    forced = SamplingParams(temperature=0.0, max_tokens=24, logit_bias=((9, 100.0),))
+    """A bias of 100, or allowed_token_ids of one token, makes the target emit that token; a
+    model draft that applies the request's bias and allowed tokens drafts it too, so its
+    drafts are accepted (without them in the drafts: almost none)."""
     engine = make_engine(target_hf, method, 4, draft_hf=close_draft_hf)
-    done = engine.generate(prompts(2, seed=34), forced)
-    assert all(c.output_token_ids == [9] * 24 for c in done)
+    for forced in (SamplingParams(temperature=0.0, max_tokens=24, logit_bias=((9, 100.0),)),
+                   SamplingParams(temperature=0.9, seed=3, max_tokens=24, allowed_token_ids=(9,))):
+        done = engine.generate(prompts(2, seed=34), forced)
+        assert all(c.output_token_ids == [9] * 24 for c in done)
     assert engine.counters.spec.acceptance_rate > 0.9, engine.counters.spec
 
 
@@ -138,6 +148,39 @@ def test_each_setting_does_what_it_says(target_hf, reference):
                 want.append(int(reference_penalties(x, params, prompt, want).argmax()))
         assert got == want
     assert reference["greedy-penalized"] != free  # (and they changed something)
+    # bad words: greedy decoding with each word's last token banned where the output ends
+    # with its other tokens, written out; no output holds a word; the allowed tokens only
+    words = word_token_ids(make_tiny_tokenizer(), WORDS)
+    for prompt, got in zip(batch, reference["greedy-words"]):
+        want = []
+        with torch.no_grad():
+            while len(want) < 30:
+                x = target_hf(torch.tensor([prompt + want])).logits[0, -1]
+                for w in words:
+                    if len(want) >= len(w) - 1 and tuple(want[len(want) - len(w) + 1:]) == w[:-1]:
+                        x[w[-1]] = -torch.inf
+                want.append(int(x.argmax()))
+        assert got == want
+        assert not any(tuple(got[i:i + len(w)]) == w for w in words for i in range(len(got)))
+    assert any((282, 282) == tuple(out[i:i + 2]) for out in free for i in range(19))  # " in in"
+    allowed = set(CASES["seeded-allowed"].allowed_token_ids)
+    assert all(set(out) <= allowed for out in reference["seeded-allowed"])
+
+
+def test_a_bad_word_is_banned_after_its_other_tokens_drafts_included():
+    """Row j of a chain reads the output and the first j drafts, a tree node's row its path;
+    a word is banned as tokenized alone and after a space."""
+    words = ((5, 6), (9,), (7, 5, 6))
+    chain = word_bans(words, [1, 7, 5], [6, 5, 7], None, VOCAB)
+    banned = [[t for t in (5, 6, 7, 9) if not int(row[t // 32]) >> (t % 32) & 1] for row in chain]
+    assert banned == [[6, 9], [9], [6, 9], [9]]
+    tree = word_bans(words, [1], [5, 7, 5], [-1, -1, 1], VOCAB)  # nodes: 5 | 7 -> 5
+    banned = [[t for t in (5, 6, 7, 9) if not int(row[t // 32]) >> (t % 32) & 1] for row in tree]
+    assert banned == [[9], [6, 9], [9], [6, 9]]
+    assert word_bans((), [5], [6], None, VOCAB) is None
+    tokenizer = make_tiny_tokenizer()
+    spellings = {tuple(tokenizer.encode(t, add_special_tokens=False)) for t in ("in in", " in in")}
+    assert set(word_token_ids(tokenizer, ("  in in",))) == spellings and len(spellings) == 2
 
 
 def test_a_suffix_draft_of_an_early_eos_is_rejected(target_hf, monkeypatch):
@@ -178,11 +221,22 @@ def test_penalties_blind_to_the_drafts_are_caught(target_hf, close_draft_hf, ref
     assert [c.output_token_ids for c in got] != reference["greedy-penalized"]
 
 
+def test_bad_words_blind_to_the_drafts_are_caught(target_hf, close_draft_hf, reference, monkeypatch):
+    """Planted: each verified position's bad words read the output alone, not the drafts
+    before it; a drafted word's first token then lets its last through."""
+    from specserve.engine.step import bans
+
+    monkeypatch.setattr(bans, "prefixes", lambda token_ids, parents: [[]] * (len(token_ids) + 1))
+    engine = make_engine(target_hf, "eagle", 4, draft_hf=close_draft_hf)
+    got = engine.generate(prompts(4, seed=31), CASES["greedy-words"])
+    assert [c.output_token_ids for c in got] != reference["greedy-words"]
+
+
 def test_a_grammar_complete_before_min_tokens_ends_its_output(target_hf):
     """A structured output whose grammar is complete before ``min_tokens`` ends there
     ("stop"), with and without speculation: min_tokens does not keep it going. Within a verify,
     a drafted position after the grammar's completion allows only a stop, which min_tokens
-    bans: there the grammar's mask stays (``with_bans``), so no row is left with nothing
+    bans: there the grammar's mask stays (``narrowed``), so no row is left with nothing
     allowed (its token is dropped after the stop anyway)."""
     compiled = GrammarCompiler(make_tiny_tokenizer(), VOCAB, EOS).compile(GrammarSpec("regex", "[a-m]{2,3}"))
     params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12)
@@ -194,7 +248,7 @@ def test_a_grammar_complete_before_min_tokens_ends_its_output(target_hf):
         assert c.finish_reason == "stop" and 2 <= len(c.text) <= 3 and len(c.output_token_ids) < 12, c
     grammar = torch.tensor([[0b1100, -1], [0b0100, 0]], dtype=torch.int32)  # row 1: EOS (2) only
     bans = torch.tensor([[~0b0100, -1], [~0b0100, -1]], dtype=torch.int32)
-    assert with_bans(grammar, bans).tolist() == [[0b1000, -1], [0b0100, 0]]
+    assert narrowed(grammar, bans).tolist() == [[0b1000, -1], [0b0100, 0]]
 
 
 def test_stop_bans_follow_each_drafts_output_position():
@@ -230,32 +284,47 @@ def test_stop_strings_are_looked_for_from_min_tokens_on():
 def test_bad_settings_are_refused_by_name(target_hf):
     engine = make_engine(target_hf, None)
     for params, param in ((SamplingParams(max_tokens=3, min_tokens=4), "min_tokens"),
-                          (SamplingParams(max_tokens=3, logit_bias=((VOCAB, 1.0),)), "logit_bias")):
+                          (SamplingParams(max_tokens=3, logit_bias=((VOCAB, 1.0),)), "logit_bias"),
+                          (SamplingParams(max_tokens=3, allowed_token_ids=(5, VOCAB)), "allowed_token_ids")):
         with pytest.raises(InvalidRequestError) as err:
             engine.generate([[5, 6]], params)
         assert err.value.param == param
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))
+    for bad in (dict(bad_words=(" ",)), dict(bad_words=("",)), dict(allowed_token_ids=())):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
 
 
 # -- the distribution: unseeded rows, where the rejection test reads the draft's q ------------
 UNSEEDED = SamplingParams(temperature=1.0, min_p=0.02, max_tokens=3,
                           logit_bias=((7, 3.0), (11, 3.0), (13, 2.0), (301, -100.0)),
-                          presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
+                          presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3,
+                          allowed_token_ids=tuple(t for t in range(VOCAB) if t != 11),
+                          bad_words=("youib",))  # 312 after 400 (or 405): P(400, 312) ~ 0.1
 PROMPT = [5, 301, 45, 17, 5, 301]
 
 
 def joint(target_hf, params: SamplingParams) -> np.ndarray:
     """P(t1, t2) of target-only sampling under ``params``: the target's logits, its bias
-    added, its penalties for the output before each token, then temperature and min-p."""
+    added, its penalties for the output before each token, the tokens not allowed and the
+    bad words' banned, then temperature and min-p."""
     bias = torch.zeros(VOCAB)
     for token, value in params.logit_bias:
         bias[token] = value
+    if params.allowed_token_ids is not None:
+        bias[[t for t in range(VOCAB) if t not in params.allowed_token_ids]] = -torch.inf
+    words = word_token_ids(make_tiny_tokenizer(), params.bad_words)
+    assert all(len(w) <= 2 for w in words)  # (the output before t2 is t1)
+
+    def banned(out: list[int]) -> list[int]:
+        return [w[-1] for w in words if list(w[:-1]) == out[len(out) - len(w) + 1:]]
 
     def probs(logits: torch.Tensor, outputs: list[list[int]]) -> torch.Tensor:
         n = logits.shape[0]
-        logits = torch.stack([reference_penalties(x + bias, params, PROMPT, out)
-                              for x, out in zip(logits, outputs)])
+        logits = torch.stack([reference_penalties(x + bias, params, PROMPT, out).index_fill(
+            0, torch.tensor(banned(out), dtype=torch.long), -torch.inf)
+            for x, out in zip(logits, outputs)])
         return compute_probs(logits, torch.full((n,), params.temperature), torch.zeros(n),
                              torch.ones(n), min_p=torch.full((n,), params.min_p)).double()
 
@@ -271,9 +340,10 @@ def joint(target_hf, params: SamplingParams) -> np.ndarray:
 
 def test_unseeded_samples_have_the_biased_distribution(target_hf):
     """6000 unseeded samples of the first two tokens from a mismatched draft model, whose q
-    knows nothing of the bias or min-p (any q keeps the rejection test exact): chi-square
-    against the exact joint distribution of the biased, min-p target, fails below p = 1e-3;
-    the same samples against the unbiased target's joint must fail it (the test has power)."""
+    knows nothing of min-p, the allowed tokens or the bad words (any q keeps the rejection
+    test exact): chi-square against the exact joint distribution of the constrained target
+    fails below p = 1e-3; the same samples against the unbiased target's joint, and against
+    the joint without the bad word, must fail it (the test has power)."""
     engine = make_engine(target_hf, "draft_model", 3, draft_hf=far_draft(target_hf), slots=256)
     done = engine.generate([PROMPT] * 6000, UNSEEDED)
     rate = engine.counters.spec.acceptance_rate
@@ -282,3 +352,5 @@ def test_unseeded_samples_have_the_biased_distribution(target_hf):
     assert chi_square_pvalue(samples, joint(target_hf, UNSEEDED)) > 1e-3
     plain = SamplingParams(temperature=1.0, max_tokens=3)
     assert chi_square_pvalue_or_zero(samples, joint(target_hf, plain)) < 1e-3
+    unbanned = UNSEEDED.model_copy(update={"bad_words": ()})
+    assert chi_square_pvalue_or_zero(samples, joint(target_hf, unbanned)) < 1e-3

@@ -7,6 +7,7 @@ same grammar, for every proposer, and unseeded samples distributed as the constr
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -62,6 +63,23 @@ def test_constrained_output_with_speculation_is_target_onlys(target_hf, compiler
             text = tokenizer.decode([t for t in g.output_token_ids if t not in EOS])
             jsonschema.validate(json.loads(text), SCHEMA)
     assert any(g.finish_reason == "stop" for g in got)
+
+
+def test_a_context_free_grammar_in_lark_or_gbnf(target_hf, compiler):
+    """vLLM's ``guided_grammar``: the same grammar in llama.cpp's GBNF and in Lark gives the
+    same outputs, which follow it, with speculation as without."""
+    spellings = {"gbnf": 'root ::= ("cat" | "dog" | "emu") " " ("runs" | "sleeps" | "eats") "."',
+                 "lark": 'start: ("cat" | "dog" | "emu") " " ("runs" | "sleeps" | "eats") "."'}
+    batch, tokenizer = prompts(4, seed=23), make_tiny_tokenizer()
+    got = {(name, method): make_engine(target_hf, method, 4).generate(
+               batch, GREEDY, grammar=compiler.compile(GrammarSpec("grammar", text)))
+           for name, text in spellings.items() for method in (None, "ngram")}
+    want = got["gbnf", None]
+    for out in got.values():
+        assert [c.output_token_ids for c in out] == [c.output_token_ids for c in want]
+    for c in want:  # complete at its "." (only EOS could follow)
+        text = tokenizer.decode(c.output_token_ids)
+        assert re.fullmatch(r"(cat|dog|emu) (runs|sleeps|eats)\.", text) and c.finish_reason == "stop", text
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -241,7 +241,7 @@ def test_the_cache_is_reported_as_proposer_state_on_metrics():
     from specserve.engine.drafts.base import Proposer
     from specserve.engine.drafts.hybrid import HybridProposer
     from specserve.serve.metrics import exposition
-    from specserve.serve.protocol import UnitSnapshot
+    from specserve.serve.unit_messages import UnitSnapshot
 
     class Model(Proposer):
         method = "eagle"

@@ -156,11 +156,12 @@ def test_stop_token_ids_are_honoured(ngram_app, model, tiny_models):
 
 
 def test_logit_bias_penalties_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_models):
-    """OpenAI's logit_bias and penalties and vLLM's repetition_penalty, min_tokens and min_p
-    reach the engine (their losslessness under speculation: tests/engine/test_logit_rules.py):
-    a token biased +100 is every greedy token; with min_tokens 5 a forced stop token comes
-    sixth; min_p 1 samples the greedy text; penalized greedy text is the engine's; refusals
-    name the field."""
+    """OpenAI's logit_bias and penalties and vLLM's repetition_penalty, min_tokens, min_p,
+    allowed_token_ids and bad_words reach the engine (their losslessness under speculation:
+    tests/engine/test_logit_rules.py): a token biased +100 is every greedy token; with
+    min_tokens 5 a forced stop token comes sixth; min_p 1 samples the greedy text; penalized
+    greedy text, and text with allowed tokens and a bad word, is the engine's; refusals name
+    the field."""
     tokenizer = make_tiny_tokenizer()
     ids = encode_prompt(tokenizer, PROMPT)
     [forced] = encode_prompt(tokenizer, "e")
@@ -180,7 +181,17 @@ def test_logit_bias_penalties_min_tokens_and_min_p_are_honoured(ngram_app, model
     [want] = make_engine(tiny_models[2], None, max_len=256).generate(
         [ids], SamplingParams(temperature=0, max_tokens=8, **penalties))
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text, r.text
+    engine = make_engine(tiny_models[2], None, max_len=256)
+    [free] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))
+    rules = {"bad_words": [tokenizer.decode(free.output_token_ids[:2])],
+             "allowed_token_ids": sorted(set(range(3, 512)) - {free.output_token_ids[3]})}
+    r = post(ngram_app, {**body, **rules}, chat=False)
+    [want] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=8, **rules))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text != greedy_text, r.text
     for bad, param in (({"min_tokens": 9}, "min_tokens"), ({"min_p": 1.5}, "min_p"),
+                       ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                       ({"allowed_token_ids": []}, "allowed_token_ids"),
+                       ({"bad_words": ["x", " "]}, "bad_words[1]"),
                        ({"presence_penalty": 2.5}, "presence_penalty"),
                        ({"repetition_penalty": 0}, "repetition_penalty"),
                        ({"logit_bias": {"e": 5}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias.5"),
@@ -191,8 +202,7 @@ def test_logit_bias_penalties_min_tokens_and_min_p_are_honoured(ngram_app, model
 # -- features we do not implement: a 400 that names them ----------------------------------------
 UNSUPPORTED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
-    ("bad_words", ["x"]), ("allowed_token_ids", [5]),
-    ("guided_grammar", "root ::= 'a'"), ("prediction", {"type": "content", "content": "x"}),
+    ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("use_beam_search", True), ("skip_special_tokens", False),
 ]

@@ -89,6 +89,8 @@ NASTY: list[tuple[str, bytes, int | None]] = [
         "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}), 400),
     ("logit_bias key not a token id", chat("x", logit_bias={"five": 100}), 400),
     ("logit_bias past 100", chat("x", logit_bias={"5": 1e6}), 400),
+    ("allowed_token_ids past the vocabulary", chat("x", allowed_token_ids=[5, 10**9]), 400),
+    ("a bad word of spaces", chat("x", bad_words=["ab", "  "]), 400),
     ("NaN presence_penalty", chat_raw(b'"presence_penalty": NaN'), 400),
     ("-Infinity temperature", chat_raw(b'"temperature": -Infinity'), 400),
     ("top_k -1.0", chat("x", top_k=-1.0), 400),  # -1 disables; a float is still not an int
@@ -108,6 +110,8 @@ FINE: list[tuple[str, bytes]] = [  # odd but valid: 200
                                          response_format={"type": "text"}, tool_choice="none")),
     ("subnormal temperature", chat_raw(b'"temperature": 5e-324, "max_tokens": 4')),
     ("logit_bias bans and forces", chat("x", logit_bias={"5": 100, "6": -100}, min_p=0.5)),
+    ("allowed tokens and bad words", chat("x", allowed_token_ids=[5, 6, 7, 5], bad_words=["日本", "ab c"])),
+    ("one special token allowed", chat("x", allowed_token_ids=[0])),
 ]
 
 
@@ -139,7 +143,8 @@ FIELDS = st.fixed_dictionaries({}, optional={
     "max_tokens": JSON, "temperature": JSON, "top_p": JSON, "top_k": JSON, "n": JSON,
     "stop": JSON, "seed": JSON, "stream": JSON, "stream_options": JSON, "speculation": JSON,
     "user": JSON, "logprobs": JSON, "max_completion_tokens": JSON, "tools": JSON,
-    "response_format": JSON, "logit_bias": JSON, "presence_penalty": JSON})
+    "response_format": JSON, "logit_bias": JSON, "presence_penalty": JSON,
+    "allowed_token_ids": JSON, "bad_words": JSON})
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from specserve.config import SpeculationPolicyConfig, UnitConfig
 from specserve.serve.policy import UNCALIBRATED_BREAK_EVEN, SpeculationPolicy
-from specserve.serve.protocol import Decision, SpeculationOptions
+from specserve.serve.protocol import SpeculationOptions
+from specserve.serve.unit_messages import Decision
 
 
 class Clock:

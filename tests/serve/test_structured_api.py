@@ -6,6 +6,7 @@ their output well-formed), with the official ``openai`` client's ``parse`` and L
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -100,7 +101,12 @@ def test_structured_output_streams_the_same_text(ngram_app, model):
     ({"guided_regex": "[a-m]{3,8}"}, lambda t: 3 <= len(t) <= 8 and set(t) <= set("abcdefghijklm")),
     ({"guided_choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
     ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
-], ids=["regex", "choice", "guided_json"])
+    ({"guided_grammar": 'root ::= ("yes" | "no") "."'}, lambda t: t in ("yes.", "no.")),
+    ({"structured_outputs": {"grammar": 'start: "a" /[b-d]+/ "!"'}},
+     lambda t: re.fullmatch("a[b-d]+!", t)),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+    ({"structured_outputs": {"json": SCHEMA}}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+], ids=["regex", "choice", "guided_json", "guided_grammar", "so-grammar", "so-choice", "so-json"])
 def test_vllm_guided_fields(ngram_app, model, extra, check):
     body = _chat(ngram_app, model, **extra)
     assert body["choices"][0]["finish_reason"] == "stop" and check(_content(body))
@@ -112,6 +118,10 @@ def test_vllm_guided_fields(ngram_app, model, extra, check):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "$ref": "#/$defs/nothing"}}}}, "response_format", "nothing"),
     ({"guided_regex": "(?=a)b"}, "guided_regex", "grammar cannot be used"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar", "grammar cannot be used"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "xtra"),
+    ({"guided_grammar": 'start: "a"', "guided_regex": "a"}, "guided_grammar", "one structured"),
     ({"response_format": {"type": "xml"}}, "response_format", "'text', 'json_object' or 'json_schema'"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "one structured"),
@@ -123,7 +133,8 @@ def test_vllm_guided_fields(ngram_app, model, extra, check):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}}}}],
       "tool_choice": "required"}, "tools", "format"),
-], ids=["unsupported-keyword", "dangling-ref", "lookaround", "bad-type", "no-schema", "two",
+], ids=["unsupported-keyword", "dangling-ref", "lookaround", "bad-gbnf", "so-two", "so-unknown-key",
+        "grammar-and-regex", "bad-type", "no-schema", "two",
         "choice-without-tools", "unknown-function", "duplicate-tools", "tools-and-regex", "tool-schema"])
 def test_a_grammar_that_cannot_be_used_is_a_400_naming_it(tools_app, model, extra, param, needle):
     r = post(tools_app, {"model": model, "messages": MESSAGES, "max_tokens": 4, **extra})

@@ -1,10 +1,11 @@
 """Structured outputs: the grammar a request's text must follow, as masks over the vocabulary.
 
 A request may constrain its output (OpenAI ``response_format``: ``json_object`` or
-``json_schema``; vLLM-style ``regex`` and ``choice``). The constraint is a **grammar**; at each
-position the grammar's **mask** is the set of tokens that keep the text a prefix of a sentence
-of the grammar, packed as bits (``[n, ceil(V / 32)]`` int32, token t at bit ``t % 32`` of word
-``t // 32``: xgrammar's and llguidance's layout). Sampling then sets the logits of every
+``json_schema``; vLLM-style ``regex``, ``choice`` and ``grammar``: Lark or llama.cpp's GBNF).
+The constraint is a **grammar**; at each position the grammar's **mask** is the set of
+tokens that keep the text a prefix of a sentence of the grammar, packed as bits
+(``[n, ceil(V / 32)]`` int32, token t at bit ``t % 32`` of word ``t // 32``: xgrammar's and
+llguidance's layout). Sampling then sets the logits of every
 disallowed token to -inf (:func:`apply_mask`) before anything else sees them, so greedy,
 sampled and speculative decoding all draw from the *masked* target distribution.
 
@@ -65,15 +66,15 @@ import torch
 
 try:  # a hard dependency of the package, but the engine must import without it: a GPU
     # machine without the wheel still runs everything that has no grammar (docs/GPU.md)
-    from llguidance import LLMatcher, LLParserLimits
+    from llguidance import LLMatcher, LLParserLimits, grammar_from
 except ImportError:  # pragma: no cover - exercised where llguidance is not installed
-    LLMatcher = LLParserLimits = None
+    LLMatcher = LLParserLimits = grammar_from = None
 
 from specserve.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-KINDS = ("json_object", "json_schema", "regex", "choice")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 # llguidance's JSON compile options (overriding any ``x-guidance`` in a client's schema): the
 # whitespace policy above, and every valid JSON string escape (by default ``\uXXXX`` is
@@ -110,7 +111,8 @@ class GrammarSpec:
     schema as JSON text, made canonical here (compact; key order kept, since it is the order
     object properties are generated in); ``regex``: the pattern (Rust ``regex`` syntax, matched
     in full: no look-around, no backreferences); ``choice``: a tuple of the allowed strings (a
-    list is turned into one).
+    list is turned into one); ``grammar``: a context-free grammar, in Lark's syntax (llguidance's
+    dialect: ``start: ...``) or in llama.cpp's GBNF (``root ::= ...``), as vLLM takes both.
     """
 
     kind: str
@@ -159,7 +161,7 @@ def _check_value(kind: str, value) -> None:
     """Refuse a value that does not fit its kind (the API builds specs from client input)."""
     if kind == "json_object" and value is not None:
         raise InvalidRequestError("a json_object grammar takes no value")
-    if kind in ("json_schema", "regex") and not (isinstance(value, str) and value):
+    if kind in ("json_schema", "regex", "grammar") and not (isinstance(value, str) and value):
         raise InvalidRequestError(f"a {kind} grammar needs a non-empty string")
     if kind == "choice" and not (isinstance(value, tuple) and value
                                  and all(isinstance(c, str) for c in value)):
@@ -336,7 +338,8 @@ class GrammarCompiler:
         if not prototype.is_error():
             _fill(prototype, allocate_bitmask(1, self.vocab_size)[0])
         if prototype.is_error():
-            raise InvalidRequestError(f"the {spec.kind} grammar cannot be used: "
+            kind = "" if spec.kind == "grammar" else f"{spec.kind} "
+            raise InvalidRequestError(f"the {kind}grammar cannot be used: "
                                       f"{_one_line(prototype.get_error())}")
         return CompiledGrammar(spec, prototype, self.vocab_size, self.eos_token_ids, self._eos_row)
 
@@ -362,6 +365,11 @@ def _grammar_text(spec: GrammarSpec) -> str:
         return LLMatcher.grammar_from_json_schema(spec.value, overrides=JSON_OPTIONS)
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "grammar":  # GBNF becomes Lark; Lark stays as it is
+        try:
+            return grammar_from("grammar", spec.value)
+        except ValueError as exc:  # (Lark's errors surface in the matcher, as the others')
+            raise InvalidRequestError(f"the grammar cannot be used: {_one_line(str(exc))}") from None
     # A Lark rule of string literals; JSON's string escapes are Lark's.
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.value))
 

@@ -72,6 +72,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     if params.logit_bias and max(t for t, _ in params.logit_bias) >= limits.vocab_size:
         raise InvalidRequestError(f"logit_bias: token ids must be in [0, {limits.vocab_size})",
                                   param="logit_bias")
+    if params.allowed_token_ids and max(params.allowed_token_ids) >= limits.vocab_size:
+        raise InvalidRequestError(f"allowed_token_ids: token ids must be in [0, {limits.vocab_size})",
+                                  param="allowed_token_ids")
     if params.max_tokens is not None and params.min_tokens > params.max_tokens:
         raise InvalidRequestError(f"min_tokens: at most max_tokens ({params.max_tokens})",
                                   param="min_tokens")

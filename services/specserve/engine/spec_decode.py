@@ -65,10 +65,11 @@ from specserve.engine.grammar import CompiledGrammar, constrain, structured_outp
 from specserve.engine.request import EngineRequest, RequestLimits, check_request
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.adaptive import SpecLengthController
+from specserve.engine.step.bans import allowed_mask, narrowed, word_bans, word_token_ids
 from specserve.engine.step.k_planner import KPlanner
 from specserve.engine.step.sampling import random_seed
 from specserve.engine.step.scheduler import Scheduler
-from specserve.engine.step.sequence import Completion, Sequence, StepOutput, with_bans
+from specserve.engine.step.sequence import Completion, Sequence, StepOutput
 from specserve.engine.step.stats import EngineCounters
 from specserve.engine.step.step_batch import ChunkRow, StepBatch, StepRow
 from specserve.engine.tokenizer import IncrementalDetokenizer
@@ -140,6 +141,8 @@ class SpecDecodeEngine:
         assert num_speculative_tokens is None or num_speculative_tokens >= 0
         prompt, params = request.prompt_token_ids, request.params
         k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        allowed = (None if params.allowed_token_ids is None
+                   else allowed_mask(params.allowed_token_ids, self.target.vocab_size))
         seqs = [Sequence(
             seq_id=next(self._ids), prompt_len=len(prompt), token_ids=list(prompt), params=params,
             num_speculative_tokens=k if self.draft.proposer is not None else 0,
@@ -147,7 +150,8 @@ class SpecDecodeEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop,
                                               min_tokens=params.min_tokens),
             sample_seed=random_seed() if params.seed is None else params.seed + i, index=i,
-            grammar=grammar.matcher() if grammar is not None else None)
+            grammar=grammar.matcher() if grammar is not None else None, allowed=allowed,
+            bad_words=word_token_ids(self.tokenizer, params.bad_words))
             for i in range(request.n)]
         self.scheduler.add(seqs)
         return [s.seq_id for s in seqs]
@@ -207,7 +211,7 @@ class SpecDecodeEngine:
             for row in batch.rows:
                 if row.seq.grammar is not None:
                     row.proposal, row.mask = constrain(row.seq.grammar, row.seq.params, row.proposal)
-                self._ban_stops(row)
+                self._ban(row)
             clock.propose_s = clock.lap()
             launched = self.calls.launch(batch)
         ahead = self.calls.after(batch, launched, self.max_model_len)
@@ -231,16 +235,22 @@ class SpecDecodeEngine:
             self.draft.lost()
         return outputs
 
-    def _ban_stops(self, row: StepRow) -> None:
-        """A row short of its ``min_tokens``: the tokens that would stop it banned where they
-        would come too early (:meth:`Sequence.stop_bans`), with its grammar's masks where it
-        has them; where a grammar allows nothing but a stop (its output complete), the
-        grammar wins. A draft of a banned token stays: its target probability is 0 there, so
-        the verification rejects it, greedy, seeded or not."""
-        bans = row.seq.stop_bans(row.proposal.parents, len(row.proposal.token_ids),
-                                 self.target.vocab_size, self.eos_token_ids)
-        if bans is not None:
-            row.mask = bans if row.mask is None else with_bans(row.mask, bans)
+    def _ban(self, row: StepRow) -> None:
+        """The request's own bans on the row's mask (``step/bans.py``), after its grammar's:
+        ``allowed_token_ids``, then where the output is short of its ``min_tokens`` the tokens
+        that would stop it (:meth:`Sequence.stop_bans`), then its ``bad_words`` after the
+        output and the drafts before each position; a rule that would leave a position
+        nothing allowed is dropped there (:func:`narrowed`: a grammar that allows only a stop
+        wins over min_tokens). A draft of a banned token stays: its target probability is 0
+        there, so the verification rejects it, greedy, seeded or not."""
+        seq, proposal, vocab = row.seq, row.proposal, self.target.vocab_size
+        n = len(proposal.token_ids) + 1
+        for bans in (None if seq.allowed is None else seq.allowed.repeat(n, 1),
+                     seq.stop_bans(proposal.parents, n - 1, vocab, self.eos_token_ids),
+                     word_bans(seq.bad_words, seq.output_token_ids, proposal.token_ids,
+                               proposal.parents, vocab)):
+            if bans is not None:
+                row.mask = narrowed(row.mask, bans)
 
     def _fork(self, row: StepRow) -> None:
         """``row``'s sequence verified its prompt: its samples start from its caches

@@ -56,9 +56,10 @@ from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
 from specserve.serve.openai_shapes import echoed, logprobs_object, response_body
-from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest, UnitRequest
+from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.serve.streaming import UnitReply, end_request
 from specserve.serve.tools import ToolPlan, render_messages
+from specserve.serve.unit_messages import UnitRequest
 
 log = logging.getLogger(__name__)
 

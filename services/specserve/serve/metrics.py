@@ -35,7 +35,7 @@ from prometheus_client.core import (
 )
 
 from specserve.engine.step.stats import EngineCounters, SpecStats
-from specserve.serve.protocol import StreamDelta, Timing, UnitSnapshot
+from specserve.serve.unit_messages import StreamDelta, Timing, UnitSnapshot
 
 log = logging.getLogger(__name__)
 

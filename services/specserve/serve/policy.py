@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 from specserve.config import SpeculationPolicyConfig
 from specserve.methods import PROPOSERS
-from specserve.serve.protocol import Decision, SpeculationOptions
+from specserve.serve.protocol import SpeculationOptions
+from specserve.serve.unit_messages import Decision
 
 UNCALIBRATED_BREAK_EVEN = 0.1  # acceptance rate assumed to break even until costs are measured
 

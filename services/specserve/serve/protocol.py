@@ -1,7 +1,6 @@
-"""What crosses the API's hops: the OpenAI-compatible request models (and our
-``speculation`` extension) the ingress parses, and the typed messages between the ingress and
-a unit (:class:`UnitRequest` in, :class:`StreamStart` then :class:`StreamDelta` chunks back,
-:class:`UnitSnapshot` to the metrics hub), each defined once and never re-validated on the way.
+"""What a client sends: the OpenAI-compatible request models (and our ``speculation``
+extension) the ingress parses, and the error object it gets back (what the ingress hands a
+unit is in :mod:`~specserve.serve.unit_messages`).
 
 Three rules decide what a request may carry:
 
@@ -11,7 +10,7 @@ Three rules decide what a request may carry:
   every optional field (``"max_tokens": null`` on /v1/completions is 16).
 - **Features we do not implement are refused**, with a 400 whose ``param`` names the field
   (``response_format is not supported by this server``), whenever the value would change the
-  output: ``best_of``, ``bad_words``, ``guided_grammar``... A value that asks for nothing
+  output: ``best_of``, ``prediction``, ``audio``... A value that asks for nothing
   (``best_of: 1``, ``tools: []``, ``response_format: {"type": "text"}``) is accepted.
   Silently ignoring one would hand a client output it did not ask for.
 - **Unknown fields are ignored**, as OpenAI's own API and vLLM do, so clients that send newer
@@ -25,7 +24,6 @@ it), so a client generator or a fuzzer sees the refused values as invalid.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -41,7 +39,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specserve.config import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
+    BadWord,
     Bias,
     MinP,
     MinTokens,
@@ -51,12 +51,11 @@ from specserve.config import (
     Seed,
     SpecMethod,
     Temperature,
+    TokenId,
     TopK,
     TopP,
 )
 from specserve.engine.grammar import GrammarSpec
-from specserve.engine.request import EngineRequest
-from specserve.engine.step.stats import EngineCounters
 from specserve.errors import InvalidRequestError
 from specserve.serve.tools import ToolPlan
 
@@ -93,10 +92,11 @@ No = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [False]}), _only
 Yes = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [True]}), _only(lambda v: v)]
 
 
-def _engines(name: str) -> Any:
-    """The engine's field ``name`` (:class:`SamplingParams`): its default and description."""
+def _engines(name: str, **bounds: Any) -> Any:
+    """The engine's field ``name`` (:class:`SamplingParams`): its default and description
+    (``bounds``: a list's, which its API type cannot carry)."""
     field_info = SamplingParams.model_fields[name]
-    return Field(field_info.default, description=field_info.description)
+    return Field(field_info.default, description=field_info.description, **bounds)
 
 
 def _null_means_default(schema: dict[str, Any]) -> None:
@@ -141,6 +141,44 @@ class SpeculationOptions(_Lenient):
                     "key and OpenAI's `user`), e.g. 'summarize' or 'code'.")
 
 
+def _schema_spec(schema: dict[str, Any] | str) -> GrammarSpec:
+    """A JSON schema's spec, the schema given as an object or as JSON text."""
+    return GrammarSpec("json_schema", schema) if isinstance(schema, str) else GrammarSpec.json_schema(schema)
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's ``structured_outputs``: exactly one of its constraints (its other keys, such as
+    ``structural_tag`` or the whitespace options, are refused by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json",
+                                                     description="A JSON schema (object or JSON text).")
+    regex: str | None = Field(None, min_length=1, max_length=10_000)
+    choice: list[Annotated[str, Field(min_length=1, max_length=10_000)]] | None = Field(
+        None, min_length=1, max_length=1024)
+    grammar: str | None = Field(None, min_length=1, max_length=100_000, description="Lark or GBNF.")
+    json_object: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [v for v in (self.json_schema, self.regex, self.choice, self.grammar) if v is not None]
+        if len(given) + self.json_object != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        if self.json_schema is not None:
+            return _schema_spec(self.json_schema)
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            return GrammarSpec("choice", tuple(self.choice))
+        if self.grammar is not None:
+            return GrammarSpec("grammar", self.grammar)
+        return GrammarSpec("json_object")
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -176,6 +214,8 @@ class _Request(_Lenient):
     repetition_penalty: RepetitionPenalty = _engines("repetition_penalty")
     min_p: MinP = _engines("min_p")
     min_tokens: MinTokens = _engines("min_tokens")
+    allowed_token_ids: list[TokenId] | None = _engines("allowed_token_ids", min_length=1)
+    bad_words: list[BadWord] = _engines("bad_words", max_length=MAX_BAD_WORDS)
     logit_bias: dict[str, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS, description=(
         "Token id (a string: a JSON key) -> a bias added to its logit before sampling or argmax."))
     response_format: Annotated[
@@ -201,8 +241,13 @@ class _Request(_Lenient):
     guided_choice: list[Annotated[str, Field(min_length=1, max_length=10_000)]] | None = Field(
         None, min_length=1, max_length=1024,
         description="vLLM extension: the output is exactly one of these strings.")
-    guided_grammar: Refused = None
-    structured_outputs: Refused = None
+    guided_grammar: str | None = Field(
+        None, min_length=1, max_length=100_000,
+        description="vLLM extension: a context-free grammar the whole output follows, in Lark's "
+                    "syntax (start: ...) or llama.cpp's GBNF (root ::= ...).")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension (its newer spelling of the guided_* fields): one of "
+                           "json, regex, choice, grammar, json_object.")
     prediction: Refused = None
     audio: Refused = None
     modalities: Annotated[list[str], _only(lambda v: v == ["text"], hint='; only ["text"]'),
@@ -211,8 +256,6 @@ class _Request(_Lenient):
     use_beam_search: No = False
     include_stop_str_in_output: No = False
     skip_special_tokens: Yes = True
-    allowed_token_ids: EmptyList | None = None
-    bad_words: EmptyList | None = None
     prompt_logprobs: Refused = None
 
     @field_validator("response_format")
@@ -233,20 +276,21 @@ class _Request(_Lenient):
             if spec is not None:
                 return spec, "response_format"
         if self.guided_json is not None:
-            schema = self.guided_json
-            spec = (GrammarSpec("json_schema", schema) if isinstance(schema, str)
-                    else GrammarSpec.json_schema(schema))
-            return spec, "guided_json"
+            return _schema_spec(self.guided_json), "guided_json"
         if self.guided_regex is not None:
             return GrammarSpec("regex", self.guided_regex), "guided_regex"
         if self.guided_choice is not None:
             return GrammarSpec("choice", tuple(self.guided_choice)), "guided_choice"
+        if self.guided_grammar is not None:
+            return GrammarSpec("grammar", self.guided_grammar), "guided_grammar"
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec(), "structured_outputs"
         return None
 
     def grammar_fields(self) -> list[str]:
         """The fields that ask for a structured output."""
-        asked = [name for name in ("guided_json", "guided_regex", "guided_choice")
-                 if getattr(self, name) is not None]
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.get("type") != "text":
             asked.insert(0, "response_format")
         return asked
@@ -490,107 +534,3 @@ class ErrorResponse(BaseModel):
     """Every 4xx and 5xx body (and an in-band stream error): OpenAI's error object."""
 
     error: ErrorObject
-
-
-# -- between the ingress and a unit (a Ray call and the stream it returns) ------------------------
-@dataclass(frozen=True)
-class UnitRequest:
-    """A request as the ingress hands it to a unit: the engine's request (tokenized,
-    checked), and what the unit decides with."""
-
-    request: EngineRequest                  # prompt, parameters, n (choices), grammar
-    speculation: SpeculationOptions | None  # the client's control; None: the policy decides
-    stream: bool                            # False: the unit sends one chunk per choice, at its end
-    class_key: str                          # the acceptance class: route|key id|user|traffic class|shape
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The speculation policy's answer for one request (``serve/policy.py``), which the
-    client sees in the ``x-speculation`` header and ``usage.speculation``."""
-
-    enabled: bool
-    reason: str
-    method: str | None
-    num_speculative_tokens: int  # K for this request (the most, when adaptive); 0 when off
-    adaptive: bool = False       # the coordinator picks K per step, up to num_speculative_tokens
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """``("on" | "off", reason)``: how decisions are counted (the metric's labels)."""
-        return ("on" if self.enabled else "off", self.reason)
-
-    def header(self) -> str:
-        """The ``x-speculation`` header value, e.g. ``on; reason=default; method=ngram; k=4;
-        k_mode=adaptive``."""
-        parts = [self.key[0], f"reason={self.reason}"]
-        if self.enabled:
-            parts += [f"method={self.method}", f"k={self.num_speculative_tokens}",
-                      f"k_mode={'adaptive' if self.adaptive else 'fixed'}"]
-        return "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class StreamStart:
-    """A unit's first chunk for a request: the decision, before any text."""
-
-    decision: Decision
-
-
-@dataclass(frozen=True)
-class Timing:
-    """A request's latencies as its unit measured them (arrival to outputs), in seconds."""
-
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    tpot_s: float | None = None
-    e2e_s: float | None = None
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """Text a unit produced for one choice; a choice's last chunk has its ``finish_reason``,
-    and the request's last chunk also the ``usage`` object of the response (OpenAI's, with
-    our ``speculation`` block) and the ``timing`` for metrics."""
-
-    text: str
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    timing: Timing | None = None
-    # with SamplingParams.logprobs: the chunk's tokens, (token, logprob, [(token, logprob)...])
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    # with SamplingParams.prompt_logprobs, on a choice's first chunk: prompt tokens 1..,
-    # (logprob, top)
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    index: int = 0  # the choice (of the request's n) this chunk belongs to
-
-
-@dataclass(frozen=True)
-class UnitSnapshot:
-    """A unit's live numbers, sent to the metrics hub every few seconds: its own (each field a
-    metric of ``serve/metrics.py`` of the same name, ``docs/METRICS.md``) and its engine's
-    counters whole (``engine``: ``metrics.py`` names the metrics it feeds)."""
-
-    method: str
-    num_requests_running: int
-    num_requests_waiting: int
-    free_slots: int
-    num_slots: int
-    draft_available: int
-    target_available: int
-    target_restarts: int
-    estimated_speedup: float
-    speculation_length_current: int
-    concurrency_gate_open: int
-    requests_admitted: int
-    requests_aborted: int
-    router_decisions: dict[tuple[str, str], int]  # Decision.key -> requests
-    engine: EngineCounters = field(default_factory=EngineCounters)  # a copy (snapshot())
-    autoscaling_load: float = 0.0      # its load by unit autoscaling's rule (serve/autoscaling.py)
-    kv_blocks_total: int = 0           # a paged target's KV blocks (0: the slot layout)
-    kv_blocks_free: int = 0
-    prefix_cache_queries: int = 0      # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0         # ... found there (not computed)
-    proposer_state: dict[str, float] = field(default_factory=dict)  # Proposer.state()
-    # what the unit received from each group: source -> (bytes, messages)
-    received: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -14,8 +14,8 @@ from specserve.serve.api_errors import from_unit_error, server_error, timeout_er
 from specserve.serve.guard import Lease
 from specserve.serve.metrics import record_finish
 from specserve.serve.openai_shapes import chunk_body, echoed, joined, logprobs_object, sse_line
-from specserve.serve.protocol import StreamDelta, StreamStart
 from specserve.serve.tools import ToolPlan
+from specserve.serve.unit_messages import StreamDelta, StreamStart
 
 log = logging.getLogger(__name__)
 

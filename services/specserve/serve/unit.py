@@ -3,9 +3,9 @@
 The replica (the unit's coordinator process) runs in bundle 0 of its placement group
 (``[coordinator, (draft), target ranks]``, STRICT_PACK) and starts the draft and target groups
 as child actors in the other bundles. Requests arrive as a
-:class:`~specserve.serve.protocol.UnitRequest` (token ids: the ingress tokenizes and validates)
-and leave as a stream: a :class:`~specserve.serve.protocol.StreamStart` with the speculation
-decision, then :class:`~specserve.serve.protocol.StreamDelta` chunks, the last one with usage.
+:class:`~specserve.serve.unit_messages.UnitRequest` (token ids: the ingress tokenizes and validates)
+and leave as a stream: a :class:`~specserve.serve.unit_messages.StreamStart` with the speculation
+decision, then :class:`~specserve.serve.unit_messages.StreamDelta` chunks, the last one with usage.
 Scaling replicas scales whole units; KV caches never cross units.
 """
 
@@ -33,7 +33,8 @@ from specserve.serve.draft_group import DraftGroup
 from specserve.serve.engine_loop import EngineLoop
 from specserve.serve.metrics import UnitReporter
 from specserve.serve.policy import SpeculationPolicy
-from specserve.serve.protocol import (
+from specserve.serve.target_group import TargetGroup
+from specserve.serve.unit_messages import (
     Decision,
     StreamDelta,
     StreamStart,
@@ -41,7 +42,6 @@ from specserve.serve.protocol import (
     UnitRequest,
     UnitSnapshot,
 )
-from specserve.serve.target_group import TargetGroup
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from specserve.engine.step.sampling import (
     DRAFT,
     NOISE,
     compute_probs_each,
+    draft_view,
     exponential_noise,
     noise_key,
     sample_from,
-    with_logit_bias,
 )
 from specserve.engine.worker import ModelWorker
 from specserve.errors import InvalidRequestError
@@ -328,13 +328,13 @@ class DraftModelProposer(Proposer):
 
     @staticmethod
     def _biased(requests: list[DraftRequest], logits: torch.Tensor) -> torch.Tensor:
-        """Each row's logits with its request's ``logit_bias``, as the target's will have it:
-        a draft that draws from them proposes what the bias pushes (a bias of 100 forcing a
-        token is accepted instead of rejected), and its q is still what it drew from."""
-        if not any(r.params.logit_bias for r in requests):
+        """Each row's logits with its request's ``logit_bias`` and ``allowed_token_ids``, as
+        the target's will have them (:func:`draft_view`): a draft that draws from them
+        proposes what the target keeps (a bias of 100 forcing a token is accepted instead of
+        rejected), and its q is still what it drew from."""
+        if not any(r.params.logit_bias or r.params.allowed_token_ids is not None for r in requests):
             return logits
-        return torch.cat([with_logit_bias(logits[j:j + 1], r.params.logit_bias)
-                          for j, r in enumerate(requests)])
+        return torch.cat([draft_view(logits[j:j + 1], r.params) for j, r in enumerate(requests)])
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """``[n, V_draft]`` -> ``[n, V_target]``: extra rows dropped, missing ones -inf."""

@@ -32,7 +32,7 @@ from specserve.engine.drafts.tree_growth import TreeGrowth
 from specserve.engine.grammar import allocate_bitmask, masked
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.proposal import DraftRequest, Proposal
-from specserve.engine.step.sampling import compute_probs_rows, with_logit_bias
+from specserve.engine.step.sampling import compute_probs_rows, draft_view
 from specserve.errors import InvalidRequestError
 
 # speculative.eagle: its fields, bounds and defaults are the registry's (specserve.methods).
@@ -158,18 +158,17 @@ class EagleProposer(DraftModelProposer):
 
     def _logprobs_of(self, reqs: list[DraftRequest], logits: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per row, the ``[m_i, V]`` log-probabilities its tree is scored by, its request's
-        ``logit_bias`` added: the draft's softmax for greedy rows, its distribution after the
-        request's temperature / min-p / top-k / top-p otherwise. The greedy rows in one
-        softmax and the sampled ones in one transform: both act on each logits row alone, so
-        a row gets the values it gets by itself, for one call instead of one per row and
-        level."""
+        ``logit_bias`` and ``allowed_token_ids`` applied (:func:`draft_view`): the draft's
+        softmax for greedy rows, its distribution after the request's temperature / min-p /
+        top-k / top-p otherwise. The greedy rows in one softmax and the sampled ones in one
+        transform: both act on each logits row alone, so a row gets the values it gets by
+        itself, for one call instead of one per row and level."""
         out: list[torch.Tensor | None] = [None] * len(reqs)
         for picked in ([i for i, r in enumerate(reqs) if r.params.temperature <= 0],
                        [i for i, r in enumerate(reqs) if r.params.temperature > 0]):
             if not picked:
                 continue
-            x = [with_logit_bias(self._to_target_vocab(logits[i]), reqs[i].params.logit_bias)
-                 for i in picked]
+            x = [draft_view(self._to_target_vocab(logits[i]), reqs[i].params) for i in picked]
             if reqs[picked[0]].params.temperature <= 0:
                 scored = torch.log_softmax(torch.cat(x), dim=-1).split([len(r) for r in x])
             else:

@@ -64,6 +64,20 @@ def with_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> 
     return logits.index_add(1, ids, values[None, :].expand(logits.shape[0], -1))
 
 
+def draft_view(logits: torch.Tensor, params) -> torch.Tensor:
+    """``logits`` (``[n, V]``, a model draft's in the target's vocabulary) with the request's
+    rules that need no history: its ``logit_bias`` added, the tokens outside its
+    ``allowed_token_ids`` at -inf. A draft that draws from them proposes what the target
+    will keep (the target's verification applies the same), and its q is what it drew from."""
+    logits = with_logit_bias(logits, params.logit_bias)
+    if params.allowed_token_ids is None:
+        return logits
+    ids = torch.tensor(params.allowed_token_ids, device=logits.device)
+    out = torch.full_like(logits, -torch.inf)
+    out[:, ids] = logits[:, ids]
+    return out
+
+
 def compute_probs_rows(logits: list[torch.Tensor], params: Sequence,
                        settings: torch.Tensor | None = None) -> list[torch.Tensor]:
     """:func:`compute_probs` of several rows' logits (``[m_i, V]`` each), row ``i`` under

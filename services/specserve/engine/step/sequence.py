@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SamplingParams
-from specserve.engine.grammar import Matcher, num_words
+from specserve.engine.grammar import Matcher
+from specserve.engine.step.bans import packed
 from specserve.engine.step.stats import SpecStats
 from specserve.engine.tokenizer import IncrementalDetokenizer
 
@@ -38,6 +39,9 @@ class Sequence:
     index: int = 0                    # which of its request's n samples (``n > 1``) it is
     # structured output: the grammar's state after every output token (grammar.Matcher)
     grammar: Matcher | None = None
+    # the request's own bans (bans.py): allowed_token_ids packed ([W]), bad_words as token ids
+    allowed: torch.Tensor | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
     slot: int = -1
     draft_attached: bool = False       # the proposer holds state for this sequence
     stats: SpecStats = field(default_factory=SpecStats)
@@ -113,15 +117,7 @@ class Sequence:
             for parent in parents:  # a parent comes before its children
                 depth.append(1 if parent == -1 else depth[parent] + 1)
             index = [done, *(done + d for d in depth)]
-        masks = torch.full((num_drafts + 1, num_words(vocab_size)), -1, dtype=torch.int32)
-        rows = torch.tensor([j for j, i in enumerate(index) if i < params.min_tokens])
-        if banned:
-            ids = torch.tensor(banned)
-            bits = torch.zeros(masks.shape[1], dtype=torch.int64)  # each word's banned bits
-            bits.index_add_(0, ids // 32, torch.ones_like(ids) << (ids % 32))  # (distinct: an OR)
-            words = ~bits & 0xFFFFFFFF  # the allowed bits, as the int32 of the same bits
-            masks[rows] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-        return masks
+        return packed([banned if i < params.min_tokens else [] for i in index], vocab_size)
 
     def step_output(self, prompt_logprobs: list | None = None) -> StepOutput:
         """What the step that just advanced it produced: the output tokens (and logprobs) not
@@ -143,14 +139,6 @@ class Sequence:
                           self.detokenizer.text, finish_reason, self.stats,
                           self.logprobs if self.params.logprobs is not None else None,
                           self.prompt_logprobs)
-
-
-def with_bans(masks: torch.Tensor, bans: torch.Tensor) -> torch.Tensor:
-    """A grammar's ``masks`` with :meth:`Sequence.stop_bans`' ``bans`` (both ``[n, W]``
-    packed), except at a position where together they allow nothing: a grammar whose output is
-    complete allows only a stop, and there the grammar wins (its request ends complete)."""
-    both = masks & bans
-    return torch.where((both != 0).any(dim=1, keepdim=True), both, masks)
 
 
 @dataclass

@@ -147,7 +147,7 @@ class StepBatch:
         """The step after this one as a verify that can be launched before this one is read
         (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
         (rows whose sequence has ended since this step was launched aside) that decodes
-        without drafts, a grammar, features, penalties or stop tokens to ban. A row that
+        without drafts, a grammar, features, penalties or bans (``bans.py``). A row that
         reaches its ``max_tokens`` or the context with this step has no next row; each other
         one feeds the token it emits now, taken on the device (:attr:`VerifyBatch.follows`),
         at the position after it, and where this step ends it otherwise (EOS, a stop string,
@@ -160,9 +160,10 @@ class StepBatch:
         for j in live:
             row, seq = self.rows[j], self.rows[j].seq
             if (not row.decoding or row.proposal.token_ids or seq.grammar is not None
-                    or seq.draft_attached or seq.params.penalized
+                    or seq.draft_attached or seq.params.penalized or seq.bad_words
+                    or seq.allowed is not None
                     or len(seq.output_token_ids) + 1 < seq.params.min_tokens):
-                return None  # (the last two: the next row's penalties and bans need this one's)
+                return None  # (the next row's penalties and bans would need this one's token)
             if (len(seq.output_token_ids) + 1 < (seq.params.max_tokens or max_model_len)
                     and len(seq.token_ids) + 1 < max_model_len):  # (else this step ends it)
                 follows.append(j)
