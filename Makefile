@@ -169,7 +169,7 @@ bench-tree: install ## EAGLE token trees vs chains: verify cost per tree size, b
 bench-wire: install ## Bytes per row and step between a unit's groups (TP = 2 target, draft actor), before and after issue 21 (results/bench-wire.json)
 	$(PY) load/bench_wire.py $(BENCH_ARGS)
 
-bench-sampling: install ## Sampling settings (logit_bias, min_tokens, penalties) with speculation: tokens/s and acceptance against plain greedy, embedded model (results/bench-sampling.json)
+bench-sampling: install ## Sampling settings (logit_bias, min_tokens, penalties, bad_words, allowed_token_ids) with speculation: tokens/s and acceptance against plain greedy, embedded model (results/bench-sampling.json)
 	$(PY) load/bench_sampling.py $(BENCH_ARGS)
 
 bench-grammar: install ## Structured outputs: the grammar's cost per verify step and per token end to end, embedded model (results/bench-grammar.json)

@@ -239,6 +239,34 @@ def test_completions_refuse_tools_by_name(ngram_app, model, field, value):
     assert field in assert_error(r, 400, param=field)["message"]
 
 
+def test_tokenize_and_detokenize_as_vllm(ngram_app, model):
+    """vLLM's /tokenize gives the ids the generation routes run (a prompt's as /v1/completions
+    tokenizes it; messages' as the chat route renders them: its usage counts as many); the
+    model is optional; /detokenize turns ids back; bad bodies are OpenAI-shaped 4xx."""
+    def call(path: str, body: dict) -> httpx.Response:
+        return httpx.post(ngram_app + path, json=body, timeout=60)
+
+    ids = encode_prompt(make_tiny_tokenizer(), PROMPT)
+    max_model_len = httpx.get(ngram_app + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    r = call("/tokenize", {"model": model, "prompt": PROMPT})
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": max_model_len,
+                                                 "tokens": ids, "token_strs": None}, r.text
+    chat = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 1})
+    r = call("/tokenize", {"messages": MESSAGES, "return_token_strs": True})
+    assert r.status_code == 200 and r.json()["count"] == chat.json()["usage"]["prompt_tokens"], r.text
+    assert len(r.json()["token_strs"]) == r.json()["count"]
+    bare = call("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == r.json()["tokens"][:bare["count"]] and bare["count"] < r.json()["count"]
+    r = call("/detokenize", {"model": model, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}, r.text
+    for path, body, status, param in (("/tokenize", {}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "prompt"),
+                                      ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+                                      ("/detokenize", {"tokens": [5, 10**6]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "5"}, 400, "tokens")):
+        assert_error(call(path, body), status, param=param)
+
+
 def test_fields_without_semantics_are_still_ignored(ngram_app, model):
     r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 2, "store": True,
                          "metadata": {"team": "x"}, "service_tier": "auto", "user": "u-1",

@@ -131,6 +131,9 @@ def test_requests_without_or_with_a_wrong_key_get_401(secure_app, model):
     for path in ("/v1/models", "/v1/units/stats", "/metrics"):  # metrics closed by config
         assert_openai_error(httpx.get(secure_app + path, timeout=30), 401, "missing_api_key")
         assert httpx.get(secure_app + path, headers=auth(), timeout=30).status_code == 200
+    for path, ask in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        assert_openai_error(httpx.post(secure_app + path, json=ask, timeout=30), 401, "missing_api_key")
+        assert httpx.post(secure_app + path, json=ask, headers=auth(), timeout=30).status_code == 200
     r = post(secure_app, body, auth())
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 

@@ -133,27 +133,29 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                add_generation_prompt: bool = True) -> list[int]:
     """Token ids of chat ``messages`` rendered by the tokenizer's chat template, ready for
-    the assistant's reply."""
+    the assistant's reply (unless ``add_generation_prompt`` is False)."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or "this model"
         raise InvalidRequestError(f"model {name} has no chat template; use /v1/completions")
     conversation = _validate_messages(messages)
     # Render to text first: apply_chat_template(tokenize=True) returns a BatchEncoding in
     # some transformers versions. The template already holds the special tokens it wants.
-    text = _render(tokenizer, conversation)
+    text = _render(tokenizer, conversation, add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _render(tokenizer: Any, conversation: list[dict[str, str]]) -> str:
+def _render(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool) -> str:
     """The chat template's text, or InvalidRequestError when the template refuses the
     messages. Templates check what the model was trained on and say so with
     ``raise_exception`` (a jinja ``TemplateError``): roles must alternate, no system role...
     A template that does not even compile is the deployment's fault, not the request's: that
     ``TemplateSyntaxError`` propagates (a 500, logged)."""
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except TemplateSyntaxError:
         raise
     except TemplateError as exc:

@@ -17,7 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.serve.api_errors import APIError, from_validation_errors, server_error
 from specserve.serve.metrics import record_request
-from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 
 # openapi_url=None: the replica serves its own /openapi.json (openapi_document), with the
 # request bodies and the served model name, which FastAPI's generated one cannot know.
@@ -104,7 +110,8 @@ def openapi_document(model_name: str) -> dict:
     doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest),
-                        ("/v1/chat/completions", ChatCompletionRequest)):
+                        ("/v1/chat/completions", ChatCompletionRequest),
+                        ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schema["properties"]["model"] = {"type": "string", "enum": [model_name]}

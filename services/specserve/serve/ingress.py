@@ -56,7 +56,12 @@ from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
 from specserve.serve.openai_shapes import echoed, logprobs_object, response_body
-from specserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from specserve.serve.streaming import UnitReply, end_request
 from specserve.serve.tools import ToolPlan, render_messages
 from specserve.serve.unit_messages import UnitRequest
@@ -183,6 +188,33 @@ class OpenAIIngress:
         finally:
             lease.release()
 
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's: a prompt, or chat messages, to the token ids the generation routes run."""
+        self._authenticate(request)
+        req = await self._parse(request, TokenizeRequest)
+        if req.prompt is not None:
+            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
+            try:
+                ids = encode_chat(self.tokenizer, messages, req.add_generation_prompt)
+            except InvalidRequestError as exc:
+                raise APIError(400, str(exc), param="messages") from exc
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(self, request: Request) -> dict:
+        """vLLM's: token ids to text, special tokens included."""
+        self._authenticate(request)
+        req = await self._parse(request, DetokenizeRequest)
+        vocab = len(self.tokenizer)
+        if req.tokens and max(req.tokens) >= vocab:
+            raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
     # -- lifecycle (Serve handle calls) -------------------------------------------------------
     def drain(self) -> dict:
         """Stop taking generation requests (503 with Retry-After; /health says draining) and
@@ -221,7 +253,7 @@ class OpenAIIngress:
             if exc.errors()[0]["type"] in ("json_invalid", "json_type"):
                 raise from_unparsable(body, exc.errors()) from exc
             raise from_validation_errors(exc.errors()) from exc
-        if req.model != self.model_name:
+        if req.model is not None and req.model != self.model_name:  # (optional on /tokenize)
             raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", code="model_not_found", param="model")
         refused = req.refusal()

@@ -517,6 +517,37 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
+class TokenizeRequest(_Lenient):
+    """vLLM's ``/tokenize``: a completion prompt, or chat messages rendered as
+    ``/v1/chat/completions`` renders them (with ``tools`` where given), to token ids."""
+
+    model: str | None = Field(None, min_length=1, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    add_special_tokens: bool = Field(True, description="A prompt's: the tokenizer's BOS and such "
+                                                       "(the chat template places its own).")
+    add_generation_prompt: bool = Field(True, description="Messages': end ready for the reply.")
+    return_token_strs: bool = False
+
+    def refusal(self) -> tuple[str, str] | None:
+        if (self.prompt is None) == (self.messages is None):
+            return "give either prompt or messages", "prompt"
+        if self.tools and self.messages is None:
+            return "tools go with messages", "tools"
+        return None
+
+
+class DetokenizeRequest(_Lenient):
+    """vLLM's ``/detokenize``: token ids to text (special tokens included)."""
+
+    model: str | None = Field(None, min_length=1, max_length=256)
+    tokens: list[TokenId] = Field(max_length=1_000_000)
+
+    def refusal(self) -> tuple[str, str] | None:
+        return None
+
+
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict:
     """The OpenAI error object."""

@@ -32,11 +32,16 @@ from specserve.engine.step.penalties import prefixes
 
 
 def packed(banned: list[list[int]], vocab_size: int) -> torch.Tensor:
-    """``[len(banned), W]`` int32: row i allows every token but ``banned[i]``'s."""
+    """``[len(banned), W]`` int32: row i allows every token but ``banned[i]``'s (each
+    distinct list packed once: a verify's rows mostly ban the same tokens)."""
     masks = torch.full((len(banned), num_words(vocab_size)), -1, dtype=torch.int32)
+    made: dict[tuple[int, ...], torch.Tensor] = {}
     for i, tokens in enumerate(banned):
         if tokens:
-            masks[i] = _words(tokens, masks.shape[1], allowed=False)
+            key = tuple(tokens)
+            if key not in made:
+                made[key] = _words(tokens, masks.shape[1], allowed=False)
+            masks[i] = made[key]
     return masks
 
 
