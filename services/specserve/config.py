@@ -57,6 +57,7 @@ def _has_text(word: str) -> str:
 
 BadWord = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_has_text)]
 MAX_BAD_WORDS = 128
+MAX_ALLOWED_TOKEN_IDS = 2**18  # (past any vocabulary; a model draft copies them each step)
 
 
 def penalized(settings) -> bool:
@@ -102,7 +103,7 @@ class SamplingParams(_Strict):
                     "else, argmax included (OpenAI's logit_bias: -100 bans a token in "
                     "practice, 100 all but forces it).")
     allowed_token_ids: tuple[TokenId, ...] | None = Field(
-        None, min_length=1,
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
         description="Only these tokens may be emitted, at every position (vLLM's; EOS ends the "
                     "output only if it is listed); None: every token.")
     bad_words: tuple[BadWord, ...] = Field(
@@ -124,6 +125,12 @@ class SamplingParams(_Strict):
     stop_token_ids: tuple[int, ...] = Field(
         (), max_length=64, description="Token ids that end generation (besides EOS).")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (benchmarks).")
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the stop string, or the text of the stop token (EOS, a stop "
+                           "token id), that ended the output at its end (vLLM's).")
+    skip_special_tokens: bool = Field(
+        True, description="Leave special tokens' text out of the output (vLLM's); false shows "
+                          "them (<|im_end|>, ...).")
     logprobs: int | None = Field(
         None, ge=0, le=20,
         description="Report each output token's log-probability under the target and this many "

@@ -204,7 +204,7 @@ UNSUPPORTED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
     ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("use_beam_search", True), ("skip_special_tokens", False),
+    ("use_beam_search", True),
 ]
 
 
@@ -237,6 +237,22 @@ def test_openai_client_gets_the_refusal(client, model):
 def test_completions_refuse_tools_by_name(ngram_app, model, field, value):
     r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 2, field: value}, chat=False)
     assert field in assert_error(r, 400, param=field)["message"]
+
+
+def test_special_tokens_and_stop_strings_shown_when_asked(ngram_app, model):
+    """vLLM's skip_special_tokens false shows a special token's text; its
+    include_stop_str_in_output keeps the stop string that ended the text."""
+    body = {"model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 3,
+            "logit_bias": {"1": 100}}  # <|im_start|>: special
+    assert post(ngram_app, body, chat=False).json()["choices"][0]["text"] == ""
+    r = post(ngram_app, {**body, "skip_special_tokens": False}, chat=False)
+    assert r.json()["choices"][0]["text"] == "<|im_start|>" * 3, r.text
+    body = {**body, "max_tokens": 12, "logit_bias": {}}
+    free = post(ngram_app, body, chat=False).json()["choices"][0]["text"]
+    stop = free[4:7]
+    for include, end in ((False, free.index(stop)), (True, free.index(stop) + 3)):
+        r = post(ngram_app, {**body, "stop": [stop], "include_stop_str_in_output": include}, chat=False)
+        assert r.json()["choices"][0]["text"] == free[:end], (include, stop, free, r.text)
 
 
 def test_tokenize_and_detokenize_as_vllm(ngram_app, model):

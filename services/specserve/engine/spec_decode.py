@@ -147,8 +147,10 @@ class SpecDecodeEngine:
             seq_id=next(self._ids), prompt_len=len(prompt), token_ids=list(prompt), params=params,
             num_speculative_tokens=k if self.draft.proposer is not None else 0,
             adaptive=adaptive and self.controller is not None,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop,
-                                              min_tokens=params.min_tokens),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt, stop=params.stop, min_tokens=params.min_tokens,
+                skip_special_tokens=params.skip_special_tokens,
+                include_stop=params.include_stop_str_in_output),
             sample_seed=random_seed() if params.seed is None else params.seed + i, index=i,
             grammar=grammar.matcher() if grammar is not None else None, allowed=allowed,
             bad_words=word_token_ids(self.tokenizer, params.bad_words))

@@ -37,7 +37,9 @@ class IncrementalDetokenizer:
     """Turns output token ids, one at a time, into text and stream-safe deltas.
 
     After a stop string matched, ``add`` ignores further tokens (the engine may have sampled
-    a few more in the same speculative step); ``stop_reason`` says which string matched.
+    a few more in the same speculative step); ``stop_reason`` says which string matched. The
+    text ends before it, or after it with ``include_stop`` (vLLM's
+    ``include_stop_str_in_output``).
     Once ``pop_delta(final=True)`` was called, ``add`` ignores tokens too. Stop strings are
     looked for from the ``min_tokens``-th output token on (vLLM's rule: text completed
     before it does not stop the output, then or later).
@@ -45,10 +47,10 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
         self._min_tokens, self._added = min_tokens, 0
-        self._skip_special = skip_special_tokens
+        self._skip_special, self._include_stop = skip_special_tokens, include_stop
         self._stop = tuple(s for s in stop if s)  # an empty stop string would match at once
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         # The context is decoded but never output: text comes from offsets at or past it.
@@ -118,7 +120,7 @@ class IncrementalDetokenizer:
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is not None:
-            self._text = self._text[:best[0]]
+            self._text = self._text[:best[0] + (len(best[1]) if self._include_stop else 0)]
             self.stop_reason = best[1]
 
     def _decode(self, ids: list[int]) -> str:

@@ -39,6 +39,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specserve.config import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     BadWord,
@@ -214,7 +215,8 @@ class _Request(_Lenient):
     repetition_penalty: RepetitionPenalty = _engines("repetition_penalty")
     min_p: MinP = _engines("min_p")
     min_tokens: MinTokens = _engines("min_tokens")
-    allowed_token_ids: list[TokenId] | None = _engines("allowed_token_ids", min_length=1)
+    allowed_token_ids: list[TokenId] | None = _engines("allowed_token_ids", min_length=1,
+                                                       max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] = _engines("bad_words", max_length=MAX_BAD_WORDS)
     logit_bias: dict[str, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS, description=(
         "Token id (a string: a JSON key) -> a bias added to its logit before sampling or argmax."))
@@ -254,8 +256,8 @@ class _Request(_Lenient):
                           WithJsonSchema({"type": "array", "items": {"enum": ["text"]},
                                           "minItems": 1, "maxItems": 1})] | None = None
     use_beam_search: No = False
-    include_stop_str_in_output: No = False
-    skip_special_tokens: Yes = True
+    include_stop_str_in_output: bool = _engines("include_stop_str_in_output")
+    skip_special_tokens: bool = _engines("skip_special_tokens")
     prompt_logprobs: Refused = None
 
     @field_validator("response_format")

@@ -71,7 +71,8 @@ class Sequence:
         docstring); ``finish_reason`` says why it stopped, None if it did not."""
         for token in token_ids:
             self.token_ids.append(token)
-            self.detokenizer.add(token)
+            if not self._ends_on(token, eos_token_ids) or self.params.include_stop_str_in_output:
+                self.detokenizer.add(token)  # (a stop token's text is left out: vLLM's)
             if self.grammar is not None:  # verification drew the token under its mask
                 self.grammar.advance(token)
             self.finish_reason = self.stop_reason(token, eos_token_ids=eos_token_ids,
@@ -85,9 +86,8 @@ class Sequence:
         token id or a stop string, once ``min_tokens`` are out), ``"length"`` (``max_tokens``
         or the context), else None."""
         params = self.params
-        if len(self.output_token_ids) >= params.min_tokens and (
-                (token in eos_token_ids and not params.ignore_eos)
-                or token in params.stop_token_ids or self.detokenizer.stop_reason is not None):
+        if self._ends_on(token, eos_token_ids) or (
+                len(self.output_token_ids) >= params.min_tokens and self.detokenizer.stop_reason is not None):
             return "stop"
         if self.grammar is not None and self.grammar.is_terminated:
             return "stop"  # the structured output is complete: nothing but EOS may follow
@@ -96,6 +96,13 @@ class Sequence:
         if len(self.token_ids) >= max_model_len:
             return "length"
         return None
+
+    def _ends_on(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether ``token``, the newest output token, is a stop token that ends the output
+        (EOS unless ``ignore_eos``, a stop token id; once ``min_tokens`` are out)."""
+        params = self.params
+        return len(self.output_token_ids) >= params.min_tokens and (
+            (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids)
 
     def stop_bans(self, parents: list[int] | None, num_drafts: int, vocab_size: int,
                   eos_token_ids: frozenset[int]) -> torch.Tensor | None:
