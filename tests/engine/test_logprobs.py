@@ -93,7 +93,7 @@ def test_no_logprobs_unless_asked(target_hf):
 def test_prompt_logprobs_score_the_prompt_with_the_engines_own_forward(target_hf, method):
     """``prompt_logprobs`` (what ``echo`` with ``logprobs`` and an evaluation harness's
     log-likelihoods read): prompt token j's log-softmax given tokens < j, from the prefill's
-    logits, the first token none; with ``max_tokens`` 0 nothing is generated and the slot is
+    logits, and its rank, the first token none; with ``max_tokens`` 0 nothing is generated and the slot is
     freed; generating too, the output is unchanged and speculation changes no value."""
     batch = prompts(3, seed=21)
     runtime = runtime_of(target_hf)
@@ -107,8 +107,12 @@ def test_prompt_logprobs_score_the_prompt_with_the_engines_own_forward(target_hf
         truth = logp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         assert done.output_token_ids == [] and done.finish_reason == "length"
         assert len(done.prompt_logprobs) == len(prompt) - 1
-        assert torch.allclose(torch.tensor([lp for lp, _ in done.prompt_logprobs]), truth, atol=1e-5)
-        assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, top in done.prompt_logprobs)
+        assert torch.allclose(torch.tensor([lp for lp, _, _ in done.prompt_logprobs]), truth, atol=1e-5)
+        assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, top, _ in done.prompt_logprobs)
+        ranks = (logp > truth[:, None]).sum(dim=1) + 1  # vLLM's rank: 1 the likeliest
+        assert [rank for _, _, rank in done.prompt_logprobs] == ranks.tolist()
+        assert all(rank == 1 + [a for a, _ in top].index(t) for t, (_, top, rank)
+                   in zip(prompt[1:], done.prompt_logprobs) if t in [a for a, _ in top])
     assert engine.target.num_free_slots == 8
     both = SamplingParams(temperature=0, max_tokens=10, prompt_logprobs=0, logprobs=1)
     plain = make_engine(target_hf, None).generate(batch, both)

@@ -153,6 +153,43 @@ def test_echo_with_generation_streamed_and_not(ngram_app, model):
     assert streamed == whole["logprobs"]
 
 
+def test_vllm_prompt_logprobs_on_both_routes(ngram_app, model, tiny_models):
+    """vLLM's ``prompt_logprobs``: per prompt token (the first null) ``{id: {logprob, rank,
+    decoded_token}}`` of the token and its k likeliest (ranks 1..k), the model's log-softmax;
+    on each completion choice, on a chat response; with echo asking for fewer alternatives,
+    echo's keep theirs; not with stream (400, as vLLM)."""
+    tokenizer = make_tiny_tokenizer()
+    ids = _prompt_ids()
+    body = {"model": model, "prompt": ids, "max_tokens": 0, "prompt_logprobs": 3, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    r = post(ngram_app, body, chat=False)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_models[2](torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    for j, (token, entry) in enumerate(zip(ids[1:], scored[1:])):
+        assert str(token) in entry and len(entry) in (3, 4)
+        truth = logp[j, token]
+        assert abs(entry[str(token)]["logprob"] - truth) < 1e-4
+        assert entry[str(token)]["rank"] == int((logp[j] > truth).sum()) + 1
+        assert entry[str(token)]["decoded_token"] == tokenizer.decode([token])
+        by_rank = sorted((e["rank"], e["logprob"]) for e in entry.values())
+        assert [rank for rank, _ in by_rank][:3] == [1, 2, 3]
+        assert [v for _, v in by_rank] == sorted((v for _, v in by_rank), reverse=True)
+    assert all(top is None or len(top) in (1, 2) for top in choice["logprobs"]["top_logprobs"])  # echo's 1
+    chat = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    prompt = encode_chat(tokenizer, MESSAGES)
+    assert [None if e is None else list(e) for e in chat.json()["prompt_logprobs"]] == \
+        [None, *([str(t)] for t in prompt[1:])]
+    plain = post(ngram_app, {**body, "prompt_logprobs": None}, chat=False).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    r = post(ngram_app, {**body, "max_tokens": 2, "echo": False, "stream": True}, chat=False)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
 def test_max_tokens_0_without_echo_is_400(ngram_app, model):
     r = post(ngram_app, {"model": model, "prompt": PROMPT, "max_tokens": 0}, chat=False)
     assert r.status_code == 400 and "echo" in r.text

@@ -31,8 +31,8 @@ from specserve.engine.step.verification import (
     Verdict,
     greedy_in_bucket,
     judge,
+    prompt_token_logprobs,
     stage,
-    token_logprobs,
 )
 
 
@@ -274,7 +274,7 @@ class Launched:
             if self.scored[i]:  # logits row j predicts prompt token j + 1
                 prompt = ids[:len(ids) - n + 1]
                 logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
-                verdicts[i] = replace(verdicts[i], prompt_logprobs=token_logprobs(
+                verdicts[i] = replace(verdicts[i], prompt_logprobs=prompt_token_logprobs(
                     logp, prompt[1:], self.judged.rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = chunk_hidden = None
         if self.hidden is not None:

@@ -55,7 +55,7 @@ from specserve.serve.api_errors import (
 from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
-from specserve.serve.openai_shapes import echoed, logprobs_object, response_body
+from specserve.serve.openai_shapes import echoed, logprobs_object, prompt_logprobs_object, response_body
 from specserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -335,11 +335,13 @@ class OpenAIIngress:
         finals, usage = await reply.collect()
         choices = []
         for chunk in finals:
-            prefix, items = echoed(echo, chunk.prompt_logprobs, chunk.logprobs)
+            prefix, items = echoed(echo, chunk.prompt_logprobs, chunk.logprobs, req.num_logprobs)
             text, calls = prefix + chunk.text, []
             if tools is not None:
                 text, calls = tools.parse(text)
+            scored = None if req.prompt_logprobs is None else prompt_logprobs_object(
+                self.tokenizer, prompt_ids, chunk.prompt_logprobs or [], req.prompt_logprobs)
             choices.append({"text": text, "finish": "tool_calls" if calls else chunk.finish_reason,
                             "logprobs": logprobs_object(self.tokenizer, items, chat),
-                            "tool_calls": calls})
+                            "tool_calls": calls, "prompt_logprobs": scored})
         return JSONResponse(response_body(rid, self.model_name, chat, choices, usage), headers=headers)

@@ -42,17 +42,33 @@ def logprobs_object(tokenizer, items: list | None, chat: bool, offset: int = 0) 
 
 
 def echoed(echo: tuple[str, list[int]] | None, prompt_logprobs: list | None,
-           items: list | None) -> tuple[str, list | None]:
+           items: list | None, alternatives: int | None = None) -> tuple[str, list | None]:
     """What an ``echo`` completion puts before its output: the prompt's text, and with
-    logprobs the prompt's items (its first token with none) before the output's."""
+    logprobs the prompt's items (its first token with none) before the output's, each with
+    at most ``alternatives`` (None: as scored; the prompt may have been scored with more for
+    ``prompt_logprobs``)."""
     if echo is None:
         return "", items
     text, ids = echo
     if items is None:
         return text, None
-    scored = prompt_logprobs or [(None, None)] * (len(ids) - 1)
-    return text, [(ids[0], None, []), *((t, lp, top or []) for t, (lp, top) in zip(ids[1:], scored)),
+    scored = prompt_logprobs or [(None, None, None)] * (len(ids) - 1)
+    return text, [(ids[0], None, []),
+                  *((t, lp, (top or [])[:alternatives]) for t, (lp, top, _) in zip(ids[1:], scored)),
                   *items]
+
+
+def prompt_logprobs_object(tokenizer, ids: list[int], scored: list, alternatives: int) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, then ``{token id:
+    {"logprob", "rank", "decoded_token"}}`` of the token and its ``alternatives`` likeliest
+    (ranks 1, 2, ...), from the unit's ``(logprob, top, rank)`` per prompt token 1..."""
+    out: list[dict | None] = [None]
+    for token, (lp, top, rank) in zip(ids[1:], scored):
+        entries = {a: (b, k + 1) for k, (a, b) in enumerate(top[:alternatives])}
+        entries[token] = (lp, rank)
+        out.append({str(t): {"logprob": max(v, LOGPROB_FLOOR), "rank": r,
+                             "decoded_token": tokenizer.decode([t])} for t, (v, r) in entries.items()})
+    return out
 
 
 def joined(items: list | None, more: list | None) -> list | None:
@@ -77,15 +93,16 @@ def response_body(rid: str, model: str, chat: bool, choices: list[dict], usage: 
     """The whole response; ``choices``: each one's ``text``, ``finish``, ``logprobs`` and
     (chat) ``tool_calls``."""
     created = int(time.time())
-    if chat:
+    scored = {"prompt_logprobs": choices[0]["prompt_logprobs"]} if choices[0].get("prompt_logprobs") else {}
+    if chat:  # (vLLM: prompt_logprobs on the response; on each choice for completions)
         body = [{"index": i, "message": {"role": "assistant", "content": c["text"],
                                          **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
                  "finish_reason": c["finish"], "logprobs": c["logprobs"]}
                 for i, c in enumerate(choices)]
-        obj = "chat.completion"
-    else:
-        body = [{"index": i, "text": c["text"], "finish_reason": c["finish"],
-                 "logprobs": c["logprobs"]} for i, c in enumerate(choices)]
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": body,
-            "usage": usage}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": body, "usage": usage, **scored}
+    body = [{"index": i, "text": c["text"], "finish_reason": c["finish"], "logprobs": c["logprobs"],
+             **({"prompt_logprobs": c["prompt_logprobs"]} if scored else {})}
+            for i, c in enumerate(choices)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": body, "usage": usage}

@@ -258,7 +258,10 @@ class _Request(_Lenient):
     use_beam_search: No = False
     include_stop_str_in_output: bool = _engines("include_stop_str_in_output")
     skip_special_tokens: bool = _engines("skip_special_tokens")
-    prompt_logprobs: Refused = None
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="vLLM extension: each prompt token's log-probability given "
+                                       "the tokens before it, its rank and this many likeliest "
+                                       "alternatives (the first token: null); not with stream.")
 
     @field_validator("response_format")
     @classmethod
@@ -298,7 +301,10 @@ class _Request(_Lenient):
         return asked
 
     def _shared_refusal(self) -> tuple[str, str] | None:
-        """What both routes refuse: several structured outputs at once."""
+        """What both routes refuse: several structured outputs at once; prompt_logprobs in a
+        stream (vLLM's rule too)."""
+        if self.stream and self.prompt_logprobs is not None:
+            return "prompt_logprobs is not available with stream: true", "prompt_logprobs"
         asked = self.grammar_fields()
         if len(asked) > 1:
             return f"{' and '.join(asked)}: give one structured output, not several", asked[1]
@@ -341,8 +347,8 @@ class _Request(_Lenient):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        """Alternatives to report per prompt token; None: the prompt is not scored."""
-        return None
+        """Alternatives to score per prompt token; None: the prompt is not scored."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The engine's parameters: every field of the same name as it is (a new sampling
@@ -374,8 +380,9 @@ class CompletionRequest(_Request):
     def refusal(self) -> tuple[str, str] | None:
         """A combination of fields the route refuses: ``(message, param)`` (a model validator
         could not name the param in the 400)."""
-        if self.max_tokens == 0 and not self.echo:
-            return "max_tokens 0 generates nothing; it only makes sense with echo", "max_tokens"
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            return ("max_tokens 0 generates nothing; it only makes sense with echo or "
+                    "prompt_logprobs"), "max_tokens"
         return self._shared_refusal()
 
     @property
@@ -384,8 +391,9 @@ class CompletionRequest(_Request):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        if self.echo and self.logprobs is not None:
-            return self.logprobs
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        if asked:  # (each answer takes its own number of alternatives of the most asked)
+            return max(asked)
         return 0 if self.max_tokens == 0 else None  # echo alone: nothing to generate, still a step
     suffix: Annotated[str, WithJsonSchema({"type": "string", "maxLength": 0}), _only(_empty)] = ""
 

@@ -78,8 +78,9 @@ class Verdict:
     # per emitted token, with SamplingParams.logprobs: its log-probability under the target
     # and the top alternatives, ``(logprob, [(token, logprob), ...])``
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    # a prefill with SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has none)
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # a prefill with SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has none),
+    # ``(logprob, top, rank)`` (prompt_token_logprobs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,16 @@ def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
         return [(value, []) for value in chosen]
     top_values, top_ids = logp.topk(top, dim=-1)
     return list(zip(chosen, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]))
+
+
+def prompt_token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
+                          ) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """:func:`token_logprobs` with each token's rank in its row (1: the likeliest; vLLM's
+    ``rank``: one more than the tokens of a greater value), for prompt tokens."""
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])
+    ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
+    return [(value, alternatives, rank)
+            for (value, alternatives), rank in zip(token_logprobs(logp, tokens, top), ranks)]
 
 
 def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list[int],
