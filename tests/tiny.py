@@ -19,8 +19,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)  # (enable_thinking: a template variable as Qwen3's, for chat_template_kwargs)
 
 _ENGLISH = """\
 The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.

@@ -298,6 +298,14 @@ def test_encode_chat_renders_chatml(tok):
     assert ids[0] == tok.bos_token_id and ids.count(tok.eos_token_id) == 2
     tail = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
     assert ids[-len(tail):] == tail
+    # vLLM's template options: no generation prompt; the last (assistant) message continued;
+    # a template variable (the tiny template's enable_thinking, as Qwen3's)
+    assert tok.decode(encode_chat(tok, messages, False)) == tok.decode(ids)[:-len("<|im_start|>assistant\n")]
+    started = [*messages, {"role": "assistant", "content": "Hel"}]
+    assert tok.decode(encode_chat(tok, started, False, continue_final_message=True)).endswith(
+        "<|im_start|>assistant\nHel")
+    thinking_off = encode_chat(tok, messages, template_kwargs={"enable_thinking": False})
+    assert tok.decode(thinking_off) == tok.decode(ids) + "<think>\n\n</think>\n\n"
 
 
 @pytest.mark.parametrize("messages, fragment", [
@@ -354,3 +362,21 @@ def test_smollm2_tokenizer():
         out = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 20))]
         detok, _ = stream(tok, ids, out)
         assert detok.text == tok.decode(out, skip_special_tokens=True)
+
+
+def test_add_special_tokens_as_vllm(tok):
+    """A tokenizer that puts a BOS before what it encodes: a completion prompt gets it unless
+    ``add_special_tokens`` is False; rendered chat gets it only when asked (the template
+    places its own specials)."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    bos = copy.deepcopy(tok)
+    bos._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                                        special_tokens=[("<|im_start|>", 1)])
+    plain = tok.encode("Hello", add_special_tokens=False)
+    assert encode_prompt(bos, "Hello") == [1, *plain] and encode_prompt(bos, "Hello", False) == plain
+    messages = [{"role": "user", "content": "Hi"}]
+    assert encode_chat(bos, messages) == encode_chat(tok, messages)
+    assert encode_chat(bos, messages, add_special_tokens=True) == [1, *encode_chat(tok, messages)]

@@ -204,7 +204,10 @@ UNSUPPORTED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 3),
     ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-    ("use_beam_search", True),
+    ("use_beam_search", True), ("chat_template", "{{ 'x' }}"), ("documents", [{"text": "x"}]),
+    ("logits_processors", ["mod.Proc"]), ("guided_whitespace_pattern", " *"),
+    ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+    ("spaces_between_special_tokens", False), ("echo", True),
 ]
 
 
@@ -214,6 +217,23 @@ def test_unimplemented_features_are_refused_by_name(ngram_app, model, field, val
     error = assert_error(r, 400, param=field)
     assert field in error["message"] and "not supported by this server" in error["message"]
     assert error["code"] == "unsupported_parameter"
+
+
+def test_usage_on_every_chunk_as_vllm(ngram_app, model):
+    """vLLM's stream_options.continuous_usage_stats (benchmark clients send it): with
+    include_usage every chunk carries its choice's usage so far, counting up to the final
+    usage's; without it, only the last chunk has usage."""
+    def chunks(**options) -> list[dict]:
+        body = {"model": model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True, **options}}
+        with httpx.stream("POST", ngram_app + "/v1/chat/completions", json=body, timeout=120) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    every = chunks(continuous_usage_stats=True)
+    final, counts = every[-1]["usage"], [c["usage"]["completion_tokens"] for c in every[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == final["completion_tokens"] == 8
+    assert {c["usage"]["prompt_tokens"] for c in every} == {final["prompt_tokens"]}
+    assert [("usage" in c) for c in chunks()][-2:] == [False, True]
 
 
 @pytest.mark.parametrize("field, value", [("suffix", "}\n"), ("best_of", 2)])
@@ -253,6 +273,50 @@ def test_special_tokens_and_stop_strings_shown_when_asked(ngram_app, model):
     for include, end in ((False, free.index(stop)), (True, free.index(stop) + 3)):
         r = post(ngram_app, {**body, "stop": [stop], "include_stop_str_in_output": include}, chat=False)
         assert r.json()["choices"][0]["text"] == free[:end], (include, stop, free, r.text)
+
+
+def test_chat_template_options_as_vllm(ngram_app, model):
+    """vLLM's chat_template_kwargs (a template variable: the tiny template's enable_thinking,
+    as Qwen3's), continue_final_message with add_generation_prompt false: the prompt the
+    template renders (usage counts it; /tokenize gives the same); a template's own arguments
+    as kwargs, both options at once, a continued user message and a client's own template
+    are refused by name."""
+    def prompt_tokens(**extra) -> int:
+        r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    plain, thinking_off = prompt_tokens(), prompt_tokens(chat_template_kwargs={"enable_thinking": False})
+    assert thinking_off > plain and prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+    tokenized = httpx.post(ngram_app + "/tokenize", timeout=60, json={
+        "messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert tokenized["count"] == thinking_off, tokenized
+    started = [*MESSAGES, {"role": "assistant", "content": "Sure"}]
+    assert prompt_tokens(messages=started, add_generation_prompt=False,
+                         continue_final_message=True) < prompt_tokens(messages=started)
+    for extra, param in (({"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template_kwargs"),
+                         ({"continue_final_message": True}, "continue_final_message"),
+                         ({"continue_final_message": True, "add_generation_prompt": False},
+                          "continue_final_message"),
+                         ({"chat_template": "{{ 'x' }}"}, "chat_template")):
+        assert_error(post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 1, **extra}),
+                     400, param=param)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(ngram_app, model):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (after the chat template),
+    the same output as that shorter prompt sent whole; echo returns what was kept."""
+    ids = encode_prompt(make_tiny_tokenizer(), PROMPT)
+    body = {"model": model, "temperature": 0, "max_tokens": 4, "echo": True}
+    cut = post(ngram_app, {**body, "prompt": PROMPT, "truncate_prompt_tokens": 3}, chat=False).json()
+    kept = post(ngram_app, {**body, "prompt": ids[-3:]}, chat=False).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == kept["choices"][0]["text"]
+    r = post(ngram_app, {"model": model, "messages": MESSAGES, "max_tokens": 1, "truncate_prompt_tokens": 5})
+    assert r.json()["usage"]["prompt_tokens"] == 5, r.text
+    r = post(ngram_app, {**body, "prompt": PROMPT, "truncate_prompt_tokens": -1}, chat=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+    assert_error(post(ngram_app, {**body, "prompt": PROMPT, "truncate_prompt_tokens": -2}, chat=False),
+                 400, param="truncate_prompt_tokens")
 
 
 def test_tokenize_and_detokenize_as_vllm(ngram_app, model):

@@ -130,39 +130,46 @@ class IncrementalDetokenizer:
                                       clean_up_tokenization_spaces=False)
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of a raw completion prompt, with the tokenizer's default special tokens."""
-    return list(tokenizer.encode(prompt))
+def encode_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a raw completion prompt, with the tokenizer's special tokens (its BOS...)
+    unless ``add_special_tokens`` is False."""
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                *, continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
+                add_special_tokens: bool = False) -> list[int]:
     """Token ids of chat ``messages`` rendered by the tokenizer's chat template, ready for
-    the assistant's reply (unless ``add_generation_prompt`` is False)."""
+    the assistant's reply (unless ``add_generation_prompt`` is False), or continuing the last
+    message (``continue_final_message``), with the template's own variables
+    ``template_kwargs`` (Qwen3's ``enable_thinking``, say); the tokenizer's special tokens
+    added around the text only with ``add_special_tokens`` (the template has its own)."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or "this model"
         raise InvalidRequestError(f"model {name} has no chat template; use /v1/completions")
     conversation = _validate_messages(messages)
     # Render to text first: apply_chat_template(tokenize=True) returns a BatchEncoding in
     # some transformers versions. The template already holds the special tokens it wants.
-    text = _render(tokenizer, conversation, add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    text = _render(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                   continue_final_message=continue_final_message, **(template_kwargs or {}))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def _render(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def _render(tokenizer: Any, conversation: list[dict[str, str]], **options: Any) -> str:
     """The chat template's text, or InvalidRequestError when the template refuses the
     messages. Templates check what the model was trained on and say so with
     ``raise_exception`` (a jinja ``TemplateError``): roles must alternate, no system role...
     A template that does not even compile is the deployment's fault, not the request's: that
     ``TemplateSyntaxError`` propagates (a 500, logged)."""
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(conversation, tokenize=False, **options)
     except TemplateSyntaxError:
         raise
     except TemplateError as exc:
         raise InvalidRequestError(f"messages: this model's chat template refuses them: "
                                   f"{exc.message or type(exc).__name__}") from exc
+    except ValueError as exc:  # transformers' own checks (continue_final_message's)
+        raise InvalidRequestError(f"messages: {exc}") from exc
 
 
 def _validate_messages(messages: Any) -> list[dict[str, str]]:

@@ -163,10 +163,12 @@ class OpenAIIngress:
             prompt = req.prompt
             if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):  # a batch of one
                 prompt = prompt[0]
-            ids = list(prompt) if isinstance(prompt, list) else encode_prompt(self.tokenizer, prompt)
+            ids = self._truncated(req, list(prompt) if isinstance(prompt, list) else
+                                  encode_prompt(self.tokenizer, prompt, req.add_special_tokens is not False))
             echo = None
             if req.echo:
-                echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids), ids)
+                whole = isinstance(prompt, str) and req.truncate_prompt_tokens is None
+                echo = (prompt if whole else self.tokenizer.decode(ids), ids)
             return await self._run(req, ids, lease, rid, chat=False, echo=echo)
         finally:
             lease.release()  # no-op once a stream owns it
@@ -181,7 +183,7 @@ class OpenAIIngress:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan else None
             messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
             try:
-                ids = encode_chat(self.tokenizer, messages)
+                ids = self._truncated(req, encode_chat(self.tokenizer, messages, **req.template_options()))
             except InvalidRequestError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             return await self._run(req, ids, lease, rid, chat=True, tools=plan)
@@ -194,12 +196,12 @@ class OpenAIIngress:
         self._authenticate(request)
         req = await self._parse(request, TokenizeRequest)
         if req.prompt is not None:
-            ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens is not False)
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
             try:
-                ids = encode_chat(self.tokenizer, messages, req.add_generation_prompt)
+                ids = encode_chat(self.tokenizer, messages, **req.template_options())
             except InvalidRequestError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -260,6 +262,15 @@ class OpenAIIngress:
         if refused is not None:
             raise APIError(400, refused[0], param=refused[1])
         return req
+
+    def _truncated(self, req, ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context's
+        length; an empty prompt, k = 0, is check_request's to refuse)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.max_model_len if k == -1 else k
+        return ids[len(ids) - k:] if k < len(ids) else ids
 
     def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
         """The server's own caps (``limits.max_prompt_tokens``, ``max_tokens_cap``), OpenAI's
@@ -326,8 +337,10 @@ class OpenAIIngress:
         headers = {"x-speculation": start.decision.header()}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            every = include_usage and req.stream_options.continuous_usage_stats  # (vLLM: both)
             lease = lease.hand_over()
-            body = reply.sse(self.tokenizer, self.model_name, lease, include_usage, echo, tools)
+            body = reply.sse(self.tokenizer, self.model_name, lease, include_usage, echo, tools,
+                             usage_so_far=len(prompt_ids) if every else None)
             # A client gone before the body starts never runs the generator's ``finally``:
             # free the slot and the lease when the generator is dropped.
             weakref.finalize(body, end_request, stream, lease)

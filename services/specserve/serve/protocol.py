@@ -58,6 +58,7 @@ from specserve.config import (
 )
 from specserve.engine.grammar import GrammarSpec
 from specserve.errors import InvalidRequestError
+from specserve.serve.chat_messages import RESERVED_TEMPLATE_KEYS, ChatMessage, NamedToolChoice, Tool
 from specserve.serve.tools import ToolPlan
 
 UNSUPPORTED = "unsupported_parameter"  # the pydantic error type, and the API error's code
@@ -182,6 +183,8 @@ class StructuredOutputs(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: with include_usage, "
+                                         "every chunk carries its choice's usage so far.")
 
 
 class _Request(_Lenient):
@@ -203,6 +206,9 @@ class _Request(_Lenient):
         None, min_length=1, max_length=256,
         description="vLLM extension: cached prompt prefixes are shared only between requests "
                     "with the same salt (none: with every request without one).")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM extension: keep only the prompt's last this many tokens "
+                                 "(-1: as many as the context holds); counted after the chat template.")
 
     # -- accepted only with the value that asks for nothing (see the module docstring) --------
     n: int = Field(1, ge=1, description="Choices to sample from the prompt, which is "
@@ -256,6 +262,14 @@ class _Request(_Lenient):
                           WithJsonSchema({"type": "array", "items": {"enum": ["text"]},
                                           "minItems": 1, "maxItems": 1})] | None = None
     use_beam_search: No = False
+    return_tokens_as_token_ids: No = False
+    return_token_ids: No = False
+    spaces_between_special_tokens: Yes = True
+    logits_processors: Refused = None
+    guided_whitespace_pattern: Refused = None
+    add_special_tokens: bool | None = Field(None, description="vLLM extension: the tokenizer's "
+                                            "BOS and such around the prompt (default: completions "
+                                            "yes, chat no: the template has its own).")
     include_stop_str_in_output: bool = _engines("include_stop_str_in_output")
     skip_special_tokens: bool = _engines("skip_special_tokens")
     prompt_logprobs: int | None = Field(
@@ -409,70 +423,40 @@ class CompletionRequest(_Request):
         return prompt
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
+class _ChatTemplate(_Lenient):
+    """What a chat request may ask of the model's chat template (vLLM's extensions)."""
+
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt ready "
+                                                          "for the assistant's reply.")
+    continue_final_message: bool = Field(
+        False, description="vLLM extension: the reply continues the last message, an assistant's "
+                           "(with add_generation_prompt false).")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, max_length=64, description="vLLM extension: more variables for the chat template "
+                                         "(Qwen3's enable_thinking, say).")
+    chat_template: Refused = None  # (a template of the client's own)
+    documents: Refused = None
+
+    def template_refusal(self, messages: list[ChatMessage] | None) -> tuple[str, str] | None:
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message needs add_generation_prompt false", "continue_final_message"
+        if self.continue_final_message and messages and messages[-1].role != "assistant":
+            return ("continue_final_message: the last message must be the assistant's",
+                    "continue_final_message")
+        if reserved := sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KEYS):
+            return (f"chat_template_kwargs: {reserved[0]!r} is not a template variable a request "
+                    "may set"), "chat_template_kwargs"
+        return None
+
+    def template_options(self) -> dict[str, Any]:
+        """:func:`~specserve.engine.tokenizer.encode_chat`'s keyword arguments."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "template_kwargs": self.chat_template_kwargs or {},
+                "add_special_tokens": bool(self.add_special_tokens)}  # (each subclass has it)
 
 
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    name: str = Field(min_length=1, max_length=64)
-    arguments: str = Field(max_length=1_000_000)
-
-
-class ToolCall(BaseModel):
-    """A call in an assistant message of the history (what a reply's ``tool_calls`` held)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    id: str = Field(max_length=256)
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
-    tool_call_id: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _content_or_calls(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant message with tool_calls "
-                             "may omit it)")
-        return self
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = Field(None, max_length=100_000)
-    parameters: dict[str, Any] | None = Field(
-        None, description="A JSON schema of the arguments object (absent: no arguments).")
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    name: str = Field(min_length=1, max_length=64)
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, _ChatTemplate):
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     tools: list[Tool] | None = Field(
         None, max_length=128, description="Functions the model may call (serve/tools.py: the "
@@ -482,6 +466,7 @@ class ChatCompletionRequest(_Request):
                           "parsed), required (one or more calls, grammar-constrained) or a "
                           "named function (its arguments, grammar-constrained).")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
+    echo: No = False  # (vLLM's chat echo: the reply prepended with the last message)
     logprobs: bool = Field(False, description="Each output token's log-probability under the "
                                               "target (sampled requests: after temperature / "
                                               "top-k / top-p; greedy ones: the model's softmax).")
@@ -492,6 +477,8 @@ class ChatCompletionRequest(_Request):
         """See :meth:`CompletionRequest.refusal`."""
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
+        if refused := self.template_refusal(self.messages):
+            return refused
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) < len(names):
             return "tools: function names must be unique", "tools"
@@ -527,7 +514,7 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_ChatTemplate):
     """vLLM's ``/tokenize``: a completion prompt, or chat messages rendered as
     ``/v1/chat/completions`` renders them (with ``tools`` where given), to token ids."""
 
@@ -535,9 +522,8 @@ class TokenizeRequest(_Lenient):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
     tools: list[Tool] | None = Field(None, max_length=128)
-    add_special_tokens: bool = Field(True, description="A prompt's: the tokenizer's BOS and such "
-                                                       "(the chat template places its own).")
-    add_generation_prompt: bool = Field(True, description="Messages': end ready for the reply.")
+    add_special_tokens: bool | None = Field(None, description="The tokenizer's BOS and such "
+                                            "(default: a prompt yes, messages no).")
     return_token_strs: bool = False
 
     def refusal(self) -> tuple[str, str] | None:
@@ -545,7 +531,7 @@ class TokenizeRequest(_Lenient):
             return "give either prompt or messages", "prompt"
         if self.tools and self.messages is None:
             return "tools go with messages", "tools"
-        return None
+        return self.template_refusal(self.messages)
 
 
 class DetokenizeRequest(_Lenient):

@@ -102,10 +102,19 @@ class UnitReply:
         raise server_error(RuntimeError("the unit ended the stream without finishing"), self.rid)
 
     async def sse(self, tokenizer, model: str, lease: Lease, include_usage: bool,
-                  echo: tuple[str, list[int]] | None = None, tools: ToolPlan | None = None
-                  ) -> AsyncIterator[str]:
+                  echo: tuple[str, list[int]] | None = None, tools: ToolPlan | None = None,
+                  usage_so_far: int | None = None) -> AsyncIterator[str]:
         """The SSE body; it owns ``lease``. With ``tools``, a choice's text is held until it
-        finishes and then sent as its content or its ``tool_calls`` (a call is parsed whole)."""
+        finishes and then sent as its content or its ``tool_calls`` (a call is parsed whole).
+        ``usage_so_far``: the prompt's tokens, where every chunk carries its choice's usage so
+        far (vLLM's ``continuous_usage_stats``)."""
+
+        def sent(body: dict, tokens: int = 0) -> str:
+            if usage_so_far is not None:
+                body["usage"] = {"prompt_tokens": usage_so_far, "completion_tokens": tokens,
+                                 "total_tokens": usage_so_far + tokens}
+            return sse_line(body)
+
         rid, chat, n = self.rid, self.chat, self.n
         created = int(time.time())
         held: list[tuple[str, list | None]] = [("", None)] * n  # with tools: text, logprobs so far
@@ -116,8 +125,8 @@ class UnitReply:
         try:
             if chat:
                 for i in range(n):
-                    yield sse_line(chunk_body(rid, model, created, chat,
-                                              {"role": "assistant", "content": ""}, None, index=i))
+                    yield sent(chunk_body(rid, model, created, chat,
+                                          {"role": "assistant", "content": ""}, None, index=i))
             async for chunk in self.chunks:
                 i, text, items = chunk.index, chunk.text, chunk.logprobs
                 if echoes[i] is not None:  # the prompt goes out with the choice's first chunk
@@ -139,8 +148,8 @@ class UnitReply:
                     logprobs = logprobs_object(tokenizer, items, chat, offsets[i])
                     if logprobs is not None and not chat:
                         offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                    yield sse_line(chunk_body(rid, model, created, chat, delta, finish, logprobs,
-                                              index=i))
+                    yield sent(chunk_body(rid, model, created, chat, delta, finish, logprobs,
+                                          index=i), chunk.num_tokens)
                     if self.log_content:
                         parts.append(text)
                 unfinished -= chunk.finish_reason is not None

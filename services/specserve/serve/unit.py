@@ -147,7 +147,8 @@ class SpeculationUnit:
             choice.sent_prompt = True
             text, logprobs = choice.pop(params.logprobs is not None)
             if out.finish_reason is None:
-                yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index)
+                yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index,
+                                  num_tokens=choice.clock.num_tokens)
                 continue
             self.policy.observe(asked.class_key, decision, out.stats.num_draft_tokens,
                                 out.stats.num_accepted_tokens, self._break_even())
@@ -158,7 +159,8 @@ class SpeculationUnit:
                                self._estimated_speedup())
                 timing = _Clock.merged([c.clock for c in choices])
             yield StreamDelta(text, out.finish_reason, usage=usage, timing=timing,
-                              logprobs=logprobs, prompt_logprobs=scored, index=out.index)
+                              logprobs=logprobs, prompt_logprobs=scored, index=out.index,
+                              num_tokens=choice.clock.num_tokens)
 
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""

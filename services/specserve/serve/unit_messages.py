@@ -83,6 +83,7 @@ class StreamDelta:
     # (logprob, top)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     index: int = 0  # the choice (of the request's n) this chunk belongs to
+    num_tokens: int = 0  # the choice's output tokens so far, this chunk's included
 
 
 @dataclass(frozen=True)
