@@ -183,7 +183,8 @@ class OpenAIIngress:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan else None
             messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
             try:
-                ids = self._truncated(req, encode_chat(self.tokenizer, messages, **req.template_options()))
+                ids = self._truncated(req, encode_chat(self.tokenizer, messages, **req.template_options(),
+                                                       add_special_tokens=bool(req.add_special_tokens)))
             except InvalidRequestError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
             return await self._run(req, ids, lease, rid, chat=True, tools=plan)
@@ -201,7 +202,8 @@ class OpenAIIngress:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
             try:
-                ids = encode_chat(self.tokenizer, messages, **req.template_options())
+                ids = encode_chat(self.tokenizer, messages, **req.template_options(),
+                                  add_special_tokens=bool(req.add_special_tokens))
             except InvalidRequestError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

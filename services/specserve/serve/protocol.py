@@ -452,8 +452,7 @@ class _ChatTemplate(_Lenient):
         """:func:`~specserve.engine.tokenizer.encode_chat`'s keyword arguments."""
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
-                "template_kwargs": self.chat_template_kwargs or {},
-                "add_special_tokens": bool(self.add_special_tokens)}  # (each subclass has it)
+                "template_kwargs": self.chat_template_kwargs or {}}
 
 
 class ChatCompletionRequest(_Request, _ChatTemplate):
