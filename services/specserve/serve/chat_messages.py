@@ -15,29 +15,32 @@ RESERVED_TEMPLATE_KEYS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+class _Strict(BaseModel):
+    """Strict types; fields a newer client adds are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ToolCallFunction(_Strict):
     name: str = Field(min_length=1, max_length=64)
     arguments: str = Field(max_length=1_000_000)
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Strict):
     """A call in an assistant message of the history (what a reply's ``tool_calls`` held)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
     id: str = Field(max_length=256)
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -52,8 +55,7 @@ class ChatMessage(BaseModel):
         return self
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = Field(None, max_length=100_000)
     parameters: dict[str, Any] | None = Field(
@@ -61,18 +63,15 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class NamedFunction(_Strict):
     name: str = Field(min_length=1, max_length=64)
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
