@@ -180,13 +180,7 @@ class OpenAIIngress:
         try:
             req = await self._parse(request, ChatCompletionRequest)
             plan = req.tool_plan()
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan else None
-            messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
-            try:
-                ids = self._truncated(req, encode_chat(self.tokenizer, messages, **req.template_options(),
-                                                       add_special_tokens=bool(req.add_special_tokens)))
-            except InvalidRequestError as exc:
-                raise APIError(400, str(exc), param="messages") from exc
+            ids = self._truncated(req, self._chat_ids(req, req.tools if plan else None))
             return await self._run(req, ids, lease, rid, chat=True, tools=plan)
         finally:
             lease.release()
@@ -199,13 +193,7 @@ class OpenAIIngress:
         if req.prompt is not None:
             ids = encode_prompt(self.tokenizer, req.prompt, req.add_special_tokens is not False)
         else:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
-            try:
-                ids = encode_chat(self.tokenizer, messages, **req.template_options(),
-                                  add_special_tokens=bool(req.add_special_tokens))
-            except InvalidRequestError as exc:
-                raise APIError(400, str(exc), param="messages") from exc
+            ids = self._chat_ids(req, req.tools)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -264,6 +252,17 @@ class OpenAIIngress:
         if refused is not None:
             raise APIError(400, refused[0], param=refused[1])
         return req
+
+    def _chat_ids(self, req, tools: list | None) -> list[int]:
+        """A chat request's messages (with ``tools``' signatures where given) rendered by the
+        chat template with the request's options, as token ids; the template's refusal a 400."""
+        tools = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        messages = render_messages([m.model_dump(exclude_none=True) for m in req.messages], tools)
+        try:
+            return encode_chat(self.tokenizer, messages, **req.template_options(),
+                               add_special_tokens=bool(req.add_special_tokens))
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
 
     def _truncated(self, req, ids: list[int]) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: the context's
