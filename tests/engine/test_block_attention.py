@@ -20,6 +20,7 @@ from specserve.engine.runtime.block_attention import (
     attend,
     block_mask,
     key_blocks,
+    logical_blocks,
     storage_view,
 )
 from specserve.engine.runtime.forward_batch import ForwardBatch
@@ -146,6 +147,19 @@ def test_a_paged_rows_rule_shows_its_own_positions_where_its_table_puts_them(win
     lists = listed(blocks.num_blocks, blocks.indices)
     assert lists[0][0] == ([2 * HK, 0, 5 * HK] if window is None else [0, 5 * HK])
     assert lists[1][0] == [4 * HK] and lists[2][0] == [spare * HK]
+
+
+def test_the_paged_map_is_made_of_ops_the_gpu_kernels_template_can_read():
+    """The mask_mod reads the physical-to-logical map, and inductor inlines the ops that make
+    it into FlexAttention's Triton template, whose codegen fails on a cat's or a pad's masked
+    loads (the first paged warm-up on an H200, 2026-11-28, docs/BENCHMARKS.md). The map is
+    made without them; the old map's cat fails here."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(lambda table: logical_blocks(table, 7))(torch.tensor([[2, 0, 5, 6], [6, 6, 6, 6]]))
+    ops = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert "aten.where.self" in ops and not any(
+        op.startswith(("aten.cat", "aten.constant_pad_nd", "aten.pad")) for op in ops), ops
 
 
 @pytest.mark.parametrize("shape", ["chain", "window", "tree"])

@@ -163,8 +163,12 @@ def logical_blocks(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
     columns = torch.arange(width, device=table.device).expand(rows, width)
     logical = torch.full((rows, num_blocks), -1, dtype=torch.long, device=table.device)
     logical = logical.scatter(1, table, columns)  # the spare block's duplicates: set below
-    spare = torch.where(table[:, 0] == num_blocks - 1, 0, -1)
-    return torch.cat([logical[:, :-1], spare[:, None]], dim=1)
+    spare = torch.where(table[:, 0] == num_blocks - 1, 0, -1)               # [B]
+    is_spare = torch.arange(num_blocks, device=table.device) == num_blocks - 1  # [num_blocks]
+    # A where, not a cat: the mask_mod reads this map, and inductor inlines what it reads
+    # into FlexAttention's Triton template, whose codegen cannot take a cat's masked loads
+    # ("'function' object has no attribute 'graph'", the decoding kernel on an H200).
+    return torch.where(is_spare, spare[:, None], logical)
 
 
 def block_visibility(query_last: torch.Tensor, num_blocks: int, window: int | None,
