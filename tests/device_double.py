@@ -19,9 +19,16 @@ and every torch call is checked as CUDA checks it:
 It also counts what a GPU would pay for: :attr:`DeviceDouble.to_device` (host-to-device
 copies: ``.to`` / ``.cuda``, ``copy_`` into the device, a factory that copies host data to
 the device such as ``torch.tensor(list, device=...)``, host indices or values used with a
-device tensor) and :attr:`DeviceDouble.to_host` (device-to-host copies and synchronising
-reads: ``.cpu()``, ``copy_`` out, ``tolist``, ``item``, ``int`` / ``float`` / ``bool``), so a
-test can hold the step to a budget of each (issue 52: one each way).
+device tensor, a Python list as an index among them) and :attr:`DeviceDouble.to_host`
+(device-to-host copies and synchronising reads: ``.cpu()``, ``copy_`` out, ``tolist``,
+``item``, ``int`` / ``float`` / ``bool``), so a test can hold the step to a budget of each
+(issue 52: one each way); and :attr:`DeviceDouble.waits`, the calls after which the host has
+waited for everything queued on the device: every read, every copy either way not made
+``non_blocking`` (CUDA's pageable copies, and torch's blocking ones, wait for the stream:
+an implicit one, a list as an index, among them), ``torch.cuda.synchronize`` and an event's
+``synchronize`` (:class:`torch.cuda.Event` is the double's here, so code that queues a copy
+and waits on its event runs on a CPU). A step launched before the last is read must wait
+for nothing (issue 52's overlap: a wait would hold the host until the device is idle).
 
 Everything a model, a proposer or the rejection sampler computes runs under the double with
 the weights on the device (:func:`to_double`); what a process returns across a boundary must
@@ -104,16 +111,34 @@ class DeviceDouble(TorchFunctionMode):
         self.calls = 0
         self.to_device = 0  # host-to-device copies (module docstring)
         self.to_host = 0    # device-to-host copies and synchronising reads
+        self.waits = 0      # calls after which the host waited for the device (module docstring)
 
     def __enter__(self) -> DeviceDouble:
-        # The one CUDA runtime call the engine makes: waiting for the device (a no-op here,
-        # where every op has finished when it returns).
-        self._synchronize, torch.cuda.synchronize = torch.cuda.synchronize, lambda device=None: None
+        # The CUDA runtime calls the engine makes: waiting for the device, and events (no-ops
+        # here, where every op has finished when it returns; each wait counted).
+        self._cuda = torch.cuda.synchronize, torch.cuda.Event
+        torch.cuda.synchronize = lambda device=None: self._waited()
+        double = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                pass
+
+            def record(self, stream=None) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                double._waited()
+
+        torch.cuda.Event = Event
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
-        torch.cuda.synchronize = self._synchronize
+        torch.cuda.synchronize, torch.cuda.Event = self._cuda
         super().__exit__(*exc)
+
+    def _waited(self) -> None:
+        self.waits += 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -144,15 +169,16 @@ class DeviceDouble(TorchFunctionMode):
             raise DeviceMix("indexing a host tensor with device indices")
         if name in ("to", "cuda", "cpu"):
             out = self._transfer(name, args, kwargs)
-            if isinstance(out, OnDevice) and not isinstance(args[0], OnDevice):
-                self.to_device += 1
-            elif isinstance(args[0], OnDevice) and not isinstance(out, OnDevice):
-                self.to_host += 1
+            crossed = isinstance(out, OnDevice) != isinstance(args[0], OnDevice)
+            self.to_device += crossed and isinstance(out, OnDevice)
+            self.to_host += crossed and not isinstance(out, OnDevice)
+            self.waits += crossed and not kwargs.get("non_blocking", False)
             return out
         device = kwargs.get("device")
         if _on_device(device):  # a factory call for the device
             self.calls += 1
             self.to_device += name in _HOST_DATA_FACTORIES
+            self.waits += name in _HOST_DATA_FACTORIES
             out = func(*tree_map(_unwrap, args), **{**tree_map(_unwrap, kwargs), "device": "cpu"})
             return tree_map(_wrap, out)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
@@ -167,17 +193,23 @@ class DeviceDouble(TorchFunctionMode):
         """Count a device call's implicit transfers (the explicit ones: ``_transfer``)."""
         if name in _READS:
             self.to_host += 1
+            self.waits += 1
         elif name == "copy_":
             dst, src = args[0], args[1]
             if isinstance(dst, OnDevice) != isinstance(src, OnDevice):
                 self.to_device += isinstance(dst, OnDevice)
                 self.to_host += not isinstance(dst, OnDevice)
+                self.waits += not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         elif name in ("__getitem__", "__setitem__", "index_put_", "index_select", "index_copy_",
                       "index_fill_", "scatter_", "gather"):
             leaves, _ = tree_flatten((args[1:], kwargs))
             host = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, OnDevice)
                     and x.ndim > 0]
-            self.to_device += bool(host)
+            index = args[1] if len(args) > 1 else None
+            listed = isinstance(index, list) or (
+                isinstance(index, tuple) and any(isinstance(x, list) for x in index))
+            self.to_device += bool(host) or listed
+            self.waits += bool(host) or listed
 
     @staticmethod
     def _transfer(name, args, kwargs):

@@ -100,8 +100,9 @@ def test_the_engine_computes_on_its_device_and_returns_host_data(target_hf, meth
 # row). Now the forward's inputs, its logit positions, the library attention's mask inputs,
 # the drafts, the sampling settings, the noise keys and uniforms all go in one copy (a
 # :class:`~specserve.engine.runtime.forward_batch.Upload` the worker fills before the forward),
-# and the result comes back in one read: issue 52's one each way.
-TRAFFIC_CEILING = (1, 1)
+# and the result comes back in one read: issue 52's one each way. The host waits for the
+# device once a step (DeviceDouble.waits): for that read's copy, queued when the step launched.
+TRAFFIC_CEILING = (1, 1, 1)
 KINDS = {"greedy": SamplingParams(temperature=0, max_tokens=10),
          "seeded": SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=3),
          "unseeded": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10)}
@@ -125,15 +126,17 @@ def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind, kerne
         engine.step()  # the prefill
         counts = []
         while engine.has_unfinished():
-            before = (double.to_device, double.to_host)
+            before = (double.to_device, double.to_host, double.waits)
             engine.step()
-            counts.append((double.to_device - before[0], double.to_host - before[1]))
-    worst = (max(c[0] for c in counts), max(c[1] for c in counts))
-    print(f"\n{kind}, {kernels}: per decode step, host-to-device {worst[0]}, device-to-host {worst[1]}")
-    assert len(counts) >= 2 and min(c[0] for c in counts) >= 1 and min(c[1] for c in counts) >= 1
+            counts.append((double.to_device - before[0], double.to_host - before[1],
+                           double.waits - before[2]))
+    worst = tuple(max(c[i] for c in counts) for i in range(3))
+    print(f"\n{kind}, {kernels}: per decode step, host-to-device {worst[0]}, device-to-host "
+          f"{worst[1]}, waits {worst[2]}")
+    assert len(counts) >= 2 and all(min(c[i] for c in counts) >= 1 for i in range(3))
     if kernels == "compiled":  # the decodes and verifies ran in the bucket's graph
         assert (2, 8) in runtime.static.buckets
-    assert worst[0] <= TRAFFIC_CEILING[0] and worst[1] <= TRAFFIC_CEILING[1], worst
+    assert all(w <= ceiling for w, ceiling in zip(worst, TRAFFIC_CEILING)), worst
 
 
 @pytest.mark.parametrize("kernels", ["library", "compiled"])
@@ -174,9 +177,12 @@ def test_a_draft_chain_stays_on_the_device_until_its_proposal_is_read(target_hf,
 def test_a_verify_launched_before_the_last_is_read_emits_what_it_would_after(target_hf, kernels):
     """Issue 52's overlap, at the worker: step N + 1 is launched before step N is read, each
     row's pending token taken on the device from its verdict of step N
-    (``VerifyBatch.follows``); launching reads nothing back, and greedy, seeded and unseeded
-    rows emit what verifies read one at a time emit (their draws are a function of seed and
-    position: the rows sit in other slots)."""
+    (``VerifyBatch.follows``); launching waits for nothing (on a GPU a wait would hold the
+    host until the device is idle) and queues its own result's read, so that reading step N
+    waits for that copy alone, not for step N + 1 queued after it: reading makes no copy of
+    its own and waits once per sampler call. Greedy, seeded and unseeded rows emit what
+    verifies read one at a time emit (their draws are a function of seed and position: the
+    rows sit in other slots)."""
     sampling = [(params, 5 + i) for i, params in enumerate(KINDS.values())]
     first = prompts(3, seed=4)
     with DeviceDouble() as double:
@@ -197,12 +203,17 @@ def test_a_verify_launched_before_the_last_is_read_emits_what_it_would_after(tar
                 launched = worker.launch(VerifyBatch(slots, [e[-1:] for e in emitted],
                                                      [Proposal([])] * 3, sampling))
                 for step in range(5):
-                    reads = double.to_host
+                    waits, reads = double.waits, double.to_host
                     ahead = None if step == 4 else worker.launch(
                         VerifyBatch(slots, [[0]] * 3, [Proposal([])] * 3, sampling, follows=[0, 1, 2]),
                         after=launched)
-                    assert double.to_host == reads  # nothing read back to launch
+                    assert double.waits == waits  # launched without waiting
+                    queued = double.to_host - reads  # its reads, one per sampler call
+                    assert queued >= (ahead is not None), queued
+                    waits, reads = double.waits, double.to_host
                     emitted = [e + v.emitted for e, v in zip(emitted, launched.result().verdicts)]
+                    assert double.to_host == reads and 1 <= double.waits - waits <= 3, (
+                        double.to_host - reads, double.waits - waits)
                     launched = ahead
             outputs[way] = emitted
     assert outputs["launched ahead"] == outputs["one at a time"]

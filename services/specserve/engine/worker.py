@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import KVCacheConfig
 from specserve.engine.kv.kv_cache import SlotTable
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.acceptance import RejectionOutput
@@ -210,8 +210,9 @@ class ModelWorker(SlotOwner):
         if argmax_only and out.verdict is not None and all(p.parents is None for p in batch.proposals):
             judged = RejectionOutput.unpack(out.verdict[:len(rows)])
         per_row = list(logits.split(asked))
-        return Launched(batch, judge(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)],
-                                     staged, judged), per_row, scored, hidden, clock)
+        judged = judge(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)], staged, judged)
+        judged.send()  # its read queued now, ahead of the next step's forward
+        return Launched(batch, judged, per_row, scored, hidden, clock)
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
@@ -264,7 +265,10 @@ class Launched:
     def feeds(self, batch: VerifyBatch) -> torch.Tensor:
         """``[followers]``: the last token each row of ``batch`` that follows this verify
         (:attr:`VerifyBatch.follows`) emitted here, on the device."""
-        return self.judged.last_tokens()[[batch.follows[i] for i in batch.followers]]
+        last, picked = self.judged.last_tokens(), [batch.follows[i] for i in batch.followers]
+        if picked == list(range(last.shape[0])):
+            return last
+        return last[device_index(picked, last.device)]
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read

@@ -92,7 +92,7 @@ class Upload:
         """Every tensor added since the last send, in one copy."""
         flat = self.pending()
         if flat:
-            self.received(torch.cat(flat).to(device))
+            self.received(queued(torch.cat(flat), device))
 
     def pending(self) -> list[torch.Tensor]:
         """The tensors added since the last send, each flattened to int64 on the host (what
@@ -206,9 +206,47 @@ class BucketBuffer:
             return
         log.info("a step's inputs (%d words) outgrew its bucket's buffer (%d): sent apart",
                  total, self.device.numel())
-        packed = torch.cat(parts).to(self.device.device)
+        packed = queued(torch.cat(parts), self.device.device)
         self.device[:head].copy_(packed[:head])
         upload.received(packed[head:])
+
+
+class HostCopy:
+    """``tensor``'s values on their way to the host. A device tensor's copy is queued now,
+    behind the work that makes it, into pinned memory, with an event: :meth:`tolist` waits
+    for that event alone, not for what was queued after it (issue 52: the next step,
+    launched before this one is read; a plain read would wait for that step too). A host
+    tensor is read as it is."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.host, self.event = tensor, None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                    pin_memory=torch.cuda.is_available())
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def queued(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` copied to ``device`` without waiting: on CUDA through pinned memory, queued
+    (a pageable copy, or a blocking one, waits for everything queued on the device first:
+    issue 52's overlap would be lost)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def device_index(index: list[int], device: torch.device) -> torch.Tensor:
+    """``index`` as int64 on ``device``, :func:`queued` (a list used as a device tensor's
+    index is a pageable copy)."""
+    return queued(torch.tensor(index, dtype=torch.long), device)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.engine.runtime.forward_batch import HostCopy
 from specserve.engine.runtime.token_tree import tree_children, tree_depths, validate_tree
 from specserve.engine.step.sampling import position_noise, sample_from
 
@@ -130,6 +131,7 @@ class RejectionOutput:
     paths: list[list[int]] | None = None
     _host: list[list[int]] | None = field(default=None, repr=False, compare=False)
     _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _copy: HostCopy | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> RejectionOutput:
@@ -147,13 +149,20 @@ class RejectionOutput:
         """Row ``row``'s ``num_accepted_tokens``, on the host."""
         return self._read()[row][0]
 
-    def _read(self) -> list[list[int]]:
-        """Each row's count, then its output ids: the batch's result read back to the host
-        in one copy (on a GPU, one wait for the step), the first time anything asks."""
-        if self._host is None:
+    def send(self) -> None:
+        """Queue the batch's result's one copy to the host now (:class:`HostCopy`): a worker
+        does so when it launches the step, before it launches the next (issue 52)."""
+        if self._copy is None and self._host is None:
             packed = self._packed if self._packed is not None else torch.cat(
                 [self.num_accepted_tokens[:, None], self.output_token_ids], 1)
-            self._host = packed.tolist()
+            self._copy = HostCopy(packed)
+
+    def _read(self) -> list[list[int]]:
+        """Each row's count, then its output ids: the batch's result read back to the host
+        in one copy (on a GPU, one wait for it: :meth:`send`), the first time anything asks."""
+        if self._host is None:
+            self.send()
+            self._host = self._copy.tolist()
         return self._host
 
 

@@ -40,7 +40,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
-from specserve.engine.runtime.forward_batch import Upload
+from specserve.engine.runtime.forward_batch import Upload, device_index
 from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     RejectionOutput,
@@ -252,8 +252,13 @@ class Judged:
             ends = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0].to(device)
             if rows == picked == list(range(len(self.rows))):
                 return ends
-            last[rows] = ends[picked]
+            last[device_index(rows, device)] = ends[device_index(picked, device)]
         return last
+
+    def send(self) -> None:
+        """Queue each sampler call's result to the host (:meth:`RejectionOutput.send`)."""
+        for res, _ in self.results:
+            res.send()
 
 
 def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
