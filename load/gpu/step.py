@@ -40,7 +40,11 @@ this order (the most wanted first, so a timeout cuts the least), each written to
   that passes the target's features through): the features path end to end.
 - ``tp_world_1``: target-only with tensor parallelism's all-reduces in every layer over a
   process group of one (NCCL on the GPU): the collectives inside the captured graph, as a
-  TP unit runs them, where they must leave the tokens alone.
+  TP unit runs them, compiled before the timed pass; its tokens against target-only's, and
+  n-gram drafts with the collectives against the pass without them (``speculation``).
+- ``self_draft_compiled`` and ``eagle_compiled``: the two drafts again on the target's
+  kernels (``compiled``: CUDA graphs on a GPU), which ``kernels: auto`` does not give a
+  draft yet; last, as the least wanted.
 
 Every speculative entry also says what the cost model (``engine/step/cost_model.py``)
 predicts of it (``cost_model``): from its measured acceptance rate and mean K, the
@@ -366,12 +370,24 @@ def eagle(b: Bench) -> dict:
     return with_draft(b, "eagle", "eagle", 1)
 
 
-def with_draft(b: Bench, method: str, kind: str, num_layers: int) -> dict:
+def self_draft_compiled(b: Bench) -> dict:
+    return with_draft(b, "draft_model", "decoder", b.s.draft_layers, compiled=True)
+
+
+def eagle_compiled(b: Bench) -> dict:
+    return with_draft(b, "eagle", "eagle", 1, compiled=True)
+
+
+def with_draft(b: Bench, method: str, kind: str, num_layers: int, compiled: bool = False) -> dict:
     """A model method's entry: its untrained draft built (``build_s``) and warmed up
     (``warm_up_s``, as a unit's draft actor warms it before the unit is ready), then the
-    prompts."""
+    prompts. ``compiled``: the draft on the target's kernels (``compiled``, CUDA graphs)
+    instead of what ``auto`` gives a draft (``library`` on CUDA): issue 52's compiled drafts,
+    measured before they become the default."""
     start = time.perf_counter()
     head = untrained_draft(b.worker.runtime, kind, num_layers)
+    if compiled:
+        use_kernels(head, "compiled", backend=b.s.backend, verify_tokens=b.s.k + 1)
     worker = ModelWorker(head, num_slots=b.worker.num_slots, max_seq_len=b.worker.max_seq_len)
     proposer = proposer_class(method).from_draft(worker, target_vocab_size=b.worker.vocab_size)
     built = time.perf_counter()
@@ -387,15 +403,25 @@ def with_draft(b: Bench, method: str, kind: str, num_layers: int) -> dict:
 
 def tp_world_1(b: Bench) -> dict:
     """Target-only at batch 1 with the tensor-parallel all-reduces in the layers, over a
-    world of one (NCCL on a GPU, gloo on a CPU): inside the compiled graph on a GPU (a
-    unit of TP > 1 runs them there), where an all-reduce of one rank adds nothing, so the
-    tokens must be target-only's. The hooks are taken out after, and the graphs compiled
-    without them serve again."""
+    world of one (NCCL on a GPU, gloo on a CPU): inside the compiled graph on a GPU, as a
+    unit of TP > 1 runs them. A first pass, two tokens of every prompt and untimed, compiles
+    the graphs with the collectives in them (the first window timed that compile: 0.46x).
+    Against target-only (``num_same``): an all-reduce of one rank adds nothing, but the
+    compiler fuses the row-parallel output differently around it, so the bits may move (the
+    first window: 5 of 16 the same). What a TP unit promises is ``speculation``: n-gram
+    drafts with the collectives, against the pass without drafts, identical. The hooks are
+    taken out after, and the graphs compiled without them serve again."""
     device = b.worker.runtime.embed.weight.device
     skips = cudagraph_skips()
     with world_of_one("nccl" if device.type == "cuda" else "gloo"), all_reduces(b.worker.runtime):
-        entry = {"batch": 1, **figures(run_pass(b.engine(None), b.prompts, b.greedy, 1), b.reference)}
-    return {**entry, "cudagraph_skips": cudagraph_skips() - skips}
+        warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        run_pass(b.engine(None), b.prompts, warm, 1)
+        off = run_pass(b.engine(None), b.prompts, b.greedy, 1)
+        on = run_pass(b.engine("ngram"), b.prompts, b.greedy, 1)
+    entry = {"batch": 1, **figures(off, b.reference)}
+    speculation = figures(on, off)
+    return {**entry, **worst(entry, speculation), "speculation": speculation,
+            "cudagraph_skips": cudagraph_skips() - skips}
 
 
 @contextlib.contextmanager
@@ -454,7 +480,8 @@ LOGGED = ("status", "reason", "tokens_per_s", "speedup", "speedup_second_pass", 
 ENTRIES = (("target_only", target_only), ("host_gap", host_gap), ("target_only_batch", target_only_batch),
            ("launch_ahead_off", launch_ahead_off), ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
            ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle),
-           ("tp_world_1", tp_world_1))
+           ("tp_world_1", tp_world_1), ("self_draft_compiled", self_draft_compiled),
+           ("eagle_compiled", eagle_compiled))
 
 
 # -- the step ---------------------------------------------------------------------------------

@@ -105,7 +105,8 @@ def test_bench_memory_and_profile(dry_run):
 
 
 STEP_ENTRIES = ("target_only", "host_gap", "target_only_batch", "launch_ahead_off", "suffix", "ngram",
-                "seeded", "engine_loop", "self_draft", "eagle", "tp_world_1")
+                "seeded", "engine_loop", "self_draft", "eagle", "tp_world_1", "self_draft_compiled",
+                "eagle_compiled")
 
 
 def dry_phase(phase: str, out: Path) -> None:
@@ -145,10 +146,15 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     assert second["acceptance_rate"] >= entries["suffix"]["first_pass"]["acceptance_rate"]
     assert entries["seeded"]["num_same"] == reference["num_prompts"]
     assert entries["engine_loop"]["same_as_generate"] is True
-    assert entries["tp_world_1"]["status"] == "ok"  # gloo here: the all-reduce hooks' path
+    tp = entries["tp_world_1"]  # gloo here: the all-reduce hooks' path
+    assert tp["status"] == "ok" and tp["speculation"]["same_as_target_only"] is True, tp
+    assert tp["speculation"]["draft_tokens"] > 0, tp
     assert reference["launch_ahead"] is False  # a CPU worker reads each step (TargetCalls)
-    for name in ("self_draft", "eagle"):  # warmed up before their prompts, as a draft actor
-        assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]
+    for name in ("self_draft", "eagle", "self_draft_compiled", "eagle_compiled"):
+        assert entries[name]["draft"]["warm_up_s"] >= 0, entries[name]["draft"]  # as a draft actor
+    assert entries["self_draft"]["draft"]["kernels"] != "compiled"  # what auto gives a draft
+    for name in ("self_draft_compiled", "eagle_compiled"):
+        assert entries[name]["draft"]["kernels"] == "compiled" and entries[name]["accepted_tokens"] > 0
     gap = entries["host_gap"]  # the profiler's busy time: torch's CPU operators here
     assert gap["busy_of"] == "CPU" and gap["intervals"] > 0 and 0 < gap["busy_s"] < gap["seconds"]
     assert gap["host_gap_ms_per_step"] > 0 and gap["same_as_target_only"] is True, gap
