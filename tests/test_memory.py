@@ -205,8 +205,15 @@ def test_workload_of_an_engine_config():
         "target": {"source": "t", "dtype": "float16"}, "max_model_len": 4096, "max_num_seqs": 16,
         "speculative": {"method": "draft_model", "num_speculative_tokens": 3,
                         "draft": {"source": "d", "kernels": "compiled"}}})
-    assert Workload.of(cfg, tp=2) == Workload(4096, 16, 3, 2, "float16")
+    # kernels auto: compiled for a target on CUDA (its spare slot), library for a draft
+    assert Workload.of(cfg, tp=2) == Workload(4096, 16, 3, 2, "float16", spare_slot=True)
     assert Workload.of(cfg, draft=True) == Workload(4096, 16, 3, 1, "auto", draft=True, spare_slot=True)
+    for change in ({"kernels": "library"}, {"device": "cpu"}):
+        other = cfg.model_copy(update={"target": cfg.target.model_copy(update=change)})
+        assert not Workload.of(other).spare_slot, change
+    auto_draft = cfg.speculative.model_copy(update={"draft": cfg.speculative.draft.model_copy(
+        update={"kernels": "auto"})})
+    assert not Workload.of(cfg.model_copy(update={"speculative": auto_draft}), draft=True).spare_slot
 
 
 def test_format_is_one_line_per_part():

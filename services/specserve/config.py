@@ -189,10 +189,11 @@ class ModelConfig(_Strict):
                             "forward (greedy speculation is bit-identical to target-only); "
                             "library: torch's F.linear and SDPA (FlexAttention on CUDA); "
                             "compiled: library ops at bucketed static shapes under "
-                            "torch.compile, CUDA graphs on a GPU (measured on an H100 and an "
-                            "H200: a Llama-3-8B-shaped decode at 55-60% of the memory "
+                            "torch.compile, CUDA graphs on a GPU (measured on an H100 and "
+                            "H200s: a Llama-3-8B-shaped decode at 55-62% of the memory "
                             "bandwidth, 4-5x library, which is launch-bound there; "
-                            "docs/BENCHMARKS.md). auto: invariant on CPU, library on CUDA.")
+                            "docs/BENCHMARKS.md). auto: invariant on CPU; on CUDA compiled for "
+                            "the target, library for a draft model.")
     weights: Literal["auto", "float32"] = Field(
         "auto", description="auto: a GGUF's decoder linears of Q4_0, Q4_1 or Q8_0 blocks run on "
                             "those blocks where the kernels are invariant on a CPU (the float32 "

@@ -21,6 +21,7 @@ from specserve.engine.drafts.draft_model import DraftModelProposer
 from specserve.engine.drafts.eagle import EagleProposer
 from specserve.engine.loader import load_target_parts
 from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.model import default_kernels
 from specserve.engine.step.adaptive import Row, SpecLengthController
 from specserve.engine.step.proposal import DraftRequest
 from specserve.engine.worker import ModelWorker
@@ -264,14 +265,17 @@ def test_a_head_on_the_gpus_attention_drafts_as_the_default(target_hf):
 
 
 def test_a_loaded_head_takes_the_kernels_of_its_config(target_hf, tmp_path):
-    """``kernels: auto`` gives a head what a target on its device gets (the C kernels on a
-    CPU; library with FlexAttention on CUDA), and the draft's config can name them."""
+    """``kernels: auto`` gives a head what a draft on its device gets (the C kernels on a
+    CPU; library with FlexAttention on CUDA, where a target's are compiled), and the draft's
+    config can name them."""
     out = tmp_path / "eagle"
     save_draft(eagle_head_of(target_hf), out, target_name="tiny", tokenizer=make_tiny_tokenizer(),
                extra={})
     target = runtime_of(target_hf)
     head = load_draft_head(out, target, max_model_len=256)
     assert head.kernels == "invariant" and all(layer.attn.invariant for layer in head.layers)
+    assert default_kernels("cpu", draft=True) == default_kernels("cpu") == "invariant"
+    assert default_kernels("cuda:1", draft=True) == "library" and default_kernels("cuda") == "compiled"
     proposer = load_draft_proposer("eagle", ModelConfig(source=str(out), kernels="library"),
                                    num_slots=2, max_model_len=256, target_runtime=target)
     runtime = proposer.worker.runtime

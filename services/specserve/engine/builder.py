@@ -113,7 +113,7 @@ def load_draft_proposer(method: str, draft_cfg: ModelConfig, *, num_slots: int, 
             target_runtime.feature_layers = head.target_layers
         runtime = head
     elif spec.plain_draft:
-        runtime = load_model(draft_cfg, max_model_len=max_model_len).runtime
+        runtime = load_model(draft_cfg, max_model_len=max_model_len, draft=True).runtime
     else:
         raise ConfigError(f"method {method} needs a {spec.draft_kind!r} draft made by "
                           "`specserve train-draft`")

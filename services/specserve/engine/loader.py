@@ -250,7 +250,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(cfg, *, max_model_len: int,
                tp_group: torch.distributed.ProcessGroup | None = None,
-               verify_tokens: int | None = None, blocks: bool = True) -> LoadedModel:
+               verify_tokens: int | None = None, blocks: bool = True,
+               draft: bool = False) -> LoadedModel:
     """Load a :class:`~specserve.config.ModelConfig` into our runtime: the whole model, or
     with ``tp_group`` this rank's tensor-parallel shard of it (read as a shard: see
     :mod:`specserve.engine.shard_loader`). ``verify_tokens``: new tokens per row of a
@@ -259,7 +260,8 @@ def load_model(cfg, *, max_model_len: int,
     decoder linears keep its quantized blocks where the C kernels read them
     (:mod:`specserve.engine.gguf_blocks`: the same logits, a fifth of the bytes); False:
     float32 weights throughout (what training copies and updates; ``cfg.weights: float32``
-    asks the same)."""
+    asks the same). ``draft``: a draft model, whose ``kernels: auto`` is a draft's
+    (:func:`~specserve.engine.runtime.model.default_kernels`)."""
     from transformers.utils import logging as hf_logging
 
     from specserve.engine.gguf_blocks import quantize_linears
@@ -279,7 +281,7 @@ def load_model(cfg, *, max_model_len: int,
                            dtype=resolve_dtype(cfg.dtype, device), device=device,
                            group=tp_group, desc=f"loading {src.name}", progress=progress)
     runtime.requires_grad_(False)
-    kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device)
+    kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device, draft=draft)
     runtime.use_kernels(kernels, verify_tokens=verify_tokens)
     if (blocks and cfg.weights == "auto" and src.blocks is not None and tp_group is None
             and kernels == "invariant"

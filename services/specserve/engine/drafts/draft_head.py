@@ -364,7 +364,7 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
                     device: torch.device | str = "cpu", kernels: str = "auto") -> DraftHead:
     """A saved draft, on the embeddings (and rope tables) of its target: ``target``, a runtime
     already in memory, or ``target_cfg``, a ModelConfig whose embeddings alone are read.
-    ``kernels``: the draft's ``ModelConfig.kernels``; ``auto`` picks what a target on that
+    ``kernels``: the draft's ``ModelConfig.kernels``; ``auto`` picks what a draft on that
     device gets (:func:`~specserve.engine.runtime.model.default_kernels`: the C kernels on a CPU,
     the library's with FlexAttention on CUDA), never the CPU fallbacks on a GPU."""
     from safetensors.torch import load_file
@@ -399,7 +399,7 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
         raise ConfigError(f"draft {path}: weights missing: {', '.join(sorted(missing))}")
     dtype = dtype or embed.dtype
     head = head.to(device=device, dtype=dtype).requires_grad_(False).eval()
-    return head.use_kernels(default_kernels(head.embed.weight.device) if kernels == "auto" else kernels)
+    return head.use_kernels(_kernels(head, kernels))
 
 
 def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_model_len: int,
@@ -447,4 +447,9 @@ def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_
     head.embed.weight = nn.Parameter(embed.detach(), requires_grad=False)
     head.rope_cos, head.rope_sin, head.draft_vocab = cos, sin, draft_vocab
     head = head.to(device=device, dtype=dtype or embed.dtype).requires_grad_(False).eval()
-    return head.use_kernels(default_kernels(head.embed.weight.device) if kernels == "auto" else kernels)
+    return head.use_kernels(_kernels(head, kernels))
+
+
+def _kernels(head: DraftHead, kernels: str) -> str:
+    """A draft's ``kernels``, ``auto`` resolved for its device (``default_kernels``)."""
+    return default_kernels(head.embed.weight.device, draft=True) if kernels == "auto" else kernels

@@ -352,10 +352,15 @@ class LlamaRuntime(nn.Module):
                        device=self.embed.weight.device, upload=upload)
 
 
-def default_kernels(device: torch.device) -> str:
-    """``kernels: auto``: the C kernels (``invariant``) on a CPU; on CUDA, where they cannot
-    run, the library's (``library``, attention on FlexAttention)."""
-    return "library" if torch.device(device).type == "cuda" else "invariant"
+def default_kernels(device: torch.device, draft: bool = False) -> str:
+    """``kernels: auto``: the C kernels (``invariant``) on a CPU. On CUDA, where they cannot
+    run, a target's are ``compiled`` (CUDA graphs: 4-5x ``library``, which is launch-bound
+    there; the engine end to end on them on an H200, docs/BENCHMARKS.md), a draft's the
+    library's (``library``, attention on FlexAttention) until a GPU window has run drafts
+    compiled."""
+    if torch.device(device).type != "cuda":
+        return "invariant"
+    return "library" if draft else "compiled"
 
 
 def rope_tables(hf_config, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
