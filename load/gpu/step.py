@@ -20,6 +20,10 @@ this order (the most wanted first, so a timeout cuts the least), each written to
   run's figure only.
 - ``target_only_batch``: the same, ``batch`` requests at a time (its ``same_as_target_only``:
   batching left the tokens alone).
+- ``host_profile``: ``target_only`` on the same prompts under cProfile: per step, the
+  functions of the most own time (``top_own``) and this package's of the most cumulative time
+  (``top_cumulative``), each with its calls, own and cumulative milliseconds: where the host's
+  part goes (cProfile's own cost on every call inflates it; the ranks are what carry over).
 - ``launch_ahead_off``: ``target_only`` with each step read before the next is launched
   (``TargetCalls.launch_ahead`` off; on by default for a CUDA worker, as in the entries
   above): its ``speedup`` below 1 is what launching ahead buys (``target_only``'s
@@ -69,7 +73,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import cProfile
 import logging
+import pstats
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -104,6 +110,7 @@ SEED = 0              # the random weights' (identity.py's: the same model)
 SAMPLING_SEED = 1234  # the seeded entry's requests'
 TEMPERATURE = 0.8     # ... and their temperature
 HOST_GAP_PROMPTS = 4  # host_gap's requests (the profiler's trace grows with every kernel)
+HOST_PROFILE_ROWS = 25  # host_profile's functions, of each kind
 HOST_GAP_AIM_MS = 0.3  # issue 52: wall time less device-busy time a step
 
 
@@ -294,6 +301,32 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def host_profile(b: Bench) -> dict:
+    """``target_only`` on a few prompts under cProfile: where the host's part of a step goes
+    (module docstring), per step: the functions of the most own time, and this package's
+    functions of the most cumulative time."""
+    engine = b.engine(None)
+    prof = cProfile.Profile()
+    prof.enable()
+    p = run_pass(engine, b.prompts[:HOST_GAP_PROMPTS], b.greedy, 1)
+    prof.disable()
+    rows = pstats.Stats(prof).stats.items()  # (file, line, name): (calls, calls, own, cumulative, callers)
+
+    def row(key, value) -> dict:
+        (path, line, name), (_, calls, own, cumulative, _) = key, value
+        per_step = 1e3 / p.steps
+        return {"function": f"{Path(path).name}:{line}({name})", "calls": round(calls / p.steps, 2),
+                "own_ms": round(own * per_step, 4), "cumulative_ms": round(cumulative * per_step, 4)}
+
+    own = sorted(rows, key=lambda kv: kv[1][2], reverse=True)[:HOST_PROFILE_ROWS]
+    ours = sorted((kv for kv in rows if "specserve" in kv[0][0]), key=lambda kv: kv[1][3],
+                  reverse=True)[:HOST_PROFILE_ROWS]
+    return {"batch": 1, "num_prompts": len(p.outputs), "steps": p.steps, "status": "ok",
+            "step_ms": round(1e3 * p.seconds / p.steps, 4),
+            "top_own": [row(*kv) for kv in own], "top_cumulative": [row(*kv) for kv in ours],
+            **compare(b.reference.outputs[:len(p.outputs)], p.outputs)}
+
+
 def launch_ahead_off(b: Bench) -> dict:
     engine = b.engine(None)
     engine.calls.launch_ahead = False
@@ -478,7 +511,8 @@ LOGGED = ("status", "reason", "tokens_per_s", "speedup", "speedup_second_pass", 
           "same_as_target_only", "num_same", "same_as_generate", "host_gap_ms_per_step",
           "wall_s")  # an entry's log line
 ENTRIES = (("target_only", target_only), ("host_gap", host_gap), ("target_only_batch", target_only_batch),
-           ("launch_ahead_off", launch_ahead_off), ("suffix", suffix), ("ngram", ngram), ("seeded", seeded),
+           ("host_profile", host_profile), ("launch_ahead_off", launch_ahead_off), ("suffix", suffix),
+           ("ngram", ngram), ("seeded", seeded),
            ("engine_loop", engine_loop), ("self_draft", self_draft), ("eagle", eagle),
            ("tp_world_1", tp_world_1), ("self_draft_compiled", self_draft_compiled),
            ("eagle_compiled", eagle_compiled))

@@ -104,9 +104,9 @@ def test_bench_memory_and_profile(dry_run):
     assert "kernels: compiled" in profile and "Name" in profile
 
 
-STEP_ENTRIES = ("target_only", "host_gap", "target_only_batch", "launch_ahead_off", "suffix", "ngram",
-                "seeded", "engine_loop", "self_draft", "eagle", "tp_world_1", "self_draft_compiled",
-                "eagle_compiled")
+STEP_ENTRIES = ("target_only", "host_gap", "target_only_batch", "host_profile", "launch_ahead_off",
+                "suffix", "ngram", "seeded", "engine_loop", "self_draft", "eagle", "tp_world_1",
+                "self_draft_compiled", "eagle_compiled")
 
 
 def dry_phase(phase: str, out: Path) -> None:
@@ -158,6 +158,10 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     gap = entries["host_gap"]  # the profiler's busy time: torch's CPU operators here
     assert gap["busy_of"] == "CPU" and gap["intervals"] > 0 and 0 < gap["busy_s"] < gap["seconds"]
     assert gap["host_gap_ms_per_step"] > 0 and gap["same_as_target_only"] is True, gap
+    host = entries["host_profile"]  # where a step's host time goes, per step
+    assert len(host["top_own"]) >= 10 and host["same_as_target_only"] is True
+    assert sum(r["own_ms"] for r in host["top_own"]) <= host["step_ms"], host
+    assert any("spec_decode.py" in r["function"] for r in host["top_cumulative"]), host["top_cumulative"]
     for part in (entries["suffix"]["second_pass"], entries["self_draft"], entries["ngram"]):
         model = part["cost_model"]  # the cost model's prediction at the measured acceptance
         assert model["alpha"] == part["acceptance_rate"] and model["v"] > 0, part
