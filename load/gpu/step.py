@@ -494,7 +494,7 @@ def untrained_draft(target: LlamaRuntime, kind: str, num_layers: int) -> DraftHe
         head = new_draft_head(target, kind=kind, num_layers=num_layers,
                               draft_vocab=torch.arange(target.arch.vocab_size))
     head = head.to(weight.device).requires_grad_(False).eval()
-    return head.use_kernels(default_kernels(weight.device))
+    return head.use_kernels(default_kernels(weight.device, draft=True))
 
 
 @contextlib.contextmanager
