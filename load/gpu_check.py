@@ -43,11 +43,12 @@ from load.gpu.runner import Outcome, Step, Summary, run_step  # noqa: E402
 log = logging.getLogger("gpu-check")
 
 PHASES = {"quick": ("env", "tests", "identity"), "bench": ("bench", "memory", "profile"),
-          "step": ("step",), "paged": ("paged",)}
+          "step": ("step",), "paged": ("paged",), "full": ("full",)}
 # Not step: all is at the lent machine's 8 files already (6 steps, log.txt, summary.json).
 PHASES["all"] = PHASES["quick"] + PHASES["bench"]
 IN_PROCESS = {"env": "load.gpu.env", "identity": "load.gpu.identity", "memory": "load.gpu.memory",
-              "profile": "load.gpu.profiling", "step": "load.gpu.step", "paged": "load.gpu.paged"}
+              "profile": "load.gpu.profiling", "step": "load.gpu.step", "paged": "load.gpu.paged",
+              "full": "load.gpu.full"}
 TEST_PATHS = ("tests/gpu", "tests/test_memory.py")
 ENGINE = ("torch", "transformers", "numpy", "jinja2", "pydantic", "pydantic_core", "annotated_types",
           "typing_inspection")  # what importing specserve's engine and config takes
@@ -94,6 +95,7 @@ def step_table(out: Path, dry_run: bool) -> dict[str, Step]:
         "profile": own("profile", 90, ("torch", "transformers"), "profile.txt"),
         "step": own("step", 450, ENGINE, "step.json"),
         "paged": own("paged", 450, ENGINE, "paged.json"),
+        "full": own("full", 300, ENGINE, "full.json"),
     }
 
 

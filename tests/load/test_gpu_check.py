@@ -170,6 +170,20 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
         assert abs(ratio * predicted - part["speedup"]) <= 6e-4 * (1 + ratio + predicted), part
 
 
+def test_full_phase_runs_the_host_entries_in_one_slot(tmp_path):
+    """``--phase full --dry-run``: step.py's host and suffix entries in one slot (on a GPU the
+    whole 8B shape, where the device's part of a step outweighs the host's), every one run
+    and each speculative or repeated pass target-only's tokens."""
+    dry_phase("full", tmp_path)
+    report = json.loads((tmp_path / "full.json").read_text())
+    entries = report["entries"]
+    assert tuple(entries) == ("target_only", "host_gap", "launch_ahead_off", "suffix", "host_profile")
+    assert report["settings"]["batch"] == 1 and report["warm_up"] is not None
+    for name in tuple(entries)[1:]:
+        assert entries[name]["status"] == "ok" and entries[name]["same_as_target_only"] is True, entries[name]
+    assert entries["suffix"]["second_pass"]["acceptance_rate"] > 0.5, entries["suffix"]
+
+
 def test_union_of_intervals_counts_overlaps_once():
     """host_gap's device-busy time: nested and overlapping kernels count once, gaps not."""
     from load.gpu.step import union_us
