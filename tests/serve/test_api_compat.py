@@ -206,7 +206,7 @@ UNSUPPORTED = [
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("use_beam_search", True), ("chat_template", "{{ 'x' }}"), ("documents", [{"text": "x"}]),
     ("logits_processors", ["mod.Proc"]), ("guided_whitespace_pattern", " *"),
-    ("return_tokens_as_token_ids", True), ("return_token_ids", True),
+    ("return_tokens_as_token_ids", True),
     ("spaces_between_special_tokens", False), ("echo", True),
 ]
 
@@ -345,6 +345,42 @@ def test_tokenize_and_detokenize_as_vllm(ngram_app, model):
                                       ("/detokenize", {"tokens": [5, 10**6]}, 400, "tokens"),
                                       ("/detokenize", {"tokens": "5"}, 400, "tokens")):
         assert_error(call(path, body), status, param=param)
+
+
+def test_token_ids_returned_as_vllm(ngram_app, model, client):
+    """vLLM's return_token_ids (what RL rollout and agent frameworks read): the prompt's ids
+    (completions: on each choice; chat: on the response) as /tokenize gives them, and each
+    choice's output ids, as many as its completion_tokens, whose text /detokenize gives;
+    streamed, the prompt's on a choice's first chunk only and the chunks' ids adding up to the
+    whole response's. Without it, neither key."""
+    def streamed(body: dict, chat: bool) -> list[dict]:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        with httpx.stream("POST", ngram_app + path, json={**body, "stream": True}, timeout=120) as r:
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+    common = {"model": model, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    for chat, asked in ((False, {"prompt": PROMPT}), (True, {"messages": MESSAGES})):
+        body = {**common, **asked}
+        whole = post(ngram_app, body, chat=chat).json()
+        choice = whole["choices"][0]
+        prompt_ids = whole["prompt_token_ids"] if chat else choice["prompt_token_ids"]
+        tokenized = httpx.post(ngram_app + "/tokenize", json=asked, timeout=60).json()["tokens"]
+        assert prompt_ids == tokenized
+        assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 8
+        text = choice["message"]["content"] if chat else choice["text"]
+        detokenized = httpx.post(ngram_app + "/detokenize", json={"tokens": choice["token_ids"]}, timeout=60)
+        assert detokenized.json()["prompt"] == text, (detokenized.text, text)
+        chunks = streamed(body, chat)
+        with_prompt = [c for c in chunks if "prompt_token_ids" in (c if chat else c["choices"][0])]
+        assert len(with_prompt) == 1 and with_prompt[0] is chunks[0], chunks[:2]
+        assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == choice["token_ids"]
+        plain = post(ngram_app, {**body, "return_token_ids": False}, chat=chat).json()
+        assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0], plain
+        assert "prompt_token_ids" not in plain["choices"][0]
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert len(reply.choices[0].model_extra["token_ids"]) == reply.usage.completion_tokens == 4
+    assert reply.model_extra["prompt_token_ids"] == tokenized
 
 
 def test_fields_without_semantics_are_still_ignored(ngram_app, model):

@@ -327,7 +327,7 @@ class OpenAIIngress:
             raise APIError(400, f"speculation.method '{asked}' is not served here; this deployment "
                                 f"runs '{served}'", param="speculation.method")
         payload = UnitRequest(self._engine_request(req, prompt_ids, chat), speculation=req.speculation,
-                              stream=req.stream,
+                              stream=req.stream, token_ids=req.return_token_ids,
                               class_key=class_key(req, chat, lease.key_id, len(prompt_ids)))
         if self.limits.log_request_content:
             log.info("request %s (%s): prompt %r", rid, lease.key_id, req.model_dump().get(
@@ -341,7 +341,8 @@ class OpenAIIngress:
             every = include_usage and req.stream_options.continuous_usage_stats  # (vLLM: both)
             lease = lease.hand_over()
             body = reply.sse(self.tokenizer, self.model_name, lease, include_usage, echo, tools,
-                             usage_so_far=len(prompt_ids) if every else None)
+                             usage_so_far=len(prompt_ids) if every else None,
+                             prompt_ids=prompt_ids if req.return_token_ids else None)
             # A client gone before the body starts never runs the generator's ``finally``:
             # free the slot and the lease when the generator is dropped.
             weakref.finalize(body, end_request, stream, lease)
@@ -357,5 +358,6 @@ class OpenAIIngress:
                 self.tokenizer, prompt_ids, chunk.prompt_logprobs or [], req.prompt_logprobs)
             choices.append({"text": text, "finish": "tool_calls" if calls else chunk.finish_reason,
                             "logprobs": logprobs_object(self.tokenizer, items, chat),
-                            "tool_calls": calls, "prompt_logprobs": scored})
-        return JSONResponse(response_body(rid, self.model_name, chat, choices, usage), headers=headers)
+                            "tool_calls": calls, "prompt_logprobs": scored, "token_ids": chunk.token_ids})
+        return JSONResponse(response_body(rid, self.model_name, chat, choices, usage,
+                                          prompt_ids if req.return_token_ids else None), headers=headers)

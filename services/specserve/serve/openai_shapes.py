@@ -77,32 +77,43 @@ def joined(items: list | None, more: list | None) -> list | None:
 
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, delta, finish: str | None,
-               logprobs: dict | None = None, index: int = 0) -> dict:
-    """A stream's chunk of one choice: ``chat.completion.chunk`` or ``text_completion``."""
+               logprobs: dict | None = None, index: int = 0, token_ids: list[int] | None = None,
+               prompt_ids: list[int] | None = None) -> dict:
+    """A stream's chunk of one choice: ``chat.completion.chunk`` or ``text_completion``; with
+    vLLM's ``return_token_ids``, the chunk's output ``token_ids`` and, on a choice's first
+    chunk, the ``prompt_token_ids`` (chat: on the chunk, as on its response; completions: on
+    the choice)."""
+    ids = {} if token_ids is None else {"token_ids": token_ids}
+    prompt = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}
     if chat:
         choice = {"index": index, "delta": delta or {}, "finish_reason": finish,
-                  "logprobs": logprobs}
+                  "logprobs": logprobs, **ids}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}
-    choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+                "choices": [choice], **prompt}
+    choice = {"index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs,
+              **prompt, **ids}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice]}
 
 
-def response_body(rid: str, model: str, chat: bool, choices: list[dict], usage: dict) -> dict:
-    """The whole response; ``choices``: each one's ``text``, ``finish``, ``logprobs`` and
-    (chat) ``tool_calls``."""
+def response_body(rid: str, model: str, chat: bool, choices: list[dict], usage: dict,
+                  prompt_ids: list[int] | None = None) -> dict:
+    """The whole response; ``choices``: each one's ``text``, ``finish``, ``logprobs``,
+    (chat) ``tool_calls`` and, with ``prompt_ids`` (vLLM's ``return_token_ids``), its
+    ``token_ids``."""
     created = int(time.time())
     scored = {"prompt_logprobs": choices[0]["prompt_logprobs"]} if choices[0].get("prompt_logprobs") else {}
-    if chat:  # (vLLM: prompt_logprobs on the response; on each choice for completions)
+    prompt = {} if prompt_ids is None else {"prompt_token_ids": prompt_ids}
+    ids = [{} if prompt_ids is None else {"token_ids": c["token_ids"]} for c in choices]
+    if chat:  # (vLLM: prompt_logprobs and prompt_token_ids on the response; on each choice for completions)
         body = [{"index": i, "message": {"role": "assistant", "content": c["text"],
                                          **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
-                 "finish_reason": c["finish"], "logprobs": c["logprobs"]}
+                 "finish_reason": c["finish"], "logprobs": c["logprobs"], **ids[i]}
                 for i, c in enumerate(choices)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": body, "usage": usage, **scored}
+                "choices": body, "usage": usage, **scored, **prompt}
     body = [{"index": i, "text": c["text"], "finish_reason": c["finish"], "logprobs": c["logprobs"],
-             **({"prompt_logprobs": c["prompt_logprobs"]} if scored else {})}
+             **({"prompt_logprobs": c["prompt_logprobs"]} if scored else {}), **prompt, **ids[i]}
             for i, c in enumerate(choices)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": body, "usage": usage}

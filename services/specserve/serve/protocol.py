@@ -263,7 +263,9 @@ class _Request(_Lenient):
                                           "minItems": 1, "maxItems": 1})] | None = None
     use_beam_search: No = False
     return_tokens_as_token_ids: No = False
-    return_token_ids: No = False
+    return_token_ids: bool = Field(False, description="vLLM extension: the prompt's token ids "
+                                   "(prompt_token_ids) and each choice's output ids (token_ids) in "
+                                   "the response; streaming, the prompt's on a choice's first chunk.")
     spaces_between_special_tokens: Yes = True
     logits_processors: Refused = None
     guided_whitespace_pattern: Refused = None

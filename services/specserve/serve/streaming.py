@@ -103,11 +103,14 @@ class UnitReply:
 
     async def sse(self, tokenizer, model: str, lease: Lease, include_usage: bool,
                   echo: tuple[str, list[int]] | None = None, tools: ToolPlan | None = None,
-                  usage_so_far: int | None = None) -> AsyncIterator[str]:
+                  usage_so_far: int | None = None, prompt_ids: list[int] | None = None
+                  ) -> AsyncIterator[str]:
         """The SSE body; it owns ``lease``. With ``tools``, a choice's text is held until it
         finishes and then sent as its content or its ``tool_calls`` (a call is parsed whole).
         ``usage_so_far``: the prompt's tokens, where every chunk carries its choice's usage so
-        far (vLLM's ``continuous_usage_stats``)."""
+        far (vLLM's ``continuous_usage_stats``). ``prompt_ids``: the prompt's token ids, where
+        the chunks carry token ids (vLLM's ``return_token_ids``): the prompt's on a choice's
+        first chunk, each sent chunk the output ids since the last one sent."""
 
         def sent(body: dict, tokens: int = 0) -> str:
             if usage_so_far is not None:
@@ -121,14 +124,19 @@ class UnitReply:
         parts: list[str] = []  # kept only to log the output (limits.log_request_content)
         offsets = [0] * n  # per choice, completions' text_offset of its next token
         echoes = [echo] * n  # per choice, the prompt still to send before its text
+        prompts = [prompt_ids] * n  # per choice, the prompt's ids still to send (return_token_ids)
+        ids: list[list[int] | None] = [None if prompt_ids is None else []] * n  # not sent yet
         unfinished = n
         try:
             if chat:
                 for i in range(n):
-                    yield sent(chunk_body(rid, model, created, chat,
-                                          {"role": "assistant", "content": ""}, None, index=i))
+                    yield sent(chunk_body(rid, model, created, chat, {"role": "assistant", "content": ""},
+                                          None, index=i, prompt_ids=prompts[i]))
+                    prompts[i] = None
             async for chunk in self.chunks:
                 i, text, items = chunk.index, chunk.text, chunk.logprobs
+                if ids[i] is not None:
+                    ids[i] = ids[i] + (chunk.token_ids or [])
                 if echoes[i] is not None:  # the prompt goes out with the choice's first chunk
                     prefix, items = echoed(echoes[i], chunk.prompt_logprobs, items)
                     text, echoes[i] = prefix + text, None
@@ -148,8 +156,9 @@ class UnitReply:
                     logprobs = logprobs_object(tokenizer, items, chat, offsets[i])
                     if logprobs is not None and not chat:
                         offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                    yield sent(chunk_body(rid, model, created, chat, delta, finish, logprobs,
-                                          index=i), chunk.num_tokens)
+                    yield sent(chunk_body(rid, model, created, chat, delta, finish, logprobs, index=i,
+                                          token_ids=ids[i], prompt_ids=prompts[i]), chunk.num_tokens)
+                    prompts[i], ids[i] = None, None if ids[i] is None else []
                     if self.log_content:
                         parts.append(text)
                 unfinished -= chunk.finish_reason is not None

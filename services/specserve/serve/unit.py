@@ -136,7 +136,7 @@ class SpeculationUnit:
                                             num_speculative_tokens=decision.num_speculative_tokens,
                                             adaptive=decision.adaptive):
             choice = choices[out.index]
-            choice.add(out, time.perf_counter(), params.logprobs is not None)
+            choice.add(out, time.perf_counter(), params.logprobs is not None, asked.token_ids)
             if out.prompt_logprobs is not None:  # the first choice's prefill scored the prompt
                 prompt_logprobs = out.prompt_logprobs
             if not asked.stream and out.finish_reason is None:
@@ -145,10 +145,10 @@ class SpeculationUnit:
             # (the first choice's prefill computed them, a step before any other's output)
             scored = None if choice.sent_prompt else prompt_logprobs
             choice.sent_prompt = True
-            text, logprobs = choice.pop(params.logprobs is not None)
+            text, logprobs, ids = choice.pop(params.logprobs is not None, asked.token_ids)
             if out.finish_reason is None:
                 yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index,
-                                  num_tokens=choice.clock.num_tokens)
+                                  num_tokens=choice.clock.num_tokens, token_ids=ids)
                 continue
             self.policy.observe(asked.class_key, decision, out.stats.num_draft_tokens,
                                 out.stats.num_accepted_tokens, self._break_even())
@@ -160,7 +160,7 @@ class SpeculationUnit:
                 timing = _Clock.merged([c.clock for c in choices])
             yield StreamDelta(text, out.finish_reason, usage=usage, timing=timing,
                               logprobs=logprobs, prompt_logprobs=scored, index=out.index,
-                              num_tokens=choice.clock.num_tokens)
+                              num_tokens=choice.clock.num_tokens, token_ids=ids)
 
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
@@ -355,21 +355,25 @@ class _Choice:
         self.clock = _Clock(arrival)
         self.pending: list[str] = []
         self.logprobs: list = []
+        self.token_ids: list[int] = []
         self.sent_prompt = False  # its first chunk (with an echo's prompt scores) went out
         self.last: StepOutput | None = None
 
-    def add(self, out: StepOutput, now: float, logprobs: bool) -> None:
+    def add(self, out: StepOutput, now: float, logprobs: bool, token_ids: bool) -> None:
         self.clock.output(now, len(out.new_token_ids))
         self.pending.append(out.text_delta)
         if logprobs and out.logprobs is not None:
             self.logprobs += [(t, lp, top) for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
+        if token_ids:
+            self.token_ids += out.new_token_ids
         self.last = out
 
-    def pop(self, logprobs: bool) -> tuple[str, list | None]:
-        """The text (and logprobs items) not yet sent."""
+    def pop(self, logprobs: bool, token_ids: bool) -> tuple[str, list | None, list[int] | None]:
+        """The text (and logprobs items, and token ids) not yet sent."""
         text, self.pending = "".join(self.pending), []
         items, self.logprobs = (self.logprobs if logprobs else None), []
-        return text, items
+        ids, self.token_ids = (self.token_ids if token_ids else None), []
+        return text, items, ids
 
 
 def _usage(prompt_tokens: int, choices: list[_Choice], decision: Decision,

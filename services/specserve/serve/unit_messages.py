@@ -22,6 +22,7 @@ class UnitRequest:
     speculation: SpeculationOptions | None  # the client's control; None: the policy decides
     stream: bool                            # False: the unit sends one chunk per choice, at its end
     class_key: str                          # the acceptance class: route|key id|user|traffic class|shape
+    token_ids: bool = False                 # the chunks carry their output token ids (return_token_ids)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class StreamDelta:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     index: int = 0  # the choice (of the request's n) this chunk belongs to
     num_tokens: int = 0  # the choice's output tokens so far, this chunk's included
+    token_ids: list[int] | None = None  # with UnitRequest.token_ids: this chunk's output tokens
 
 
 @dataclass(frozen=True)
