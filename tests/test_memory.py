@@ -239,11 +239,11 @@ def test_cli_prints_every_part_and_exits_1_when_it_does_not_fit(config_files, ca
              "--max-model-len", "8192", "-k", "4", "--gpu-memory-gib", "79"]
     assert main([*flags, "--max-num-seqs", "24"]) == 0
     out = capsys.readouterr().out
-    assert out.count("total") == 2 and "KV cache             15.00 GiB" in out
-    assert "largest max_num_seqs that fits: 49" in out
+    assert out.count("total") == 2 and "KV cache             15.62 GiB" in out  # 24 slots + the padding one
+    assert "largest max_num_seqs that fits: 48" in out
     assert main([*flags, "--max-num-seqs", "24", "--draft-shares-gpu"]) == 0  # both on one GPU
     assert capsys.readouterr().out.endswith(
-        "target rank 0 + draft on one GPU: 64.45 GiB, 82% of 79.0 GiB: fits (at most 90%); "
+        "target rank 0 + draft on one GPU: 65.07 GiB, 82% of 79.0 GiB: fits (at most 90%); "
         "draft_gpu_fraction 0.15\n")
     assert main([*flags, "--max-num-seqs", "40", "--draft-shares-gpu"]) == 1  # fits alone, not together
     assert "on one GPU" in capsys.readouterr().out

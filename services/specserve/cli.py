@@ -536,7 +536,7 @@ def cmd_memory_estimate(args) -> int:
         paged = kv is not None and kv.layout == "paged"
         load = Workload(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         num_speculative_tokens=args.k, tp=tp, dtype=args.dtype, draft=draft,
-                        prefill_rows=args.prefill_rows, paged=paged,
+                        prefill_rows=args.prefill_rows, paged=paged, spare_slot=not draft,
                         kv_blocks=kv.num_blocks if paged else None,
                         block_size=kv.block_size if paged else cfg.kv_cache.block_size)
         est = estimate(shape, load)

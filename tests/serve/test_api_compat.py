@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -206,7 +207,6 @@ UNSUPPORTED = [
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("use_beam_search", True), ("chat_template", "{{ 'x' }}"), ("documents", [{"text": "x"}]),
     ("logits_processors", ["mod.Proc"]), ("guided_whitespace_pattern", " *"),
-    ("return_tokens_as_token_ids", True),
     ("spaces_between_special_tokens", False), ("echo", True),
 ]
 
@@ -381,6 +381,21 @@ def test_token_ids_returned_as_vllm(ngram_app, model, client):
                                            extra_body={"return_token_ids": True, "ignore_eos": True})
     assert len(reply.choices[0].model_extra["token_ids"]) == reply.usage.completion_tokens == 4
     assert reply.model_extra["prompt_token_ids"] == tokenized
+    # return_tokens_as_token_ids: logprobs name their tokens token_id:<id>, the chosen ones the
+    # output's own ids; top alternatives likewise; the text itself unchanged
+    named = {**common, "prompt": PROMPT, "logprobs": 2, "return_tokens_as_token_ids": True}
+    for choices in ([post(ngram_app, named, chat=False).json()["choices"][0]],
+                    [c["choices"][0] for c in streamed(named, chat=False)]):
+        logprobs = [c["logprobs"] for c in choices if c["logprobs"]]
+        tokens, ids = sum((lp["tokens"] for lp in logprobs), []), sum((c["token_ids"] for c in choices), [])
+        assert tokens == [f"token_id:{t}" for t in ids] and len(ids) == 8, (tokens, ids)
+        tops = [k for lp in logprobs for top in lp["top_logprobs"] for k in top]
+        assert all(re.fullmatch(r"token_id:\d+", k) for k in tops), tops
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    entries = chat.choices[0].logprobs.content
+    assert entries and all(re.fullmatch(r"token_id:\d+", e.token) for e in entries)
+    assert all(re.fullmatch(r"token_id:\d+", a.token) for e in entries for a in e.top_logprobs)
 
 
 def test_fields_without_semantics_are_still_ignored(ngram_app, model):

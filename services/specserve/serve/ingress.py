@@ -55,7 +55,13 @@ from specserve.serve.api_errors import (
 from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
-from specserve.serve.openai_shapes import echoed, logprobs_object, prompt_logprobs_object, response_body
+from specserve.serve.openai_shapes import (
+    TokenIdNames,
+    echoed,
+    logprobs_object,
+    prompt_logprobs_object,
+    response_body,
+)
 from specserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -336,11 +342,12 @@ class OpenAIIngress:
         reply = UnitReply(stream, deadline, self.limits, rid=rid, chat=chat, n=req.n)
         start = await reply.start()
         headers = {"x-speculation": start.decision.header()}
+        names = TokenIdNames() if req.return_tokens_as_token_ids else self.tokenizer  # logprobs' tokens
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             every = include_usage and req.stream_options.continuous_usage_stats  # (vLLM: both)
             lease = lease.hand_over()
-            body = reply.sse(self.tokenizer, self.model_name, lease, include_usage, echo, tools,
+            body = reply.sse(names, self.model_name, lease, include_usage, echo, tools,
                              usage_so_far=len(prompt_ids) if every else None,
                              prompt_ids=prompt_ids if req.return_token_ids else None)
             # A client gone before the body starts never runs the generator's ``finally``:
@@ -357,7 +364,7 @@ class OpenAIIngress:
             scored = None if req.prompt_logprobs is None else prompt_logprobs_object(
                 self.tokenizer, prompt_ids, chunk.prompt_logprobs or [], req.prompt_logprobs)
             choices.append({"text": text, "finish": "tool_calls" if calls else chunk.finish_reason,
-                            "logprobs": logprobs_object(self.tokenizer, items, chat),
+                            "logprobs": logprobs_object(names, items, chat),
                             "tool_calls": calls, "prompt_logprobs": scored, "token_ids": chunk.token_ids})
         return JSONResponse(response_body(rid, self.model_name, chat, choices, usage,
                                           prompt_ids if req.return_token_ids else None), headers=headers)

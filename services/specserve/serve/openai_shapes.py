@@ -13,12 +13,23 @@ def sse_line(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class TokenIdNames:
+    """What :func:`logprobs_object` names tokens with under vLLM's
+    ``return_tokens_as_token_ids``: ``token_id:<id>`` in place of the tokenizer's text (which
+    a lone byte of a multibyte character does not have)."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(f"token_id:{t}" for t in ids)
+
+
 def logprobs_object(tokenizer, items: list | None, chat: bool, offset: int = 0) -> dict | None:
     """OpenAI's ``logprobs`` object of a choice (or a chunk) from the unit's
     ``(token, logprob, [(token, logprob), ...])`` items. Chat: ``content`` entries with the
     token's text, bytes and ``top_logprobs``; completions: ``tokens``, ``token_logprobs``,
     ``top_logprobs`` (dicts that always hold the chosen token, as OpenAI's do) and
-    ``text_offset`` from ``offset``."""
+    ``text_offset`` from ``offset``. ``tokenizer`` names the tokens (its ``decode``; or
+    :class:`TokenIdNames`)."""
     if items is None:
         return None
     text = {t: tokenizer.decode([t]) for t, _, top in items for t in (t, *(a for a, _ in top))}

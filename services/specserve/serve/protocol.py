@@ -262,7 +262,8 @@ class _Request(_Lenient):
                           WithJsonSchema({"type": "array", "items": {"enum": ["text"]},
                                           "minItems": 1, "maxItems": 1})] | None = None
     use_beam_search: No = False
-    return_tokens_as_token_ids: No = False
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM extension: logprobs name each "
+                                             "token token_id:<id>, not by its text.")
     return_token_ids: bool = Field(False, description="vLLM extension: the prompt's token ids "
                                    "(prompt_token_ids) and each choice's output ids (token_ids) in "
                                    "the response; streaming, the prompt's on a choice's first chunk.")

@@ -101,12 +101,14 @@ class UnitReply:
             cancel_stream(self.stream)  # no-op when finished; frees the slot when the client went away
         raise server_error(RuntimeError("the unit ended the stream without finishing"), self.rid)
 
-    async def sse(self, tokenizer, model: str, lease: Lease, include_usage: bool,
+    async def sse(self, names, model: str, lease: Lease, include_usage: bool,
                   echo: tuple[str, list[int]] | None = None, tools: ToolPlan | None = None,
                   usage_so_far: int | None = None, prompt_ids: list[int] | None = None
                   ) -> AsyncIterator[str]:
-        """The SSE body; it owns ``lease``. With ``tools``, a choice's text is held until it
-        finishes and then sent as its content or its ``tool_calls`` (a call is parsed whole).
+        """The SSE body; it owns ``lease``; ``names`` names the logprobs' tokens (the tokenizer,
+        or :class:`~specserve.serve.openai_shapes.TokenIdNames`). With ``tools``, a choice's
+        text is held until it finishes and then sent as its content or its ``tool_calls`` (a
+        call is parsed whole).
         ``usage_so_far``: the prompt's tokens, where every chunk carries its choice's usage so
         far (vLLM's ``continuous_usage_stats``). ``prompt_ids``: the prompt's token ids, where
         the chunks carry token ids (vLLM's ``return_token_ids``): the prompt's on a choice's
@@ -153,7 +155,7 @@ class UnitReply:
                         delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                         finish = "tool_calls"
                 if text or finish or items:
-                    logprobs = logprobs_object(tokenizer, items, chat, offsets[i])
+                    logprobs = logprobs_object(names, items, chat, offsets[i])
                     if logprobs is not None and not chat:
                         offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     yield sent(chunk_body(rid, model, created, chat, delta, finish, logprobs, index=i,
