@@ -12,9 +12,10 @@ JSON.
 
 The JSON is rewritten after every measurement and each step is logged, so a run killed at a
 lent machine's time limit keeps what it measured. Measurements go in order of importance:
-every row count at T = 1 (decode), then T = 8 (issue 52's verify of 8), 5 (a verify of
-K = 4), 2, 4, 3, 6, 7; on the compiled path that is also the order its buckets compile (1, 8,
-2, 4 new tokens).
+every row count at T = 1 (decode), then T = 8 (issue 52's verify of 8) and, right after it,
+T = 8 against T = 1 in alternating calls (``r8_paired``: the ratio without the drift between
+two runs measured apart), then 5 (a verify of K = 4), 2, 4, 3, 6, 7; on the compiled path
+that is also the order its buckets compile (1, 8, 2, 4 new tokens).
 
 On a CPU it runs too (``--shape tiny``; the CI test does that), but measures nothing of
 interest there: the C kernels (``kernels: invariant``) are the CPU path.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,11 +60,13 @@ SHAPES = {
                  max_position_embeddings=1024),
 }
 PRIORITY = (1, 8, 5, 2, 4, 3, 6, 7)  # T in the order measured (module docstring)
+PAIRED = 8  # the verify measured against T = 1 in alternating calls as well (``paired``)
 TABLE: TableSpec = (("kernels", "kernels", 9, 0), ("rows", "rows", 4, 0),
                     ("T=1 ms", "t1_ms", 8, 2), ("tok/s", "tokens_per_s", 8, 1),
                     ("GB/s", "gbps", 7, 0), ("roofline", "roofline_share", 8, 2),
                     ("T2/T1", "r2", 6, 2), ("T4/T1", "r4", 6, 2), ("T5/T1", "r5", 6, 2),
-                    ("T8/T1", "r8", 6, 2), ("1st s", "first_calls_s", 6, 1))
+                    ("T8/T1", "r8", 6, 2), ("paired", "r8_paired", 6, 2),
+                    ("1st s", "first_calls_s", 6, 1))
 
 
 def random_runtime(shape: str, dtype: torch.dtype, device: str, max_len: int) -> LlamaRuntime:
@@ -114,8 +118,25 @@ def measure(runtime: LlamaRuntime, kernels: str, rows: list[int], context: list[
                 r["buckets_s"].setdefault(key, first)
             log.info("%s rows %d T %d: %.2f ms (first call %.2f s)", kernels, r["rows"], t,
                      1e3 * median, first)
+            if t == PAIRED and 1 in r["costs_s"]:
+                r["paired"] = paired(runtime, cache, slots, context, t, 2 * args.reps + 1)
+                log.info("%s rows %d T %d / T 1, alternating: %.3f", kernels, r["rows"], t,
+                         r["paired"]["ratio"])
             save(results)
     return results
+
+
+def paired(runtime: LlamaRuntime, cache, slots: list[int], context: list[int], t: int,
+           reps: int) -> dict:
+    """T = 1 and ``t`` called in turn, ``reps`` times each (both measured, so compiled,
+    already): the ratio of their medians, free of the drift between two runs measured apart
+    (the fourth window: T = 5, which runs T = 8's graph, measured 10% off T = 8)."""
+    ones, many = [], []
+    for _ in range(reps):
+        ones.append(forward_cost(runtime, cache, slots, context, 1, 1, warmup=0)[0])
+        many.append(forward_cost(runtime, cache, slots, context, t, 1, warmup=0)[0])
+    one, other = statistics.median(ones), statistics.median(many)
+    return {"t": t, "reps": reps, "t1_s": one, "t_s": other, "ratio": other / one}
 
 
 def summarize(results: list[dict], nbytes: int, bandwidth: float) -> list[dict]:
@@ -130,6 +151,7 @@ def summarize(results: list[dict], nbytes: int, bandwidth: float) -> list[dict]:
         out.append({"kernels": r["kernels"], "rows": r["rows"], "t1_ms": 1e3 * t1,
                     "tokens_per_s": r["rows"] / t1, "gbps": nbytes / t1 / 1e9,
                     "roofline_share": nbytes / t1 / bandwidth, **ratio,
+                    "r8_paired": r["paired"]["ratio"] if "paired" in r else None,
                     "first_calls_s": sum(r["first_call_s"].values())})
     return out
 
