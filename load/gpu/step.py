@@ -438,10 +438,10 @@ def tp_world_1(b: Bench) -> dict:
     """Target-only at batch 1 with the tensor-parallel all-reduces in the layers, over a
     world of one (NCCL on a GPU, gloo on a CPU): inside the compiled graph on a GPU, as a
     unit of TP > 1 runs them. A first pass, two tokens of every prompt and untimed, compiles
-    the graphs with the collectives in them (the first window timed that compile: 0.46x).
+    the graphs with the collectives in them (the fourth GPU window timed that compile: 0.46x).
     Against target-only (``num_same``): an all-reduce of one rank adds nothing, but the
     compiler fuses the row-parallel output differently around it, so the bits may move (the
-    first window: 5 of 16 the same). What a TP unit promises is ``speculation``: n-gram
+    fourth window: 5 of 16 the same). What a TP unit promises is ``speculation``: n-gram
     drafts with the collectives, against the pass without drafts, identical. The hooks are
     taken out after, and the graphs compiled without them serve again."""
     device = b.worker.runtime.embed.weight.device
