@@ -22,6 +22,7 @@ from specserve.engine.loader import load_model
 from specserve.engine.runtime import tp
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.runtime.kernels import KV_BLOCK
+from specserve.engine.runtime.model import default_kernels
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 from specserve.memory import (
@@ -30,6 +31,7 @@ from specserve.memory import (
     ModelShape,
     Workload,
     check_fits,
+    compiled,
     estimate,
     estimate_memory,
     format_estimate,
@@ -214,6 +216,10 @@ def test_workload_of_an_engine_config():
     auto_draft = cfg.speculative.model_copy(update={"draft": cfg.speculative.draft.model_copy(
         update={"kernels": "auto"})})
     assert not Workload.of(cfg.model_copy(update={"speculative": auto_draft}), draft=True).spare_slot
+    for device in ("cpu", "cuda"):  # the estimate's rule is the engine's (default_kernels)
+        for draft in (False, True):
+            expected = default_kernels(device, draft=draft) == "compiled"
+            assert compiled(ModelConfig(device=device), draft) == expected, (device, draft)
 
 
 def test_format_is_one_line_per_part():
