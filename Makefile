@@ -126,7 +126,7 @@ llama-cpp: ## Optional: llama-cpp-python in its own venv (.llama) for bench-engi
 bench-gpu: ## On a GPU machine (no install): kernels library vs compiled (CUDA graphs), Llama-3-8B-shaped random weights, bf16
 	PYTHONPATH=services:.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) load/bench_gpu.py $(BENCH_GPU_ARGS)
 
-gpu-check: ## On a lent GPU machine (no install, no network): PHASE=quick|bench|step|full|paged|all, files into GPU_OUT (docs/GPU.md)
+gpu-check: ## On a lent GPU machine (no install, no network): PHASE=quick|bench|step|full|paged|all|next, files into GPU_OUT (docs/GPU.md)
 	$(GPU_PY) load/gpu_check.py --phase $(PHASE) --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 gpu-wheels: ## Download the wheels gpu-check needs and the GPU machine lacks into .whl/ (its Python 3.12)

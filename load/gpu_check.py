@@ -6,7 +6,10 @@ the moment it has something (``load/gpu/``: the steps and the harness's pieces):
     quick  env.json, tests.xml, identity.json       timeouts 60 + 210 + 240 s
     bench  bench.json, memory.json, profile.txt     timeouts 300 + 150 + 90 s
     step   step.json (the engine end to end)        timeout 450 s
+    full   full.json (the host lines, whole 8B)     timeout 300 s
+    paged  paged.json (issue 53)                    timeout 450 s
     all    quick and bench, in that order
+    next   full and paged: what the open issues wait for, least measured first
 
 with ``log.txt`` (every line, timestamped) and ``summary.json`` (each step's status, seconds
 and one line, rewritten after every step): at most 8 files, the lent machine's limit. The
@@ -46,6 +49,9 @@ PHASES = {"quick": ("env", "tests", "identity"), "bench": ("bench", "memory", "p
           "step": ("step",), "paged": ("paged",), "full": ("full",)}
 # Not step: all is at the lent machine's 8 files already (6 steps, log.txt, summary.json).
 PHASES["all"] = PHASES["quick"] + PHASES["bench"]
+# The next window's first command (docs/GPU.md "The next window"): full's host gap at the real
+# depth, then paged, which no window has measured; step runs in the second, on the warm machine.
+PHASES["next"] = PHASES["full"] + PHASES["paged"]
 IN_PROCESS = {"env": "load.gpu.env", "identity": "load.gpu.identity", "memory": "load.gpu.memory",
               "profile": "load.gpu.profiling", "step": "load.gpu.step", "paged": "load.gpu.paged",
               "full": "load.gpu.full"}

@@ -289,6 +289,8 @@ def test_every_step_needs_what_its_modules_import():
     table = gpu_check.step_table(Path("/tmp/x"), dry_run=False)
     assert set(table) == {name for steps in gpu_check.PHASES.values() for name in steps}
     assert not preflight.missing([m for s in table.values() for m in s.needs])
+    # every phase leaves its steps' files, log.txt and summary.json: 8 at most (the machine's)
+    assert all(len(set(steps)) + 2 <= 8 for steps in gpu_check.PHASES.values()), gpu_check.PHASES
 
 
 def test_the_carried_wheels_are_the_tested_versions():
