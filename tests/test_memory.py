@@ -219,7 +219,7 @@ def test_workload_of_an_engine_config():
     for device in ("cpu", "cuda"):  # the estimate's rule is the engine's (default_kernels)
         for draft in (False, True):
             expected = default_kernels(device, draft=draft) == "compiled"
-            assert compiled(ModelConfig(device=device), draft) == expected, (device, draft)
+            assert compiled(ModelConfig(device=device).kernels, device, draft) == expected, (device, draft)
 
 
 def test_format_is_one_line_per_part():

@@ -512,6 +512,7 @@ def cmd_memory_estimate(args) -> int:
         GIB,
         ModelShape,
         Workload,
+        compiled,
         estimate,
         format_estimate,
         largest_kv_blocks,
@@ -524,20 +525,19 @@ def cmd_memory_estimate(args) -> int:
     cfg = EngineConfig.model_validate({"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                                        "speculative": {"num_speculative_tokens": args.k},
                                        "kv_cache": kv}).for_device("cuda")  # the same checks; a GPU
-    gpus = [args.gpu_memory_gib, args.draft_gpu_memory_gib or args.gpu_memory_gib]
+    gpus = [gib * GIB if gib else None for gib in (args.gpu_memory_gib, args.draft_gpu_memory_gib)]
     roles = [("target", args.config, args.tp, False, gpus[0])]
     if args.draft_config:
-        roles.append(("draft", args.draft_config, 1, True, gpus[1]))
+        roles.append(("draft", args.draft_config, 1, True, gpus[1] or gpus[0]))
     fits, totals = True, []
-    for role, path, tp, draft, gib in roles:
-        gpu = gib * GIB if gib else None
+    for role, path, tp, draft, gpu in roles:
         shape = ModelShape.from_config(_read_model_config(path))
         kv = cfg.draft_kv_cache if draft else cfg.kv_cache
         paged = kv is not None and kv.layout == "paged"
         load = Workload(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        num_speculative_tokens=args.k, tp=tp, dtype=args.dtype, draft=draft,
-                        prefill_rows=args.prefill_rows, paged=paged, spare_slot=not draft,
-                        kv_blocks=kv.num_blocks if paged else None,
+                        num_speculative_tokens=args.k, tp=tp, dtype=args.dtype, draft=draft, paged=paged,
+                        prefill_rows=args.prefill_rows, kv_blocks=kv.num_blocks if paged else None,
+                        spare_slot=compiled("auto", "cuda", draft),  # kernels auto, on a GPU
                         block_size=kv.block_size if paged else cfg.kv_cache.block_size)
         est = estimate(shape, load)
         totals.append(est.total)
@@ -552,7 +552,7 @@ def cmd_memory_estimate(args) -> int:
                 print(f"  largest kv_cache.num_blocks that fits: {largest_kv_blocks(shape, load, gpu)}")
             fits = fits and est.fits(gpu)
     if args.draft_shares_gpu and len(totals) == 2:
-        line, together = shared_gpu_line(*totals, gpus[0] * GIB if gpus[0] else None)
+        line, together = shared_gpu_line(*totals, gpus[0])
         print(line)
         fits = fits and together
     return 0 if fits else 1

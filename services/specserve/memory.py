@@ -176,14 +176,16 @@ class Workload:
             "paged": True, "kv_blocks": kv.num_blocks, "block_size": kv.block_size}
         return cls(max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
                    num_speculative_tokens=engine.speculative.num_speculative_tokens, tp=tp,
-                   dtype=model.dtype, draft=draft, spare_slot=compiled(model, draft), **paged)
+                   dtype=model.dtype, draft=draft,
+                   spare_slot=compiled(model.kernels, model.device, draft), **paged)
 
 
-def compiled(model, draft: bool) -> bool:
-    """Whether ``model`` (a ModelConfig) runs ``compiled`` on a GPU: named, or ``auto`` for
-    a target (:func:`~specserve.engine.runtime.model.default_kernels`; an estimate is a GPU's)."""
-    return model.kernels == "compiled" or (model.kernels == "auto" and not draft
-                                            and model.device != "cpu")
+def compiled(kernels: str, device: str, draft: bool) -> bool:
+    """Whether a model of ``kernels`` on ``device`` (a ModelConfig's; ``memory-estimate``:
+    ``auto`` on a GPU) runs ``compiled``: named, or ``auto`` for a target on a GPU
+    (:func:`~specserve.engine.runtime.model.default_kernels`; an estimate is a GPU's), which
+    counts its padding slot (``Workload.spare_slot``)."""
+    return kernels == "compiled" or (kernels == "auto" and not draft and device != "cpu")
 
 
 def dtype_bytes(dtype: str) -> int:
