@@ -20,10 +20,12 @@ the prefill step), acceptance rate, mean acceptance length, tokens per decode st
 cost model's prediction (:func:`specserve.engine.step.cost_model.expected_speedup`) with
 α = the measured acceptance rate, γ = K, c = (propose time per step / K) / T and
 v = (verify time per step) / T, where T is the baseline's decode wall time per token and the
-step times are ``engine.counters.times`` deltas over each run's decode steps. The prediction sits next
+step times are ``engine.counters.times`` deltas over each run's decode steps, and s = the
+share of those steps that drafted (n-gram drafts only where the context repeats; the others
+emit one token each: ``cost_model``'s ``share``). The prediction sits next
 to the measured decode speedup; the gap is what the model leaves out: the accept phase
-(rejection sampler, detokenizer, stop checks), the Python step loop, steps whose draft is
-shorter than K (no n-gram match, the end of ``max_tokens``), and acceptance that is not
+(rejection sampler, detokenizer, stop checks), the Python step loop, drafts shorter than K
+(an n-gram match that ends early, the end of ``max_tokens``), and acceptance that is not
 i.i.d. The best setting is the one with the highest tokens/s (not the longest acceptance).
 
     make bench-spec                    # or: python load/bench_speculative.py --help
@@ -58,7 +60,7 @@ CSV_COLUMNS = (
     "method", "k", "runs", "tokens", "seconds", "tokens_per_s", "baseline_tokens_per_s",
     "speedup", "decode_tokens_per_s", "decode_speedup", "predicted_speedup", "acceptance_rate",
     "mean_acceptance_length", "tokens_per_step", "predicted_tokens_per_step", "c", "v",
-    "propose_ms_per_step", "verify_ms_per_step", "accept_ms_per_step", "other_load", "best",
+    "draft_share", "propose_ms_per_step", "verify_ms_per_step", "accept_ms_per_step", "other_load", "best",
 )
 
 
@@ -137,7 +139,10 @@ def setting_row(method: str, k: int, tally: Tally, paired: Tally, baseline: Tall
 
     c, v = cost_terms(tally, baseline, k)
     alpha = 0.0 if math.isnan(tally.acceptance_rate) else tally.acceptance_rate
-    predicted = expected_speedup(alpha, k, c, v) if v > 0 else math.nan  # NaN if v is
+    share = min(_div(tally.drafts, tally.steps), 1.0) if tally.drafts else 0.0  # steps that drafted
+    # c: propose time per step (drafting or not) / K, so a drafting step's is c / share
+    predicted = (expected_speedup(alpha, k, c / share if share else 0.0, v, share)
+                 if v > 0 else math.nan)  # NaN if v is
     return {
         "method": method, "k": k, "runs": tally.runs, "tokens": tally.tokens,
         "seconds": tally.seconds, "tokens_per_s": tally.tokens_per_s,
@@ -149,7 +154,8 @@ def setting_row(method: str, k: int, tally: Tally, paired: Tally, baseline: Tall
         "acceptance_rate": tally.acceptance_rate,
         "mean_acceptance_length": tally.mean_acceptance_length,
         "tokens_per_step": _div(tally.decode_tokens, tally.steps),
-        "predicted_tokens_per_step": expected_tokens_per_step(alpha, k), "c": c, "v": v,
+        "predicted_tokens_per_step": expected_tokens_per_step(alpha, k, share), "c": c, "v": v,
+        "draft_share": share,
         "propose_ms_per_step": tally.per_step_ms(tally.propose_s),
         "verify_ms_per_step": tally.per_step_ms(tally.verify_s),
         "accept_ms_per_step": tally.per_step_ms(tally.accept_s),

@@ -51,10 +51,11 @@ this order (the most wanted first, so a timeout cuts the least), each written to
   draft yet; last, as the least wanted.
 
 Every speculative entry also says what the cost model (``engine/step/cost_model.py``)
-predicts of it (``cost_model``): from its measured acceptance rate and mean K, the
-independent-acceptance tokens per step, over its step's cost (propose, verify and accept,
-measured) relative to a target-only step; ``measured_over_predicted`` is its speedup over
-that prediction (issue 52's aim for the truncated draft: within 20%).
+predicts of it (``cost_model``): from its measured acceptance rate, mean K and the share of
+its steps that drafted, the independent-acceptance tokens per step, over its step's cost
+(propose, verify and accept, measured) relative to a target-only step;
+``measured_over_predicted`` is its speedup over that prediction (issue 52's aim for the
+truncated draft: within 20%).
 
 The speculative entries run at batch 1 with K drafts per step. An entry whose requests ended
 in error or whose proposer fell back to target-only is ``failed``; so is one that raised,
@@ -238,18 +239,20 @@ def step_seconds(t: StepTimes) -> float:
 
 
 def predicted(p: Pass, reference: Pass, speedup: float) -> dict:
-    """What the cost model says of a speculative pass: ``expected_speedup(alpha, K, c, v)``
-    with its measured acceptance rate ``alpha``, its mean K (draft tokens per draft), the
-    draft's cost per drafted token ``c`` and the verify's (with the acceptance) ``v``, both
-    relative to a step of ``reference`` (target-only); against the measured speedup."""
+    """What the cost model says of a speculative pass: ``expected_speedup(alpha, K, c, v,
+    share)`` with its measured acceptance rate ``alpha``, its mean K (draft tokens per draft),
+    the draft's cost per drafted token ``c`` and the verify's (with the acceptance) ``v``, both
+    relative to a step of ``reference`` (target-only), and the share of its steps that drafted
+    (one row a step: n-gram drafts only where it finds a match); against the measured speedup."""
     decode = step_seconds(reference.times)
     k = p.drafts.num_draft_tokens / p.drafts.num_drafts
     c = p.times.propose_s / max(p.drafts.num_draft_tokens, 1) / decode
     v = (p.times.verify_s + p.times.accept_s) / p.times.steps / decode
     alpha = min(p.drafts.acceptance_rate, 1.0)
-    expected = expected_speedup(alpha, round(k), c, v) if v > 0 else None
+    share = min(p.drafts.num_drafts / p.times.steps, 1.0)
+    expected = expected_speedup(alpha, round(k), c, v, share) if v > 0 else None
     return {"alpha": round(alpha, 4), "mean_k": round(k, 3), "c": round(c, 4), "v": round(v, 4),
-            "predicted_speedup": round(expected, 3) if expected else None,
+            "share": round(share, 4), "predicted_speedup": round(expected, 3) if expected else None,
             "measured_over_predicted": round(speedup / expected, 3) if expected else None}
 
 

@@ -318,3 +318,17 @@ def test_probes_draft_twice_the_current_k_not_the_whole_budget():
         ctl.steps = 3  # plan() counts this step as the 4th: a probe step
         ctl.cfg = ctl.cfg.model_copy(update={"enabled": False})  # keep K where it was set
         assert sorted(ctl.plan(rows)) == sorted([k, k, probe])
+
+
+def test_the_cost_model_counts_the_steps_that_do_not_draft():
+    """``share``: a proposer that drafts on a share of the steps (n-gram: where it finds a
+    match) emits one token on each of the others; at share 1 the formula is Leviathan's."""
+    import doctest
+
+    from specserve.engine.step import cost_model
+    from specserve.engine.step.cost_model import expected_speedup, expected_tokens_per_step
+
+    assert doctest.testmod(cost_model).failed == 0
+    assert expected_tokens_per_step(0.5, 2, share=0.5) == pytest.approx(0.5 * 1.75 + 0.5)
+    assert expected_speedup(0.5, 2, 0.1, 1.0, share=0.0) == pytest.approx(1.0)  # never drafts
+    assert expected_speedup(0.5, 2, 0.1, 1.0, share=1.0) == expected_speedup(0.5, 2, 0.1, 1.0)

@@ -301,6 +301,12 @@ def test_bench_speculative_rows_cost_model_and_best():
     from specserve.engine.step.cost_model import expected_speedup
 
     assert ngram2["predicted_speedup"] == pytest.approx(expected_speedup(0.75, 2, c, v))
+    # n-gram at K = 1 drafted in 50 of its 60 steps: the other 10 emit one token each
+    ngram1 = next(r for r in rows if r["method"] == "ngram" and r["k"] == 1)
+    c1, v1 = 0.06 / 60 / per_token, 3.0 / 60 / per_token
+    assert ngram1["draft_share"] == pytest.approx(50 / 60)
+    assert ngram1["predicted_tokens_per_step"] == pytest.approx(50 / 60 * 1.8 + 10 / 60)
+    assert ngram1["predicted_speedup"] == pytest.approx((50 / 60 * 1.8 + 10 / 60) / (c1 + v1))
     # the best is the fastest, not the longest acceptance
     assert [r for r in rows if r["best"]] == [ngram2]
 
