@@ -23,7 +23,9 @@ device tensor, a Python list as an index among them) and :attr:`DeviceDouble.to_
 (device-to-host copies and synchronising reads: ``.cpu()``, ``copy_`` out, ``tolist``,
 ``item``, ``int`` / ``float`` / ``bool``), so a test can hold the step to a budget of each
 (issue 52: one each way); and :attr:`DeviceDouble.waits`, the calls after which the host has
-waited for everything queued on the device: every read, every copy either way not made
+waited for everything queued on the device: every read (an op whose output's size depends on
+a device tensor's values among them: ``nonzero``, a boolean mask as an index, ``unique``,
+``repeat_interleave`` of device repeats without ``output_size``), every copy either way not made
 ``non_blocking`` (CUDA's pageable copies, and torch's blocking ones, wait for the stream:
 an implicit one, a list as an index, among them), ``torch.cuda.synchronize`` and an event's
 ``synchronize`` (:class:`torch.cuda.Event` is the double's here, so code that queues a copy
@@ -94,6 +96,10 @@ _HOST_DATA_FACTORIES = {"tensor", "as_tensor", "asarray", "from_numpy"}
 # Reads of a device tensor's values on the host: each waits for the device.
 _READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "__format__",
           "__array__"}
+# Ops whose output's shape depends on a device tensor's values: CUDA reads the count back
+# first, so each waits for the device (a boolean mask as an index, in _count, likewise).
+_SIZED_BY_VALUES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
+                    "bincount"}
 
 # Calls that move data between host and device, or read it back: never a mix.
 _TRANSFERS = {"to", "cuda", "cpu", "copy_", "tolist", "item", "__int__", "__float__", "__bool__",
@@ -194,6 +200,11 @@ class DeviceDouble(TorchFunctionMode):
         if name in _READS:
             self.to_host += 1
             self.waits += 1
+        elif name in _SIZED_BY_VALUES or (name == "where" and len(args) + len(kwargs) == 1) or (
+                name == "repeat_interleave" and "output_size" not in kwargs
+                and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), OnDevice)):
+            self.waits += 1
+            self.to_host += 1
         elif name == "copy_":
             dst, src = args[0], args[1]
             if isinstance(dst, OnDevice) != isinstance(src, OnDevice):
@@ -210,6 +221,11 @@ class DeviceDouble(TorchFunctionMode):
                 isinstance(index, tuple) and any(isinstance(x, list) for x in index))
             self.to_device += bool(host) or listed
             self.waits += bool(host) or listed
+            masks = [x for x in (index if isinstance(index, tuple) else (index,))
+                     if isinstance(x, OnDevice) and x.dtype == torch.bool]
+            if masks and name in ("__getitem__", "__setitem__", "index_put_"):
+                self.to_host += 1  # a mask's count (its nonzero) read back first
+                self.waits += 1
 
     @staticmethod
     def _transfer(name, args, kwargs):

@@ -18,9 +18,11 @@ from specserve.engine import spec_decode
 from specserve.engine.drafts.draft_model import DraftModelProposer
 from specserve.engine.drafts.eagle import EagleOptions, EagleProposer
 from specserve.engine.drafts.ngram import NgramProposer
+from specserve.engine.runtime import block_attention
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step import sampling
+from specserve.engine.step.penalties import history
 from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import Launched, ModelWorker, Verified
@@ -137,6 +139,32 @@ def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind, kerne
     if kernels == "compiled":  # the decodes and verifies ran in the bucket's graph
         assert (2, 8) in runtime.static.buckets
     assert all(w <= ceiling for w, ceiling in zip(worst, TRAFFIC_CEILING)), worst
+
+
+# A model-drafted step's waits: the proposal's read (and an unseeded row's q: ids and
+# probabilities), one per sampler call, and an EAGLE head's kept features (one read a step).
+DRAFTED_WAITS = {("draft_model", "greedy"): 2, ("draft_model", "unseeded"): 4,
+                 ("eagle", "greedy"): 3, ("eagle", "unseeded"): 5}
+
+
+@pytest.mark.parametrize(("method", "kind"), list(DRAFTED_WAITS))
+def test_a_model_drafted_step_waits_only_for_what_it_reads(target_hf, method, kind):
+    """Two rows drafted by a draft model or an EAGLE head, everything on the double's
+    device: the most waits in one step (every one of them a read the step needs). A Python
+    list as an index, a factory from host data, a pageable ``.to`` each waited too: 4 to 26
+    waits a proposal, once per draft token and sampled row (issue 52)."""
+    with DeviceDouble() as double:
+        engine = _engine(target_hf, method, device=True)
+        for prompt in prompts(2, seed=5):
+            engine.add_request(prompt, KINDS[kind])
+        engine.step()  # the prefill
+        worst = 0
+        while engine.has_unfinished():
+            waits = double.waits
+            engine.step()
+            worst = max(worst, double.waits - waits)
+    assert engine.counters.spec.num_draft_tokens > 0
+    assert worst == DRAFTED_WAITS[method, kind], worst
 
 
 @pytest.mark.parametrize("kernels", ["library", "compiled"])
@@ -267,6 +295,41 @@ def test_the_engine_launches_each_decode_step_before_it_reads_the_last(target_hf
     assert "length" in ends.values() and len(tokens) == 5 and all(tokens.values())
 
 
+def test_penalties_and_a_drafts_q_go_to_the_device_without_a_wait(target_hf):
+    """A verify of an unseeded row with a model draft's q (its top-k ids and probabilities)
+    and a seeded one, both under penalties: their token ids, prompt and q go up queued, and
+    the verify waits for the device only for its result (one ``.to`` each was a pageable
+    copy: a wait apiece, once per row and step). It waits twice, once per sampler call (the
+    seeded kind's and the unseeded one's), as every verify does (test_host_device_traffic_*)."""
+    penalized = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.1)
+    unseeded = SamplingParams(temperature=0.8, **penalized)
+    seeded = SamplingParams(temperature=0.8, seed=5, **penalized)
+    q = TopK(torch.tensor([[5, 6], [7, 8]]), torch.tensor([[0.6, 0.4], [0.5, 0.5]]))
+    with DeviceDouble() as double:
+        worker = _worker(runtime_of(target_hf), device=True)
+        slots = [worker.allocate(), worker.allocate()]
+        batch = VerifyBatch(slots, [[3, 4, 5, 7], [3, 4, 9]], [Proposal([5, 7], q), Proposal([9])],
+                            [(unseeded, 1), (seeded, 2)],
+                            histories=[history(unseeded, [3, 4], [4]), history(seeded, [3], [4])])
+        waits, copies = double.waits, double.to_device
+        verified = worker.verify(batch)
+        assert double.waits - waits == 2 and double.to_device - copies >= 3
+    assert [1 <= len(v.emitted) <= 3 for v in verified.verdicts] == [True, True]
+
+
+def test_flex_attentions_key_blocks_go_up_in_one_queued_copy():
+    """The library path's FlexAttention inputs (``ForwardContext.key_blocks``, made on the
+    host once a forward): one copy, no wait (a ``.to`` per tensor was six pageable copies, a
+    wait each, in every forward of a draft model on a GPU)."""
+    blocks = block_attention.key_blocks(torch.tensor([[70, 71], [5, 6]]), torch.tensor([70, 6]),
+                                        torch.tensor([[3], [0]]), num_kv_heads=2, block_len=128)
+    with DeviceDouble() as double:
+        moved = blocks.to(torch.device("cuda", 0))
+        assert (double.to_device, double.waits) == (1, 0)
+        assert isinstance(moved.indices, OnDevice) and moved.indices.dtype == torch.int32
+        assert torch.equal(moved.indices.cpu(), blocks.indices) and torch.equal(moved.last.cpu(), blocks.last)
+
+
 def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):
     """The sampler's per-row temperatures on the host (as before issue 21) next to logits on
     the device: the double raises, as CUDA would."""
@@ -309,6 +372,14 @@ def test_the_double_counts_copies_and_reads_each_way():
         x.cpu(), x.tolist(), int(x[0, 0]), bool(x[0, 0] > 0)   # four reads
         torch.empty(3, 4).copy_(x)                             # a copy down
         assert (double.to_device, double.to_host) == (3, 5)
+        # an output sized by a device tensor's values: its count read back first (a wait)
+        waits, mask = double.waits, x > 0
+        _ = x[mask], mask.nonzero(), torch.where(mask), ids.repeat_interleave(ids)
+        x[mask] = 0.0
+        assert double.waits - waits == 5
+        _ = x.flatten()[ids], torch.where(mask, x, 1.0), ids.repeat_interleave(ids, output_size=2)
+        x.view(-1)[ids] = 1.0                                  # an index, a select: no wait
+        assert double.waits - waits == 5
 
 
 def test_a_device_tensor_cannot_cross_a_process_boundary():

@@ -281,17 +281,23 @@ class Launched:
                 verdicts[i] = replace(verdicts[i], prompt_logprobs=prompt_token_logprobs(
                     logp, prompt[1:], self.judged.rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = chunk_hidden = None
-        if self.hidden is not None:
-            per_row = self.hidden.split([len(ids) for ids in batch.token_ids]
-                                        + [len(ids) for _, ids in batch.chunks])
-            kept = [_kept_rows(h, p, v).cpu() for h, p, v in zip(per_row, batch.proposals, verdicts)]
-            chunk_hidden = [h.cpu() for h in per_row[len(batch.token_ids):]]
+        if self.hidden is not None:  # every row's kept states and the chunks', in one read
+            picks, start = [], 0
+            for ids, p, v in zip(batch.token_ids, batch.proposals, verdicts):
+                picks.append([start + j for j in _kept_rows(len(ids), p, v)])
+                start += len(ids)
+            for _, ids in batch.chunks:
+                picks.append(list(range(start, start + len(ids))))
+                start += len(ids)
+            flat = self.hidden[device_index([j for row in picks for j in row], self.hidden.device)]
+            parts = list(flat.cpu().split([len(row) for row in picks]))
+            kept, chunk_hidden = parts[:len(batch.token_ids)], parts[len(batch.token_ids):]
         return Verified(verdicts, kept, *self.clock.split(), chunk_hidden)
 
 
-def _kept_rows(hidden: torch.Tensor, proposal: Proposal, verdict: Verdict) -> torch.Tensor:
-    """A row's hidden states of the tokens it keeps: those before the drafts, then the
-    accepted drafts (a tree's in the order of its kept path, as a chain's would be)."""
-    before = hidden.shape[0] - len(proposal.token_ids)
+def _kept_rows(num_tokens: int, proposal: Proposal, verdict: Verdict) -> list[int]:
+    """Of a row's ``num_tokens`` new tokens, those it keeps: the ones before the drafts, then
+    the accepted drafts (a tree's in the order of its kept path, as a chain's would be)."""
+    before = num_tokens - len(proposal.token_ids)
     accepted = verdict.path if verdict.path is not None else range(verdict.num_accepted)
-    return hidden[[*range(before), *(before + n for n in accepted)]]
+    return [*range(before), *(before + n for n in accepted)]

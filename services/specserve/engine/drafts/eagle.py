@@ -24,13 +24,15 @@ with its parent's predicted feature and masked to its ancestors in the head's ca
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specserve.config import PROPOSER_OPTIONS
 from specserve.engine.drafts.draft_model import DraftModelProposer
 from specserve.engine.drafts.tree_growth import TreeGrowth
 from specserve.engine.grammar import allocate_bitmask, masked
-from specserve.engine.runtime.forward_batch import ForwardBatch
+from specserve.engine.runtime.forward_batch import ForwardBatch, device_index, queued
 from specserve.engine.step.proposal import DraftRequest, Proposal
 from specserve.engine.step.sampling import compute_probs_rows, draft_view
 from specserve.errors import InvalidRequestError
@@ -182,7 +184,7 @@ class EagleProposer(DraftModelProposer):
         tokens = [t for t, _ in feeds]
         out = self.worker.forward(ForwardBatch(slots, tokens, [1] * len(feeds), fed=fed,
                                                features=torch.cat([f for _, f in feeds]), hidden=True))
-        last = torch.tensor([len(t) for t in tokens], device=out.hidden.device).cumsum(0) - 1
+        last = device_index(list(itertools.accumulate(len(t) for t in tokens)), out.hidden.device) - 1
         return out.logits, out.hidden[last]  # f-hat at each row's newest position
 
     def _catch_up(self, r: DraftRequest) -> tuple[list[int], torch.Tensor] | None:
@@ -199,8 +201,9 @@ class EagleProposer(DraftModelProposer):
         self.real[seq] = n
         # Features arrive on the CPU from a remote target; the head may sit on a GPU. An
         # EAGLE-3 head fuses the target layers' states into its own feature first.
-        head = self.worker.runtime
-        return r.token_ids[real + 1:n + 1], head.from_target(features[:use].to(head.embed.weight))
+        head = self.worker.runtime  # (queued: a pageable copy would wait for the device)
+        up = queued(features[:use], head.embed.weight.device).to(head.embed.weight.dtype)
+        return r.token_ids[real + 1:n + 1], head.from_target(up)
 
 
 def _path(tree: TreeGrowth, node: int) -> list[int]:

@@ -63,6 +63,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from specserve.engine.runtime.forward_batch import Upload
 from specserve.engine.runtime.kernels import KV_BLOCK
 
 KEY_BLOCK = KV_BLOCK  # keys per block: the cache's own allocation unit, so a slot is whole blocks
@@ -89,9 +90,15 @@ class KeyBlocks:
     table: torch.Tensor | None = None  # paged: [B, W] int64 each row's blocks (base is None)
 
     def to(self, device: torch.device) -> KeyBlocks:
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
-        return dataclasses.replace(self, **moved)
+        """On ``device``, made on the host: in one queued copy (an :class:`Upload`; one
+        ``.to`` per tensor would be as many pageable copies, each a wait for the device)."""
+        names = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        if all(getattr(self, name).device == torch.device(device) for name in names):
+            return self
+        upload = Upload()
+        index = {name: upload.add(getattr(self, name)) for name in names}
+        upload.send(device)
+        return dataclasses.replace(self, **{name: upload[i] for name, i in index.items()})
 
 
 def storage_view(storage: torch.Tensor) -> torch.Tensor:

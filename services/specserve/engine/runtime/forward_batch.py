@@ -236,9 +236,9 @@ class HostCopy:
 def queued(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``host`` copied to ``device`` without waiting: on CUDA through pinned memory, queued
     (a pageable copy, or a blocking one, waits for everything queued on the device first:
-    issue 52's overlap would be lost)."""
+    issue 52's overlap would be lost). A tensor on a device already goes as ``.to`` sends it."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
+    if device.type == "cuda" and host.device.type == "cpu" and torch.cuda.is_available():
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 

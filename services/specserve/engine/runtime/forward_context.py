@@ -28,6 +28,9 @@ class ForwardContext:
     cos: torch.Tensor              # [B, T, 1, D]
     sin: torch.Tensor              # [B, T, 1, D]
     valid: torch.Tensor            # [B, T] bool: real tokens, not padding
+    # [N] int64: each real token's index in [B * T] (``x.flatten(0, 1)[real]``: valid as an
+    # index without a boolean mask, which reads its count back from the device: a wait)
+    real: torch.Tensor
     write_slots: torch.Tensor      # [N] storage row of each real token (its slot, or block)
     write_positions: torch.Tensor  # [N] its offset there (its position, or in the block)
     kv_used: int                   # the longest (start + num_new) in the batch
@@ -217,15 +220,16 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
     # where each real token's key goes ([N] each: cache.locate), a tree's masks and bases.
     upload, table = upload or Upload(), cache.block_table(slots)
-    parts = [upload.add(x) for x in (tokens, table_pos, valid, *cache.locate(table, positions, valid),
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, valid.flatten().nonzero()[:, 0],
+                                     *cache.locate(table, positions, valid),
                                      positions, *(() if tree is None else (tree, tree_starts)))]
     upload.send(device)
-    tokens_d, table_pos_d, valid_d, write_slots, write_positions, positions_d, *tree_d = (
+    tokens_d, table_pos_d, valid_d, real, write_slots, write_positions, positions_d, *tree_d = (
         upload[i] for i in parts)
     cos = rope_cos[table_pos_d].unsqueeze(2)        # [B, T, 1, D]
     sin = rope_sin[table_pos_d].unsqueeze(2)
     ctx = ForwardContext(
-        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d,
+        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d, real=real,
         write_slots=write_slots, write_positions=write_positions,
         kv_used=kv_used, positions=positions, window=window, tree=tree,
         tree_starts=tree_starts, lens=torch.tensor(lens), table=table,

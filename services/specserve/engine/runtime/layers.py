@@ -102,7 +102,8 @@ class Attention(nn.Module):
         """``[B, T, H * D]`` attention outputs, in torch ops (the fallback and ``library``)."""
         q, k, v = self._qkv(x, ctx.cos, ctx.sin)
         # Only real (non-padding) tokens are written: [N, Hk, D] at (slot, position).
-        cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions, k[ctx.valid], v[ctx.valid])
+        cache.write(self.layer_idx, ctx.write_slots, ctx.write_positions,
+                    k.flatten(0, 1)[ctx.real], v.flatten(0, 1)[ctx.real])
         if self.invariant:
             keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_len)  # [B, Hk, S, D]
             hidden = ctx.hidden_keys(self.num_heads // self.num_kv_heads, window)

@@ -246,16 +246,16 @@ class LlamaRuntime(nn.Module):
         head = self._head_shape(ctx, *x.shape[:2])
         own = self._own_features(batch.hidden)
         if head is not None:
-            logits, hidden = self._padded_head(x, head, rows, cols, ctx.valid, batch.hidden and not own)
-            return logits, (self._features(x, captured)[ctx.valid] if own else hidden), None
+            logits, hidden = self._padded_head(x, head, rows, cols, ctx.real, batch.hidden and not own)
+            return logits, (self._features(x, captured).flatten(0, 1)[ctx.real] if own else hidden), None
         if not batch.hidden:
             return self.logits(self.final_norm(x[rows, cols])), None, None
         if own:
             return (self.logits(self.final_norm(x[rows, cols])),
-                    self._features(x, captured)[ctx.valid], None)
-        hidden = self.final_norm(x[ctx.valid])  # [sum(len), hidden]
+                    self._features(x, captured).flatten(0, 1)[ctx.real], None)
+        hidden = self.final_norm(x.flatten(0, 1)[ctx.real])  # [sum(len), hidden]
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
-        index[ctx.valid] = torch.arange(hidden.shape[0], device=x.device)
+        index.view(-1)[ctx.real] = torch.arange(hidden.shape[0], device=x.device)
         return self.logits(hidden[index[rows, cols]]), hidden, None
 
     def _layers(self, x: torch.Tensor, ctx, cache: SlotKVCache,
@@ -292,7 +292,7 @@ class LlamaRuntime(nn.Module):
         model that takes them, per-token ``features`` in row order (:meth:`_embedded`)."""
         if features is not None:
             padded = features.new_zeros(*tokens.shape, features.shape[-1])  # [B, T, width]
-            padded[ctx.valid] = features
+            padded.view(-1, features.shape[-1])[ctx.real] = features
             features = padded
         return self._embedded(tokens, features)
 
@@ -331,7 +331,7 @@ class LlamaRuntime(nn.Module):
         return None
 
     def _padded_head(self, x: torch.Tensor, shape: tuple[int, int], rows: torch.Tensor,
-                     cols: torch.Tensor, valid: torch.Tensor, hidden: bool
+                     cols: torch.Tensor, real: torch.Tensor, hidden: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`'s logits, and with ``hidden`` the final normed hidden states, with
         the final norm and LM head run over every position of ``shape`` (:meth:`_head_shape`;
@@ -341,7 +341,7 @@ class LlamaRuntime(nn.Module):
         padded[:b, :t] = x
         normed = self.final_norm(padded)
         logits = self.lm_head(normed.flatten(0, 1))[rows * shape[1] + cols].float()
-        return logits, normed[:b, :t][valid] if hidden else None
+        return logits, normed[:b, :t].flatten(0, 1)[real] if hidden else None
 
     def _prepare(self, cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
                  trees: list[list[int] | None] | None = None, upload: Upload | None = None

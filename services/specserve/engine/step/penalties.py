@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SamplingParams
+from specserve.engine.runtime.forward_batch import queued
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,18 @@ def penalize(logits: torch.Tensor, params: SamplingParams, past: History,
     for j, prefix in enumerate(prefixes(token_ids, parents)):
         rows += [j] * len(prefix)
         tokens += prefix
-    pairs = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device)
+    pairs = queued(torch.tensor([rows, tokens], dtype=torch.long), logits.device)
     counts = output_counts(past.output, vocab, logits.device).to(logits.dtype).expand(n, vocab).clone()
     counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=logits.dtype),
                       accumulate=True)
-    prompt = torch.tensor(past.prompt, dtype=torch.long).to(logits.device)
+    prompt = queued(torch.tensor(past.prompt, dtype=torch.long), logits.device)
     return apply_penalties(logits, params, counts, prompt)
 
 
 def output_counts(output: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
     """``[1, V]`` float32: each token's count in ``output``, on ``device`` (one copy)."""
     counts = torch.zeros(1, vocab, device=device)
-    ids = torch.tensor(output, dtype=torch.long).to(device)
+    ids = queued(torch.tensor(output, dtype=torch.long), device)
     return counts.index_add_(1, ids, torch.ones(1, len(output), device=device))
 
 
@@ -107,7 +108,7 @@ class DraftCounts:
         self.params = params
         past = history(params, token_ids[:output_start], token_ids[output_start:])
         self.counts = output_counts(past.output, vocab, device)
-        self.prompt = torch.tensor(past.prompt, dtype=torch.long).to(device)
+        self.prompt = queued(torch.tensor(past.prompt, dtype=torch.long), device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[1, V]`` penalized for the output and the drafts so far."""

@@ -14,6 +14,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import GrammarSpec
+from specserve.engine.runtime.forward_batch import queued
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -65,8 +66,8 @@ class TopK:
 
     def dense(self, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[n, vocab]`` float32 q on ``device``: zero outside each row's k ids."""
-        ids = self.ids.to(device, torch.long)
-        return torch.zeros(len(self), vocab, device=device).scatter_(1, ids, self.probs.to(device))
+        ids, probs = queued(self.ids.long(), device), queued(self.probs, device)  # no wait
+        return torch.zeros(len(self), vocab, device=device).scatter_(1, ids, probs)
 
     def __getstate__(self) -> tuple:
         return tuple(self.ids.shape), self.ids.numpy().tobytes(), self.probs.numpy().tobytes()

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.engine.runtime import native
+from specserve.engine.runtime.forward_batch import queued
 
 
 def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -99,7 +100,7 @@ def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int]
     assert all(p.temperature > 0 for p in params), "greedy rows have no sampling distribution"
     truncate = any(p.top_k > 0 or p.top_p < 1 for p in params)
     if settings is None:
-        settings = settings_host(params, counts).to(logits.device)
+        settings = queued(settings_host(params, counts), logits.device)
     min_p = settings[:, 3].float() if any(p.min_p > 0 for p in params) else None
     return compute_probs(logits, settings[:, 0].float(), settings[:, 1].long(),
                          settings[:, 2].float(), min_p=min_p, truncate=truncate)  # [sum(counts), V]
@@ -200,7 +201,7 @@ def exponential_noise(keys: list[int] | torch.Tensor, vocab: int,
     rare entry may differ from this path's in the last place too. Either way a process
     computes every row with one of them."""
     if not isinstance(keys, torch.Tensor):
-        keys = noise_keys(keys).to(device)
+        keys = queued(noise_keys(keys), device)
     if torch.device(device).type == "cpu" and native.library() is not None:
         return native.exponential_noise(keys, vocab)
     key = keys[:, None]

@@ -40,7 +40,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
-from specserve.engine.runtime.forward_batch import Upload, device_index
+from specserve.engine.runtime.forward_batch import Upload, device_index, queued
 from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     RejectionOutput,
@@ -112,6 +112,9 @@ class KindInputs:
             parts["settings"] = settings_host([r.params for r in rows], counts)
             parts["keys"] = noise_keys([noise_key(r.sample_seed, r.position + j)
                                         for r, n in zip(rows, counts) for j in range(n)])
+        if kind == "seeded":  # where each key's draw goes in [B, K + 1] (row-major: as drawn)
+            parts["drawn_at"] = torch.tensor([i * max(counts) + j for i, n in enumerate(counts)
+                                              for j in range(n)], dtype=torch.long)
         if kind == "unseeded":
             parts["uniform"] = torch.tensor(
                 [[position_uniform(r.sample_seed, r.position + j) if j < n - 1 else 1.0
@@ -379,8 +382,7 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
     # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
     drawn = exponential_noise(on["keys"], p.shape[-1], p.device)  # [sum(K_i + 1), V]
     noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
-    width = torch.arange(p.shape[1], device=p.device)[None, :]
-    noise[width < (num_draft_tokens + 1)[:, None]] = drawn  # row-major, as drawn
+    noise.view(-1, p.shape[-1])[on["drawn_at"]] = drawn  # (an index, not a mask: no wait)
     return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
 
 
@@ -457,7 +459,7 @@ def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
         if isinstance(p.probs, TopK):
             q[i, :n] = p.probs.dense(vocab, device)  # [n, V]
         elif p.probs is not None:
-            q[i, :n] = p.probs.to(device)
+            q[i, :n] = queued(p.probs, device)
         elif n:
             q[i, torch.arange(n, device=device), draft_token_ids[i, :n]] = 1.0
     return q
