@@ -143,8 +143,10 @@ def test_host_device_traffic_per_step_is_counted_and_held(target_hf, kind, kerne
 
 # A model-drafted step's waits: the proposal's read (and an unseeded row's q: ids and
 # probabilities), one per sampler call, and an EAGLE head's kept features (one read a step).
+# An EAGLE tree also reads each level's top-k (one read per tree and level; it was two per
+# node) and its acceptance per row, and moves the kept path in the cache.
 DRAFTED_WAITS = {("draft_model", "greedy"): 2, ("draft_model", "unseeded"): 4,
-                 ("eagle", "greedy"): 3, ("eagle", "unseeded"): 5}
+                 ("eagle", "greedy"): 3, ("eagle", "unseeded"): 5, ("eagle-tree", "greedy"): 9}
 
 
 @pytest.mark.parametrize(("method", "kind"), list(DRAFTED_WAITS))

@@ -61,7 +61,8 @@ class TreeGrowth:
         self.num_fed = 1                # the draft's tree of fed tokens: the root, then the fed nodes
         self.fed_parents = [-1]         # ... their parents within it
         self.depth = 1
-        self._add_children(-1, 0.0, 1, root_logprobs, root_feature)
+        [(values, ids)] = self._top(root_logprobs[None])
+        self._add_children(-1, 0.0, 1, values, ids, root_feature)
         self._pick_frontier(1)
 
     def feed(self) -> tuple[list[int], list, list[int]]:
@@ -81,8 +82,8 @@ class TreeGrowth:
         and each fed node's own output feature (``features[j]``, what its children read)."""
         assert logprobs.ndim == 2 and logprobs.shape[0] == len(self.frontier)
         self.depth += 1
-        for j, i in enumerate(self.frontier):
-            self._add_children(i, self.nodes[i].score, self.depth, logprobs[j], features[j])
+        for j, (i, (values, ids)) in enumerate(zip(self.frontier, self._top(logprobs))):
+            self._add_children(i, self.nodes[i].score, self.depth, values, ids, features[j])
         self._pick_frontier(self.depth)
 
     def proposal(self) -> tuple[list[int], list[int] | None]:
@@ -94,14 +95,22 @@ class TreeGrowth:
         chain = parents == list(range(-1, len(parents) - 1))
         return [self.nodes[i].token for i in order], None if chain else parents
 
-    def _add_children(self, parent: int, score: float, depth: int, logprobs: torch.Tensor,
-                      feature) -> None:
-        """``topk`` likeliest children of ``parent``; tokens the draft gives no probability
-        (outside its vocabulary, or cut by the request's top-k / top-p) are not drafted."""
-        values, ids = logprobs.topk(min(self.topk, logprobs.shape[0]))
-        for value, token in zip(values.tolist(), ids.tolist()):
+    def _top(self, logprobs: torch.Tensor) -> list[tuple[list[float], list[int]]]:
+        """Each row's ``topk`` likeliest tokens of ``logprobs`` ``[n, V]``: their log-probabilities
+        and ids, read back in one read for the level (a read per node and kind waited for the
+        device each time: issue 52). Both travel as float64, which holds either exactly."""
+        values, ids = logprobs.topk(min(self.topk, logprobs.shape[-1]), dim=-1)   # [n, k]
+        both = torch.stack([values.double(), ids.double()], dim=1).tolist()       # [n][2][k]
+        return [(v, [int(t) for t in i]) for v, i in both]
+
+    def _add_children(self, parent: int, score: float, depth: int, values: list[float],
+                      ids: list[int], feature) -> None:
+        """The ``topk`` likeliest children of ``parent`` (``_top``'s); tokens the draft gives
+        no probability (outside its vocabulary, or cut by the request's top-k / top-p) are not
+        drafted."""
+        for value, token in zip(values, ids):
             if value > float("-inf"):
-                self.nodes.append(Node(int(token), parent, score + value, depth, feature))
+                self.nodes.append(Node(token, parent, score + value, depth, feature))
 
     def _pick_frontier(self, depth: int) -> None:
         ranked = self._ranked()[:self.budget - 1]  # whose children could still be drafted
