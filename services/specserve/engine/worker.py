@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import KVCacheConfig
 from specserve.engine.kv.kv_cache import SlotTable
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index, row_index
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.acceptance import RejectionOutput
@@ -266,9 +266,7 @@ class Launched:
         """``[followers]``: the last token each row of ``batch`` that follows this verify
         (:attr:`VerifyBatch.follows`) emitted here, on the device."""
         last, picked = self.judged.last_tokens(), [batch.follows[i] for i in batch.followers]
-        if picked == list(range(last.shape[0])):
-            return last
-        return last[device_index(picked, last.device)]
+        return last[row_index(picked, last.shape[0], last.device)]
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read

@@ -31,7 +31,7 @@ import torch
 from specserve.config import PROPOSER_OPTIONS
 from specserve.engine.drafts.base import Proposer
 from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask, masked
-from specserve.engine.runtime.forward_batch import ForwardBatch, device_index
+from specserve.engine.runtime.forward_batch import ForwardBatch, queued, row_index
 from specserve.engine.step.penalties import DraftCounts
 from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.sampling import (
@@ -177,7 +177,8 @@ class DraftModelProposer(Proposer):
             drawn.append((rows, tokens, top))
             keep = [j for j, i in enumerate(rows) if i not in silent and requests[i].k > len(drawn)]
             feeds = {rows[j]: ([0], None if predicted is None else predicted[j:j + 1]) for j in keep}
-            rows, fed = [rows[j] for j in keep], tokens[_at(keep, len(rows), tokens.device)] if keep else None
+            fed = tokens[row_index(keep, len(rows), tokens.device)] if keep else None
+            rows = [rows[j] for j in keep]
         drafts: list[list[int]] = [[] for _ in requests]
         qs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests]
         if not drawn:
@@ -253,7 +254,7 @@ class DraftModelProposer(Proposer):
         outs = [self._forward([slots[j] for j in rows], [feeds[j] for j in rows])
                 for rows in groups.values()]
         order = torch.tensor([j for rows in groups.values() for j in rows])
-        back = device_index(order.argsort().tolist(), outs[0][0].device)  # row j's place in the groups' order
+        back = queued(order.argsort(), outs[0][0].device)  # row j's place in the groups' order
         logits = torch.cat([x for x, _ in outs])[back]
         features = None if outs[0][1] is None else torch.cat([f for _, f in outs])[back]
         return logits, features
@@ -307,7 +308,7 @@ class DraftModelProposer(Proposer):
         sampled = [j for j, r in enumerate(requests) if r.params.temperature > 0]
         if not sampled:
             return tokens, None
-        reqs, at = [requests[j] for j in sampled], _at(sampled, len(requests), device)
+        reqs, at = [requests[j] for j in sampled], row_index(sampled, len(requests), device)
         q = compute_probs_each(logits[at], [r.params for r in reqs])  # [n, V_target]
         # A seeded request is verified drafter-invariantly: its draft samples with the
         # target's noise of each position (``sampling.NOISE``) and sends no q.
@@ -318,7 +319,7 @@ class DraftModelProposer(Proposer):
         free = [n for n, r in enumerate(reqs) if r.params.seed is None]
         top = None
         if free:
-            some = _at(free, len(reqs), device)
+            some = row_index(free, len(reqs), device)
             probs, ids = q[some].topk(min(self.q_top_k, q.shape[-1]), dim=-1)  # [m, k]
             probs = probs / probs.sum(dim=-1, keepdim=True)
             choice = sample_from(probs, noise[some].gather(1, ids))            # [m]
@@ -363,10 +364,3 @@ def _proposals(drafts: list[list[int]], qs: list[list[tuple[torch.Tensor, torch.
                ) -> list[Proposal]:
     return [Proposal(d, TopK(torch.stack([i for i, _ in q]), torch.stack([p for _, p in q]))
                      if q else None) for d, q in zip(drafts, qs)]
-
-
-def _at(rows: list[int], n: int, device: torch.device) -> slice | torch.Tensor:
-    """``rows`` of a device tensor of ``n`` rows as an index that waits for nothing: every
-    row a slice, some a queued device index (a Python list as an index is a pageable copy,
-    which waits for the device: once per draft token, issue 52)."""
-    return slice(None) if rows == list(range(n)) else device_index(rows, device)
