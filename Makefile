@@ -129,6 +129,9 @@ bench-gpu: ## On a GPU machine (no install): kernels library vs compiled (CUDA g
 gpu-check: ## On a lent GPU machine (no install, no network): PHASE=quick|bench|step|full|paged|all|next, files into GPU_OUT (docs/GPU.md)
 	$(GPU_PY) load/gpu_check.py --phase $(PHASE) --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
+gpu-rehearsal: install ## Before a GPU window: every gpu-check phase's dry run on the CPU (make test runs all's alone)
+	SPECSERVE_GPU_REHEARSAL=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -p no:xdist -q tests/load/test_gpu_check.py
+
 gpu-wheels: ## Download the wheels gpu-check needs and the GPU machine lacks into .whl/ (its Python 3.12)
 	rm -rf .whl && mkdir .whl
 	$(GPU_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -183,4 +186,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate gpu-check gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire bench-grammar bench-sampling dashboards rules prometheus helm-lint helm-schema golden
+.PHONY: help install serve test lint load generate gpu-check gpu-rehearsal gpu-wheels bench-engine llama-cpp bench-http bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire bench-grammar bench-sampling dashboards rules prometheus helm-lint helm-schema golden

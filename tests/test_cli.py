@@ -50,13 +50,13 @@ def test_serve_says_what_it_speculates_with(monkeypatch, capsys, tmp_path):
     import copy
 
     import yaml
-    from specserve import cli
     from specserve.app_config import AppConfig
     from specserve.engine.drafts import draft_head
+    from specserve.serve import server
 
     shipped = yaml.safe_load(open("deploy/serve_config.yaml"))["applications"][0]["args"]
-    assert cli._default_draft_or_ngram(shipped) is shipped
-    line = cli._speculation_line(AppConfig.model_validate(shipped))
+    assert server._default_draft_or_ngram(shipped) is shipped
+    line = server._speculation_line(AppConfig.model_validate(shipped))
     assert line.startswith("speculation: suffix (suffix decoding") and "K up to 8" in line
     assert "caches the unit's last 256 responses in memory" in line
 
@@ -64,18 +64,18 @@ def test_serve_says_what_it_speculates_with(monkeypatch, capsys, tmp_path):
     args["unit"]["engine"]["speculative"] |= {"method": "eagle", "first": "suffix",
                                               "num_speculative_tokens": 4,
                                               "draft": {"source": draft_head.EMBEDDED_DRAFT}}
-    assert cli._default_draft_or_ngram(args) is args  # the draft is there: used as configured
-    line = cli._speculation_line(AppConfig.model_validate(args))
+    assert server._default_draft_or_ngram(args) is args  # the draft is there: used as configured
+    line = server._speculation_line(AppConfig.model_validate(args))
     assert line.startswith("speculation: eagle, suffix first") and "embedded-eagle" in line
     assert "acceptance" in line and "at batch 1" in line  # from its eval.json
     assert capsys.readouterr().out == ""
 
     monkeypatch.setattr(draft_head, "EMBEDDED_DRAFT_DIR", tmp_path / "absent")
-    fallback = cli._default_draft_or_ngram(args)
+    fallback = server._default_draft_or_ngram(args)
     assert "not installed" in capsys.readouterr().out
     spec = fallback["unit"]["engine"]["speculative"]
     assert spec["method"] == "suffix" and "draft" not in spec and "first" not in spec
-    assert cli._speculation_line(AppConfig.model_validate(fallback)).startswith("speculation: suffix")
+    assert server._speculation_line(AppConfig.model_validate(fallback)).startswith("speculation: suffix")
     assert args["unit"]["engine"]["speculative"]["method"] == "eagle"  # the input is untouched
 
 
@@ -94,7 +94,7 @@ def test_serve_refuses_a_taken_port_in_one_line_naming_its_holder(monkeypatch, c
     side of the supervisor): a taken ``--port`` or ``--metrics-port`` is one line naming the
     flag, the address and the process holding it (this one), exit status 2.
     ``tests/serve/test_server_process.py`` shows it with real servers."""
-    from specserve.cli import SERVER_ENV
+    from specserve.serve.server import SERVER_ENV
 
     monkeypatch.setenv(SERVER_ENV, "1")
     holder = f"(pid {os.getpid()}: "
@@ -112,9 +112,10 @@ def test_serve_chooses_a_free_metrics_port_when_the_default_is_taken(monkeypatch
     a free one near it, said in one line that names the holder and what the Prometheus config
     scrapes. The check runs where nothing has started yet: it reads only the flags."""
     from specserve import cli
+    from specserve.serve import server
 
-    monkeypatch.setattr(cli, "DEFAULT_METRICS_PORT", listening)
-    chosen = cli._check_ports(cli.build_parser().parse_args(["serve", "--port", str(free_port())]))
+    monkeypatch.setattr(server, "DEFAULT_METRICS_PORT", listening)
+    chosen = server._check_ports(cli.build_parser().parse_args(["serve", "--port", str(free_port())]))
     out = capsys.readouterr().out
     assert chosen != listening and bind_error("127.0.0.1", chosen) is None
     assert out.count("\n") == 1 and out.startswith(

@@ -6,12 +6,18 @@ promises must be there with its keys, and at most 8 of them (the lent machine's 
 step killed at its timeout must be reported so and the next one run (the runner, with fake
 steps: a second dry run would double the test's time), and a missing module must skip only
 the steps that import it, with one line naming the fix.
+
+The engine phases' dry runs (``step``, ``full``, ``paged``: each a whole engine phase, 50 s
+together on a quiet 2-core machine, minutes of a loaded one's suite) are the rehearsal that
+``make gpu-rehearsal`` runs before a GPU window (docs/GPU.md), not the suite: ``all``'s dry
+run keeps the harness's plumbing, its files, budget and exit codes in every ``make test``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +32,9 @@ from load.gpu import preflight
 from load.gpu.runner import Step, Summary
 
 ROOT = Path(__file__).resolve().parents[2]
+# make gpu-rehearsal sets it: the engine phases' dry runs too.
+rehearsal = pytest.mark.skipif(os.environ.get("SPECSERVE_GPU_REHEARSAL") != "1",
+                               reason="an engine phase's dry run: `make gpu-rehearsal` (docs/GPU.md)")
 FILES = {"env.json", "tests.xml", "identity.json", "bench.json", "memory.json", "profile.txt",
          "log.txt", "summary.json"}
 
@@ -119,6 +128,7 @@ def dry_phase(phase: str, out: Path) -> None:
     assert {p.name for p in out.iterdir()} == {f"{phase}.json", "log.txt", "summary.json"}
 
 
+@rehearsal
 def test_step_phase_runs_the_engine_end_to_end(tmp_path):
     """``--phase step --dry-run``: its own phase (``all`` is at the 8 files already), every
     entry of ``step.json`` measured, and on the CPU's row-invariant kernels every speculative
@@ -170,6 +180,7 @@ def test_step_phase_runs_the_engine_end_to_end(tmp_path):
         assert abs(ratio * predicted - part["speedup"]) <= 6e-4 * (1 + ratio + predicted), part
 
 
+@rehearsal
 def test_full_phase_runs_the_host_entries_in_one_slot(tmp_path):
     """``--phase full --dry-run``: step.py's host and suffix entries in one slot (on a GPU the
     whole 8B shape, where the device's part of a step outweighs the host's), every one run
@@ -192,6 +203,7 @@ def test_union_of_intervals_counts_overlaps_once():
     assert union_us([]) == 0.0
 
 
+@rehearsal
 def test_paged_phase_compares_the_layouts_end_to_end(tmp_path):
     """``--phase paged --dry-run`` (issue 53): every entry of ``paged.json`` measured on the
     compiled path over FlexAttention with a shuffled pool: the decode and verify logits the

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ray import serve
-from specserve.cli import drain
+from specserve.serve.server import drain
 
 from tests.serve.conftest import deployed, unit_args
 from tests.serve.test_http import PROMPTS

@@ -1,7 +1,9 @@
 """``specserve serve`` as a user runs it: real processes, each with its own Ray, over real
 HTTP. A second server on a taken port is one line before Ray starts, or, on the default
 metrics port, serves on one it chooses; Ctrl-C and SIGTERM to the process group stop a server
-cleanly, our stop line last.
+cleanly, our stop line last. A server whose Ray dies or hangs, at start-up or serving, or whose
+supervisor dies with it, ends in one line within Ray's own bound, nothing of its session left
+(its guardian, specserve.serve.ray_watch); one whose Ray's agent lost its port is started again.
 
 Its own xdist group (tests/conftest.py): it uses none of the session's Serve apps, and its
 servers' start-ups (a Ray each, 3 minutes apiece on a busy 2-core machine) run beside the
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,8 +28,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP
+from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP, agent_ports
 from specserve.serve.ports import bind_error, parent
+from specserve.serve.ray_watch import POLL_S, children, node_death_bound_s, session_pids
 
 from tests.net import free_port
 from tests.serve.conftest import unit_args
@@ -241,3 +245,169 @@ def test_sigterm_to_the_whole_process_group_drains_and_exits_0(server, tiny_mode
     assert reply.status_code == 200, reply.text
     os.killpg(server.proc.pid, signal.SIGTERM)
     assert_stopped_cleanly(*server.finish())
+
+
+# -- Ray's death (issue 70) ----------------------------------------------------------------------
+# Each bound below is the server's own, from Ray's settings (ray_watch.node_death_bound_s: Ray's
+# health checks, 68.5 s with its defaults), never a guess at this machine's speed; a dead
+# process is seen within half a second of that.
+HELD_PORT = Path(__file__).parents[1] / "held_port"  # its sitecustomize: see its docstring
+
+
+def server_session(supervisor: Server) -> int:
+    """The session of the server that ``supervisor`` runs (its id is the server's pid)."""
+    deadline = time.monotonic() + START_BOUND_S
+    while time.monotonic() < deadline and supervisor.proc.poll() is None:
+        found = [pid for pid, _ in children(supervisor.proc.pid)]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    pytest.fail(f"no server under the supervisor: {supervisor.lines}")
+
+
+def ray_process(sid: int, name: str) -> int:
+    """The pid of Ray's ``name`` process in session ``sid``, once there is one."""
+    deadline = time.monotonic() + START_BOUND_S
+    while time.monotonic() < deadline:
+        found = [pid for pid in session_pids(sid) if Path(f"/proc/{pid}/comm").read_text().strip() == name]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    pytest.fail(f"no {name} in session {sid} in {START_BOUND_S} s")
+
+
+def left_after(sid: int, bound_s: float) -> list[str]:
+    """What of session ``sid`` still runs ``bound_s`` from now, or nothing as soon as it is
+    empty (zombies have exited: their parent has only not reaped them yet)."""
+    deadline = time.monotonic() + bound_s
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [_comm(pid) for pid in session_pids(sid)]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}"
+    except OSError:
+        return str(pid)
+
+
+def errors(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("specserve: error:")]
+
+
+def test_a_raylet_killed_during_start_up_ends_the_server_in_one_line(server):
+    """Ray's raylet killed while the server starts (``ray.init`` or Serve's start under way):
+    the server used to wait for ever. Now one line names the death, the server exits 1 within
+    Ray's own bound for finding a node dead, and no process of its session is left."""
+    starting = Server(server.config)
+    try:
+        sid = server_session(starting)
+        os.kill(ray_process(sid, "raylet"), signal.SIGKILL)
+        killed = time.monotonic()
+        code, lines = starting.finish(node_death_bound_s())
+    finally:
+        starting.stop()
+    seconds = time.monotonic() - killed
+    assert code == 1 and errors(lines) == ["specserve: error: Ray's raylet was killed by SIGKILL"], \
+        starting.timed_lines()
+    assert seconds <= node_death_bound_s() and not left_after(sid, POLL_S), starting.timed_lines()
+    assert "serving on" not in "\n".join(lines)
+
+
+# Faster health checks than Ray's defaults (3 s apart, 10 s without an answer, 5 misses: 65 s)
+# for the hung raylet, still far from what a busy machine's raylet misses (the GCS's checks
+# take them too).
+FAST_CHECKS = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout_ms": "5000",
+               "RAY_health_check_failure_threshold": "3"}
+RAY_STARTED = "Started a local Ray instance"  # Ray's line as ray.init returns
+
+
+def test_a_hung_raylet_at_start_up_ends_the_server_in_one_line(server, monkeypatch):
+    """A raylet that hangs (SIGSTOP: the process lives) as ``ray.init`` ends: no process exits,
+    and the server's Ray calls wait on it holding the interpreter lock (a watch thread of the
+    server stood still here). The guardian asks the raylet's health as the GCS does and ends
+    the server after the GCS's count of misses: one line, exit 1, within the bound, nothing
+    of its session left. (Ray's core worker may end the server first, a few seconds later
+    than the guardian; the guardian then says so, with the raylet's state.)"""
+    for name, value in FAST_CHECKS.items():
+        monkeypatch.setenv(name, value)  # (the server's, and the bound's below as it reads them)
+    starting = Server(server.config)
+    try:
+        sid = server_session(starting)
+        raylet = ray_process(sid, "raylet")
+        starting.wait_for(RAY_STARTED)
+        os.kill(raylet, signal.SIGSTOP)
+        hung = time.monotonic()
+        code, lines = starting.finish(2 * node_death_bound_s())
+    finally:
+        starting.stop()
+    seconds = time.monotonic() - hung
+    assert code == 1 and errors(lines) in (
+        ["specserve: error: Ray's raylet did not answer 3 health checks in a row (hung)"],
+        ["specserve: error: the server exited unexpectedly; Ray's raylet does not answer its "
+         "health check (silent)"]), starting.timed_lines()
+    assert seconds <= node_death_bound_s() and not left_after(sid, POLL_S), starting.timed_lines()
+
+
+def test_the_server_dies_with_its_supervisor_while_its_ray_is_dead(server):
+    """The fresh clone's leftovers: a server starting on a dead Ray whose supervisor is
+    SIGKILLed (as the test harness did) stayed, with its GCS, 20 minutes later. Now nothing of
+    its session is left within the bound, though nothing is left to clean up after it."""
+    starting = Server(server.config)
+    try:
+        sid = server_session(starting)
+        os.kill(ray_process(sid, "raylet"), signal.SIGKILL)
+        starting.proc.kill()
+        left = left_after(sid, node_death_bound_s())
+    finally:
+        starting.stop()
+        if session_pids(sid):
+            os.killpg(sid, signal.SIGKILL)
+    assert not left, (left, starting.timed_lines())
+
+
+def test_a_port_race_starts_again_and_a_dead_ray_ends_a_serving_server(server):
+    """The fresh clone's failure, made on purpose: the port Ray's dashboard agent is given is
+    held by another process (this test) when the agent binds it. The agent fails, its raylet
+    with it; the server says so in one line and is started again, and serves. Then its raylet
+    is killed: /health stops answering 200 (the proxy dies with its node), the server says why
+    in one line and exits 1 within the bound, and nothing of its session is left."""
+    held = socket.socket()
+    held.bind((NODE_IP, agent_ports(1)[0]))
+    held.listen()
+    port = held.getsockname()[1]
+    path = os.pathsep.join(filter(None, [str(HELD_PORT), os.environ.get("PYTHONPATH")]))
+    racing = Server(server.config, env={"PYTHONPATH": path, "SPECSERVE_TEST_HELD_TRIES": "1",
+                                        "SPECSERVE_TEST_HELD_PORT": str(port)})
+    try:
+        assert racing.wait_for("serving on"), racing.timed_lines()
+        assert errors(racing.lines) == [
+            f"specserve: error: Ray's dashboard agent could not bind {NODE_IP}:{port} (in use); "
+            "starting again (try 2 of 3)"], racing.timed_lines()
+        url = f"http://127.0.0.1:{racing.port}/health"
+        assert httpx.get(url, timeout=WAIT_S).status_code == 200
+        sid = server_session(racing)
+        os.kill(ray_process(sid, "raylet"), signal.SIGKILL)
+        killed = time.monotonic()
+        assert not _health_ok_until(url, killed + node_death_bound_s())
+        code, lines = racing.finish(node_death_bound_s())
+    finally:
+        held.close()
+        racing.stop()
+    seconds = time.monotonic() - killed
+    assert code == 1 and errors(lines)[1:] == ["specserve: error: Ray's raylet was killed by SIGKILL"], \
+        racing.timed_lines()
+    assert seconds <= node_death_bound_s() and not left_after(sid, POLL_S), racing.timed_lines()
+
+
+def _health_ok_until(url: str, deadline: float) -> bool:
+    """Whether ``url`` still answers 200 at ``deadline`` (False as soon as it does not)."""
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code != 200:
+                return False
+        except httpx.HTTPError:  # refused or cut: nothing serves
+            return False
+        time.sleep(0.1)
+    return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import socket
 
@@ -69,10 +70,13 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
 
 
 # The ports Ray's agents would pick themselves and report through a file in the session
-# directory (``RayParams`` names; ``ray start``'s ``--dashboard-agent-grpc-port`` etc. set them).
-# The metrics export port is the caller's where it gives one (``--metrics-port``).
+# directory (``RayParams`` names; ``ray start``'s ``--dashboard-agent-grpc-port`` etc. set them),
+# and the raylet's own gRPC port, which it would pick and report to no file: given, it is on
+# the raylet's command line, where the server's guardian reads it to ask the raylet's health
+# (specserve.serve.ray_watch). The metrics export port is the caller's where it gives one
+# (``--metrics-port``).
 AGENT_PORTS = ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port",
-               "metrics_export_port")
+               "metrics_export_port", "node_manager_port")
 
 
 @contextlib.contextmanager
@@ -92,8 +96,8 @@ def _agent_ports_chosen():
     Python never passes the raylet its ``--dashboard_agent_listen_port`` (it has the flag),
     so both are added here, for this call only: ``RayParams`` gets free ports, and the raylet's
     command line the agent's listen port, read from the agent's own command line in it. The
-    ports are ones the kernel handed out a moment ago; one taken in between fails the start as
-    a busy ``--metrics-port`` would."""
+    ports are outside the range the kernel hands out (:func:`agent_ports`); one taken in
+    between all the same ends the raylet, and the server's watch starts it again."""
     from ray._private import parameter, ray_constants, services
 
     original_params, original_start = parameter.RayParams, services.start_ray_process
@@ -101,7 +105,7 @@ def _agent_ports_chosen():
     class WithAgentPorts(original_params):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            for name, port in zip(AGENT_PORTS, free_ports(len(AGENT_PORTS))):
+            for name, port in zip(AGENT_PORTS, agent_ports(len(AGENT_PORTS))):
                 if name != "metrics_export_port" or self.metrics_export_port is None:
                     setattr(self, name, port)
 
@@ -128,6 +132,40 @@ def _listen_port_flag(raylet_command: list[str]) -> list[str]:
     return [f"--dashboard_agent_listen_port={port.group(1)}"] if port else []
 
 
+# Below this: Ray's workers' ports (10002-19999 unless set) and its fixed ones (6379, 8265...).
+AGENT_PORTS_FROM = 20000
+
+
+def agent_ports(count: int, tries: int = 200) -> list[int]:
+    """``count`` distinct ports free on the loopback now, at random between
+    :data:`AGENT_PORTS_FROM` and the kernel's ephemeral range. A process that binds port 0
+    (Ray's own gRPC servers and workers, any client) is never handed one of these; a port the
+    kernel had handed out here was, between this choice and the agent's bind: a fresh clone's
+    suite saw the dashboard agent of one Ray cluster fail on a port another cluster's process
+    had just been given (docs/RELIABILITY.md, "Ray's death"). Where that range is narrow (a
+    machine that set ``ip_local_port_range`` wide), the kernel's free ports, as before."""
+    from specserve.serve.ports import bind_error
+
+    candidates = range(AGENT_PORTS_FROM, _ephemeral_low())
+    chosen: list[int] = []
+    rng = random.SystemRandom()
+    for _ in range(tries if len(candidates) >= 1000 else 0):
+        port = rng.choice(candidates)
+        if port not in chosen and bind_error(NODE_IP, port) is None:
+            chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    return free_ports(count)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return AGENT_PORTS_FROM  # unknown: no range of our own
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct ports free on the loopback now (held open together while chosen)."""
     with contextlib.ExitStack() as stack:
@@ -143,7 +181,7 @@ def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
     serve.start(http_options={"host": host, "port": port}, detached=False)
 
 
-def stop_serve(app_name: str) -> None:
+def stop_serve(app_name: str, before_shutdown=lambda: None) -> None:
     """Stop the app, then Serve and this process's local Ray, without Ray reporting the stop
     as failures.
 
@@ -156,9 +194,11 @@ def stop_serve(app_name: str) -> None:
     Deleting the app stops its replicas just as gracefully, and ``ray.shutdown()`` disconnects
     this process before it stops the cluster with Serve's actors in it: no call of ours waits
     on an actor that dies. Nothing else is silenced: an error still raises, and Ray's other
-    messages still print."""
+    messages still print. ``before_shutdown`` runs between the two (the server's watch on
+    its Ray stands down there)."""
     import ray
     from ray import serve
 
     serve.delete(app_name)
+    before_shutdown()
     ray.shutdown()
