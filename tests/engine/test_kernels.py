@@ -297,6 +297,41 @@ def test_a_layer_in_one_call_is_its_modules_calls_bit_for_bit(kind, build):
         assert all(torch.equal(x, y) for x, y in zip(runs[mode], runs["modules"], strict=True)), mode
 
 
+def test_the_stack_gathers_its_refs_once_and_again_when_a_weight_moves(build, monkeypatch):
+    """The one-call stack reads each layer's refs once, not every forward (they cost about
+    60 us a layer), and again after anything that may move what they point at: a weight
+    assigned, a ``.to``. After each, its logits are the module-by-module ones of the model as
+    it is now. (Planted: a stack that missed the new weight would read the old one, held
+    alive here, and its logits would be the old model's.)"""
+    from specserve.engine.runtime.layers import DecoderLayer
+
+    gathered, own = [], DecoderLayer._native_layer
+
+    def counted(layer, cache):
+        gathered.append(layer)
+        return own(layer, cache)
+
+    monkeypatch.setattr(DecoderLayer, "_native_layer", counted)
+    rt = runtime_of(tiny_hf_model("llama-gqa", seed=0, logit_scale=3.0), max_len=128)
+    cache = rt.make_cache(num_slots=2, max_seq_len=128)
+    slot = cache.allocate()
+    rt(cache, ForwardBatch([slot], [list(range(3, 40))]))
+    for token in (7, 8, 9):
+        rt(cache, ForwardBatch([slot], [[token]]))
+    assert len(gathered) == len(rt.layers)  # once, for four forwards
+    old = rt.layers[0].mlp.down.weight
+    rt.layers[0].mlp.down.weight = torch.nn.Parameter(old.detach() * 1.5, requires_grad=False)
+    rt.to(torch.float32)  # (a move through _apply: no change of dtype, but a new epoch)
+    logits = {}
+    for enabled in (True, False):  # the stack, then layer by layer (each layer's own refs)
+        rt.native_stack.enabled = enabled
+        cache.rollback(slot, 39)
+        logits[enabled] = rt(cache, ForwardBatch([slot], [[5, 6]], [2])).logits
+        if enabled:
+            assert len(gathered) == 2 * len(rt.layers)  # again, once
+    assert torch.equal(logits[True], logits[False]) and old.numel() > 0
+
+
 def test_library_kernels_compute_the_same_logits_up_to_rounding(kernels):
     """``kernels: library`` (F.linear + SDPA, the runtime before these kernels; kept for GPUs
     and side-by-side benchmarks) is the same model."""

@@ -61,6 +61,28 @@ def native_ready(t: torch.Tensor) -> bool:
     return cpu_float32(t) and native.library() is not None
 
 
+class RefsWatched(nn.Module):
+    """A module whose tensors the C kernels may hold by address (:class:`native.LayerRef`):
+    ``epoch`` moves on whatever may move them, so that a holder of refs made at one epoch
+    reuses them, unchecked, until the next. What moves them: assigning a public attribute (a
+    weight, a flag, a quantized weight, a submodule) and ``Module._apply`` (``.to``,
+    ``.float``...), which assigns ``param.data``. ``load_state_dict`` copies in place and
+    moves nothing; an underscore name is a cache of the module's own and moves nothing."""
+
+    epoch = 0  # one count for every RefsWatched module: a change anywhere invalidates all refs
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if not name.startswith("_"):
+            RefsWatched.epoch += 1
+
+    def _apply(self, fn, recurse: bool = True):
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            RefsWatched.epoch += 1
+
+
 class HeldAsBlocks:
     """A module whose ``weight`` may be held as a GGUF's blocks (issue 54): ``weight`` is then
     empty, and the C kernels read the blocks, a fifth of the bytes for the same outputs."""
@@ -83,7 +105,7 @@ class HeldAsBlocks:
         return self.weight if self.quantized is None else native.dequantize_blocks(self.quantized)
 
 
-class Linear(HeldAsBlocks, nn.Linear):
+class Linear(HeldAsBlocks, RefsWatched, nn.Linear):
     """An ``nn.Linear`` whose inference forward is row-invariant on a CPU in float32: the C
     kernel where it is built, else oneDNN with a copy of the weight in its blocked layout
     (made on first use, made again if the weight changes; the model then holds those

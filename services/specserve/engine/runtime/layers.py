@@ -13,7 +13,7 @@ from specserve.engine.runtime import block_attention, native
 from specserve.engine.runtime.arch import ModelArch
 from specserve.engine.runtime.compiled import StaticInputs
 from specserve.engine.runtime.forward_context import ForwardContext, PackedContext
-from specserve.engine.runtime.kernels import Linear, attention, native_ready
+from specserve.engine.runtime.kernels import Linear, RefsWatched, attention, native_ready
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +30,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class Attention(nn.Module):
+class Attention(RefsWatched):
     """Self-attention over the KV cache (slots or blocks). Head counts are *local* (per TP rank)."""
 
     def __init__(self, arch: ModelArch, layer_idx: int, in_features: int | None = None) -> None:
@@ -175,7 +175,7 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(bsz, t, h * d))
 
 
-class MLP(nn.Module):
+class MLP(RefsWatched):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size  # local (per TP rank)
@@ -194,7 +194,7 @@ class MLP(nn.Module):
         return self.all_reduce(out) if self.all_reduce is not None else out
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(RefsWatched):
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         self.eps = arch.rms_norm_eps
@@ -259,30 +259,46 @@ class NativeStack:
     """A model's decoder layers in one C call (:func:`native.decoder_layers`) where each would
     run in one (:meth:`DecoderLayer.forward`'s first branch): the same calls in the same order,
     so the same bits, without the Python between them (module calls, each layer's checks and
-    output: at batch 1 about 0.5 ms of a 10 ms 4-bit decode). The refs are each layer's own,
-    checked every forward (:meth:`DecoderLayer._native_layer`)."""
+    output: at batch 1 about 0.5 ms of a 10 ms 4-bit decode).
+
+    The refs are each layer's own (:meth:`DecoderLayer._native_layer`), gathered and checked
+    once and reused while nothing they point at can have moved: the same layers, the same
+    cache (whose storage never moves), no gradient, and the same :attr:`RefsWatched.epoch`.
+    A forward then costs a few comparisons, however many layers there are (gathering them
+    took about 60 us a layer, 1.9 ms a token at 30)."""
 
     def __init__(self) -> None:
         self.enabled = True  # False: layer by layer (tests compare the two)
-        self._held: tuple | None = None  # (refs, their array, the widest ref)
+        # (key, the cache, the refs, their stack or None, the widest ref): the cache and the
+        # refs held here, so that neither is freed, nor its address reused, while the stack
+        # points at them (a layer run alone with another cache makes itself new refs)
+        self._held: tuple | None = None
 
     def __call__(self, layers: nn.ModuleList, x: torch.Tensor, ctx: ForwardContext | StaticInputs,
                  cache: SlotKVCache) -> torch.Tensor | None:
         """The stack's output over ``x``, or None where a layer would not run in one call."""
         if not self.enabled or type(ctx) is not ForwardContext or not native_ready(x):
             return None
+        key = (RefsWatched.epoch, id(layers), len(layers), id(cache))
+        if torch.is_grad_enabled() or self._held is None or self._held[0] != key:
+            self._held = (key, cache, *self._gather(layers, cache))
+        _, _, _, stack, widest = self._held
+        if stack is None:
+            return None
+        return native.decoder_layers(x.contiguous(), stack, ctx.native_forward(cache, widest))
+
+    def _gather(self, layers: nn.ModuleList, cache: SlotKVCache) -> tuple:
+        """(the refs, their stack, the widest ref), or Nones where a layer would not run in
+        one call."""
         refs = []
         for layer in layers:
             if type(layer) is not DecoderLayer or not (layer.one_call and layer.invariant):
-                return None
+                return None, None, None
             ref = layer._native_layer(cache)
             if ref is None:
-                return None
+                return None, None, None
             refs.append(ref)
         if not refs:
-            return None
-        if self._held is None or self._held[0] != tuple(refs):  # the refs by identity
-            widest = max(refs, key=lambda ref: native.layer_scratch(ref, 1))
-            self._held = (tuple(refs), native.layer_stack(refs), widest)
-        _, stack, widest = self._held
-        return native.decoder_layers(x.contiguous(), stack, ctx.native_forward(cache, widest))
+            return None, None, None
+        widest = max(refs, key=lambda ref: native.layer_scratch(ref, 1))
+        return refs, native.layer_stack(refs), widest
