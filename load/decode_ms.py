@@ -1,0 +1,36 @@
+"""Milliseconds a token of a target-only greedy decode at batch 1, in-process, on the embedded
+model (128 tokens past EOS, 2 threads): ``python load/decode_ms.py [RUNS]``. Two checkouts
+compared in turn: ``PYTHONPATH=<checkout>/services:<checkout> python load/decode_ms.py 3``
+(docs/BENCHMARKS.md, "The one-call stack's refs gathered once")."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from specserve.config import EngineConfig, SamplingParams
+from specserve.engine.builder import build_engine
+from specserve.engine.tokenizer import encode_chat
+
+PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def main(runs: int) -> dict:
+    torch.set_num_threads(2)
+    cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 2,
+                                       "kv_cache": {"prefix_caching": False}})
+    engine, target = build_engine(cfg)
+    ids = encode_chat(target.tokenizer, PROMPT)
+    engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    ms = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        [done] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+        ms.append(round((time.perf_counter() - start) / len(done.output_token_ids) * 1000, 2))
+    return {"ms_per_token": ms, "tokens": len(done.output_token_ids)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)))
