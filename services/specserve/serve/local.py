@@ -97,7 +97,8 @@ def _agent_ports_chosen():
     so both are added here, for this call only: ``RayParams`` gets free ports, and the raylet's
     command line the agent's listen port, read from the agent's own command line in it. The
     ports are outside the range the kernel hands out (:func:`agent_ports`); one taken in
-    between all the same ends the raylet, and the server's watch starts it again."""
+    between all the same ends the raylet, and the server is started again (its guardian,
+    :mod:`specserve.serve.ray_watch`)."""
     from ray._private import parameter, ray_constants, services
 
     original_params, original_start = parameter.RayParams, services.start_ray_process
@@ -194,8 +195,8 @@ def stop_serve(app_name: str, before_shutdown=lambda: None) -> None:
     Deleting the app stops its replicas just as gracefully, and ``ray.shutdown()`` disconnects
     this process before it stops the cluster with Serve's actors in it: no call of ours waits
     on an actor that dies. Nothing else is silenced: an error still raises, and Ray's other
-    messages still print. ``before_shutdown`` runs between the two (the server's watch on
-    its Ray stands down there)."""
+    messages still print. ``before_shutdown`` runs between the two (the server's guardian
+    stands down there: Ray's exit from here on is no death)."""
     import ray
     from ray import serve
 

@@ -168,10 +168,21 @@ def is_ray(pid: int) -> bool:
 
 
 def parent(pid: int) -> int:
-    """The parent's pid (0 when unknown). ``/proc/PID/stat`` reads ``pid (comm) state ppid``,
-    and ``comm`` may hold spaces and parentheses: split after its last ``)``."""
+    """The parent's pid (0 when unknown)."""
+    stat = proc_stat(pid)
+    return stat[1] if stat is not None else 0
+
+
+def proc_stat(pid: int) -> tuple | None:
+    """``/proc/PID/stat``'s state, ppid, pgrp, session, exit code (field 52: a wait status,
+    a zombie's included) and ``comm``; None where there is no such process. The file reads
+    ``pid (comm) state ppid ...``, and ``comm`` may hold spaces and parentheses: the fields
+    are split after its last ``)``."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
+            text = f.read()
+        rest = text[text.rindex(")") + 2:].split()
+        return (rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[49]),
+                text[text.index("(") + 1:text.rindex(")")])
     except (OSError, IndexError, ValueError):
-        return 0
+        return None

@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.serve.ports import parent, proc_stat
+
 POLL_S = 0.5  # how often the guardian looks: /proc reads, a few a second
 RETRY_EXIT = 75  # EX_TEMPFAIL: "try again" (the supervisor starts the server again)
 START_TRIES = 3  # starts of a server whose Ray lost a port race, at most
@@ -237,7 +239,7 @@ class Guardian:
     def _orphaned(self) -> None:
         """The supervisor gone: a server that does not serve yet has nothing to drain; one that
         does gets its drain and the node-death bound to stop."""
-        if self.orphaned_at is None and not _parent_is(self.server, self.supervisor):
+        if self.orphaned_at is None and parent(self.server) != self.supervisor:
             self.orphaned_at = time.monotonic()
         if self.orphaned_at is None:
             return
@@ -326,40 +328,24 @@ def children(ppid: int) -> list[tuple[int, str]]:
 
 
 def _alive(pid: int) -> bool:
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     return stat is not None and stat[0] != "Z"
 
 
-def _parent_is(pid: int, ppid: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[1] == ppid
-
-
 def _stats() -> list[tuple[int, tuple]]:
-    """(pid, (state, ppid, pgrp, session, exit_code, name)) of every process."""
+    """(pid, :func:`~specserve.serve.ports.proc_stat`) of every process."""
     found = []
     for entry in os.scandir("/proc"):
-        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+        stat = proc_stat(int(entry.name)) if entry.name.isdigit() else None
         if stat is not None:
             found.append((int(entry.name), stat))
     return found
 
 
-def _stat(pid: int) -> tuple | None:
-    """``/proc/PID/stat``'s state, ppid, pgrp, session, exit code (field 52: a wait status,
-    a zombie's included) and name; None where there is no such process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-    return rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[49]), name
-
-
 def exit_status(pid: int) -> str | None:
     """How process ``pid`` ended (``was killed by SIGKILL``, ``exited with status 1``), read
     from its zombie; ``exited`` once reaped; None while it runs."""
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     if stat is None:
         return "exited"
     if stat[0] != "Z":
