@@ -165,7 +165,7 @@ class Guardian:
             if death is not None:
                 self._end(death)
             if self.failed and time.monotonic() - self.failed[0] > 4 * POLL_S:
-                end_session(self.failed[1], 1)  # no death behind the start-up's error
+                self._end_session(self.failed[1], 1)  # no death behind the start-up's error
             self._orphaned()
 
     def _server_gone(self) -> None:
@@ -176,12 +176,11 @@ class Guardian:
         while _alive(self.server) and time.monotonic() < deadline:
             time.sleep(POLL_S / 5)
         if self.standing_down or self.failed:
-            kill_session(os.getsid(0), but=os.getpid())
-            os._exit(0)
+            self._end_session(None, None)  # (a stop or its own error: its status stands)
         health = raylet_health(self.port) if self.port else "unknown"
         death = self._dead_process() or (None if health in ("ok", "unknown") else Death(
             f"Ray's raylet does not answer its health check ({health})"))
-        end_session("specserve: error: the server exited unexpectedly" +
+        self._end_session("specserve: error: the server exited unexpectedly" +
                     (f"; {death.words}" if death else ""), 1)
 
     def _read(self, wait_s: float) -> bool:
@@ -244,14 +243,29 @@ class Guardian:
         if self.orphaned_at is None:
             return
         if not self.serving:
-            end_session("specserve: stopped: its supervisor died before it served", 1)
+            self._end_session("specserve: stopped: its supervisor died before it served", 1)
         if time.monotonic() - self.orphaned_at > self.drain_timeout_s + node_death_bound_s():
             self._end(Death("the server did not stop after its supervisor died"))
 
     def _end(self, death: Death) -> None:
         retry = death.port_race and not self.serving and start_try() < START_TRIES
-        end_session(f"specserve: error: {death.words}{retry_words(death, self.serving)}",
-                    RETRY_EXIT if retry else 1)
+        self._end_session(f"specserve: error: {death.words}{retry_words(death, self.serving)}",
+                          RETRY_EXIT if retry else 1)
+
+    def _end_session(self, line: str | None, code: int | None) -> None:
+        """Print ``line`` (if any), leave ``code`` where the supervisor reads it (None: the
+        server's own exit status stands), kill every other process of this session (the
+        server, Ray's GCS, raylet, agents and workers), and exit. With no supervisor left to
+        read it, the file is removed instead."""
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        verdict = os.environ.get(VERDICT_ENV)
+        if verdict and not _alive(self.supervisor):
+            Path(verdict).unlink(missing_ok=True)
+        elif verdict and code is not None:
+            Path(verdict).write_text(str(code))
+        kill_session(os.getsid(0), but=os.getpid())
+        os._exit(code or 0)
 
 
 def retry_words(death: Death, serving: bool) -> str:
@@ -266,17 +280,6 @@ def retry_words(death: Death, serving: bool) -> str:
 def start_try() -> int:
     """Which start of the server this is (1 unless the supervisor started it again)."""
     return int(os.environ.get(TRY_ENV, "1"))
-
-
-def end_session(line: str, code: int) -> None:
-    """Print ``line``, leave ``code`` where the supervisor reads it, kill every other process
-    of this session (the server, Ray's GCS, raylet, agents and workers), and exit."""
-    print(line, file=sys.stderr, flush=True)
-    verdict = os.environ.get(VERDICT_ENV)
-    if verdict:
-        Path(verdict).write_text(str(code))
-    kill_session(os.getsid(0), but=os.getpid())
-    os._exit(code)
 
 
 def raylet_health(port: int) -> str:

@@ -231,7 +231,9 @@ def supervise(argv: list[str]) -> int:
         signal.signal(sig, forward)
     while code == RETRY_EXIT and not stopping:
         start += 1
-        verdict = Path(tempfile.mkstemp(prefix="specserve-verdict-")[1])
+        handle, name = tempfile.mkstemp(prefix="specserve-verdict-")
+        os.close(handle)  # (the guardian writes it by name)
+        verdict = Path(name)
         server = subprocess.Popen([sys.executable, "-m", "specserve.cli", *argv],
                                   env={**os.environ, SERVER_ENV: "1", TRY_ENV: str(start),
                                        VERDICT_ENV: str(verdict)},
