@@ -32,13 +32,14 @@ this process (asyncio, one thread) on the same cores, alike for both servers. Pr
 CPU flags and the ratios specserve / llama-server; writes ``results/bench_vs_llama_server.json``
 and ``.csv``, and each server's log under ``results/bench_vs_llama_server-logs/``.
 
-    make bench-vs-llama-server                                     # everything, native build
+    make bench-vs-llama-server                                     # everything, this CPU's build
     make bench-vs-llama-server BENCH_VS_ARGS="--avx2"              # AVX2-only, both servers
     make bench-vs-llama-server BENCH_VS_ARGS="--build-only"        # build llama-server and stop
 
-``--avx2`` builds llama-server for AVX2 only (no AVX512, no VNNI) and starts specserve with the
-Makefile's ``AVX2_ENV`` (passed by make as ``--avx2-env``): the AVX2 machines' code paths on an
-AVX512 one.
+The default build takes every instruction set this CPU lists, as ``GGML_NATIVE`` would, but
+AMX (see ``NO_AMX``). ``--avx2`` builds llama-server for AVX2 only (no AVX512, no VNNI) and
+starts specserve with the Makefile's ``AVX2_ENV`` (passed by make as ``--avx2-env``): the AVX2
+machines' code paths on an AVX512 one.
 """
 
 from __future__ import annotations
@@ -101,24 +102,36 @@ COMMON_CMAKE = (
     "-DLLAMA_BUILD_WEBUI=OFF", "-DLLAMA_BUILD_UI=OFF",
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary in the cache
 )
-FLAVOUR_CMAKE = {
-    "native": ("-DGGML_NATIVE=ON",),
-    # ggml/CMakeLists.txt's instruction-set options: AVX2 with what comes with it on the AVX2
-    # machines (AMD EPYC), nothing of AVX512, AVX-VNNI or AMX.
-    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
-             "-DGGML_BMI2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX_VNNI=OFF",
-             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
-             "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-             "-DGGML_AMX_BF16=OFF"),
-}
+# ggml/CMakeLists.txt's instruction-set options, by the /proc/cpuinfo flag that allows each.
+GGML_ISA = (("GGML_SSE42", "sse4_2"), ("GGML_AVX", "avx"), ("GGML_AVX2", "avx2"),
+            ("GGML_BMI2", "bmi2"), ("GGML_FMA", "fma"), ("GGML_F16C", "f16c"),
+            ("GGML_AVX_VNNI", "avx_vnni"), ("GGML_AVX512", "avx512f"),
+            ("GGML_AVX512_VBMI", "avx512vbmi"), ("GGML_AVX512_VNNI", "avx512_vnni"),
+            ("GGML_AVX512_BF16", "avx512_bf16"))
+# AMX stays off in every flavour. llama.cpp's AMX kernels request the tile state for the main
+# thread only and load a tile config the compiler may drop, so a GGML_NATIVE build dies with
+# SIGILL at its first `tilezero` on an AMX machine (seen here on a Sapphire Rapids VM whose own
+# AMX test program runs; upstream: ggml-org/llama.cpp pull request 26954, open).
+NO_AMX = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+ISA_PREFIXES = ("sse4_2", "avx", "bmi2", "fma", "f16c")  # cpu_flags() of these
+AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c"})  # the AVX2 machines (AMD EPYC)
+
+
+def flavour_cmake(flavour: str, flags: frozenset[str]) -> tuple[str, ...]:
+    """``host``: every instruction set this CPU lists, as GGML_NATIVE would choose them, but
+    AMX; ``avx2``: AVX2 and what comes with it on the AVX2 machines, nothing of AVX512,
+    AVX-VNNI or AMX (``flags`` unused)."""
+    allowed = flags if flavour == "host" else AVX2_FLAGS
+    isa = tuple(f"-D{option}={'ON' if flag in allowed else 'OFF'}" for option, flag in GGML_ISA)
+    return ("-DGGML_NATIVE=OFF", *isa, *NO_AMX)
 
 
 def binary_path(flavour: str, cache: Path = CACHE) -> Path:
     return cache / flavour / "bin" / "llama-server"
 
 
-def configure_argv(src: Path, build: Path, flavour: str) -> list[str]:
-    return ["cmake", "-S", str(src), "-B", str(build), *COMMON_CMAKE, *FLAVOUR_CMAKE[flavour]]
+def configure_argv(src: Path, build: Path, flavour: str, flags: frozenset[str]) -> list[str]:
+    return ["cmake", "-S", str(src), "-B", str(build), *COMMON_CMAKE, *flavour_cmake(flavour, flags)]
 
 
 def build_argv(build: Path) -> list[str]:
@@ -159,7 +172,8 @@ def ensure_llama_server(flavour: str, cache: Path = CACHE) -> Path:
         raise SystemExit(f"bench-vs-llama-server: building llama-server needs {', '.join(missing)}")
     src, build = fetch_source(cache), cache / flavour
     print(f"building llama-server ({flavour}) from {src}: minutes on 2 cores", flush=True)
-    subprocess.run(configure_argv(src, build, flavour), check=True, timeout=BUILD_TIMEOUT_S)
+    flags = frozenset(cpu_flags(ISA_PREFIXES))
+    subprocess.run(configure_argv(src, build, flavour, flags), check=True, timeout=BUILD_TIMEOUT_S)
     subprocess.run(build_argv(build), check=True, timeout=BUILD_TIMEOUT_S)
     if not binary.is_file():
         raise SystemExit(f"bench-vs-llama-server: the build left no {binary}")
@@ -635,7 +649,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    flavour = "avx2" if args.avx2 else "native"
+    flavour = "avx2" if args.avx2 else "host"
     binary = ensure_llama_server(flavour)
     if args.build_only:
         print(binary)

@@ -198,12 +198,20 @@ def test_avx2_needs_its_environment():
 
 
 def test_the_cmake_flavours(tmp_path):
-    native = vs.configure_argv(tmp_path / "src", tmp_path / "b", "native")
-    avx2 = vs.configure_argv(tmp_path / "src", tmp_path / "b", "avx2")
-    for argv in (native, avx2):
-        assert {"-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"} <= set(argv)
-    assert "-DGGML_NATIVE=ON" in native
-    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
+    """``host`` sets each instruction set as this CPU lists it and never AMX (llama.cpp's AMX
+    kernels die with SIGILL here); ``avx2`` is the same on every machine."""
+    avx512 = frozenset({"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c", "avx512f", "avx512_vnni",
+                        "avx512vbmi", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8"})
+    host = vs.configure_argv(tmp_path / "src", tmp_path / "b", "host", avx512)
+    host_avx2 = vs.configure_argv(tmp_path / "src", tmp_path / "b", "host", vs.AVX2_FLAGS)
+    avx2 = vs.configure_argv(tmp_path / "src", tmp_path / "b", "avx2", avx512)
+    for argv in (host, avx2):
+        assert {"-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"} <= set(argv)
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX_VNNI=ON",
+            "-DGGML_AVX2=ON", "-DGGML_FMA=ON"} <= set(host)
+    assert avx2 == host_avx2
+    assert {"-DGGML_AVX2=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF",
             "-DGGML_AVX_VNNI=OFF"} <= set(avx2)
     assert vs.build_argv(tmp_path / "b") == ["cmake", "--build", str(tmp_path / "b"), "--target",
                                              "llama-server", "-j", "2"]
