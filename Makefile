@@ -18,6 +18,7 @@ SWEEP_ARGS ?=
 BENCH_SPEC_ARGS ?=
 BENCH_ENGINE_ARGS ?=
 BENCH_VS_ARGS ?=
+PROFILE_ARGS ?=
 LLAMA_VENV ?= .llama
 # make gpu-check runs where nothing can be installed: the .venv's python here, python3 there.
 GPU_PY ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
@@ -147,6 +148,9 @@ bench-http: install ## Tokens/s through HTTP vs the in-process engine (batch 1, 
 bench-vs-llama-server: install ## specserve vs llama.cpp's llama-server over HTTP, same GGUF, 2 threads each, c = 1/4/8/16; builds llama-server once (BENCH_VS_ARGS=--avx2 / --build-only)
 	$(PY) load/bench_vs_llama_server.py --avx2-env "$(AVX2_ENV)" $(BENCH_VS_ARGS)
 
+profile-stream: install ## Where a token's time goes at one stream over HTTP: the gap, the in-process decode, CPU per token by process (PROFILE_ARGS=--py-spy DIR)
+	$(PY) load/profile_stream.py $(PROFILE_ARGS)
+
 bench-prefix: install ## The prompt: a stream's gaps while a long prompt arrives (HTTP, chunked vs whole), turns with prefix caching, KV capacity
 	$(PY) load/bench_prefix.py $(BENCH_PREFIX_ARGS)
 
@@ -191,4 +195,4 @@ bench: bench-engine bench-http bench-spec ## All benchmarks (the sweep is separa
 clean: ## Remove the virtualenv and caches (not the model cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info services/*.egg-info
 
-.PHONY: help install serve test lint load generate gpu-check gpu-rehearsal gpu-wheels bench-engine llama-cpp bench-http bench-vs-llama-server bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire bench-grammar bench-sampling dashboards rules prometheus helm-lint helm-schema golden
+.PHONY: help install serve test lint load generate gpu-check gpu-rehearsal gpu-wheels bench-engine llama-cpp bench-http bench-vs-llama-server profile-stream bench-prefix bench-autoscale bench-spec sweep soak bench clean draft bench-draft bench-suffix bench-tree bench-wire bench-grammar bench-sampling dashboards rules prometheus helm-lint helm-schema golden

@@ -1,0 +1,200 @@
+"""Where a token's time goes at one stream over HTTP: ``make profile-stream`` (issue 71).
+
+A profile, not a test. It starts ``specserve serve`` as a user does (the shipped config with
+speculation off, auth off, 127.0.0.1), streams ``--requests`` greedy chat completions of
+``--tokens`` tokens (``ignore_eos``) one after another, and measures, over that window:
+
+- at the client: the mean gap between tokens (a stream's first-to-last content chunk over its
+  tokens - 1), the median over requests;
+- in every process of the server's two sessions (the supervisor's and the server's: Ray's
+  daemons and workers among them), the CPU time it took (``utime + stime`` in
+  ``/proc/PID/stat``), in milliseconds a token, by role: the target rank (the forward), the
+  unit's coordinator replica, the ingress replica, Serve's proxy and controller, Ray's
+  daemons, the server;
+- then, with the server stopped, the same model's decode in this process
+  (``load/decode_ms.py``: batch 1, 2 threads, 128 tokens), the forward's own time.
+
+The gap over HTTP minus the in-process decode is what serving adds to a token (issue 71's aim:
+at most 1 ms). CPU time shows where: on a 2-core machine every millisecond another process
+spends beside the forward delays it. ``--py-spy DIR`` (needs ``py-spy``) also records each
+Python role's flame graph over the window (speedscope JSON, one file a role). Prints a table
+with the CPU flags; writes ``results/profile_stream.json``.
+
+    make profile-stream
+    make profile-stream PROFILE_ARGS="--requests 12 --py-spy results/profile_stream"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "services"))
+
+from specserve.machine import cpu_flags, machine_label  # noqa: E402
+from specserve.serve.ray_watch import children, session_pids  # noqa: E402
+
+from load import bench_vs_llama_server as vs  # noqa: E402
+from load import decode_ms  # noqa: E402
+
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+# Roles by what a process's command line holds (Ray's workers carry their actor's title).
+ROLES = (("TargetRank", "target rank (the forward)"), ("SpeculationUnit", "unit replica"),
+         ("OpenAIIngress", "ingress replica"), ("ProxyActor", "Serve proxy"),
+         ("ServeController", "Serve controller"), ("gcs_server", "Ray GCS"),
+         ("raylet", "raylet"), ("dashboard", "Ray dashboard and agents"),
+         ("ray_watch", "guardian"), ("specserve", "server and supervisor"))
+PY_SPY_ROLES = ("TargetRank", "SpeculationUnit", "OpenAIIngress", "ProxyActor")
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU seconds ``pid`` has used (user + system); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return 0.0
+    rest = text[text.rindex(")") + 2:].split()
+    return (int(rest[11]) + int(rest[12])) * TICK_S
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def role(pid: int) -> str:
+    line = cmdline(pid)
+    return next((name for key, name in ROLES if key in line), "other Ray processes")
+
+
+def server_pids(supervisor: int) -> list[int]:
+    """Every live process of the supervisor's session and of its server's."""
+    sessions = {supervisor} | {pid for pid, _ in children(supervisor)}
+    return sorted({pid for sid in sessions for pid in session_pids(sid)})
+
+
+def find(pids: list[int], key: str) -> int | None:
+    return next((pid for pid in pids if key in cmdline(pid)), None)
+
+
+async def stream_all(url: str, bodies: list[dict]) -> list:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=vs.REQUEST_TIMEOUT_S, trust_env=False) as client:
+        return [await vs.stream_chat(client, url, "chat", body) for body in bodies]
+
+
+def bodies(model: str, count: int, tokens: int) -> list[dict]:
+    """Fresh chat requests (a nonce in each: nothing cached), greedy, ``tokens`` each."""
+    return [{"model": model, "stream": True, "temperature": 0, "max_tokens": tokens,
+             "ignore_eos": True, "stream_options": {"include_usage": True},
+             "messages": [{"role": "user", "content": f"({i}-{time.time_ns()}) Write a long story "
+                           "about a lighthouse keeper and the ships she watches."}]}
+            for i in range(count)]
+
+
+def py_spy(pids: list[int], seconds: float, out: Path) -> list[subprocess.Popen]:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("profile-stream: --py-spy needs py-spy (pip install py-spy)")
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for key in PY_SPY_ROLES:
+        pid = find(pids, key)
+        if pid is not None:
+            spies.append(subprocess.Popen(
+                [exe, "record", "--pid", str(pid), "--duration", str(int(seconds) + 1), "--rate", "250",
+                 "--format", "speedscope", "--output", str(out / f"{key}.json"), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return spies
+
+
+def measure_server(args, log: Path) -> dict:
+    """The server's side: the gaps at the client and each role's CPU per token."""
+    config = vs.specserve_configs()["off"]
+    with tempfile.TemporaryDirectory(prefix="profile-stream-") as tmp:
+        path = Path(tmp) / "specserve-off.json"
+        path.write_text(json.dumps(config))
+        [port] = vs.free_ports(1)
+        spec = vs.ServerSpec("specserve", "off", vs.specserve_argv(path, port), None, port)
+        proc = vs.start(spec, log)
+        try:
+            vs.wait_ready(spec, proc, log)
+            url = f"http://{vs.HOST}:{port}/v1/chat/completions"
+            model = vs.model_id(port)
+            asyncio.run(stream_all(url, bodies(model, 2, 16)))  # warm-up
+            pids = server_pids(proc.pid)
+            spies = py_spy(pids, args.requests * args.tokens * 0.05, Path(args.py_spy)) if args.py_spy else []
+            before = {pid: cpu_s(pid) for pid in pids}
+            t0 = time.perf_counter()
+            streams = asyncio.run(stream_all(url, bodies(model, args.requests, args.tokens)))
+            wall = time.perf_counter() - t0
+            after = {pid: cpu_s(pid) for pid in server_pids(proc.pid)}
+            for spy in spies:
+                spy.wait(timeout=120)
+        finally:
+            vs.stop(proc)
+    failed = [s.error or 'no [DONE]' for s in streams if not s.ok]
+    if failed:
+        raise SystemExit(f"profile-stream: {len(failed)} requests failed: {failed[:3]}")
+    tokens = sum(s.tokens for s in streams)
+    by_role: dict[str, float] = {}
+    for pid, end in after.items():
+        by_role[role(pid)] = by_role.get(role(pid), 0.0) + end - before.get(pid, 0.0)
+    return {"tokens": tokens, "wall_s": round(wall, 3),
+            "gap_ms": round(statistics.median(s.token_gap for s in streams) * 1000, 2),
+            "wall_ms_per_token": round(wall / tokens * 1000, 2),
+            "cpu_ms_per_token": {name: round(sec / tokens * 1000, 3)
+                                 for name, sec in sorted(by_role.items(), key=lambda kv: -kv[1])}}
+
+
+def report(result: dict) -> None:
+    http, forward = result["server"]["gap_ms"], result["in_process_ms"]
+    print(f"\n{result['machine']}; CPU flags: {' '.join(result['cpu_flags'])}")
+    print(f"one stream, speculation off, {result['server']['tokens']} tokens in "
+          f"{result['requests']} requests of {result['tokens_per_request']}")
+    print(f"  gap between tokens over HTTP   {http:7.2f} ms (median over requests)")
+    print(f"  decode in-process              {forward:7.2f} ms (load/decode_ms.py, median of runs)")
+    print(f"  what serving adds              {http - forward:7.2f} ms a token (aim: at most 1)")
+    print("CPU time a token, by process role (2 cores: 2 ms of CPU a ms of wall at most):")
+    for name, ms in result["server"]["cpu_ms_per_token"].items():
+        print(f"  {name:32s} {ms:7.3f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--decode-runs", type=int, default=3)
+    p.add_argument("--py-spy", default=None, help="a folder for each Python role's flame graph")
+    p.add_argument("--out", default=str(ROOT / "results" / "profile_stream.json"))
+    args = p.parse_args()
+    out = Path(args.out)
+    server = measure_server(args, out.with_suffix(".log"))
+    in_process = decode_ms.main(args.decode_runs)
+    result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "requests": args.requests, "tokens_per_request": args.tokens, "server": server,
+              "in_process_ms": statistics.median(in_process["ms_per_token"]),
+              "in_process_runs": in_process["ms_per_token"]}
+    report(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
