@@ -1,9 +1,12 @@
 """``specserve serve`` as a user runs it: real processes, each with its own Ray, over real
 HTTP. A second server on a taken port is one line before Ray starts, or, on the default
-metrics port, serves on one it chooses; Ctrl-C and SIGTERM to the process group stop a server
-cleanly, our stop line last. A server whose Ray dies or hangs, at start-up or serving, or whose
-supervisor dies with it, ends in one line within Ray's own bound, nothing of its session left
-(its guardian, specserve.serve.ray_watch); one whose Ray's agent lost its port is started again.
+metrics port, serves on one it chooses; SIGTERM to the process group (Ctrl-C's handler too)
+stops a server cleanly, our stop line last. A server whose Ray dies or hangs, at start-up or
+serving, or whose supervisor dies with it, ends in one line within Ray's own bound, nothing of
+its session left (its guardian, specserve.serve.ray_watch); one whose Ray's agent lost its port
+is started again. Four servers start a Ray: the module's (twice: it loses a port race on
+purpose, then serves until its raylet is killed), a second one beside it, and two that die
+starting.
 
 Its own xdist group (tests/conftest.py): it uses none of the session's Serve apps, and its
 servers' start-ups (a Ray each, 3 minutes apiece on a busy 2-core machine) run beside the
@@ -13,6 +16,7 @@ or its exit, or polls for its condition.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -51,6 +55,7 @@ START_BOUND_S = 15 * 60
 # server's took just over 120 s once (session 34), the bound this wait had then.
 STOP_BOUND_S = 15 * 60
 STOP_LINE = "specserve: stopped"
+HELD_PORT = Path(__file__).parents[1] / "held_port"  # its sitecustomize: see its docstring
 
 
 class Server:
@@ -135,14 +140,14 @@ class Server:
 RAY_START_CUT_SHORT = ("in start_local_ray", "node timed out during startup")
 
 
-def start_server(config: Path, *flags: str) -> Server:
+def start_server(config: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
     """A server that serves. Ray's start-up has fixed limits of its own (30 s for a new node
     to register, in ``ray._private.node``; the GCS client's wait for the cluster's id), which
     a busy machine may miss: the process then exits, and the start-up is tried again, within
     the bound. Any other exit before serving fails the test."""
     deadline, tries, lines = time.monotonic() + START_BOUND_S, 0, []
     while time.monotonic() < deadline:
-        server, tries = Server(config, *flags), tries + 1
+        server, tries = Server(config, *flags, env=env), tries + 1
         try:
             if server.wait_for("serving on"):
                 return server
@@ -167,15 +172,36 @@ def assert_stopped_cleanly(code: int, lines: list[str]) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory) -> Server:
     """The module's one real ``specserve serve`` (a second one starts beside it), on the
-    default metrics port: 8080, or the port it chose when another process held 8080. The
-    SIGTERM test, the module's last, stops it."""
+    default metrics port: 8080, or the port it chose when another process held 8080. Its first
+    start loses a port race on purpose (``held_agent_port``), so it serves from its second. The
+    test of its raylet's death, the module's last, ends it."""
     args = unit_args(tiny_models[0], speculative={"method": "ngram"}, max_num_seqs=2)
     args["drain_timeout_s"] = 10
     config = tmp_path_factory.mktemp("serve") / "serve.yaml"
     config.write_text(yaml.safe_dump(args))
-    first = start_server(config)
-    yield first
-    first.stop()
+    with held_agent_port() as (port, env):
+        first = start_server(config, env=env)
+        first.held_port = port
+        yield first
+        first.stop()
+
+
+@contextlib.contextmanager
+def held_agent_port():
+    """The fresh clone's failure, made on purpose: a port that this test holds, which the
+    server's first start gives Ray's dashboard agent (tests/held_port's sitecustomize), as
+    another process took it between Ray's choice and the agent's bind. Yields the port and
+    the server's environment."""
+    held = socket.socket()
+    held.bind((NODE_IP, agent_ports(1)[0]))
+    held.listen()
+    port = held.getsockname()[1]
+    path = os.pathsep.join(filter(None, [str(HELD_PORT), os.environ.get("PYTHONPATH")]))
+    try:
+        yield port, {"PYTHONPATH": path, "SPECSERVE_TEST_HELD_TRIES": "1",
+                     "SPECSERVE_TEST_HELD_PORT": str(port)}
+    finally:
+        held.close()
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
@@ -210,48 +236,50 @@ def test_a_second_server_on_a_taken_port_is_one_line_before_ray_starts(server, f
     assert not sessions, (seconds, sessions)
 
 
-def test_a_second_server_chooses_a_free_metrics_port_and_ctrl_c_stops_it_cleanly(server):
+def test_a_lost_port_race_starts_the_server_again(server):
+    """The module's server: its first start's dashboard agent could not bind the port Ray gave
+    it (held), and its raylet, which fate-shares with the agent, exited. One line says so, the
+    supervisor starts it again (exit status 75 between them), and it serves."""
+    assert errors(server.lines) == [
+        f"specserve: error: Ray's dashboard agent could not bind {NODE_IP}:{server.held_port} "
+        "(in use); starting again (try 2 of 3)"], server.timed_lines()
+    assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=WAIT_S).status_code == 200
+
+
+def test_a_second_server_chooses_a_free_metrics_port_and_sigterm_to_its_group_stops_it(server, tiny_models):
     """Beside the first, a second server with no ``--metrics-port``: the default is taken
     (by the first, or by what held it before), so it serves with Ray's metrics on a free
-    port, which it names in one line, and Ray's metrics answer there. Ctrl-C (SIGINT to its
-    foreground group, which is the supervisor alone) stops it: exit 0, our stop line last,
-    no line of Ray's that reads like a failure."""
+    port, which it names in one line, and Ray's metrics answer there.
+
+    Then what ``timeout``, systemd (``KillMode=control-group``) and process supervisors send:
+    SIGTERM to every process of the group ``specserve serve`` runs in. It used to reach the
+    Ray GCS server too, which ``ray.init`` had started in that group: the drain then waited
+    60 s for the dead GCS, said ``Failed to connect to GCS``, and the process exited 1. Now the
+    server runs in a session of its own and gets one SIGTERM forwarded: it drains and stops,
+    exit status 0, our stop line last, no line of Ray's that reads like a failure. (Ctrl-C
+    is SIGINT to the same group, which ``server.supervise`` forwards by the same handler.)"""
     assert bind_error(NODE_IP, DEFAULT_METRICS_PORT) is not None  # the premise
     second = start_server(server.config)
     try:
         chosen = second.line("Ray's metrics are on")
         assert chosen and f"prometheus.yml scrapes {DEFAULT_METRICS_PORT}" in chosen, second.lines
         assert second.metrics_port not in (DEFAULT_METRICS_PORT, server.metrics_port)
-        health = httpx.get(f"http://127.0.0.1:{second.port}/health", timeout=WAIT_S)
-        assert health.status_code == 200, health.text
         metrics = httpx.get(f"http://127.0.0.1:{second.metrics_port}/metrics", timeout=WAIT_S)
         assert metrics.status_code == 200 and "\nray_" in metrics.text
-        os.killpg(second.proc.pid, signal.SIGINT)
+        reply = httpx.post(f"http://127.0.0.1:{second.port}/v1/completions", timeout=WAIT_S, json={
+            "model": Path(tiny_models[0]).name, "prompt": "hello", "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        os.killpg(second.proc.pid, signal.SIGTERM)
         code, lines = second.finish()
     finally:
         second.stop()
     assert_stopped_cleanly(code, lines)
 
 
-def test_sigterm_to_the_whole_process_group_drains_and_exits_0(server, tiny_models):
-    """What ``timeout``, systemd (``KillMode=control-group``) and process supervisors send:
-    SIGTERM to every process of the group ``specserve serve`` runs in. It used to reach the
-    Ray GCS server too, which ``ray.init`` had started in that group: the drain then waited
-    60 s for the dead GCS, said ``Failed to connect to GCS``, and the process exited 1. Now the
-    server runs in a session of its own and gets one SIGTERM forwarded: it drains and stops,
-    exit status 0, no word of the GCS, our stop line last (the module's first server)."""
-    reply = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", timeout=WAIT_S, json={
-        "model": Path(tiny_models[0]).name, "prompt": "hello", "max_tokens": 4})
-    assert reply.status_code == 200, reply.text
-    os.killpg(server.proc.pid, signal.SIGTERM)
-    assert_stopped_cleanly(*server.finish())
-
-
 # -- Ray's death (issue 70) ----------------------------------------------------------------------
 # Each bound below is the server's own, from Ray's settings (ray_watch.node_death_bound_s: Ray's
 # health checks, 68.5 s with its defaults), never a guess at this machine's speed; a dead
 # process is seen within half a second of that.
-HELD_PORT = Path(__file__).parents[1] / "held_port"  # its sitecustomize: see its docstring
 
 
 def server_session(supervisor: Server) -> int:
@@ -294,25 +322,6 @@ def _comm(pid: int) -> str:
 
 def errors(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("specserve: error:")]
-
-
-def test_a_raylet_killed_during_start_up_ends_the_server_in_one_line(server):
-    """Ray's raylet killed while the server starts (``ray.init`` or Serve's start under way):
-    the server used to wait for ever. Now one line names the death, the server exits 1 within
-    Ray's own bound for finding a node dead, and no process of its session is left."""
-    starting = Server(server.config)
-    try:
-        sid = server_session(starting)
-        os.kill(ray_process(sid, "raylet"), signal.SIGKILL)
-        killed = time.monotonic()
-        code, lines = starting.finish(node_death_bound_s())
-    finally:
-        starting.stop()
-    seconds = time.monotonic() - killed
-    assert code == 1 and errors(lines) == ["specserve: error: Ray's raylet was killed by SIGKILL"], \
-        starting.timed_lines()
-    assert seconds <= node_death_bound_s() and not left_after(sid, POLL_S), starting.timed_lines()
-    assert "serving on" not in "\n".join(lines)
 
 
 # Faster health checks than Ray's defaults (3 s apart, 10 s without an answer, 5 misses: 65 s)
@@ -367,38 +376,21 @@ def test_the_server_dies_with_its_supervisor_while_its_ray_is_dead(server):
     assert not left, (left, starting.timed_lines())
 
 
-def test_a_port_race_starts_again_and_a_dead_ray_ends_a_serving_server(server):
-    """The fresh clone's failure, made on purpose: the port Ray's dashboard agent is given is
-    held by another process (this test) when the agent binds it. The agent fails, its raylet
-    with it; the server says so in one line and is started again, and serves. Then its raylet
-    is killed: /health stops answering 200 (the proxy dies with its node), the server says why
-    in one line and exits 1 within the bound, and nothing of its session is left."""
-    held = socket.socket()
-    held.bind((NODE_IP, agent_ports(1)[0]))
-    held.listen()
-    port = held.getsockname()[1]
-    path = os.pathsep.join(filter(None, [str(HELD_PORT), os.environ.get("PYTHONPATH")]))
-    racing = Server(server.config, env={"PYTHONPATH": path, "SPECSERVE_TEST_HELD_TRIES": "1",
-                                        "SPECSERVE_TEST_HELD_PORT": str(port)})
-    try:
-        assert racing.wait_for("serving on"), racing.timed_lines()
-        assert errors(racing.lines) == [
-            f"specserve: error: Ray's dashboard agent could not bind {NODE_IP}:{port} (in use); "
-            "starting again (try 2 of 3)"], racing.timed_lines()
-        url = f"http://127.0.0.1:{racing.port}/health"
-        assert httpx.get(url, timeout=WAIT_S).status_code == 200
-        sid = server_session(racing)
-        os.kill(ray_process(sid, "raylet"), signal.SIGKILL)
-        killed = time.monotonic()
-        assert not _health_ok_until(url, killed + node_death_bound_s())
-        code, lines = racing.finish(node_death_bound_s())
-    finally:
-        held.close()
-        racing.stop()
+def test_a_dead_ray_ends_a_serving_server(server):
+    """The module's last test: its server's raylet is killed while it serves. /health stops
+    answering 200 (the proxy dies with its node), the server says why in one line and exits 1
+    within the bound, and nothing of its session is left."""
+    url = f"http://127.0.0.1:{server.port}/health"
+    assert httpx.get(url, timeout=WAIT_S).status_code == 200
+    sid = server_session(server)
+    os.kill(ray_process(sid, "raylet"), signal.SIGKILL)
+    killed = time.monotonic()
+    assert not _health_ok_until(url, killed + node_death_bound_s())
+    code, lines = server.finish(node_death_bound_s())
     seconds = time.monotonic() - killed
     assert code == 1 and errors(lines)[1:] == ["specserve: error: Ray's raylet was killed by SIGKILL"], \
-        racing.timed_lines()
-    assert seconds <= node_death_bound_s() and not left_after(sid, POLL_S), racing.timed_lines()
+        server.timed_lines()
+    assert seconds <= node_death_bound_s() and not left_after(sid, POLL_S), server.timed_lines()
 
 
 def _health_ok_until(url: str, deadline: float) -> bool:
