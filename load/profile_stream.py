@@ -130,7 +130,8 @@ def measure_server(args, log: Path) -> dict:
         path = Path(tmp) / "specserve-off.json"
         path.write_text(json.dumps(config))
         [port] = vs.free_ports(1)
-        spec = vs.ServerSpec("specserve", "off", vs.specserve_argv(path, port), None, port)
+        env = (os.environ | vs.parse_env(args.env)) if args.env else None
+        spec = vs.ServerSpec("specserve", "off", vs.specserve_argv(path, port), env, port)
         proc = vs.start(spec, log)
         try:
             vs.wait_ready(spec, proc, log)
@@ -166,7 +167,8 @@ def report(result: dict) -> None:
     http, forward = result["server"]["gap_ms"], result["in_process_ms"]
     print(f"\n{result['machine']}; CPU flags: {' '.join(result['cpu_flags'])}")
     print(f"one stream, speculation off, {result['server']['tokens']} tokens in "
-          f"{result['requests']} requests of {result['tokens_per_request']}")
+          f"{result['requests']} requests of {result['tokens_per_request']}"
+          + (f"; server env: {result['env']}" if result["env"] else ""))
     print(f"  gap between tokens over HTTP   {http:7.2f} ms (median over requests)")
     print(f"  decode in-process              {forward:7.2f} ms (load/decode_ms.py, median of runs)")
     print(f"  what serving adds              {http - forward:7.2f} ms a token (aim: at most 1)")
@@ -181,13 +183,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--py-spy", default=None, help="a folder for each Python role's flame graph")
+    p.add_argument("--env", default="", help="'K=V ...' for the server (an experiment's settings)")
     p.add_argument("--out", default=str(ROOT / "results" / "profile_stream.json"))
     args = p.parse_args()
     out = Path(args.out)
     server = measure_server(args, out.with_suffix(".log"))
     in_process = decode_ms.main(args.decode_runs)
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "requests": args.requests, "tokens_per_request": args.tokens, "server": server,
+              "env": args.env, "requests": args.requests, "tokens_per_request": args.tokens, "server": server,
               "in_process_ms": statistics.median(in_process["ms_per_token"]),
               "in_process_runs": in_process["ms_per_token"]}
     report(result)
