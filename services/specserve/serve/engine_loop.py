@@ -5,7 +5,8 @@ The engine is not thread-safe, so a single background thread does everything to 
 new requests and aborts from an inbox at the top of each iteration (continuous batching at
 the step level: a request joins at the next step, a finished or cancelled one leaves and frees
 its slots), runs one :meth:`SpecDecodeEngine.step`, and hands each :class:`StepOutput` to the
-request's ``asyncio.Queue`` on the replica's event loop.
+request's ``asyncio.Queue`` on the replica's event loop: one hand-over (one wake-up of the
+loop) a step for all the step's sequences.
 
 While the draft group is lost, a second thread (:class:`DraftWatch`) probes it, off the engine
 thread and with exponential backoff, through the same call a step makes: a dead, hung or
@@ -303,9 +304,8 @@ class EngineLoop:
                 continue
             self._restarts_in_a_row = 0
             self._count()
-            for out in outputs:
-                item = out if out.error is None else out.error
-                self._deliver(out.seq_id, item, last=out.finish_reason is not None)
+            self._deliver([(out.seq_id, out if out.error is None else out.error,
+                            out.finish_reason is not None) for out in outputs])
 
     def _drain_inbox(self) -> None:
         while True:
@@ -346,15 +346,22 @@ class EngineLoop:
         elif not future.done():
             future.set_result(seq_ids)
 
-    def _deliver(self, seq_id: int, item, *, last: bool) -> None:
-        stream = self._streams.pop(seq_id, None) if last else self._streams.get(seq_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _deliver(self, items: list[tuple[int, StepOutput | Exception, bool]]) -> None:
+        """A step's ``(seq_id, output or error, last)`` to their streams: one hand-over to
+        each event loop (one wake-up of it) a step, however many sequences the step ran."""
+        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for seq_id, item, last in items:
+            stream = self._streams.pop(seq_id, None) if last else self._streams.get(seq_id)
+            if stream is not None:
+                puts.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in puts.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, exc: Exception) -> None:
-        for seq_id in list(self._streams):
+        seq_ids = list(self._streams)
+        for seq_id in seq_ids:
             self.engine.abort(seq_id)
-            self._deliver(seq_id, exc, last=True)
+        self._deliver([(seq_id, exc, True) for seq_id in seq_ids])
         self._count()
 
     def _recover(self) -> None:
@@ -407,6 +414,12 @@ class EngineLoop:
             self.engine.draft.flush()
         except Exception:  # noqa: BLE001  a lost draft is found out by the next step
             log.warning("flushing the draft's bookkeeping failed", exc_info=True)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: one step's items into their streams' queues."""
+    for stream_queue, item in batch:
+        stream_queue.put_nowait(item)
 
 
 def _resolve(future: asyncio.Future, value, exc: Exception | None) -> None:
