@@ -70,7 +70,7 @@ if str(ROOT) not in sys.path:
 
 from specserve.machine import cpu_flags, machine_label  # noqa: E402
 
-from load.common import format_table, write_csv  # noqa: E402
+from load.common import client_pool, format_table, post_sse, write_csv  # noqa: E402
 from load.prompts import load_prompts  # noqa: E402
 from load.sweep import percentile  # noqa: E402
 
@@ -421,11 +421,6 @@ class Stream:
         return (self.end or self.start) - self.start
 
 
-def sse_data(line: str) -> str | None:
-    """The payload of an SSE ``data:`` line; None for any other line (comments, events, blanks)."""
-    return line[5:].strip() if line.startswith("data:") else None
-
-
 def apply_chunk(stream: Stream, payload: str, now: float) -> bool:
     """Fold one ``data:`` payload into ``stream``; True when the stream is over."""
     if payload == "[DONE]":
@@ -452,18 +447,7 @@ def request_body(model: str, request: Request, max_tokens: int) -> dict:
 async def stream_chat(client, url: str, kind: str, body: dict) -> Stream:
     """POST one streamed chat request and time its chunks; a failure lands in ``error``."""
     stream = Stream(kind=kind, start=time.perf_counter())
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                stream.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return stream
-            async for line in response.aiter_lines():
-                payload = sse_data(line)
-                if payload is not None and apply_chunk(stream, payload, time.perf_counter()):
-                    break
-    except Exception as exc:  # noqa: BLE001  a failed request is a data point, not a crash
-        stream.error = f"{type(exc).__name__}: {exc}"
+    stream.error = await post_sse(client, url, body, lambda data, now: apply_chunk(stream, data, now))
     if stream.end is None and stream.error is None:
         stream.error = "the stream ended without [DONE]"
     return stream
@@ -475,21 +459,14 @@ async def run_level(url: str, jobs: list[tuple[str, dict]], concurrency: int,
     request after another; what runs at ``time_limit_s`` is cancelled (not counted ok)."""
     import httpx
 
-    queue, streams = iter(jobs), []
+    streams: list[Stream] = []
     limits = httpx.Limits(max_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits, trust_env=False) as client:
 
-        async def client_loop() -> None:
-            for kind, body in queue:
-                streams.append(await stream_chat(client, url, kind, body))
+        async def send(job: tuple[str, dict]) -> None:
+            streams.append(await stream_chat(client, url, *job))
 
-        t0 = time.perf_counter()
-        tasks = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
-        _, late = await asyncio.wait(tasks, timeout=time_limit_s)
-        for task in late:
-            task.cancel()
-        await asyncio.gather(*late, return_exceptions=True)
-        return streams, time.perf_counter() - t0
+        return streams, await client_pool(jobs, concurrency, time_limit_s, send)
 
 
 def model_id(port: int) -> str:

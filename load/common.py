@@ -1,4 +1,5 @@
-"""Helpers the load tools share: table and CSV output, run order, and how busy the machine was."""
+"""Helpers the load tools share: table and CSV output, run order, how busy the machine was, and
+one streamed request's SSE lines."""
 
 from __future__ import annotations
 
@@ -67,3 +68,54 @@ def cpu_seconds() -> tuple[float, float]:
         return mine, mine
     ticks = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:9]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), mine
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of an SSE ``data:`` line; None for any other line (comments, events, blanks)."""
+    return line[5:].strip() if line.startswith("data:") else None
+
+
+async def post_sse(client, url: str, body: dict, on_data, on_response=None) -> str | None:
+    """POST ``body`` (an ``httpx.AsyncClient``'s streamed request) and hand each SSE ``data:``
+    payload to ``on_data(payload, perf_counter_now)`` until it returns True. ``on_response``
+    sees the response first (its headers). Returns what went wrong, or None: a status other
+    than 200 (``HTTP 429: ...``) or the exception, a failed request being a data point of a
+    load tool, not its crash."""
+    import time
+
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if on_response is not None:
+                on_response(response)
+            if response.status_code != 200:
+                await response.aread()
+                return f"HTTP {response.status_code}: {response.text[:200]}"
+            async for line in response.aiter_lines():
+                if (data := sse_data(line)) is not None and on_data(data, time.perf_counter()):
+                    break
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+async def client_pool(jobs, concurrency: int, time_limit_s: float, send) -> float:
+    """``concurrency`` clients take ``jobs`` from one shared iterator (each job sent once), each
+    awaiting ``send(job)`` for one after another; none starts a job past ``time_limit_s``, and
+    what still runs then is cancelled. Returns the wall time."""
+    import asyncio
+    import time
+
+    queue, t0 = iter(jobs), time.perf_counter()
+
+    async def client() -> None:
+        for job in queue:
+            if time.perf_counter() - t0 >= time_limit_s:
+                return
+            await send(job)
+
+    tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+    _, late = await asyncio.wait(tasks, timeout=time_limit_s)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    return time.perf_counter() - t0

@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
 
 from specserve.machine import machine_label  # noqa: E402
 
-from load.common import format_table, rotated, write_csv  # noqa: E402
+from load.common import client_pool, format_table, post_sse, rotated, write_csv  # noqa: E402
 
 MODES: dict[str, dict] = {
     "on": {"speculation": {"enabled": True}},
@@ -169,20 +169,13 @@ def apply_event(result: RequestResult, data: str, now: float) -> bool:
 async def stream_request(client, url: str, body: dict) -> RequestResult:
     """POST one streaming chat request and time its SSE chunks; errors land in ``error``."""
     result = RequestResult(start=time.perf_counter(), prompt=json.dumps(body.get("messages")))
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            result.header = response.headers.get("x-speculation")
-            result.speculation_on = speculation_header_on(result.header)
-            if response.status_code != 200:
-                await response.aread()
-                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return result
-            async for line in response.aiter_lines():
-                if line.startswith("data:") and apply_event(result, line[5:].strip(),
-                                                            time.perf_counter()):
-                    break
-    except Exception as exc:  # noqa: BLE001  a failed request is a data point, not a crash
-        result.error = f"{type(exc).__name__}: {exc}"
+
+    def headers(response) -> None:
+        result.header = response.headers.get("x-speculation")
+        result.speculation_on = speculation_header_on(result.header)
+
+    result.error = await post_sse(client, url, body, lambda data, now: apply_event(result, data, now),
+                                  headers)
     if result.end is None and result.error is None:
         result.error = "the stream ended without usage"
     return result
@@ -194,23 +187,14 @@ async def run_level(client, url: str, bodies: list[dict], concurrency: int, time
     """Send ``bodies`` with exactly ``concurrency`` in flight; at ``time_limit_s`` cancel what
     is still running. Returns the finished requests' results and the level's wall time."""
     results: list[RequestResult] = []
-    pending_bodies = iter(bodies)   # shared by the workers: each body is sent once
-    t0 = time.perf_counter()
 
-    async def worker() -> None:
-        for body in pending_bodies:
-            if time.perf_counter() - t0 >= time_limit_s:
-                return
-            results.append(await stream_request(client, url, body))
-            if on_done:
-                on_done()
+    async def send(body: dict) -> None:
+        results.append(await stream_request(client, url, body))
+        if on_done:
+            on_done()
 
-    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
-    _, unfinished = await asyncio.wait(tasks, timeout=time_limit_s)
-    for task in unfinished:
-        task.cancel()
-    await asyncio.gather(*unfinished, return_exceptions=True)
-    return results, time.perf_counter() - t0
+    wall = await client_pool(bodies, concurrency, time_limit_s, send)
+    return results, wall
 
 
 # -- aggregation (pure) --------------------------------------------------------------------------

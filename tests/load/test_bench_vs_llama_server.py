@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from load import bench_vs_llama_server as vs
+from load.common import sse_data
 from load.prompts import load_prompts
 
 
@@ -27,7 +28,7 @@ def _chunk(content=None, usage=None) -> str:
     ('data: {"a": 1}', '{"a": 1}'), ("data:[DONE]", "[DONE]"), ("data: [DONE]  ", "[DONE]"),
     (": keep-alive", None), ("event: message", None), ("", None)])
 def test_sse_data_takes_only_data_lines(line, payload):
-    assert vs.sse_data(line) == payload
+    assert sse_data(line) == payload
 
 
 def test_a_stream_counts_tokens_from_usage_where_the_server_sends_it():
