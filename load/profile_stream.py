@@ -108,7 +108,8 @@ def bodies(model: str, count: int, tokens: int) -> list[dict]:
 
 
 def py_spy(pids: list[int], seconds: float, out: Path) -> list[subprocess.Popen]:
-    exe = shutil.which("py-spy")
+    beside = Path(sys.executable).parent / "py-spy"  # the .venv's, where `make` does not put it on PATH
+    exe = str(beside) if beside.is_file() else shutil.which("py-spy")
     if exe is None:
         raise SystemExit("profile-stream: --py-spy needs py-spy (pip install py-spy)")
     out.mkdir(parents=True, exist_ok=True)
@@ -145,6 +146,7 @@ def measure_server(args, log: Path) -> dict:
             streams = asyncio.run(stream_all(url, bodies(model, args.requests, args.tokens)))
             wall = time.perf_counter() - t0
             after = {pid: cpu_s(pid) for pid in server_pids(proc.pid)}
+            roles = {pid: role(pid) for pid in after}  # while they run: their titles go with them
             for spy in spies:
                 spy.wait(timeout=120)
         finally:
@@ -155,7 +157,7 @@ def measure_server(args, log: Path) -> dict:
     tokens = sum(s.tokens for s in streams)
     by_role: dict[str, float] = {}
     for pid, end in after.items():
-        by_role[role(pid)] = by_role.get(role(pid), 0.0) + end - before.get(pid, 0.0)
+        by_role[roles[pid]] = by_role.get(roles[pid], 0.0) + end - before.get(pid, 0.0)
     return {"tokens": tokens, "wall_s": round(wall, 3),
             "gap_ms": round(statistics.median(s.token_gap for s in streams) * 1000, 2),
             "wall_ms_per_token": round(wall / tokens * 1000, 2),
