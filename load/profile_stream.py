@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "services"))
 
 from specserve.machine import cpu_flags, machine_label  # noqa: E402
+from specserve.serve.ports import proc_stat  # noqa: E402
 from specserve.serve.ray_watch import children, session_pids  # noqa: E402
 
 from load import bench_vs_llama_server as vs  # noqa: E402
@@ -60,13 +61,8 @@ PY_SPY_ROLES = ("TargetRank", "SpeculationUnit", "OpenAIIngress", "ProxyActor")
 
 def cpu_s(pid: int) -> float:
     """The CPU seconds ``pid`` has used (user + system); 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return 0.0
-    rest = text[text.rindex(")") + 2:].split()
-    return (int(rest[11]) + int(rest[12])) * TICK_S
+    stat = proc_stat(pid)
+    return stat.cpu_ticks * TICK_S if stat is not None else 0.0
 
 
 def cmdline(pid: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+from typing import NamedTuple
 
 from specserve.errors import SpecServeError
 
@@ -173,16 +174,27 @@ def parent(pid: int) -> int:
     return stat[1] if stat is not None else 0
 
 
-def proc_stat(pid: int) -> tuple | None:
-    """``/proc/PID/stat``'s state, ppid, pgrp, session, exit code (field 52: a wait status,
-    a zombie's included) and ``comm``; None where there is no such process. The file reads
-    ``pid (comm) state ppid ...``, and ``comm`` may hold spaces and parentheses: the fields
-    are split after its last ``)``."""
+class ProcStat(NamedTuple):
+    """What :func:`proc_stat` reads of ``/proc/PID/stat``."""
+
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    exit_status: int  # field 52: a wait status, a zombie's included
+    comm: str
+    cpu_ticks: int    # utime + stime, in clock ticks (``os.sysconf("SC_CLK_TCK")`` a second)
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """``/proc/PID/stat``'s fields that the server and its tools read; None where there is no
+    such process. The file reads ``pid (comm) state ppid ...``, and ``comm`` may hold spaces
+    and parentheses: the fields are split after its last ``)``."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
         rest = text[text.rindex(")") + 2:].split()
-        return (rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[49]),
-                text[text.index("(") + 1:text.rindex(")")])
+        return ProcStat(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[49]),
+                        text[text.index("(") + 1:text.rindex(")")], int(rest[11]) + int(rest[12]))
     except (OSError, IndexError, ValueError):
         return None

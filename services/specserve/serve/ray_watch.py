@@ -327,7 +327,7 @@ def session_pids(sid: int) -> list[int]:
 def children(ppid: int) -> list[tuple[int, str]]:
     """(pid, name) of the children of ``ppid``, those that have exited and wait to be reaped
     included (a raylet killed at once is one)."""
-    return [(pid, stat[-1]) for pid, stat in _stats() if stat[1] == ppid]
+    return [(pid, stat.comm) for pid, stat in _stats() if stat.ppid == ppid]
 
 
 def _alive(pid: int) -> bool:
