@@ -8,17 +8,19 @@ speculation off, auth off, 127.0.0.1), streams ``--requests`` greedy chat comple
   tokens - 1), the median over requests;
 - in every process of the server's two sessions (the supervisor's and the server's: Ray's
   daemons and workers among them), the CPU time it took (``utime + stime`` in
-  ``/proc/PID/stat``), in milliseconds a token, by role: the target rank (the forward), the
-  unit's coordinator replica, the ingress replica, Serve's proxy and controller, Ray's
-  daemons, the server;
+  ``/proc/PID/stat``), in milliseconds a token, by role: the unit's replica (the coordinator,
+  and at TP = 1 on a CPU the forward), a target rank actor where there is one, the ingress
+  replica, Serve's proxy and controller, Ray's daemons, the server;
 - then, with the server stopped, the same model's decode in this process
   (``load/decode_ms.py``: batch 1, 2 threads, 128 tokens), the forward's own time.
 
 The gap over HTTP minus the in-process decode is what serving adds to a token (issue 71's aim:
 at most 1 ms). CPU time shows where: on a 2-core machine every millisecond another process
 spends beside the forward delays it. ``--py-spy DIR`` (needs ``py-spy``) also records each
-Python role's flame graph over the window (speedscope JSON, one file a role). Prints a table
-with the CPU flags; writes ``results/profile_stream.json``.
+Python role's flame graph over the window (speedscope JSON, one file a role). ``--unit JSON``
+merges fields into the unit's config (an experiment: ``'{"target_in_unit": false}'`` puts the
+target back in a rank actor). Prints a table with the CPU flags; writes
+``results/profile_stream.json``.
 
     make profile-stream
     make profile-stream PROFILE_ARGS="--requests 12 --py-spy results/profile_stream"
@@ -51,7 +53,8 @@ from load import decode_ms  # noqa: E402
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 # Roles by what a process's command line holds (Ray's workers carry their actor's title).
-ROLES = (("TargetRank", "target rank (the forward)"), ("SpeculationUnit", "unit replica"),
+ROLES = (("TargetRank", "target rank (the forward)"),
+         ("SpeculationUnit", "unit replica (and an in-unit target)"),
          ("OpenAIIngress", "ingress replica"), ("ProxyActor", "Serve proxy"),
          ("ServeController", "Serve controller"), ("gcs_server", "Ray GCS"),
          ("raylet", "raylet"), ("dashboard", "Ray dashboard and agents"),
@@ -123,6 +126,7 @@ def py_spy(pids: list[int], seconds: float, out: Path) -> list[subprocess.Popen]
 def measure_server(args, log: Path) -> dict:
     """The server's side: the gaps at the client and each role's CPU per token."""
     config = vs.specserve_configs()["off"]
+    config["unit"] = config["unit"] | json.loads(args.unit)
     with tempfile.TemporaryDirectory(prefix="profile-stream-") as tmp:
         path = Path(tmp) / "specserve-off.json"
         path.write_text(json.dumps(config))
@@ -166,7 +170,8 @@ def report(result: dict) -> None:
     print(f"\n{result['machine']}; CPU flags: {' '.join(result['cpu_flags'])}")
     print(f"one stream, speculation off, {result['server']['tokens']} tokens in "
           f"{result['requests']} requests of {result['tokens_per_request']}"
-          + (f"; server env: {result['env']}" if result["env"] else ""))
+          + (f"; server env: {result['env']}" if result["env"] else "")
+          + (f"; unit: {json.dumps(result['unit'])}" if result.get("unit") else ""))
     print(f"  gap between tokens over HTTP   {http:7.2f} ms (median over requests)")
     print(f"  decode in-process              {forward:7.2f} ms (load/decode_ms.py, median of runs)")
     print(f"  what serving adds              {http - forward:7.2f} ms a token (aim: at most 1)")
@@ -182,13 +187,15 @@ def main() -> None:
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--py-spy", default=None, help="a folder for each Python role's flame graph")
     p.add_argument("--env", default="", help="'K=V ...' for the server (an experiment's settings)")
+    p.add_argument("--unit", default="{}", help="JSON fields merged into the unit's config")
     p.add_argument("--out", default=str(ROOT / "results" / "profile_stream.json"))
     args = p.parse_args()
     out = Path(args.out)
     server = measure_server(args, out.with_suffix(".log"))
     in_process = decode_ms.main(args.decode_runs)
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "env": args.env, "requests": args.requests, "tokens_per_request": args.tokens, "server": server,
+              "env": args.env, "unit": json.loads(args.unit), "requests": args.requests,
+              "tokens_per_request": args.tokens, "server": server,
               "in_process_ms": statistics.median(in_process["ms_per_token"]),
               "in_process_runs": in_process["ms_per_token"]}
     report(result)

@@ -145,3 +145,21 @@ def test_a_draft_shares_rank_0s_gpu_only_with_a_gpu_and_its_bundle(unit, ok):
             UnitConfig.model_validate({"engine": engine, **unit})
     with pytest.raises(ValidationError, match="draft_gpu_fraction"):  # no draft to share with
         UnitConfig.model_validate({"accelerator": "gpu", "draft_gpu_fraction": 0.2})
+
+
+@pytest.mark.parametrize("unit, here", [
+    ({}, True),                                               # TP 1 on a CPU: in the unit
+    ({"target_in_unit": False}, False),                       # asked for a rank actor
+    ({"tensor_parallel_size": 2}, False),                     # a TP group: actors
+    ({"accelerator": "gpu"}, False),                          # GPUs: actors
+    ({"accelerator": "gpu", "target_in_unit": True}, None),   # refused: the unit has no GPU
+    ({"tensor_parallel_size": 2, "target_in_unit": True}, None),
+])
+def test_the_target_runs_in_the_unit_only_at_tp_1_on_a_cpu(unit, here):
+    """``target_in_unit`` (issue 71): one rank in the coordinator's process, where a Ray call
+    a step buys nothing (TP 1, CPU); refused wherever the target needs a group or a GPU."""
+    if here is None:
+        with pytest.raises(ValidationError, match="target_in_unit"):
+            UnitConfig.model_validate(unit)
+    else:
+        assert UnitConfig.model_validate(unit).target_here is here

@@ -460,6 +460,11 @@ class UnitConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Models and speculation.")
     tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
         1, description="Target ranks (GPUs) per unit; heads and MLP width must divide by it.")
+    target_in_unit: bool | None = Field(
+        None, description="Run the target's one rank in the unit's own process (the "
+                          "coordinator's), not as a Ray actor: each step is a call, not a Ray "
+                          "task between two processes. None: where TP is 1 and the "
+                          "accelerator is cpu. GPUs and TP > 1 always run rank actors.")
     accelerator: Literal["cpu", "gpu"] = Field(
         "cpu", description="gpu: every draft / target bundle asks for one GPU and ranks use NCCL; "
                            "cpu: no GPUs, gloo on 127.0.0.1.")
@@ -521,11 +526,21 @@ class UnitConfig(_Strict):
             raise ValueError("draft_gpu_fraction shares target rank 0's GPU: it needs accelerator "
                              "gpu, a draft group (method draft_model or eagle) and no "
                              "draft_node_resource")
+        if self.target_in_unit and not (self.tensor_parallel_size == 1 and self.accelerator == "cpu"):
+            raise ValueError("target_in_unit runs the target in the unit's process: it needs "
+                             "tensor_parallel_size 1 and accelerator cpu")
         off_at, on_at = self.router.concurrency_thresholds(self.engine.max_num_seqs)
         if on_at >= off_at:
             raise ValueError(f"router.high_concurrency_resume ({on_at}) must be below "
                              f"router.high_concurrency_threshold ({off_at}): that gap is the hysteresis")
         return self
+
+    @property
+    def target_here(self) -> bool:
+        """The target runs in the unit's process (``target_in_unit``, or its default)."""
+        if self.target_in_unit is not None:
+            return self.target_in_unit
+        return self.tensor_parallel_size == 1 and self.accelerator == "cpu"
 
     @property
     def has_draft_group(self) -> bool:

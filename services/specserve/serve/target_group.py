@@ -68,6 +68,29 @@ def _threads(share: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
 
 
+def in_own_thread(fn):
+    """``fn()``, run in a thread that ends with it. OpenMP keeps a pool of threads for each
+    thread that ran a parallel region, for as long as that thread lives; while a process has
+    more pooled threads than cores, libgomp hardly spins at its barriers, and each of the
+    forward's parallel regions then waits for its threads to wake (measured: a one-stream
+    token 23 ms in the unit against 12 alone). So the target loads and warms up in a thread of
+    its own, and the engine thread's pool is the only one left."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="target-load")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -98,9 +121,9 @@ class RankStep(NamedTuple):
     tables: list | None = None         # paged: [rows] each row's block table
 
 
-@ray.remote(concurrency_groups={"watch": 1})
 class TargetRank:
-    """One tensor-parallel rank of the target."""
+    """One tensor-parallel rank of the target: a :data:`RankActor`, or at TP = 1 on a CPU an
+    object in the coordinator's own process (:attr:`TargetGroup.local`)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -158,8 +181,15 @@ class TargetRank:
         coordinator's lengths of the rows' and then the chunks' slots; ``tables``: a paged
         cache's block tables of those slots, and then ``forks`` are block copies
         ``(src_block, dst_block)`` (:meth:`_prepare`)."""
+        return host_only(self.verdicts(batch, starts, sampling, moves, forks, tables))
+
+    def verdicts(self, batch: VerifyBatch, starts: list[int], sampling: dict[int, tuple],
+                 moves: list | None = None, forks: list | None = None,
+                 tables: list | None = None) -> Verified:
+        """:meth:`verify`'s verdicts, as they are (in the coordinator's process nothing
+        crosses a boundary, so nothing is checked or counted)."""
         step = RankStep(batch.forward(), starts, moves, forks, tables)
-        return host_only(self._launch(batch, sampling, step).result())
+        return self._launch(batch, sampling, step).result()
 
     def launch(self, number: int, batch: VerifyBatch, starts: list[int], sampling: dict[int, tuple],
                moves: list | None, forks: list | None, tables: list | None,
@@ -263,12 +293,21 @@ class TargetRank:
                 "device": str(self.worker.runtime.embed.weight.device)}
 
 
+# The rank as a Ray actor: its processes keep the title ``ray::TargetRank`` (tools find them by it).
+RankActor = ray.remote(concurrency_groups={"watch": 1})(TargetRank)
+
+
 class TargetGroup(SlotOwner):
     """Coordinator-side client of the target ranks; the engine sees a ``ModelWorker``.
 
     Constructing one starts the ranks in bundles ``first_bundle..`` of ``pg`` and waits until
     they are loaded. ``name``: rank actors are named ``{name}-g{generation}-r{rank}`` in the
-    ``specserve`` namespace (fault-injection tests kill them by name)."""
+    ``specserve`` namespace (fault-injection tests kill them by name).
+
+    Where the unit's config puts the target in the unit (:attr:`UnitConfig.target_here`: TP =
+    1 on a CPU), its one rank is :attr:`local`, a :class:`TargetRank` in this process: each step is
+    a call, not a Ray task, its threads run the forward, and there is no actor to watch or
+    name (one stream's gap over HTTP: docs/BENCHMARKS.md, issue 71)."""
 
     def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
         cfg = resolved_layout(cfg)  # the ranks get a definite layout: the tables' own
@@ -278,6 +317,7 @@ class TargetGroup(SlotOwner):
         self.step_timeout_s = cfg.target_step_timeout_s
         self.generation = 0   # restarts so far
         self.ranks: list = []
+        self.local: TargetRank | None = None  # rank 0 in this process (target_here), else None
         self._moves: dict[int, tuple[list[int], int]] = {}  # slot -> a kept path not yet sent
         self._forks: list[tuple[int, int, int]] = []  # (src, dst, length) not yet sent
         self._sampling: dict[int, tuple] = {}  # slot -> the (params, seed) rank 0 holds for it
@@ -287,7 +327,15 @@ class TargetGroup(SlotOwner):
 
     def _launch(self) -> None:
         cfg, world = self.cfg, self.cfg.tensor_parallel_size
-        self.ranks = [TargetRank.options(**in_bundle(cfg, self.pg, self.first_bundle + r,
+        if cfg.target_here:
+            engine = cfg.engine.model_dump()
+            engine["target"]["device"] = target_device(cfg)
+            self.local = TargetRank(0, 1)
+            self._watch = {}
+            self.info, self.warm_up_report = in_own_thread(
+                lambda: (self.local.setup(engine, "", 0, "gloo"), self.local.warm_up()))
+            return
+        self.ranks = [RankActor.options(**in_bundle(cfg, self.pg, self.first_bundle + r,
                                                      target_rank_gpus(cfg, r)),
                                          **self._named(r)).remote(r, world) for r in range(world)]
         host, port = ray.get(self.ranks[0].rendezvous.remote())
@@ -330,6 +378,7 @@ class TargetGroup(SlotOwner):
         every sequence first; their slots are free, and the new ranks' caches start empty."""
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
+        self.local = None
         self._moves.clear()
         self._forks.clear()
         self._sampling.clear()
@@ -423,10 +472,17 @@ class TargetGroup(SlotOwner):
         tables = self._tables(batch.slots, batch.token_ids)
         moves = [(s, *self._moves.pop(s)) for s in batch.slots if s in self._moves]
         forks, self._forks = self._forks, []
-        out = self._call(self.ranks[0].forward.remote(batch, starts, moves, forks, tables))
+        out = self._rank0("forward", batch, starts, moves, forks, tables)
         for slot, ids in zip(batch.slots, batch.token_ids):
             self.table.lengths[slot] += len(ids)
         return out
+
+    def _rank0(self, method: str, *args):
+        """Rank 0's answer to ``method(*args)``: a call where it is :attr:`local`, else its
+        actor's, as :meth:`_call` bounds it."""
+        if self.local is not None:
+            return getattr(self.local, method)(*args)
+        return self._call(getattr(self.ranks[0], method).remote(*args))
 
     def _call(self, ref):
         """Rank 0's answer, or :class:`TargetUnavailable` when a rank dies or the step
@@ -458,16 +514,25 @@ class GroupStep:
 
     def send(self, after: int | None = None) -> None:
         """Launch it on rank 0 (its rows that follow step ``after`` fed from that one there)."""
-        if self.launched is None:
-            self.launched = self.group.ranks[0].launch.remote(self.number, *self.args, after)
+        if self.launched is not None:
+            return
+        group = self.group
+        if group.local is not None:
+            group.local.launch(self.number, *self.args, after)
+            self.launched = True
+        else:
+            self.launched = group.ranks[0].launch.remote(self.number, *self.args, after)
 
     def result(self) -> Verified:
         """Its verdicts from rank 0 (:class:`TargetUnavailable` as :meth:`TargetGroup._call`)."""
-        group, rank0 = self.group, self.group.ranks[0]
+        group = self.group
+        if group.local is not None:  # nothing crosses a process boundary: nothing to count
+            return (group.local.verdicts(*self.args) if self.launched is None
+                    else group.local.result(self.number))
         if self.launched is None:  # nothing was launched after it: one call
-            result = group._call(rank0.verify.remote(*self.args))
+            result = group._rank0("verify", *self.args)
         else:
             group._call(self.launched)  # its launch's error, if it had one
-            result = group._call(rank0.result.remote(self.number))
+            result = group._rank0("result", self.number)
         group.received.add(result)
         return result

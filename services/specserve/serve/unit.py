@@ -60,11 +60,15 @@ class SpeculationUnit:
         self.unit_id = context.replica_id.unique_id
         self.draft_name = f"draft-{self.unit_id}"
         # The tokenizer loads (a second or two, mostly imports) while the ranks start in
-        # their own processes. The target before the draft: the draft drafts over the
-        # target's vocabulary (its own may be padded differently, draft_model.py).
+        # their own processes; first, where the target loads here (transformers' lazy
+        # imports are not safe from two threads at once). The target before the draft: the
+        # draft drafts over the target's vocabulary (its own may be padded differently,
+        # draft_model.py).
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, resolve(cfg.engine.target.source,
                                                             cfg.engine.target.cache_dir))
+            if cfg.target_here:
+                tokenizer.result()
             self.target_group = TargetGroup(cfg, pg, 2 if cfg.draft_in_bundle else 1,
                                             name=f"target-{self.unit_id}")
             self.draft_group = (
