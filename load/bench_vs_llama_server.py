@@ -249,11 +249,18 @@ def server_specs(binary: Path, gguf: Path, args, config_dir: Path) -> list[Serve
 
 
 def start(spec: ServerSpec, log: Path) -> subprocess.Popen:
-    """The server in a session of its own (a Ctrl-C here reaches it once, from :func:`stop`)."""
+    """The server in a session of its own (a Ctrl-C here reaches it once, from :func:`stop`).
+    A SIGTERM to this tool exits it through its ``finally`` blocks, which stop the server: a
+    session of its own does not get the tool's signals."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         return subprocess.Popen(spec.argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=spec.env, start_new_session=True)
+
+
+def _exit_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def is_ready(spec: ServerSpec, log: Path) -> bool:

@@ -70,7 +70,13 @@ def test_a_load_in_its_own_thread_leaves_no_pool_and_one_on_a_living_thread_does
         keeper.join(BOUND_S)
 
 
-def test_in_own_thread_returns_the_value_and_raises_the_error():
+def test_in_own_thread_returns_the_value_raises_the_error_and_times_out():
     assert in_own_thread(lambda: 42) == 42
     with pytest.raises(ValueError, match="bad"):
         in_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    release = threading.Event()
+    try:
+        with pytest.raises(TimeoutError, match="took over 0.01 s"):
+            in_own_thread(lambda: release.wait(BOUND_S), timeout_s=0.01)
+    finally:
+        release.set()

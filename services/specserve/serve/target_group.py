@@ -68,13 +68,15 @@ def _threads(share: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // share))
 
 
-def in_own_thread(fn):
+def in_own_thread(fn, timeout_s: float | None = None):
     """``fn()``, run in a thread that ends with it. OpenMP keeps a pool of threads for each
     thread that ran a parallel region, for as long as that thread lives; while a process has
     more pooled threads than cores, libgomp hardly spins at its barriers, and each of the
     forward's parallel regions then waits for its threads to wake (measured: a one-stream
     token 23 ms in the unit against 12 alone). So the target loads and warms up in a thread of
-    its own, and the engine thread's pool is the only one left."""
+    its own, and the engine thread's pool is the only one left. Past ``timeout_s``,
+    :class:`TimeoutError` (the thread, which nothing can stop, is left to end the process's
+    way: the caller fails its start)."""
     box: dict = {}
 
     def run() -> None:
@@ -83,9 +85,11 @@ def in_own_thread(fn):
         except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="target-load")
+    thread = threading.Thread(target=run, name="target-load", daemon=True)
     thread.start()
-    thread.join()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} took over {timeout_s:g} s")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -332,8 +336,11 @@ class TargetGroup(SlotOwner):
             engine["target"]["device"] = target_device(cfg)
             self.local = TargetRank(0, 1)
             self._watch = {}
-            self.info, self.warm_up_report = in_own_thread(
-                lambda: (self.local.setup(engine, "", 0, "gloo"), self.local.warm_up()))
+            self.info = in_own_thread(lambda: self.local.setup(engine, "", 0, "gloo"))
+            try:
+                self.warm_up_report = in_own_thread(self.local.warm_up, cfg.compile_timeout_s)
+            except TimeoutError:
+                raise self._warm_up_too_long() from None
             return
         self.ranks = [RankActor.options(**in_bundle(cfg, self.pg, self.first_bundle + r,
                                                      target_rank_gpus(cfg, r)),
@@ -353,9 +360,7 @@ class TargetGroup(SlotOwner):
         refs = [r.warm_up.remote() for r in self.ranks]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.compile_timeout_s)
         if len(ready) < len(refs):
-            raise TargetUnavailable(f"the target's warm-up (compiling every batch shape) took "
-                                    f"longer than {self.cfg.compile_timeout_s:g} s "
-                                    "(compile_timeout_s)")
+            raise self._warm_up_too_long()
         report = ray.get(refs)[0]
         if report.get("cudagraph_skips"):
             log.warning("the target's compiled forward skipped CUDA graphs %d times: it runs "
@@ -364,6 +369,10 @@ class TargetGroup(SlotOwner):
             log.info("target warm-up: %d shapes in %.1f s", len(report["buckets"]),
                      sum(b["seconds"] for b in report["buckets"]))
         return report
+
+    def _warm_up_too_long(self) -> TargetUnavailable:
+        return TargetUnavailable(f"the target's warm-up (compiling every batch shape) took "
+                                 f"longer than {self.cfg.compile_timeout_s:g} s (compile_timeout_s)")
 
     def _named(self, rank: int) -> dict:
         if not self.name:
