@@ -34,7 +34,7 @@ import pytest
 import yaml
 from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP, agent_ports
 from specserve.serve.ports import bind_error, parent
-from specserve.serve.ray_watch import POLL_S, children, node_death_bound_s, session_pids
+from specserve.serve.ray_watch import POLL_S, children, node_death_bound_s, ray_setting, session_pids
 
 from tests.net import free_port
 from tests.serve.conftest import unit_args
@@ -361,8 +361,7 @@ def test_a_hung_raylet_at_start_up_ends_the_server_in_one_line(server, monkeypat
     # fresh clone at a load average of 24 on 2 cores said it 24.8 s after the stop (1.3 s
     # past the bound: the guardian, the server and this test's reader all wait for a core).
     said = starting.seconds[lines.index(errors(lines)[0])] - hung
-    misses_s = int(FAST_CHECKS["RAY_health_check_failure_threshold"]) * int(
-        FAST_CHECKS["RAY_health_check_period_ms"]) / 1000
+    misses_s = ray_setting("health_check_failure_threshold") * ray_setting("health_check_period_ms") / 1000
     assert misses_s <= said <= 2 * node_death_bound_s(), starting.timed_lines()
     assert not left_after(sid, POLL_S), starting.timed_lines()
 
