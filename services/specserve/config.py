@@ -184,9 +184,12 @@ class ModelConfig(_Strict):
         "auto", description="Weights and activations. auto: bfloat16 on CUDA, float32 on CPU "
                             "(exact logits; bfloat16 is faster on CPUs with AVX512-BF16).")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
-    kernels: Literal["auto", "invariant", "library", "compiled"] = Field(
+    kernels: Literal["auto", "invariant", "integer", "library", "compiled"] = Field(
         "auto", description="invariant: a token's logits do not depend on what else is in the "
                             "forward (greedy speculation is bit-identical to target-only); "
+                            "integer: invariant too, with a GGUF's blocks met by 8-bit inputs "
+                            "in integer dot products (llama.cpp's CPU arithmetic: faster, and "
+                            "not the float32 path's logits; other weights as invariant); "
                             "library: torch's F.linear and SDPA (FlexAttention on CUDA); "
                             "compiled: library ops at bucketed static shapes under "
                             "torch.compile, CUDA graphs on a GPU (measured on an H100 and "

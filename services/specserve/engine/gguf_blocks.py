@@ -37,9 +37,10 @@ LAYER_LINEARS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_ou
                  "mlp.gate_up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
 
 
-def quantize_linears(runtime, path: Path) -> dict:
+def quantize_linears(runtime, path: Path, x8_inputs: bool = False) -> dict:
     """Give ``runtime``'s decoder linears the blocks of the GGUF at ``path`` where the kernels
-    read them (module docstring). Returns what was done: ``linears`` quantized, their
+    read them (module docstring); ``x8_inputs``: met by 8-bit inputs in integer dot products
+    (``kernels: integer``), not in float32. Returns what was done: ``linears`` quantized, their
     ``bytes`` and the float32 ``bytes_dropped``, and per reason the linears ``kept_float32``."""
     arch, tensors = read_tensors(path)
     kept: Counter[str] = Counter()
@@ -56,7 +57,8 @@ def quantize_linears(runtime, path: Path) -> dict:
             kind = kinds.pop()
             rows = [_rows(part, torch.from_numpy(np.array(t.rows)), runtime.arch)
                     for part, t in zip(parts, found)]
-            blocks = native.pack_blocks(kind, torch.cat(rows), linear.out_features, linear.in_features)
+            blocks = native.pack_blocks(kind, torch.cat(rows), linear.out_features, linear.in_features,
+                                        x8_inputs)
             weight_bytes = linear.weight.numel() * linear.weight.element_size()
             try:
                 linear.quantize(blocks)
@@ -64,7 +66,7 @@ def quantize_linears(runtime, path: Path) -> dict:
                 kept["blocks that are not the loaded weight"] += 1
                 continue
             done, size, dropped = done + 1, size + blocks.nbytes, dropped + weight_bytes
-    head = _lm_head(runtime, tensors, arch)
+    head = _lm_head(runtime, tensors, arch, x8_inputs)
     if isinstance(head, str):
         kept[head] += 1
     else:
@@ -78,10 +80,11 @@ def quantize_linears(runtime, path: Path) -> dict:
         except ValueError:
             kept["blocks that are not the loaded weight"] += 1
     report = {"linears": done, "bytes": size, "bytes_dropped": dropped, "kept_float32": dict(kept)}
-    log.info("%s: %d linears on their %s blocks (%.0f MB, were %.0f MB in float32)%s", path.name, done,
-             "/".join(sorted({lin.quantized.kind for lin in _linears(runtime) if lin.quantized})) or "-",
-             size / 1e6, dropped / 1e6, "; kept in float32: " + ", ".join(
-                 f"{n} ({reason})" for reason, n in kept.items()) if kept else "")
+    kinds = "/".join(sorted({lin.quantized.kind for lin in _linears(runtime) if lin.quantized})) or "-"
+    log.info("%s: %d linears on their %s blocks%s (%.0f MB, were %.0f MB in float32)%s", path.name, done,
+             kinds, ", 8-bit inputs" if x8_inputs else "", size / 1e6, dropped / 1e6,
+             "; kept in float32: " + ", ".join(f"{n} ({reason})" for reason, n in kept.items())
+             if kept else "")
     return report
 
 
@@ -156,7 +159,7 @@ def read_tensors(path: Path) -> tuple[str, dict[str, Tensor]]:
     return fields.get("general.architecture", ""), tensors
 
 
-def _lm_head(runtime, tensors: dict[str, Tensor], arch: str) -> native.QuantizedWeight | str:
+def _lm_head(runtime, tensors: dict[str, Tensor], arch: str, x8_inputs: bool) -> native.QuantizedWeight | str:
     """The LM head's blocks (a tied head's are the embedding's, ``token_embd``), or why not.
     Its rows are the vocabulary's, as stored."""
     tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
@@ -165,7 +168,7 @@ def _lm_head(runtime, tensors: dict[str, Tensor], arch: str) -> native.Quantized
         return f"LM head: {reason}"
     head = runtime.lm_head
     return native.pack_blocks(tensor.kind, torch.from_numpy(np.array(tensor.rows)), head.out_features,
-                              head.in_features)
+                              head.in_features, x8_inputs)
 
 
 def _unfit(arch: str, found: list, kinds: set[str]) -> str | None:

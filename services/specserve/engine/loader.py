@@ -282,11 +282,12 @@ def load_model(cfg, *, max_model_len: int,
                            group=tp_group, desc=f"loading {src.name}", progress=progress)
     runtime.requires_grad_(False)
     kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device, draft=draft)
-    runtime.use_kernels(kernels, verify_tokens=verify_tokens)
+    # integer: the invariant runtime, whose blocks take 8-bit inputs (gguf_blocks)
+    runtime.use_kernels("invariant" if kernels == "integer" else kernels, verify_tokens=verify_tokens)
     if (blocks and cfg.weights == "auto" and src.blocks is not None and tp_group is None
-            and kernels == "invariant"
+            and runtime.kernels == "invariant"
             and native_ready(runtime.embed.weight)):
-        quantize_linears(runtime, Path(src.blocks))
+        quantize_linears(runtime, Path(src.blocks), x8_inputs=kernels == "integer")
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))
 
 

@@ -451,5 +451,8 @@ def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_
 
 
 def _kernels(head: DraftHead, kernels: str) -> str:
-    """A draft's ``kernels``, ``auto`` resolved for its device (``default_kernels``)."""
-    return default_kernels(head.embed.weight.device, draft=True) if kernels == "auto" else kernels
+    """A draft's ``kernels``, ``auto`` resolved for its device (``default_kernels``); a head
+    holds no GGUF blocks, so ``integer`` is ``invariant`` here."""
+    if kernels == "auto":
+        return default_kernels(head.embed.weight.device, draft=True)
+    return "invariant" if kernels == "integer" else kernels

@@ -796,6 +796,10 @@ void rope_and_store(float *qkv, const float *cos, const float *sin, float *k_cac
    about seven kernels and their modules' Python a layer (at batch 1 that Python cost about
    a third of a decode on the 4-bit weights). */
 enum { W_F32, W_Q4_0, W_Q4_1, W_Q8_0 };  /* native.WEIGHT_KINDS */
+enum { W_X8 = 8 };  /* added to a block kind: its inputs in 8 bits (native.X8_INPUTS) */
+void linear_rows_q4_0_x8(const float *, const uint8_t *, const float *, float *, int, int, int, int);
+void linear_rows_q4_1_x8(const float *, const uint8_t *, const float *, float *, int, int, int, int);
+void linear_rows_q8_0_x8(const float *, const uint8_t *, const float *, float *, int, int, int, int);
 
 typedef struct {          /* a linear's weight: float32 [n, k], or a GGUF's packed blocks */
   int kind, n, k;
@@ -824,6 +828,9 @@ static void linear_any(const float *x, const weight_ref *w, float *y, int M, int
     case W_Q4_0: linear_rows_q4_0(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
     case W_Q4_1: linear_rows_q4_1(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
     case W_Q8_0: linear_rows_q8_0(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
+    case W_X8 + W_Q4_0: linear_rows_q4_0_x8(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
+    case W_X8 + W_Q4_1: linear_rows_q4_1_x8(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
+    case W_X8 + W_Q8_0: linear_rows_q8_0_x8(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
     default: linear_rows(x, w->w, w->bias, y, M, w->n, w->k, threads);
   }
 }
@@ -897,3 +904,225 @@ void exponential_noise_rows(const int64_t *keys, int N, int V, float *out, int t
     }
   }
 }
+
+/* Integer dot products (kernels: integer): a GGUF's blocks met by 8-bit inputs, the
+   arithmetic of llama.cpp's CPU backend.
+
+   Each input row is quantized block by block from its own values only (quantize_x8): d = max
+   |x| / 127 and q = x * (1 / d) rounded to nearest, ties to even, so q is in [-127, 127]. A
+   weight block and an input block meet in integer multiply-adds, which are exact. Then, for
+   each (weight row, input row) pair, block after block in order, one float32 accumulator:
+   acc = fma(d_w * d_x, sum, acc), and for Q4_1 acc = fma(m, d_x * sum q_x, acc); the bias
+   last. So a token's outputs are the same bits alone, in a verify or in a batch (row
+   invariance by construction), and, every operation being IEEE-defined (fmaf where there is
+   no FMA instruction), the same bits on every build. They are not the float32 path's bits:
+   the inputs are rounded to 8 bits (tests/engine/test_integer_kernels.py).
+
+   The weights are packed in groups of 8 rows (native.interleave_rows): per block, the 8 rows'
+   d, then their m (Q4_1), then their quants in chunks of 4 (chunk c of rows 0..7, then chunk
+   c + 1): one 32-byte load holds 4 quants of each of 8 rows, so a broadcast of 4 input bytes
+   and one multiply-add instruction give 8 rows' partial sums in 8 lanes, and a lane ends the
+   block holding its row's whole sum: no horizontal adds, and a vector of 8 pairs' scales.
+   A group's blocks are read once for the up to 4 input rows of a pass. */
+typedef struct { float d, s; int32_t sum; int8_t qs[32]; } x8_block;
+#ifndef X8_PF
+#define X8_PF 1024
+#endif  /* s = d * sum */
+
+static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads) {
+  int nb = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads) if ((long)M * K >= 8 * PARALLEL_MIN_WORK)
+  for (long r = 0; r < (long)M * nb; r++) {
+    const float *v = x + r * 32;
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+#ifdef SPECSERVE_PLANTED_SHARED_SCALE /* a mistake the tests plant: one scale for all rows */
+    for (long o = r % nb; o < (long)M * nb; o += nb)
+      for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[o * 32 + i]));
+#endif
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; i++) {
+      int q = (int)nearbyintf(v[i] * id);
+      out[r].qs[i] = (int8_t)q;
+      sum += q;
+    }
+    out[r].d = d;
+    out[r].sum = sum;
+    out[r].s = d * (float)sum;
+  }
+}
+
+static __thread x8_block *x8_buf;
+static __thread size_t x8_cap;
+
+static x8_block *x8_buffer(size_t blocks) {
+  if (blocks > x8_cap) {
+    free(x8_buf);
+    x8_buf = aligned_alloc(64, (blocks * sizeof(x8_block) + 63) / 64 * 64);
+    x8_cap = x8_buf ? blocks : 0;
+  }
+  return x8_buf;
+}
+
+/* Bytes of one block of 8 interleaved rows, and where its parts start. */
+#define X8_SCALES_q4_0 1
+#define X8_SCALES_q4_1 2
+#define X8_SCALES_q8_0 1
+#define X8_QUANTS_q4_0 128
+#define X8_QUANTS_q4_1 128
+#define X8_QUANTS_q8_0 256
+#define X8_GROUP(T) (X8_SCALES_##T * 32 + X8_QUANTS_##T)
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* acc + u . s in int32 lanes, 4 byte products a lane (u unsigned, s signed) */
+static inline __m256i x8_madd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+/* 4-bit weights' sums: without VNNI the pairs of products add up in int16 lanes over a whole
+   block, widened once (exact: at most 8 x 2 x 15 x 127 < 2^15); with it, in int32 lanes. */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define X8_Q4_ACC(acc, u, s) x8_madd(acc, u, s)
+#define X8_Q4_DONE(acc) (acc)
+#else
+#define X8_Q4_ACC(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
+#define X8_Q4_DONE(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+#endif
+static inline __m256i x8_chunk(const x8_block *a, int c) {  /* input quants 4c .. 4c + 3, 8 times */
+  int32_t v;
+  __builtin_memcpy(&v, a->qs + 4 * c, 4);
+  return _mm256_set1_epi32(v);
+}
+/* sums[j]: the 8 rows' sums against input block a[j]. A 4-bit group's 32-byte load c holds
+   quants 4c .. 4c + 3 of each row in its low nibbles and 16 + 4c .. 16 + 4c + 3 in its high
+   ones. Q8_0: |w| against x carrying w's sign. */
+#define X8_SUMS_q4(q, a, MR, sums)                                                            \
+  do {                                                                                        \
+    for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
+    for (int c = 0; c < 4; c++) {                                                             \
+      __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * c));                        \
+      __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
+      for (int j = 0; j < MR; j++) {                                                          \
+        sums[j] = X8_Q4_ACC(sums[j], lo, x8_chunk(a[j], c));                                  \
+        sums[j] = X8_Q4_ACC(sums[j], hi, x8_chunk(a[j], c + 4));                              \
+      }                                                                                       \
+    }                                                                                         \
+    for (int j = 0; j < MR; j++) sums[j] = X8_Q4_DONE(sums[j]);                               \
+  } while (0)
+#define X8_SUMS_q4_0(q, a, MR, sums)                                                          \
+  do {                                                                                        \
+    X8_SUMS_q4(q, a, MR, sums);                                                               \
+    for (int j = 0; j < MR; j++) sums[j] = _mm256_sub_epi32(sums[j], _mm256_set1_epi32(8 * a[j]->sum)); \
+  } while (0)
+#define X8_SUMS_q4_1(q, a, MR, sums) X8_SUMS_q4(q, a, MR, sums)
+#define X8_SUMS_q8_0(q, a, MR, sums)                                                          \
+  do {                                                                                        \
+    for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
+    for (int c = 0; c < 8; c++) {                                                             \
+      __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * c)), u = _mm256_sign_epi8(w, w); \
+      for (int j = 0; j < MR; j++)                                                            \
+        sums[j] = x8_madd(sums[j], u, _mm256_sign_epi8(x8_chunk(a[j], c), w));                \
+    }                                                                                         \
+  } while (0)
+
+/* A pass: MR input rows (from m) against the group of 8 weight rows from n. */
+#define XGROUP(T, MR)                                                                         \
+  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
+                                       float *y, int N, int nb, int n, int m) {              \
+    __m256 acc[MR];                                                                           \
+    for (int j = 0; j < MR; j++) acc[j] = _mm256_setzero_ps();                                \
+    for (int b = 0; b < nb; b++) {                                                            \
+      const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
+      for (int l = 0; l < X8_GROUP(T); l += 64) __builtin_prefetch(blk + X8_PF + l);          \
+      const x8_block *a[MR];                                                                  \
+      for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
+      __m256i sums[MR];                                                                       \
+      X8_SUMS_##T(blk + X8_SCALES_##T * 32, a, MR, sums);                                     \
+      __m256 d = _mm256_loadu_ps((const float *)blk);                                         \
+      for (int j = 0; j < MR; j++) {                                                          \
+        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[j]->d)),                   \
+                                 _mm256_cvtepi32_ps(sums[j]), acc[j]);                        \
+        if (X8_SCALES_##T == 2)                                                               \
+          acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)blk + 8),                   \
+                                   _mm256_set1_ps(a[j]->s), acc[j]);                          \
+      }                                                                                       \
+    }                                                                                         \
+    int rows = N - n < 8 ? N - n : 8;                                                         \
+    for (int j = 0; j < MR; j++) {                                                            \
+      float out[8];                                                                           \
+      _mm256_storeu_ps(out, acc[j]);                                                          \
+      for (int r = 0; r < rows; r++)                                                          \
+        y[(size_t)(m + j) * N + n + r] = bias ? out[r] + bias[n + r] : out[r];                \
+    }                                                                                         \
+  }
+#else
+/* Elsewhere each pair on its own, the same operations (fmaf: one rounding, as the FMA). */
+static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row r's quant k */
+  if (T_bits == 8) return ((const int8_t *)q)[32 * (k / 4) + 4 * r + k % 4];
+  int c = k % 16 / 4, byte = q[32 * c + 4 * r + k % 4];
+  return k < 16 ? byte & 15 : byte >> 4;
+}
+#define X8_BITS_q4_0 4
+#define X8_BITS_q4_1 4
+#define X8_BITS_q8_0 8
+#define X8_ZERO_q4_0 8
+#define X8_ZERO_q4_1 0
+#define X8_ZERO_q8_0 0
+#define XGROUP(T, MR)                                                                         \
+  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
+                                       float *y, int N, int nb, int n, int m) {              \
+    int rows = N - n < 8 ? N - n : 8;                                                         \
+    for (int j = 0; j < MR; j++)                                                              \
+      for (int r = 0; r < rows; r++) {                                                        \
+        float acc = 0.0f;                                                                     \
+        for (int b = 0; b < nb; b++) {                                                        \
+          const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                   \
+          const x8_block *a = x + (size_t)(m + j) * nb + b;                                   \
+          const uint8_t *q = blk + X8_SCALES_##T * 32;                                        \
+          int sum = 0;                                                                        \
+          for (int k = 0; k < 32; k++) sum += x8_quant(q, X8_BITS_##T, r, k) * a->qs[k];      \
+          sum -= X8_ZERO_##T * a->sum;                                                        \
+          acc = fmaf(((const float *)blk)[r] * a->d, (float)sum, acc);                        \
+          if (X8_SCALES_##T == 2) acc = fmaf(((const float *)blk)[8 + r], a->s, acc);         \
+        }                                                                                     \
+        y[(size_t)(m + j) * N + n + r] = bias ? acc + bias[n + r] : acc;                      \
+      }                                                                                       \
+  }
+#endif
+
+/* linear_rows_T_x8: the inputs quantized once (quantize_x8), then the groups of 8 weight rows
+   split into tasks over the threads, each group against the input rows 4 at a time. */
+#define LINEAR_X8(T)                                                                          \
+  XGROUP(T, 1) XGROUP(T, 2) XGROUP(T, 3) XGROUP(T, 4)                                         \
+  void linear_rows_##T##_x8(const float *x, const uint8_t *w, const float *bias, float *y,    \
+                            int M, int N, int K, int threads) {                               \
+    int nb = K / 32, groups = (N + 7) / 8;                                                    \
+    x8_block *xq = x8_buffer((size_t)M * nb);                                                 \
+    if (!xq) abort();                                                                         \
+    quantize_x8(x, xq, M, K, threads);                                                        \
+    int per_task = WEIGHT_ROWS_PER_TASK / 8;                                                  \
+    int tasks = (groups + per_task - 1) / per_task;                                           \
+    if (tasks < threads) tasks = groups < threads ? groups : threads;                         \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if ((long)M * N * K >= PARALLEL_MIN_WORK)") \
+    for (int t = 0; t < tasks; t++) {                                                         \
+      int g0 = (int)((long)groups * t / tasks), g1 = (int)((long)groups * (t + 1) / tasks);   \
+      for (int m = 0; m < M; m += 4)                                                          \
+        for (int gi = g0; gi < g1; gi++) {                                                    \
+          const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                               \
+          switch (M - m < 4 ? M - m : 4) {                                                    \
+            case 1: xgroup_##T##_1(xq, g, bias, y, N, nb, gi * 8, m); break;                  \
+            case 2: xgroup_##T##_2(xq, g, bias, y, N, nb, gi * 8, m); break;                  \
+            case 3: xgroup_##T##_3(xq, g, bias, y, N, nb, gi * 8, m); break;                  \
+            default: xgroup_##T##_4(xq, g, bias, y, N, nb, gi * 8, m);                        \
+          }                                                                                   \
+        }                                                                                     \
+    }                                                                                         \
+  }
+LINEAR_X8(q4_0) LINEAR_X8(q4_1) LINEAR_X8(q8_0)

@@ -133,7 +133,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                ctypes.POINTER(ForwardRef)]
     lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(LayerRef), i32]
     lib.decoder_layer_scratch.restype = ctypes.c_long
-    quantized = [getattr(lib, f"linear_rows_{kind.lower()}") for kind in QUANT_BLOCKS]
+    quantized = [getattr(lib, f"linear_rows_{kind.lower()}{x8}") for kind in QUANT_BLOCKS
+                 for x8 in ("", "_x8")]
     for fn in quantized:
         fn.argtypes = [ptr] * 4 + [i32] * 4
     for fn in (lib.linear_rows, lib.attention_rows, lib.rms_norm_rows, lib.silu_mul_rows,
@@ -211,22 +212,26 @@ QUANT_BLOCKS = {"Q4_0": (18, 20), "Q4_1": (20, 24), "Q8_0": (34, 36)}
 class QuantizedWeight:
     """A linear's weight ``[out_features, in_features]`` as packed blocks (:func:`pack_blocks`):
     ``data`` ``[out_features, in_features / 32 * packed bytes]`` uint8, a row's blocks in
-    order."""
+    order; with ``x8_inputs``, ``[groups of 8 rows, the same bytes x 8]``, the rows
+    interleaved (:func:`interleave_rows`)."""
 
     kind: str  # a key of QUANT_BLOCKS
     data: torch.Tensor
     out_features: int
     in_features: int
+    x8_inputs: bool = False  # met by 8-bit inputs in integer dots (``kernels: integer``)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
 
-def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> QuantizedWeight:
+def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: int,
+                x8_inputs: bool = False) -> QuantizedWeight:
     """A GGUF tensor's blocks (``raw``: its bytes, uint8, rows of ``in_features / 32`` blocks)
     in the kernels' layout: each block's half-precision scales (``d``, and Q4_1's ``m``)
-    converted to float32 (exact), then its quants as they are."""
+    converted to float32 (exact), then its quants as they are. ``x8_inputs``: see
+    :class:`QuantizedWeight`."""
     if kind not in QUANT_BLOCKS:
         raise ValueError(f"no kernel reads {kind} blocks (they read {', '.join(QUANT_BLOCKS)})")
     if in_features % QUANT_BLOCK:
@@ -236,9 +241,45 @@ def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: in
     scales = 2 if kind == "Q4_1" else 1
     as_float = [blocks[..., 2 * i:2 * i + 2].contiguous().view(torch.float16).float().view(torch.uint8)
                 for i in range(scales)]
-    packed = torch.cat([*as_float, blocks[..., 2 * scales:]], dim=-1)
-    return QuantizedWeight(kind, packed.reshape(out_features, -1).contiguous(), out_features,
-                           in_features)
+    packed = torch.cat([*as_float, blocks[..., 2 * scales:]], dim=-1).reshape(out_features, -1)
+    if x8_inputs:
+        packed = interleave_rows(kind, packed)
+    return QuantizedWeight(kind, packed.contiguous(), out_features, in_features, x8_inputs)
+
+
+def interleave_rows(kind: str, packed: torch.Tensor) -> torch.Tensor:
+    """Packed rows ``[N, blocks x bytes]`` in the integer kernels' layout (kernels.c, "Integer
+    dot products"): rows in groups of 8 (the last padded with zero blocks), and per group and
+    block the 8 rows' ``d``, their ``m`` (Q4_1), then their quants in chunks of 4 bytes, chunk
+    by chunk. ``[groups, blocks x 8 x bytes]``: the same bytes, moved."""
+    n, scales, block = packed.shape[0], _scales(kind), QUANT_BLOCKS[kind][1]
+    padded = torch.cat([packed, packed.new_zeros((-n % 8, packed.shape[1]))])
+    blocks = padded.view(-1, 8, packed.shape[1] // block, block).transpose(1, 2)  # [groups, nb, 8, bytes]
+    groups = blocks.shape[0]
+    parts = [blocks[..., 4 * i:4 * i + 4] for i in range(scales)]     # each [groups, nb, 8, 4]
+    quants = blocks[..., 4 * scales:].unflatten(-1, (-1, 4)).transpose(2, 3)  # [.., chunk, row, 4]
+    return torch.cat([p.flatten(2) for p in (*parts, quants)], dim=-1).reshape(groups, -1)
+
+
+def standard_rows(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight``'s packed rows ``[N, blocks x bytes]`` (or its ``rows``, ``[R]`` indices), row
+    by row (:func:`interleave_rows` undone where it was done: only the rows' groups)."""
+    if not weight.x8_inputs:
+        return weight.data if rows is None else weight.data[rows]
+    scales, block = _scales(weight.kind), QUANT_BLOCKS[weight.kind][1]
+    nb = weight.in_features // QUANT_BLOCK
+    data = weight.data if rows is None else weight.data[rows // 8]
+    groups = data.view(data.shape[0], nb, 8 * block)                  # [groups, nb, 8 x bytes]
+    parts = [groups[..., 32 * i:32 * i + 32].unflatten(-1, (8, 4)) for i in range(scales)]
+    quants = groups[..., 32 * scales:].unflatten(-1, (-1, 8, 4)).transpose(2, 3).flatten(3)
+    unpacked = torch.cat([*parts, quants], dim=-1).transpose(1, 2)    # [groups, 8, nb, bytes]
+    if rows is not None:
+        return unpacked[torch.arange(len(rows)), rows % 8].reshape(len(rows), nb * block)
+    return unpacked.reshape(-1, nb * block)[:weight.out_features]
+
+
+def _scales(kind: str) -> int:
+    return 2 if kind == "Q4_1" else 1
 
 
 def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,7 +288,7 @@ def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None)
     (``d * (q - 8)``, ``d * q + m``, ``q * d``, each operation rounded to float32), so the
     weight the float32 path loads, bit for bit."""
     k = weight.in_features
-    data = weight.data if rows is None else weight.data[rows]
+    data = standard_rows(weight, rows)
     n = data.shape[0]
     blocks = data.view(n, k // QUANT_BLOCK, QUANT_BLOCKS[weight.kind][1])
     scales = 2 if weight.kind == "Q4_1" else 1
@@ -262,11 +303,13 @@ def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None)
 
 def linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`linear` with a weight of packed blocks: the float32 path's outputs bit for bit
-    (the weight formed in registers as the dequantizer forms it)."""
+    (the weight formed in registers as the dequantizer forms it); with ``weight.x8_inputs``,
+    each row's inputs quantized to 8 bits and met by the blocks in integer dot products
+    (kernels.c, "Integer dot products": row-invariant, not the float32 path's bits)."""
     k, n = weight.in_features, weight.out_features
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    kernel = getattr(_built(), f"linear_rows_{weight.kind.lower()}")
+    kernel = getattr(_built(), f"linear_rows_{weight.kind.lower()}{'_x8' if weight.x8_inputs else ''}")
     kernel(flat.data_ptr(), weight.data.data_ptr(), _ptr(bias), out.data_ptr(), flat.shape[0], n, k,
            torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
@@ -357,6 +400,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 # -- a decoder layer in one call (kernels.c, "A decoder layer in one call") ----------------------
 WEIGHT_KINDS = {"float32": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # kernels.c's W_F32 ...
+X8_INPUTS = 8  # kernels.c's W_X8, added to a block kind whose inputs go in 8 bits
 
 
 class WeightRef(ctypes.Structure):
@@ -382,7 +426,8 @@ class ForwardRef(ctypes.Structure):
 def weight_ref(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> WeightRef:
     """What the C kernels read of a linear (its weight's storage must outlive the ref)."""
     if isinstance(weight, QuantizedWeight):
-        return WeightRef(WEIGHT_KINDS[weight.kind], weight.out_features, weight.in_features,
+        return WeightRef(WEIGHT_KINDS[weight.kind] + X8_INPUTS * weight.x8_inputs,
+                         weight.out_features, weight.in_features,
                          weight.data.data_ptr(), _ptr(bias))
     assert cpu_float32_contiguous(weight), "the C kernels read float32 rows"
     return WeightRef(WEIGHT_KINDS["float32"], weight.shape[0], weight.shape[1], weight.data_ptr(),
