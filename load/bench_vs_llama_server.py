@@ -10,9 +10,10 @@ once, each with 2 threads, bound to 127.0.0.1 only:
   (``max_num_seqs: 8``, ``max_model_len: 2048``); ready when ``GET /health`` answers 200;
 - ``specserve serve --config ...`` as a user starts it, ready on its ``serving on`` line, once
   per config: ``off`` (``speculative.method: null``, target-only) and ``router`` (the default,
-  ``deploy/serve_config.yaml``'s args, auth off). specserve's actors take the machine's cores
-  (``os.cpu_count()``), so "2 threads each" holds on a 2-core machine, this project's kind;
-  elsewhere the script says so.
+  ``deploy/serve_config.yaml``'s args, auth off), and on request (``--configs``) each of them
+  on the integer kernels (``off-integer``, ``router-integer``: ``kernels: integer``).
+  specserve's actors take the machine's cores (``os.cpu_count()``), so "2 threads each" holds
+  on a 2-core machine, this project's kind; elsewhere the script says so.
 
 The workload (``load/prompts/vs_llama_server.jsonl``): code edits, extraction, quoting, tables,
 multi-turn revisions, agent tool calls as plain chat text, and open chat. Its ``{{SLOT1}}``
@@ -186,7 +187,7 @@ class ServerSpec:
     """One server to measure: how to start it and how to tell it is ready."""
 
     server: str                 # "llama-server" or "specserve"
-    config: str                 # "default" for llama-server; "off" / "router" for specserve
+    config: str                 # "default" for llama-server; one of CONFIGS for specserve
     argv: list[str]
     env: dict[str, str] | None  # None: this process's environment
     port: int
@@ -206,16 +207,27 @@ def specserve_argv(config: Path, port: int) -> list[str]:
     return [str(specserve), "serve", "--config", str(config), "--host", HOST, "--port", str(port)]
 
 
+CONFIGS = ("off", "router", "off-integer", "router-integer")
+
+
 def specserve_configs(serve_config: Path = ROOT / "deploy" / "serve_config.yaml") -> dict[str, dict]:
-    """AppConfig dicts by name: ``router``, the shipped default (auth off: loopback only), and
-    ``off``, the same with speculation off."""
+    """AppConfig dicts by name: ``router``, the shipped default (auth off: loopback only),
+    ``off``, the same with speculation off, and each on the integer kernels
+    (``router-integer``, ``off-integer``: the target's ``kernels: integer``)."""
     import yaml
 
     args = yaml.safe_load(serve_config.read_text())["applications"][0]["args"]
     router = args | {"auth": {**args.get("auth", {}), "enabled": False}}
-    engine = router["unit"]["engine"] | {"speculative": {"method": None}}
-    off = router | {"unit": router["unit"] | {"engine": engine}}
-    return {"off": off, "router": router}
+
+    def engine_with(config: dict, **fields) -> dict:
+        engine = config["unit"]["engine"] | fields
+        return config | {"unit": config["unit"] | {"engine": engine}}
+
+    off = engine_with(router, speculative={"method": None})
+    integer = {"kernels": "integer"}
+    return {"off": off, "router": router,
+            **{f"{name}-integer": engine_with(config, target=config["unit"]["engine"]["target"] | integer)
+               for name, config in (("off", off), ("router", router))}}
 
 
 def parse_env(words: str) -> dict[str, str]:
@@ -612,7 +624,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,8,16", help="comma list of client pool sizes")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="llama-server's -t")
-    p.add_argument("--configs", default="off,router", help="specserve configs: off, router")
+    p.add_argument("--configs", default="off,router", help=f"specserve configs: {', '.join(CONFIGS)}")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per level (default: every prompt once, at least 3 per client)")
     p.add_argument("--seed", type=int, help="the workload's seed (default: a fresh one per run)")
@@ -624,8 +636,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--build-only", action="store_true", help="build llama-server and exit")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_vs_llama_server.json"))
     args = p.parse_args(argv)
-    if not set(args.configs.split(",")) <= {"off", "router"}:
-        p.error(f"--configs: off and/or router, not {args.configs!r}")
+    if not set(args.configs.split(",")) <= set(CONFIGS):
+        p.error(f"--configs: some of {', '.join(CONFIGS)}, not {args.configs!r}")
     if args.avx2 and not args.avx2_env:
         p.error("--avx2 needs --avx2-env (`make bench-vs-llama-server` passes the Makefile's AVX2_ENV)")
     return args

@@ -1,5 +1,5 @@
 """Milliseconds a token of a target-only greedy decode at batch 1, in-process, on the embedded
-model (128 tokens past EOS, 2 threads): ``python load/decode_ms.py [RUNS]``. Two checkouts
+model (128 tokens past EOS, 2 threads): ``python load/decode_ms.py [RUNS [KERNELS]]``. Two checkouts
 compared in turn: ``PYTHONPATH=<checkout>/services:<checkout> python load/decode_ms.py 3``
 (docs/BENCHMARKS.md, "The one-call stack's refs gathered once")."""
 
@@ -17,10 +17,11 @@ from specserve.engine.tokenizer import encode_chat
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
-def main(runs: int) -> dict:
+def main(runs: int, kernels: str = "auto") -> dict:
     torch.set_num_threads(2)
     cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 2,
-                                       "kv_cache": {"prefix_caching": False}})
+                                       "kv_cache": {"prefix_caching": False},
+                                       "target": {"kernels": kernels}})
     engine, target = build_engine(cfg)
     ids = encode_chat(target.tokenizer, PROMPT)
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up
@@ -33,4 +34,4 @@ def main(runs: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)))
+    print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 3, *sys.argv[2:3])))

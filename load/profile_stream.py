@@ -192,7 +192,8 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     server = measure_server(args, out.with_suffix(".log"))
-    in_process = decode_ms.main(args.decode_runs)
+    kernels = json.loads(args.unit).get("engine", {}).get("target", {}).get("kernels", "auto")
+    in_process = decode_ms.main(args.decode_runs, kernels)  # the same kernels as the server's
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "env": args.env, "unit": json.loads(args.unit), "requests": args.requests,
               "tokens_per_request": args.tokens, "server": server,

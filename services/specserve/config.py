@@ -192,16 +192,15 @@ class ModelConfig(_Strict):
                             "not the float32 path's logits; other weights as invariant); "
                             "library: torch's F.linear and SDPA (FlexAttention on CUDA); "
                             "compiled: library ops at bucketed static shapes under "
-                            "torch.compile, CUDA graphs on a GPU (measured on an H100 and "
-                            "H200s: a Llama-3-8B-shaped decode at 55-62% of the memory "
-                            "bandwidth, 4-5x library, which is launch-bound there; "
-                            "docs/BENCHMARKS.md). auto: invariant on CPU; on CUDA compiled for "
-                            "the target, library for a draft model.")
+                            "torch.compile, CUDA graphs on a GPU (there library's decode is "
+                            "bound by kernel launches, compiled's by memory bandwidth; "
+                            "measured: docs/BENCHMARKS.md, \"The GPU path\"). auto: invariant "
+                            "on CPU; on CUDA compiled for the target, library for a draft model.")
     weights: Literal["auto", "float32"] = Field(
         "auto", description="auto: a GGUF's decoder linears of Q4_0, Q4_1 or Q8_0 blocks run on "
                             "those blocks where the kernels are invariant on a CPU (the float32 "
                             "weight's outputs bit for bit, about a fifth of the bytes); "
-                            "float32: every weight dequantized, as before issue 54.")
+                            "float32: every weight dequantized to float32.")
     cache_dir: str | None = Field(
         None, description="Where dequantized GGUF models are cached; default $SPECSERVE_CACHE_DIR "
                           "or ~/.cache/specserve.")
@@ -306,11 +305,11 @@ SpeculativeConfig = create_model(
 
 
 class KVCacheConfig(_Strict):
-    """How the target keeps keys and values (issue 34; ``engine/kv/kv_cache.py``)."""
+    """How the target keeps keys and values (``engine/kv/kv_cache.py``)."""
 
     layout: Literal["auto", "slots", "paged"] = Field(
         "auto", description="auto: paged on a CPU, slots on a GPU until a GPU run shows paged "
-                            "decoding as fast as slots (issue 53: every kernel reads blocks). "
+                            "decoding as fast as slots (every kernel reads blocks). "
                             "slots: each sequence reserves max_model_len positions. paged: "
                             "blocks of block_size positions, a block table per sequence, and "
                             "prefix caching (the target's cache).")
@@ -331,7 +330,7 @@ class KVCacheConfig(_Strict):
     def resolved(self, device: str, kernels: str) -> KVCacheConfig:
         """``auto`` made definite for a target on ``device`` with ``kernels``: paged on a
         CPU (every kernel reads blocks), slots on CUDA until a GPU window measures paged
-        FlexAttention against slots (issue 53; ``kernels`` does not change it any more). On
+        FlexAttention against slots (``kernels`` does not change it). On
         CUDA a block size left unset is FlexAttention's key block (64)."""
         cuda = str(device).startswith("cuda")
         update = {}

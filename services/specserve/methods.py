@@ -71,7 +71,7 @@ PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
         Q_TOP_K,
         Option("tree", False, "Draft a token tree of up to K nodes instead of one chain "
                               "(EAGLE-2's dynamic tree: expand the likeliest nodes level by "
-                              "level, keep the K likeliest); verified in one forward (issue 20)."),
+                              "level, keep the K likeliest); verified in one forward."),
         Option("tree_topk", 4, "tree: children per expanded node, and nodes expanded per level.",
                ge=1, le=8),
         Option("tree_depth", 6, "tree: levels grown (one forward of the head each): the "
@@ -89,7 +89,7 @@ PROPOSERS: dict[str, ProposerSpec] = {spec.method: spec for spec in (
                                       "probability (from counts) falls below this.", ge=0.0, le=1.0),
         Option("tree", False, "Draft a token tree of up to K nodes (the likeliest branches of "
                               "the match's continuations, best first) instead of one chain; "
-                              "verified in one forward (issue 20).", ),
+                              "verified in one forward.", ),
         Option("max_cached_responses", 256, "Earlier responses kept in the unit's global cache "
                                             "(FIFO; 0: none, only the sequence itself).", ge=0,
                le=10_000_000),

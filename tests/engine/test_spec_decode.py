@@ -255,6 +255,27 @@ def test_a_hybrid_measures_its_parts_apart_and_k_follows_the_model(target_hf):
     assert ctl.acceptance.asked[0] < ctl.by_source["eagle"].asked[0] + ctl.by_source["suffix"].asked[0]
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle-tree"])
+def test_top_k_1_with_a_temperature_is_greedy_in_the_draft_too(target_hf, close_draft_hf, target_only,
+                                                              method, monkeypatch):
+    """``top_k`` 1 is greedy whatever the temperature (``SamplingParams.greedy``): the target
+    verifies such a row by argmax, so its draft proposes by argmax and computes no q (a q the
+    target would never read), and the output is greedy target-only's."""
+    from specserve.engine.drafts import draft_model, eagle
+
+    def no_q(*args, **kwargs):
+        raise AssertionError("a greedy row's draft computed a sampling distribution")
+
+    monkeypatch.setattr(draft_model, "compute_probs_each", no_q)
+    monkeypatch.setattr(eagle, "compute_probs_rows", no_q)
+    batch = prompts(3, seed=11)
+    params = SamplingParams(temperature=0.9, top_k=1, max_tokens=24)
+    assert params.greedy
+    got = make_engine(target_hf, method, 4, draft_hf=close_draft_hf).generate(batch, params)
+    reference = target_only(target_hf, batch, GREEDY)
+    assert [c.output_token_ids for c in got] == [c.output_token_ids[:24] for c in reference]
+
+
 def test_greedy_equals_huggingface_generate(target_hf):
     """The target-only path itself is the model's greedy decoding."""
     prompt = prompts(1)[0]

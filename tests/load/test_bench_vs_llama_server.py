@@ -190,6 +190,13 @@ def test_specserve_configs_are_the_shipped_default_and_it_without_speculation():
     assert router["unit"]["engine"]["speculative"]["method"] == "suffix"
     assert off["unit"]["engine"]["speculative"] == {"method": None}
     assert off["unit"]["engine"]["max_num_seqs"] == router["unit"]["engine"]["max_num_seqs"] == vs.SLOTS
+    for name, plain in (("off-integer", off), ("router-integer", router)):  # on the integer kernels
+        engine = configs[name]["unit"]["engine"]
+        assert engine["target"] == plain["unit"]["engine"]["target"] | {"kernels": "integer"}
+        assert engine | {"target": plain["unit"]["engine"]["target"]} == plain["unit"]["engine"]
+    assert "kernels" not in router["unit"]["engine"]["target"]
+    with pytest.raises(SystemExit):
+        vs.parse_args(["--configs", "off,fast"])
 
 
 def test_avx2_needs_its_environment():

@@ -1,4 +1,4 @@
-"""A GGUF's quantized blocks in the target's linears (issue 54).
+"""A GGUF's quantized blocks in the target's linears, read directly by the C kernels.
 
 The runtime loads a GGUF through its dequantized float32 copy (``loader._dequantized``), so
 every model has one load path. Then, on the C kernels, each decoder linear whose tensors are

@@ -288,6 +288,10 @@ def load_model(cfg, *, max_model_len: int,
             and runtime.kernels == "invariant"
             and native_ready(runtime.embed.weight)):
         quantize_linears(runtime, Path(src.blocks), x8_inputs=kernels == "integer")
+    elif kernels == "integer":
+        log.warning("kernels: integer needs a GGUF's blocks on a CPU with the C kernels, with "
+                    "weights: auto and no tensor parallelism; %s runs the invariant kernels' "
+                    "float32 arithmetic instead", src.name)
     return LoadedModel(src.name, runtime, tokenizer, eos_token_ids(generation, tokenizer))
 
 

@@ -380,7 +380,7 @@ class SpecDecodeEngine:
 class TargetCalls:
     """What a step asks of the target: its verify, read back into the batch's rows, with the
     prompts' chunks prefilled in the same forward (or alone, in a step with no row), and
-    where it can go, the next decode step launched before this one is read (issue 52): the
+    where it can go, the next decode step launched before this one is read: the
     device runs step N + 1 while the host reads and advances step N, which on a GPU hides
     the host's part of a step. Only where the next step needs nothing of step N on the host
     (:meth:`StepBatch.decode_ahead <specserve.engine.step.step_batch.StepBatch.decode_ahead>`:

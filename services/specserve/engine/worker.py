@@ -175,7 +175,7 @@ class ModelWorker(SlotOwner):
                fed: torch.Tensor | None = None) -> Launched:
         """:meth:`verify`'s forward and sampler, queued on the device and not read back
         (:meth:`Launched.result` reads them): the host can build and launch the next step
-        while the device runs this one (issue 52). Rows of ``batch`` that follow ``after``
+        while the device runs this one. Rows of ``batch`` that follow ``after``
         (:attr:`VerifyBatch.follows`: one pending token, a placeholder, and no drafts) feed
         the last token their row of ``after`` emitted, taken on the device; their positions
         count it already (``after``'s forward wrote its keys), so such a row is a decode that
@@ -222,7 +222,7 @@ class ModelWorker(SlotOwner):
 
 class ForwardClock:
     """A verify call's forward time and the rest of its time, without a synchronisation of
-    their own (issue 52: the step's one read is the only wait). On CUDA two events bracket
+    their own (the step's one read is the only wait). On CUDA two events bracket
     the forward on the stream, and are read after the sampler has read its result, which
     waited for the device anyway: the forward's device time, and the call's remaining wall
     time for the sampler. Elsewhere the host's clock (a CPU forward is done when it

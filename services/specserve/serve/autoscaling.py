@@ -1,4 +1,4 @@
-"""Unit autoscaling (issue 55): how many units the traffic wants, from what the units say.
+"""Unit autoscaling: how many units the traffic wants, from what the units say.
 
 Ray Serve's default signal, ongoing requests per replica (``target_ongoing_requests``),
 prices every request the same. A speculative unit's capacity is not a request count: it is

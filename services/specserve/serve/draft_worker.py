@@ -145,7 +145,7 @@ class DraftWorker:
                 target_model = ModelConfig.model_validate(target)
                 tokenizer = load_tokenizer(resolve(target_model.source, target_model.cache_dir))
                 self.proposer.use_grammars(GrammarCompiler(tokenizer, target_vocab_size, eos_token_ids))
-            # Its compiles and captures here, before the unit reports ready (issue 52).
+            # Its compiles and captures here, before the unit reports ready, not in a step.
             self.warm_up_report = self.proposer.warm_up()
             log.info("draft: warmed up: %s", self.warm_up_report)
         self._slow: tuple[float, float] = (0.0, 0.0)  # fault injection: (seconds per call, until)

@@ -26,14 +26,13 @@ LOCAL_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     # The raylet exits when its runtime-env agent (a Python process, which every worker's
-    # start goes through) does not answer within this; Ray's 30 s was short on a busy 2-core
-    # machine, where the agent took 54 s to import (issue 50). Its ports: _agent_ports_chosen.
+    # start goes through) does not answer within this; on a busy machine the agent's imports
+    # alone can outlast Ray's default of 30 s. Its ports: _agent_ports_chosen.
     "RAY_agent_register_timeout_ms": "300000",
     # Ray holds the first driver's registration until the workers it prestarts for it have
-    # registered; on a busy 2-core machine, behind a runtime-env agent 2.5 minutes late,
-    # they never did and `specserve serve` waited for ever (issue 50; seen once, not
-    # reproduced). No prestart (the first tasks start their workers), and a worker gets five
-    # minutes to register.
+    # registered; on a busy machine, behind a late runtime-env agent, they can fail to, and
+    # `specserve serve` then waits for ever. No prestart (the first tasks start their
+    # workers), and a worker gets five minutes to register.
     "RAY_prestart_worker_first_driver": "0",
     "RAY_worker_register_timeout_seconds": "300",
 }
@@ -88,9 +87,10 @@ def _agent_ports_chosen():
     in the session directory, and the raylet waits for each file for a fixed 15 s
     (``WaitForPersistedPort``'s default in Ray 2.60, which no setting changes;
     ``agent_register_timeout_ms`` is another wait), then aborts the node: "The current node
-    timed out during startup". The dashboard agent is a Python process whose imports took
-    25-46 s on a 2-core machine running a test suite beside it (docs/RELIABILITY.md, sessions
-    27-28). Given the ports, the raylet does not wait: the agent registers when it is up.
+    timed out during startup". The dashboard agent is a Python process whose imports alone
+    can take longer than that on a busy machine (docs/RELIABILITY.md, "Tests that do not
+    depend on the machine's speed"). Given the ports, the raylet does not wait: the agent
+    registers when it is up.
 
     ``ray.init`` has no argument for these ports (``ray start`` has three of them), and Ray's
     Python never passes the raylet its ``--dashboard_agent_listen_port`` (it has the flag),

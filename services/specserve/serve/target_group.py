@@ -19,7 +19,7 @@ the rest and starts a fresh group in the same bundles. Ray cannot restart one ra
 own: a new process cannot rejoin the old NCCL / gloo group, so the group restarts whole.
 
 On CUDA the coordinator launches a step of plain decodes before it reads the last
-(:meth:`TargetGroup.launch`, issue 52): rank 0 keeps each launched step by number and feeds
+(:meth:`TargetGroup.launch`): rank 0 keeps each launched step by number and feeds
 the next step's rows from its verdicts on the device, so the GPU has step N + 1 queued while
 the coordinator reads and streams step N.
 """
@@ -200,8 +200,8 @@ class TargetRank:
                after: int | None) -> None:
         """Rank 0: :meth:`verify` launched and kept as step ``number``, not read back
         (:meth:`result` reads it): the coordinator launches the next step before it asks for
-        this one's result, so the device has it queued while the host reads this one (issue
-        52). Rows that follow step ``after`` (:attr:`VerifyBatch.follows`) take their token
+        this one's result, so the device has it queued while the host reads this one. Rows
+        that follow step ``after`` (:attr:`VerifyBatch.follows`) take their token
         from its verdicts, here on the device (``ModelWorker.launch``); the other ranks get
         those tokens from this one. Steps before ``number - 1`` are dropped: the coordinator
         reads a step before it launches the one after next, or has given it up."""
@@ -311,7 +311,8 @@ class TargetGroup(SlotOwner):
     Where the unit's config puts the target in the unit (:attr:`UnitConfig.target_here`: TP =
     1 on a CPU), its one rank is :attr:`local`, a :class:`TargetRank` in this process: each step is
     a call, not a Ray task, its threads run the forward, and there is no actor to watch or
-    name (one stream's gap over HTTP: docs/BENCHMARKS.md, issue 71)."""
+    name (one stream's gap over HTTP: docs/BENCHMARKS.md, "One stream's gap, process by
+    process")."""
 
     def __init__(self, cfg: UnitConfig, pg, first_bundle: int, name: str | None = None) -> None:
         cfg = resolved_layout(cfg)  # the ranks get a definite layout: the tables' own
@@ -441,7 +442,7 @@ class TargetGroup(SlotOwner):
 
     def launch(self, batch: VerifyBatch, after: GroupStep | None = None) -> GroupStep:
         """:meth:`ModelWorker.launch <specserve.engine.worker.ModelWorker.launch>` on rank 0
-        (issue 52): rank 0 keeps the launched step and its result comes with
+        (launching ahead): rank 0 keeps the launched step and its result comes with
         :meth:`GroupStep.result`. A step goes to rank 0 when one is launched after it, else
         as one :meth:`verify` call when it is read: one Ray call a step where nothing
         launches ahead, two (launch, then result) where steps do."""

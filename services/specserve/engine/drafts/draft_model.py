@@ -164,8 +164,8 @@ class DraftModelProposer(Proposer):
                          pens: dict[int, DraftCounts]) -> list[Proposal]:
         """:meth:`_draft` without grammars: each drawn token is fed to the next forward where
         it was drawn (``ForwardBatch.fed``), and the drafts (and unseeded rows' q) are read
-        back once at the end (issue 52: on a GPU the host no longer waits for the device
-        once per draft token). Without a grammar a row drafts exactly its ``k`` tokens, so
+        back once at the end (on a GPU the host does not wait for the device once per draft
+        token). Without a grammar a row drafts exactly its ``k`` tokens, so
         which rows run each forward is known on the host without reading a token."""
         rows, fed, drawn = list(feeds), None, []
         while rows:
@@ -305,7 +305,7 @@ class DraftModelProposer(Proposer):
         """:meth:`_draw`'s tokens and q from its logits as the target would see them."""
         device = logits.device
         tokens = logits.argmax(dim=-1)
-        sampled = [j for j, r in enumerate(requests) if r.params.temperature > 0]
+        sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
         if not sampled:
             return tokens, None
         reqs, at = [requests[j] for j in sampled], row_index(sampled, len(requests), device)

@@ -166,12 +166,12 @@ class EagleProposer(DraftModelProposer):
         transform: both act on each logits row alone, so a row gets the values it gets by
         itself, for one call instead of one per row and level."""
         out: list[torch.Tensor | None] = [None] * len(reqs)
-        for picked in ([i for i, r in enumerate(reqs) if r.params.temperature <= 0],
-                       [i for i, r in enumerate(reqs) if r.params.temperature > 0]):
+        for picked in ([i for i, r in enumerate(reqs) if r.params.greedy],
+                       [i for i, r in enumerate(reqs) if not r.params.greedy]):
             if not picked:
                 continue
             x = [draft_view(self._to_target_vocab(logits[i]), reqs[i].params) for i in picked]
-            if reqs[picked[0]].params.temperature <= 0:
+            if reqs[picked[0]].params.greedy:
                 scored = torch.log_softmax(torch.cat(x), dim=-1).split([len(r) for r in x])
             else:
                 scored = [p.log() for p in compute_probs_rows(x, [reqs[i].params for i in picked])]

@@ -98,7 +98,7 @@ class TreeGrowth:
     def _top(self, logprobs: torch.Tensor) -> list[tuple[list[float], list[int]]]:
         """Each row's ``topk`` likeliest tokens of ``logprobs`` ``[n, V]``: their log-probabilities
         and ids, read back in one read for the level (a read per node and kind waited for the
-        device each time: issue 52). Both travel as float64, which holds either exactly."""
+        device each time). Both travel as float64, which holds either exactly."""
         values, ids = logprobs.topk(min(self.topk, logprobs.shape[-1]), dim=-1)   # [n, k]
         both = torch.stack([values.double(), ids.double()], dim=1).tolist()       # [n][2][k]
         return [(v, [int(t) for t in i]) for v, i in both]

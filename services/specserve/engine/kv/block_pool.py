@@ -1,6 +1,6 @@
 """The KV block pool: fixed-size blocks of KV memory, who holds them, and the prefix cache.
 
-Vocabulary (issue 34; vLLM v1's ``block_pool.py`` has the same shape):
+Vocabulary (vLLM v1's ``block_pool.py`` has the same shape):
 
 - A **block** is ``block_size`` consecutive token positions of one sequence's keys and values,
   in every layer (the storage lives with the model: :mod:`specserve.engine.kv.kv_cache`). Blocks

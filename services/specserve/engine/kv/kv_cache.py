@@ -6,7 +6,7 @@ positions whose keys and values are valid. A forward pass appends at ``length`` 
 forward; rollback after a rejected draft is simply setting the length back (the stale entries
 beyond it are overwritten by the next forward). Every slot holds ``max_seq_len`` positions.
 
-**Paged** (:class:`PagedKVCache`, ``layout: paged``, issue 34): the same interface (a
+**Paged** (:class:`PagedKVCache`, ``layout: paged``): the same interface (a
 sequence is still a slot, ``lengths[slot]`` its positions), the storage a pool of blocks of
 ``block_size`` positions, each sequence's blocks listed by its block table
 (:mod:`~specserve.engine.kv.kv_manager`), so memory follows the tokens held, and full blocks of
@@ -187,7 +187,7 @@ class SlotKVCache(SlotTable):
 
 
 class PagedKVCache:
-    """Keys and values in blocks of ``block_size`` positions (issue 34): per layer a pool
+    """Keys and values in blocks of ``block_size`` positions: per layer a pool
     ``k[layer]``, ``v[layer]`` of shape ``[num_blocks, num_kv_heads, block_size, head_dim]``,
     and each sequence's block table (:class:`~specserve.engine.kv.kv_manager.KVManager`, which
     also caches full blocks of committed tokens by prefix). The same interface as

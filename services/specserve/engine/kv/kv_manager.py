@@ -1,5 +1,5 @@
 """Sequences' block tables over a :class:`~specserve.engine.kv.block_pool.BlockPool`: the paged
-KV cache's bookkeeping (issue 34), in place of :class:`~specserve.engine.kv.kv_cache.SlotTable`'s.
+KV cache's bookkeeping, in place of :class:`~specserve.engine.kv.kv_cache.SlotTable`'s.
 
 A sequence is still named by a *slot* (``0 .. num_slots - 1``): the handle every caller
 already passes, now the row of a block-table tensor instead of a row of preallocated storage.

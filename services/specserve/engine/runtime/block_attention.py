@@ -37,7 +37,7 @@ The design, for a forward of ``B`` rows of ``T`` queries each:
   compiled path builds :class:`KeyBlocks` outside its graph and the BlockMask inside it, so
   the mask's tensors are graph inputs and a bucket is one graph (``compiled.py``).
 
-- **Paged** (issue 53): a block pool ``[blocks, Hk, BS, D]`` (``BS`` a multiple of 64)
+- **Paged**: a block pool ``[blocks, Hk, BS, D]`` (``BS`` a multiple of 64)
   views the same way, as a slot cache of ``BS``-long slots: a row's blocks are listed
   through its block table (:func:`table_storage`; a slot cache's table is the row's slot, one
   block of the whole slot), and the mask_mod maps a key to its row's position through a

@@ -2,9 +2,9 @@
 
 On a GPU, a decode step of a model that fits is short enough that launching its kernels
 costs as much as running them: ~15 kernels per layer at a few microseconds each is a few
-milliseconds a step over 32 layers, the time an H100 takes to read 8B bfloat16 weights.
-gpt-fast's recipe removes that: compile the layer stack with static shapes and replay it as
-one CUDA graph. A graph needs every shape and address fixed, so this module
+milliseconds a step over 32 layers, about as long as a current GPU takes to read 8B bfloat16
+weights. gpt-fast's recipe removes that: compile the layer stack with static shapes and
+replay it as one CUDA graph. A graph needs every shape and address fixed, so this module
 
 - pads a ragged decode or verify batch up to a *bucket*: rows to the next power of two, new
   tokens per row to the verify's bucket ("One token shape", below; else to 1, 2, 4, 8 or
@@ -159,7 +159,7 @@ class StaticForward:
     ``verdict``: what the step makes of the logits, run inside the graph where the step's
     owner installs one (:data:`GraphVerdict`; the verify's worker installs the greedy
     verification, ``verification.greedy_in_bucket``, so a greedy step's result is a graph
-    output: issue 52). The runtime knows nothing of verification: it hands the function the
+    output, with no launch of its own). The runtime knows nothing of verification: it hands the function the
     bucket's token ids, their argmax and the asked positions, and returns its result."""
 
     # int64 words of a buffer's tail per bucket token: the step's other uploads (the gather

@@ -52,7 +52,7 @@ class ForwardBatch:
     ``fed``: the last new token of each row of ``fed_rows`` (None: every row), on the device
     (``token_ids[i][-1]`` is then a placeholder): a draft chain feeds the token it just drew,
     and a verify the token its row emitted in the verify before, without reading it back
-    (issue 52). Chains in one group only.
+    (so the next step can be launched before this one is read). Chains in one group only.
     """
 
     slots: list[int]                               # [rows]
@@ -73,8 +73,8 @@ class ForwardBatch:
 
 
 class Upload:
-    """Host tensors bound for the device, sent in one copy (issue 52: one host-to-device copy
-    a step, the forward's inputs and the verification's together). :meth:`add` a host tensor
+    """Host tensors bound for the device, sent in one copy (one host-to-device copy a step,
+    the forward's inputs and the verification's together). :meth:`add` a host tensor
     and keep its index; after :meth:`send`, ``upload[index]`` is that tensor on the device,
     its shape and dtype kept. Everything travels as int64: integers and booleans by value,
     floating-point values as the bits of their float64 (which holds a float32 exactly)."""
@@ -112,7 +112,7 @@ class Upload:
         return self._sent[index]
 
 
-# -- a compiled bucket's inputs (issue 52) ----------------------------------------------------
+# -- a compiled bucket's inputs ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -161,14 +161,14 @@ class BucketBuffer:
 
     A CUDA graph reads its inputs at the addresses it captured, so inductor's CUDA-graph
     wrapper copies every input that is not static into its own placeholders before each
-    replay: 42 copies a step on the Llama-3-8B shape, about 1.3 ms of CPU on an H100
-    (docs/BENCHMARKS.md). So each bucket owns one int64 buffer on the device, marked
-    static, whose head is laid out once (:class:`Layout`): the token ids, RoPE rows, cache
-    writes and attention inputs at fixed offsets. What else the step sends (the forward's
-    gather indices, a verification's drafts, settings and noise: an :class:`Upload`)
-    follows in its tail. One copy from the host twin fills both; the compiled graph takes
-    the buffer whole and reads its inputs as views of it (:meth:`Layout.read`), so besides
-    the weights and the cache it has one input
+    replay: a copy for each of a step's dozens of inputs, each paid for in host time
+    (docs/BENCHMARKS.md, "The compiled path's step in one graph and one copy"). So each
+    bucket owns one int64 buffer on the device, marked static, whose head is laid out once
+    (:class:`Layout`): the token ids, RoPE rows, cache writes and attention inputs at fixed
+    offsets. What else the step sends (the forward's gather indices, a verification's
+    drafts, settings and noise: an :class:`Upload`) follows in its tail. One copy from the
+    host twin fills both; the compiled graph takes the buffer whole and reads its inputs as
+    views of it (:meth:`Layout.read`), so besides the weights and the cache it has one input
     (:class:`~specserve.engine.runtime.compiled.StaticForward`).
 
     A step may fill one buffer twice (its row groups as two forwards of one bucket), so
@@ -214,8 +214,8 @@ class BucketBuffer:
 class HostCopy:
     """``tensor``'s values on their way to the host. A device tensor's copy is queued now,
     behind the work that makes it, into pinned memory, with an event: :meth:`tolist` waits
-    for that event alone, not for what was queued after it (issue 52: the next step,
-    launched before this one is read; a plain read would wait for that step too). A host
+    for that event alone, not for what was queued after it (the next step, launched
+    before this one is read; a plain read would wait for that step too). A host
     tensor is read as it is."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -236,7 +236,8 @@ class HostCopy:
 def queued(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``host`` copied to ``device`` without waiting: on CUDA through pinned memory, queued
     (a pageable copy, or a blocking one, waits for everything queued on the device first:
-    issue 52's overlap would be lost). A tensor on a device already goes as ``.to`` sends it."""
+    the next step, launched before this one is read, would no longer overlap the read). A
+    tensor on a device already goes as ``.to`` sends it."""
     device = torch.device(device)
     if device.type == "cuda" and host.device.type == "cpu" and torch.cuda.is_available():
         host = host.pin_memory()

@@ -18,7 +18,7 @@
      storage: scores (4 queries x 4 keys at a time, each pair a dot as above), a max, exp
      and its sum (VL keys at a time from the query's first key), and the weighted values in
      key order (4 queries sharing each value row's loads, each query's sums its own).
-   - linear_rows_q4_0, _q4_1, _q8_0 (issue 54): linear_rows over a GGUF's own blocks, each
+   - linear_rows_q4_0, _q4_1, _q8_0: linear_rows over a GGUF's own blocks, each
      weight vector formed in registers exactly as the dequantizer forms it (below).
    - rms_norm_rows, silu_mul_rows, rope_and_store: a token's elementwise work in one call
      each (a layer's small torch ops cost more in dispatch than in arithmetic at batch 1).
@@ -283,7 +283,7 @@ void linear_rows(const float *x, const float *w, const float *bias, float *y, in
   }
 }
 
-/* Quantized linears (issue 54): y = x W^T + b with W held as the GGUF's own blocks of 32
+/* Quantized linears: y = x W^T + b with W held as the GGUF's own blocks of 32
    weights, packed once at load (native.pack_blocks): each block's scales as float32 (the
    half-precision values converted, exactly), then its quants as the file holds them. A
    vector of VL weights is formed in registers with the arithmetic of the dequantizer the

@@ -84,8 +84,8 @@ class RefsWatched(nn.Module):
 
 
 class HeldAsBlocks:
-    """A module whose ``weight`` may be held as a GGUF's blocks (issue 54): ``weight`` is then
-    empty, and the C kernels read the blocks, a fifth of the bytes for the same outputs."""
+    """A module whose ``weight`` may be held as a GGUF's blocks: ``weight`` is then empty,
+    and the C kernels read the blocks, a fifth of the bytes for the same outputs."""
 
     quantized: native.QuantizedWeight | None = None
     weight: nn.Parameter
@@ -149,8 +149,8 @@ class Linear(HeldAsBlocks, RefsWatched, nn.Linear):
 
 
 class Embedding(HeldAsBlocks, nn.Embedding):
-    """An ``nn.Embedding`` that may hold its table as a GGUF's blocks (issue 54: a tied LM
-    head's, shared with it): a lookup forms its rows from them, the float32 table's bits."""
+    """An ``nn.Embedding`` that may hold its table as a GGUF's blocks (a tied LM head's,
+    shared with it): a lookup forms its rows from them, the float32 table's bits."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:

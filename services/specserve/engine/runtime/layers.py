@@ -111,8 +111,9 @@ class Attention(RefsWatched):
         if self.attention == "flex":  # each row's own keys, read in place
             return block_attention.attend(q, cache.k[self.layer_idx], cache.v[self.layer_idx],
                                           ctx.key_blocks(cache, window), self.head_dim ** -0.5)
-        # library: the runtime before issue 17, exactly (keys up to the longest row, no mask
-        # where every key is visible, as for a lone decode row)
+        # library: torch's own attention, as the runtime had it before the row-invariant
+        # kernels (keys up to the longest row, no mask where every key is visible, as for a
+        # lone decode row)
         keys, values = cache.gather(self.layer_idx, ctx.slots, ctx.kv_used)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=ctx.library_mask(window),

@@ -138,7 +138,7 @@ class LlamaRuntime(nn.Module):
     def make_paged_cache(self, num_slots: int, max_seq_len: int, *, block_size: int,
                          num_blocks: int, prefix_caching: bool = True) -> PagedKVCache:
         """A paged cache shaped for this model (:class:`PagedKVCache`), read by every kernel
-        (the compiled path and FlexAttention too: issue 53). FlexAttention reads whole 64-key
+        (the compiled path and FlexAttention too). FlexAttention reads whole 64-key
         blocks, so there ``block_size`` is a multiple of 64; a forward at static shapes (the
         compiled path) and FlexAttention's padded tables get the pool's spare block."""
         flex = self.kernels != "invariant" and self.attention == "flex"

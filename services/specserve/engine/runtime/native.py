@@ -201,7 +201,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-# -- quantized weights (issue 54) ---------------------------------------------------------------
+# -- quantized weights -------------------------------------------------------------------------
 QUANT_BLOCK = 32  # weights per block, in every type here
 # GGUF block types the kernels read (kernels.c, "Quantized linears"): the bytes of a block in
 # the file and as packed here (its scales as float32, then its quants).

@@ -33,7 +33,8 @@ every tree rule agrees with its chain rule (greedy and seeded token for token, s
 distribution: tests/engine/test_acceptance.py).
 
 The three rules, each for a chain and for a tree (verification.py picks: **greedy** for
-temperature-0 rows, **seeded** for sampled rows with a seed, **sampled** for the rest):
+greedy rows, ``SamplingParams.greedy``: temperature 0 or ``top_k`` 1; **seeded** for sampled
+rows with a seed; **sampled** for the rest):
 
 **1. Greedy.** Exactly target-only greedy decoding, token for token (the same ``argmax``).
 
@@ -151,7 +152,8 @@ class RejectionOutput:
 
     def send(self) -> None:
         """Queue the batch's result's one copy to the host now (:class:`HostCopy`): a worker
-        does so when it launches the step, before it launches the next (issue 52)."""
+        does so when it launches the step, before it launches the next (queued after it, the
+        copy would wait for that step too)."""
         if self._copy is None and self._host is None:
             packed = self._packed if self._packed is not None else torch.cat(
                 [self.num_accepted_tokens[:, None], self.output_token_ids], 1)

@@ -15,8 +15,8 @@ A proposer that drafts only where it finds something (n-gram and suffix: a match
 ``share`` s of the steps; the others emit one token each. With v the mean verify cost over all
 steps and γ·c a drafting step's draft cost, a step emits s·E + (1 − s) tokens on average
 (E the tokens of a drafting step, above) for s·γ·c + v: at s = 1 the formula above. Without
-it, a proposer that rarely drafts was predicted as if every step drafted (issue 52's n-gram
-entry on random weights).
+it, a proposer that rarely drafts would be predicted as if every step drafted (an n-gram
+proposer on a random-weight model, where it seldom finds a match).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Proposal:
     unseeded sampled requests of a proposer with a model: a :class:`TopK` (what model drafts
     send) or a dense ``[len, V]`` tensor (in-process callers and tests).
 
-    ``parents``: the drafts form a token tree (issue 20): ``parents[i]`` is the index of token
+    ``parents``: the drafts form a token tree: ``parents[i]`` is the index of token
     i's parent among them, -1 for a child of the row's last token, in topological order,
     siblings in the order they were drawn (``token_tree``'s convention; ``probs[i]`` is
     then the q token i was drawn from given its earlier siblings). None: a chain."""

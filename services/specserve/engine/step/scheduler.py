@@ -1,5 +1,5 @@
 """The scheduler: the engine's queue and its admission, a step's prefill budget (chunked
-prefill) and preemption (issue 34).
+prefill) and preemption.
 
 Without a budget a step takes every prompt whole, so one long prompt holds every running
 stream of the unit for its whole prefill (7 s for 1,400 tokens on the project's CPU). With

@@ -4,7 +4,7 @@ Per sequence and in total: drafts, draft tokens, accepted tokens, and accepted t
 draft position (position 0 is the first drafted token). From these:
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
 
-Token trees (issue 20) add, per verified tree: its size (nodes drafted), the depth its
+Token trees add, per verified tree: its size (nodes drafted), the depth its
 accepted path reached (0: no node kept), and for every accepted node its depth and its rank
 among its siblings (0: the first drafted child of its parent): where a tree's acceptance
 comes from, beyond the chain's first choice. For a tree, "position" above is the node's

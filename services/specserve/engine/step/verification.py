@@ -25,8 +25,8 @@ result is then a graph output, and :func:`verify_rows` takes it as it is (``judg
 
 What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
 before the target's forward: the worker stages it (:func:`stage`) into the forward's
-:class:`~specserve.engine.runtime.forward_batch.Upload`, so a step makes one host-to-device copy
-(issue 52); called alone, each kind sends its own in one copy.
+:class:`~specserve.engine.runtime.forward_batch.Upload`, so a step makes one host-to-device copy;
+called alone, each kind sends its own in one copy.
 
 Every draw is a function of (seed, position) alone (:mod:`~specserve.engine.step.sampling`), never
 of the batch or of K, which is why rows can be regrouped and padded freely.
