@@ -428,16 +428,22 @@ static inline vf q8_0_form(q8_0_prep p, const q8_0_block *blk, int o) { (void)p;
    kernel's prefill when every tile formed its own). The same float32 weights either way. */
 #define DEQUANT_MIN_ROWS 16
 
-static __thread float *task_buf;
+/* *buf grown to at least `bytes` (a thread's buffer, kept between calls), 64-byte aligned: a
+   row of K floats is then whole cache lines. NULL where it cannot be allocated. */
+static void *grown(void **buf, size_t *cap, size_t bytes) {
+  if (bytes > *cap) {
+    free(*buf);
+    *buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    *cap = *buf ? bytes : 0;
+  }
+  return *buf;
+}
+
+static __thread void *task_buf;
 static __thread size_t task_cap;
 
 static float *task_buffer(size_t floats) {
-  if (floats > task_cap) { /* 64-byte aligned: a row of K floats is then whole cache lines */
-    free(task_buf);
-    task_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-    task_cap = task_buf ? floats : 0;
-  }
-  return task_buf;
+  return grown(&task_buf, &task_cap, floats * sizeof(float));
 }
 
 /* A verify's 5 to 8 input rows in one tile of NR weight rows: each weight vector formed once
@@ -924,10 +930,10 @@ void exponential_noise_rows(const int64_t *keys, int N, int V, float *out, int t
    and one multiply-add instruction give 8 rows' partial sums in 8 lanes, and a lane ends the
    block holding its row's whole sum: no horizontal adds, and a vector of 8 pairs' scales.
    A group's blocks are read once for the up to 4 input rows of a pass. */
-typedef struct { float d, s; int32_t sum; int8_t qs[32]; } x8_block;
+typedef struct { float d, s; int32_t sum; int8_t qs[32]; } x8_block;  /* s = d * sum */
 #ifndef X8_PF
-#define X8_PF 1024
-#endif  /* s = d * sum */
+#define X8_PF 1024  /* bytes a group's blocks are prefetched ahead (measured: 0 to 4096) */
+#endif
 
 static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads) {
   int nb = K / 32;
@@ -953,17 +959,8 @@ static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads
   }
 }
 
-static __thread x8_block *x8_buf;
+static __thread void *x8_buf;  /* the calling thread's quantized inputs, apart from task_buf */
 static __thread size_t x8_cap;
-
-static x8_block *x8_buffer(size_t blocks) {
-  if (blocks > x8_cap) {
-    free(x8_buf);
-    x8_buf = aligned_alloc(64, (blocks * sizeof(x8_block) + 63) / 64 * 64);
-    x8_cap = x8_buf ? blocks : 0;
-  }
-  return x8_buf;
-}
 
 /* Bytes of one block of 8 interleaved rows, and where its parts start. */
 #define X8_SCALES_q4_0 1
@@ -1104,7 +1101,7 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
   void linear_rows_##T##_x8(const float *x, const uint8_t *w, const float *bias, float *y,    \
                             int M, int N, int K, int threads) {                               \
     int nb = K / 32, groups = (N + 7) / 8;                                                    \
-    x8_block *xq = x8_buffer((size_t)M * nb);                                                 \
+    x8_block *xq = grown(&x8_buf, &x8_cap, (size_t)M * nb * sizeof(x8_block));                \
     if (!xq) abort();                                                                         \
     quantize_x8(x, xq, M, K, threads);                                                        \
     int per_task = WEIGHT_ROWS_PER_TASK / 8;                                                  \

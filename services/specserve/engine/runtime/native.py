@@ -238,7 +238,7 @@ def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: in
         raise ValueError(f"{in_features} inputs are not whole blocks of {QUANT_BLOCK}")
     file_bytes, _ = QUANT_BLOCKS[kind]
     blocks = raw.reshape(out_features, in_features // QUANT_BLOCK, file_bytes)
-    scales = 2 if kind == "Q4_1" else 1
+    scales = _scales(kind)
     as_float = [blocks[..., 2 * i:2 * i + 2].contiguous().view(torch.float16).float().view(torch.uint8)
                 for i in range(scales)]
     packed = torch.cat([*as_float, blocks[..., 2 * scales:]], dim=-1).reshape(out_features, -1)
@@ -291,7 +291,7 @@ def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None)
     data = standard_rows(weight, rows)
     n = data.shape[0]
     blocks = data.view(n, k // QUANT_BLOCK, QUANT_BLOCKS[weight.kind][1])
-    scales = 2 if weight.kind == "Q4_1" else 1
+    scales = _scales(weight.kind)
     d, m = (blocks[..., 4 * i:4 * i + 4].contiguous().view(torch.float32) for i in (0, 1))
     qs = blocks[..., 4 * scales:]
     if weight.kind == "Q8_0":
