@@ -46,6 +46,8 @@ def build_app(args: dict) -> Application:
         health_check_period_s=10,
         **_drain(cfg.drain_timeout_s),
     ).bind(cfg.unit.model_dump())
+    if cfg.unit_here:
+        return _ingress_with_unit(cfg, capacity)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4 * capacity * most,
         ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)},
@@ -53,6 +55,19 @@ def build_app(args: dict) -> Application:
     # The ingress reads neither the units' count nor their scaling: a change to them leaves
     # it running (its streams with it), as it leaves the units (options only).
     return ingress.bind(unit=unit, config=cfg.model_dump(exclude={"num_units", "autoscaling"}))
+
+
+def _ingress_with_unit(cfg: AppConfig, capacity: int) -> Application:
+    """One replica, the ingress and the one unit in its process (``unit_in_ingress``): it
+    reserves the unit's placement group (bundle 0, the coordinator's, is the replica's own)."""
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=1, max_ongoing_requests=4 * capacity,
+        ray_actor_options={"num_cpus": cfg.unit.coordinator_cpus},
+        placement_group_bundles=unit_bundles(cfg.unit),
+        placement_group_strategy="STRICT_PACK",
+        health_check_period_s=10,
+        **_drain(cfg.drain_timeout_s))
+    return ingress.bind(unit=None, config=cfg.model_dump(exclude={"num_units", "autoscaling"}))
 
 
 def _replicas(cfg: AppConfig) -> dict:

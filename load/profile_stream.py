@@ -55,7 +55,7 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 # Roles by what a process's command line holds (Ray's workers carry their actor's title).
 ROLES = (("TargetRank", "target rank (the forward)"),
          ("SpeculationUnit", "unit replica (and an in-unit target)"),
-         ("OpenAIIngress", "ingress replica"), ("ProxyActor", "Serve proxy"),
+         ("OpenAIIngress", "ingress replica (and a unit in it)"), ("ProxyActor", "Serve proxy"),
          ("ServeController", "Serve controller"), ("gcs_server", "Ray GCS"),
          ("raylet", "raylet"), ("dashboard", "Ray dashboard and agents"),
          ("ray_watch", "guardian"), ("specserve", "server and supervisor"))
@@ -125,7 +125,7 @@ def py_spy(pids: list[int], seconds: float, out: Path) -> list[subprocess.Popen]
 
 def measure_server(args, log: Path) -> dict:
     """The server's side: the gaps at the client and each role's CPU per token."""
-    config = vs.specserve_configs()["off"]
+    config = vs.specserve_configs()[args.config] | json.loads(args.app)
     config["unit"] = config["unit"] | json.loads(args.unit)
     with tempfile.TemporaryDirectory(prefix="profile-stream-") as tmp:
         path = Path(tmp) / "specserve-off.json"
@@ -187,15 +187,20 @@ def main() -> None:
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--py-spy", default=None, help="a folder for each Python role's flame graph")
     p.add_argument("--env", default="", help="'K=V ...' for the server (an experiment's settings)")
+    p.add_argument("--config", default="off", choices=("off", "off-integer"),
+                   help="the server's configuration (bench-vs-llama-server's; off-integer: the "
+                        "target's kernels: integer)")
+    p.add_argument("--app", default="{}", help="JSON fields merged into the app's config")
     p.add_argument("--unit", default="{}", help="JSON fields merged into the unit's config")
     p.add_argument("--out", default=str(ROOT / "results" / "profile_stream.json"))
     args = p.parse_args()
     out = Path(args.out)
     server = measure_server(args, out.with_suffix(".log"))
-    kernels = json.loads(args.unit).get("engine", {}).get("target", {}).get("kernels", "auto")
+    kernels = "integer" if args.config == "off-integer" else "auto"
     in_process = decode_ms.main(args.decode_runs, kernels)  # the same kernels as the server's
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "env": args.env, "unit": json.loads(args.unit), "requests": args.requests,
+              "env": args.env, "config": args.config, "app": json.loads(args.app),
+              "unit": json.loads(args.unit), "requests": args.requests,
               "tokens_per_request": args.tokens, "server": server,
               "in_process_ms": statistics.median(in_process["ms_per_token"]),
               "in_process_runs": in_process["ms_per_token"]}

@@ -163,3 +163,38 @@ def test_the_target_runs_in_the_unit_only_at_tp_1_on_a_cpu(unit, here):
             UnitConfig.model_validate(unit)
     else:
         assert UnitConfig.model_validate(unit).target_here is here
+
+
+@pytest.mark.parametrize("app, here", [
+    ({}, True),                                                      # one CPU unit: in the ingress
+    ({"unit_in_ingress": False}, False),                             # asked for its own replica
+    ({"num_units": 2}, False),                                       # units behind a router
+    ({"autoscaling": {"min_units": 1, "max_units": 2}}, False),      # units that come and go
+    ({"unit": {"accelerator": "gpu"}}, False),                       # a GPU unit's ranks
+    ({"unit": {"target_in_unit": False}}, False),                    # a rank actor anyway
+    ({"ingress_node_resource": "specserve_head"}, False),            # the ingress has a node
+    ({"num_units": 2, "unit_in_ingress": True}, None),               # refused
+    ({"unit": {"tensor_parallel_size": 2}, "unit_in_ingress": True}, None),
+])
+def test_one_cpu_unit_runs_in_the_ingress_and_anything_more_has_replicas_of_its_own(app, here):
+    """``unit_in_ingress``: a second replica for the one unit buys a Ray hop a token; the app
+    is then one deployment, the ingress, holding the unit's placement group."""
+    from deploy.app import build_app
+
+    if here is None:
+        with pytest.raises(ValidationError, match="unit_in_ingress"):
+            AppConfig.model_validate(app)
+        return
+    from specserve.serve.placement import unit_bundles
+
+    cfg = AppConfig.model_validate(app)
+    assert cfg.unit_here is here
+    ingress = build_app({"auth": {"enabled": False}} | app)._bound_deployment
+    assert ingress.name == "OpenAIIngress"
+    unit = ingress.init_kwargs["unit"]
+    if here:
+        assert unit is None
+        assert ingress._replica_config.placement_group_bundles == unit_bundles(cfg.unit)
+    else:
+        assert unit._bound_deployment.name == "SpeculationUnit"
+        assert ingress._replica_config.placement_group_bundles is None

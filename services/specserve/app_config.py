@@ -157,6 +157,13 @@ class AppConfig(_Strict):
         None,
         description="A custom Ray resource the node for the API ingress advertises (the Helm "
                     "chart's head group, beside the HTTP proxy). None: any node.")
+    unit_in_ingress: bool | None = Field(
+        None,
+        description="Run the one unit in the ingress replica's process: a token goes from the "
+                    "engine to the HTTP proxy's stream with no Ray message between two replicas. "
+                    "It needs one unit (num_units 1, no autoscaling) whose target runs in the "
+                    "unit (tensor_parallel_size 1, accelerator cpu) and no "
+                    "ingress_node_resource. None: wherever that holds.")
 
     @model_validator(mode="after")
     def _starts_within_bounds(self) -> AppConfig:
@@ -164,4 +171,17 @@ class AppConfig(_Strict):
         if scaling is not None and not scaling.min_units <= self.num_units <= scaling.max_units:
             raise ValueError(f"num_units {self.num_units} (the units a deployment starts with) is "
                              f"outside autoscaling's {scaling.min_units}..{scaling.max_units}")
+        if self.unit_in_ingress and not self._one_unit_here():
+            raise ValueError("unit_in_ingress runs the one unit in the ingress's process: it needs "
+                             "num_units 1, no autoscaling, no ingress_node_resource, and a target "
+                             "in the unit (tensor_parallel_size 1, accelerator cpu)")
         return self
+
+    def _one_unit_here(self) -> bool:
+        return (self.num_units == 1 and self.autoscaling is None and self.unit.target_here
+                and self.ingress_node_resource is None)
+
+    @property
+    def unit_here(self) -> bool:
+        """The unit runs in the ingress's process (``unit_in_ingress``, or its default)."""
+        return self._one_unit_here() if self.unit_in_ingress is None else self.unit_in_ingress

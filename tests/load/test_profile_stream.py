@@ -34,6 +34,6 @@ def test_roles_come_from_the_command_line(monkeypatch):
              8: "ray::IDLE", 9: ""}
     monkeypatch.setattr(ps, "cmdline", lines.get)
     assert [ps.role(pid) for pid in lines] == [
-        "target rank (the forward)", "unit replica (and an in-unit target)", "ingress replica",
-        "Serve proxy", "Ray GCS", "guardian", "server and supervisor", "other Ray processes",
-        "other Ray processes"]
+        "target rank (the forward)", "unit replica (and an in-unit target)",
+        "ingress replica (and a unit in it)", "Serve proxy", "Ray GCS", "guardian",
+        "server and supervisor", "other Ray processes", "other Ray processes"]

@@ -114,6 +114,17 @@ def deployed_one(name: str, args: dict):
         yield urls[name]
 
 
+def unit_handle(app: str):
+    """A handle that reaches ``app``'s unit for its handle-only calls (stall, fault tokens,
+    actor names): the units' deployment, or the ingress where the one unit runs in it
+    (``unit_in_ingress``, the default for one CPU unit)."""
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    name = "SpeculationUnit" if "SpeculationUnit" in deployments else "OpenAIIngress"
+    return serve.get_deployment_handle(name, app_name=app)
+
+
 def _answers(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=5).status_code == 200

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray import serve
 
-from tests.serve.conftest import deployed_one, unit_args
+from tests.serve.conftest import deployed_one, unit_args, unit_handle
 
 # How long the unit's engine is held while the six requests arrive (a few HTTP round trips).
 HOLD_S = 10.0
@@ -32,7 +31,7 @@ def test_full_unit_queues_then_429(tight_app, tiny_models):
     model = Path(tiny_models[0]).name
     body = {"model": model, "prompt": "a b c", "max_tokens": 150, "temperature": 0.8,
             "ignore_eos": True, "speculation": {"enabled": False}}
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="tight")
+    unit = unit_handle("tight")
     unit.stall.remote(HOLD_S).result()
     with ThreadPoolExecutor(6) as pool:
         sent = [pool.submit(httpx.post, tight_app + "/v1/completions", json=body, timeout=300)

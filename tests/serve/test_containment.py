@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from ray import serve
 from specserve.engine.tokenizer import encode_prompt
 
+from tests.serve.conftest import unit_handle
 from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import PROMPTS, read_sse, target_only_text
 from tests.tiny import make_tiny_tokenizer
@@ -34,7 +34,7 @@ def test_a_failing_request_fails_alone(ngram_app, tiny_models):
     tok = make_tiny_tokenizer()
     others = PROMPTS[:3]
     assert all(POISON not in encode_prompt(tok, p) for p in others)
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="ngram")
+    unit = unit_handle("ngram")
     before = unit_stats(ngram_app)
     unit.inject_fault_token.remote(POISON).result()
     try:

@@ -29,11 +29,10 @@ from typing import NamedTuple
 import httpx
 import pytest
 import ray
-from ray import serve
 from specserve.config import UnitConfig
 from specserve.serve.placement import ACTOR_NAMESPACE
 
-from tests.serve.conftest import deployed_one, target_only_texts, unit_args
+from tests.serve.conftest import deployed_one, target_only_texts, unit_args, unit_handle
 from tests.serve.test_http import PROMPTS, read_sse
 
 APP = "draftfaults"
@@ -72,7 +71,7 @@ def stats(url: str) -> dict:
 
 
 def draft_actor():
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name=APP)
+    unit = unit_handle(APP)
     return ray.get_actor(unit.draft_actor_name.remote().result(), namespace=ACTOR_NAMESPACE)
 
 

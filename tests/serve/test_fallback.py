@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 import ray
-from ray import serve
 from specserve.engine.tokenizer import encode_prompt
 from specserve.serve.placement import ACTOR_NAMESPACE
 
+from tests.serve.conftest import unit_handle
 from tests.serve.test_http import PROMPTS, read_sse, target_only_text
 from tests.tiny import make_tiny_tokenizer
 
@@ -36,7 +36,7 @@ def unit_stats(url: str) -> dict:
 
 def test_killing_the_draft_mid_stream_loses_nothing(draft_app, tiny_models):
     model = Path(tiny_models[0]).name
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="draft")
+    unit = unit_handle("draft")
     name = unit.draft_actor_name.remote().result()
     before = unit_stats(draft_app)
     assert before["draft_available"]

@@ -19,10 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
-from ray import serve
 from specserve.serve.placement import ACTOR_NAMESPACE
 
-from tests.serve.conftest import deployed_one, target_only_texts, unit_args
+from tests.serve.conftest import deployed_one, target_only_texts, unit_args, unit_handle
 from tests.serve.test_fallback import unit_stats
 from tests.serve.test_http import PROMPTS
 
@@ -63,7 +62,7 @@ def run_plain(url: str, body: dict) -> tuple[httpx.Response, float]:
 @pytest.mark.parametrize("rank", [1, 0])
 def test_killing_a_target_rank_ends_requests_with_503_then_recovers(faults_app, tiny_models, rank):
     model = Path(tiny_models[0]).name
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="faults")
+    unit = unit_handle("faults")
     before = unit_stats(faults_app)
     names = unit.target_actor_names.remote().result()
     assert len(names) == 2 and before["target_available"]
@@ -118,7 +117,7 @@ def test_killing_the_draft_under_load_fails_no_request(draft_app, tiny_models):
     """16 requests, 4 at a time, streamed and not; the draft actor is killed after the third
     has finished (Ray restarts it: max_restarts=-1)."""
     model = Path(tiny_models[0]).name
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="draft")
+    unit = unit_handle("draft")
     name = unit.draft_actor_name.remote().result()
     jobs = [(PROMPTS[i % len(PROMPTS)], i % 2 == 0) for i in range(16)]
     done: list[int] = []

@@ -7,12 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from ray import serve
 from specserve.config import SamplingParams
 from specserve.engine.tokenizer import encode_chat, encode_prompt
 
 from tests.engine.test_spec_decode import make_engine
-from tests.serve.conftest import target_only_texts
+from tests.serve.conftest import target_only_texts, unit_handle
 from tests.tiny import make_tiny_tokenizer
 
 MODEL = "tiny-target"  # the served name is the model directory's name, see conftest
@@ -244,7 +243,7 @@ def test_disconnect_mid_stream_frees_the_slot(ngram_app, model_name):
         next(lines)  # the generation is running: a slot is taken
         # Hold the engine so the stream cannot finish before the disconnect, however fast
         # the machine: the abort below must be what ends it.
-        serve.get_deployment_handle("SpeculationUnit", app_name="ngram").stall.remote(5.0).result()
+        unit_handle("ngram").stall.remote(5.0).result()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         now = httpx.get(ngram_app + "/v1/units/stats", timeout=60).json()

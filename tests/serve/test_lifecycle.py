@@ -32,7 +32,7 @@ import pytest
 from ray import serve
 from specserve.serve.server import drain
 
-from tests.serve.conftest import deployed, unit_args
+from tests.serve.conftest import deployed, unit_args, unit_handle
 from tests.serve.test_http import PROMPTS
 
 MAX_TOKENS = 120
@@ -85,7 +85,7 @@ def start_streams(url: str, app: str, model: str, pool: ThreadPoolExecutor,
             "stream": True, "stream_options": {"include_usage": True},
             "speculation": {"enabled": False}}
     held_until = time.monotonic() + stall_s  # the stall starts after this, so ends after it
-    handle = serve.get_deployment_handle("SpeculationUnit", app_name=app)
+    handle = unit_handle(app)
     handle.stall.remote(stall_s, None if release is None else str(release)).result()
     started = [threading.Event() for _ in range(n)]
     futures = [pool.submit(stream_to_end, url, {**body, "prompt": PROMPTS[i]}, started[i])

@@ -25,9 +25,8 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 
-from tests.serve.conftest import BASE, RAY_METRICS_PORT, deployed_one, unit_args
+from tests.serve.conftest import BASE, RAY_METRICS_PORT, deployed_one, unit_args, unit_handle
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_PORT = 18390
@@ -111,7 +110,7 @@ def overflow(url: str, model: str) -> list[int]:
     """A burst of 8 long requests at a unit with room for 3: some are served, the rest get
     429. The engine is held before they are sent, so the first three are still in the unit
     when the others arrive, however fast the machine."""
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="obs")
+    unit = unit_handle("obs")
     unit.stall.remote(HOLD_S).result()
     burst = {"model": model, "temperature": 0, "prompt": "a b c", "max_tokens": 40,
              "ignore_eos": True}

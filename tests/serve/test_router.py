@@ -15,9 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 
-from tests.serve.conftest import deployed_one, unit_args
+from tests.serve.conftest import deployed_one, unit_args, unit_handle
 
 # How long the engine is held while the background arrives and one request is decided.
 HOLD_S = 10.0
@@ -102,7 +101,7 @@ def test_decision_flips_with_load_and_back(router_app, tiny_models):
     assert usage["enabled"] and usage["k_mode"] == "adaptive" and usage["reason"] == "default"
 
     before = decided(router_app)
-    unit = serve.get_deployment_handle("SpeculationUnit", app_name="router")
+    unit = unit_handle("router")
     unit.stall.remote(HOLD_S).result()
     load = Background(router_app, model, 8)   # 8 in the unit: >= the threshold of 3
     try:

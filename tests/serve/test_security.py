@@ -21,9 +21,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from ray import serve
 
-from tests.serve.conftest import deployed, unit_args
+from tests.serve.conftest import deployed, unit_args, unit_handle
 from tests.serve.test_http import read_sse
 
 # One key per test: the limits are per key, so the tests cannot use up each other's budget.
@@ -89,13 +88,13 @@ def model(tiny_models) -> str:
 def stall(app: str, seconds: float) -> None:
     """Hang the app's engine for ``seconds`` from its next turn (fault injection); requests
     sent after this returns queue behind the stall."""
-    serve.get_deployment_handle("SpeculationUnit", app_name=app).stall.remote(seconds).result()
+    unit_handle(app).stall.remote(seconds).result()
 
 
 def end_stall(app: str) -> None:
     """End the app's stall now: what the test waited for has happened (issue 35: the stalls
     are long for a busy machine's sake, and a quiet one need not sit them out)."""
-    serve.get_deployment_handle("SpeculationUnit", app_name=app).end_stall.remote().result()
+    unit_handle(app).end_stall.remote().result()
 
 
 def auth(name: str = "main") -> dict:

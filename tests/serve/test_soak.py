@@ -30,6 +30,7 @@ def test_short_soak_fails_nothing_and_leaks_no_slot(ngram_app):
     stats = settle(ngram_app, timeout_s=120)
     assert stats["free_slots"] == stats["num_slots"]
     assert stats["running"] == stats["waiting"] == 0
-    # Not TargetRank: at TP 1 on a CPU the target runs in the unit's process
-    # (UnitConfig.target_in_unit); the cluster's other apps may or may not have rank actors.
-    assert {"ProxyActor", "OpenAIIngress", "SpeculationUnit"} <= set(report["rss_mb"])
+    # Neither TargetRank nor SpeculationUnit: one CPU unit runs in the ingress's process
+    # (AppConfig.unit_in_ingress) and its target in the unit's (UnitConfig.target_in_unit);
+    # the cluster's other apps may or may not have unit replicas and rank actors.
+    assert {"ProxyActor", "OpenAIIngress"} <= set(report["rss_mb"])

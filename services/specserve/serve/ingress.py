@@ -54,6 +54,7 @@ from specserve.serve.api_errors import (
 )
 from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
+from specserve.serve.local_unit import HostsUnit, LocalUnit
 from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
 from specserve.serve.openai_shapes import (
     TokenIdNames,
@@ -94,10 +95,15 @@ def class_key(req, chat: bool, key_id: str, prompt_len: int) -> str:
 # Helpers above this line (or imported): @serve.ingress serializes the app when the class is
 # decorated, so functions defined after the class would be missing in the replica.
 @serve.ingress(app)
-class OpenAIIngress:
+class OpenAIIngress(HostsUnit):
     def __init__(self, unit, config: dict) -> None:
+        """``unit``: the units' deployment handle, or None where the one unit runs in this
+        process (``unit_in_ingress``: built here, called the same way)."""
         self.cfg = AppConfig.model_validate(config)
-        self.unit = unit.options(stream=True)
+        self.local = None
+        if unit is None:
+            self.local = unit = LocalUnit(self.cfg.unit.model_dump())
+        self.unit = unit if self.local else unit.options(stream=True)
         self.unit_calls = unit
         target = self.cfg.unit.engine.target
         src = resolve(target.source, target.cache_dir)

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 
 import ray
 from ray import serve
@@ -111,8 +112,11 @@ class SpeculationUnit:
                                           draft_available=self.engine.draft.available)
             self.decisions[decision.key] = self.decisions.get(decision.key, 0) + 1
             yield StreamStart(decision)
-            async for delta in self._stream(asked, decision, grammar):
-                yield delta
+            # Closed when this generator is: a reader in this process (the ingress's, with
+            # unit_in_ingress) ends it by closing it, not by cancelling its task.
+            async with aclosing(self._stream(asked, decision, grammar)) as deltas:
+                async for delta in deltas:
+                    yield delta
 
     def _compile(self, request: EngineRequest) -> CompiledGrammar:
         """The request's grammar, compiled once (the engine's compiler, which an in-process
@@ -136,35 +140,36 @@ class SpeculationUnit:
         # Ray message, and per token they cost the forward pass CPU time on a small machine.
         choices = [_Choice(time.perf_counter()) for _ in range(n)]
         prompt_logprobs, unfinished = None, n
-        async for out in self.loop.generate(request, grammar,
-                                            num_speculative_tokens=decision.num_speculative_tokens,
-                                            adaptive=decision.adaptive):
-            choice = choices[out.index]
-            choice.add(out, time.perf_counter(), params.logprobs is not None, asked.token_ids)
-            if out.prompt_logprobs is not None:  # the first choice's prefill scored the prompt
-                prompt_logprobs = out.prompt_logprobs
-            if not asked.stream and out.finish_reason is None:
-                continue
-            # echo: every choice begins with the prompt, whose scores go with its first chunk
-            # (the first choice's prefill computed them, a step before any other's output)
-            scored = None if choice.sent_prompt else prompt_logprobs
-            choice.sent_prompt = True
-            text, logprobs, ids = choice.pop(params.logprobs is not None, asked.token_ids)
-            if out.finish_reason is None:
-                yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index,
+        outs = self.loop.generate(request, grammar, adaptive=decision.adaptive,
+                                  num_speculative_tokens=decision.num_speculative_tokens)
+        async with aclosing(outs):  # (its ``finally`` aborts what is still running)
+            async for out in outs:
+                choice = choices[out.index]
+                choice.add(out, time.perf_counter(), params.logprobs is not None, asked.token_ids)
+                if out.prompt_logprobs is not None:  # the first choice's prefill scored the prompt
+                    prompt_logprobs = out.prompt_logprobs
+                if not asked.stream and out.finish_reason is None:
+                    continue
+                # echo: every choice begins with the prompt, whose scores go with its first chunk
+                # (the first choice's prefill computed them, a step before any other's output)
+                scored = None if choice.sent_prompt else prompt_logprobs
+                choice.sent_prompt = True
+                text, logprobs, ids = choice.pop(params.logprobs is not None, asked.token_ids)
+                if out.finish_reason is None:
+                    yield StreamDelta(text, logprobs=logprobs, prompt_logprobs=scored, index=out.index,
+                                      num_tokens=choice.clock.num_tokens, token_ids=ids)
+                    continue
+                self.policy.observe(asked.class_key, decision, out.stats.num_draft_tokens,
+                                    out.stats.num_accepted_tokens, self._break_even())
+                unfinished -= 1
+                usage = timing = None
+                if unfinished == 0:
+                    usage = _usage(len(request.prompt_token_ids), choices, decision,
+                                   self._estimated_speedup())
+                    timing = _Clock.merged([c.clock for c in choices])
+                yield StreamDelta(text, out.finish_reason, usage=usage, timing=timing,
+                                  logprobs=logprobs, prompt_logprobs=scored, index=out.index,
                                   num_tokens=choice.clock.num_tokens, token_ids=ids)
-                continue
-            self.policy.observe(asked.class_key, decision, out.stats.num_draft_tokens,
-                                out.stats.num_accepted_tokens, self._break_even())
-            unfinished -= 1
-            usage = timing = None
-            if unfinished == 0:
-                usage = _usage(len(request.prompt_token_ids), choices, decision,
-                               self._estimated_speedup())
-                timing = _Clock.merged([c.clock for c in choices])
-            yield StreamDelta(text, out.finish_reason, usage=usage, timing=timing,
-                              logprobs=logprobs, prompt_logprobs=scored, index=out.index,
-                              num_tokens=choice.clock.num_tokens, token_ids=ids)
 
     def metrics_snapshot(self) -> UnitSnapshot:
         """Live numbers for the metrics hub (``serve/metrics.py`` names them)."""
@@ -310,6 +315,11 @@ class SpeculationUnit:
             raise RuntimeError("the target group could not be restarted")
 
     def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop reporting and stop the engine loop (Serve's replica stop, or the ingress's
+        where the unit runs in it)."""
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             reporter.stop()

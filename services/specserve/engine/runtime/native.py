@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -266,16 +267,28 @@ def standard_rows(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> 
     by row (:func:`interleave_rows` undone where it was done: only the rows' groups)."""
     if not weight.x8_inputs:
         return weight.data if rows is None else weight.data[rows]
+    if rows is not None:  # an embedding's lookup, each token: one gather
+        where = _group_offsets(weight.kind, weight.in_features)
+        return weight.data[(rows // 8)[:, None], where[rows % 8]]
     scales, block = _scales(weight.kind), QUANT_BLOCKS[weight.kind][1]
     nb = weight.in_features // QUANT_BLOCK
-    data = weight.data if rows is None else weight.data[rows // 8]
-    groups = data.view(data.shape[0], nb, 8 * block)                  # [groups, nb, 8 x bytes]
+    groups = weight.data.view(-1, nb, 8 * block)                      # [groups, nb, 8 x bytes]
     parts = [groups[..., 32 * i:32 * i + 32].unflatten(-1, (8, 4)) for i in range(scales)]
     quants = groups[..., 32 * scales:].unflatten(-1, (-1, 8, 4)).transpose(2, 3).flatten(3)
     unpacked = torch.cat([*parts, quants], dim=-1).transpose(1, 2)    # [groups, 8, nb, bytes]
-    if rows is not None:
-        return unpacked[torch.arange(len(rows)), rows % 8].reshape(len(rows), nb * block)
     return unpacked.reshape(-1, nb * block)[:weight.out_features]
+
+
+@functools.cache
+def _group_offsets(kind: str, in_features: int) -> torch.Tensor:
+    """``[8, row bytes]``: where each byte of a group's 8th row ``r`` lies in the group's
+    interleaved bytes (row ``r``'s byte ``j`` is at ``[r, j]``), found by interleaving the
+    bytes' own indices."""
+    width = in_features // QUANT_BLOCK * QUANT_BLOCKS[kind][1]
+    moved = interleave_rows(kind, torch.arange(8 * width).view(8, width)).flatten()
+    where = torch.empty_like(moved)
+    where[moved] = torch.arange(moved.numel())
+    return where.view(8, width)
 
 
 def _scales(kind: str) -> int:
