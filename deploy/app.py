@@ -29,6 +29,8 @@ def build_app(args: dict) -> Application:
     cfg = AppConfig.model_validate(args)
     check_draft_files(cfg.unit.engine)
     capacity = cfg.unit.engine.max_num_seqs + cfg.unit.max_queue_len
+    if cfg.unit_here:
+        return _ingress_with_unit(cfg, capacity)
     most = cfg.num_units if cfg.autoscaling is None else cfg.autoscaling.max_units
     unit = serve.deployment(SpeculationUnit, name="SpeculationUnit").options(
         **_replicas(cfg),
@@ -46,8 +48,6 @@ def build_app(args: dict) -> Application:
         health_check_period_s=10,
         **_drain(cfg.drain_timeout_s),
     ).bind(cfg.unit.model_dump())
-    if cfg.unit_here:
-        return _ingress_with_unit(cfg, capacity)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, max_ongoing_requests=4 * capacity * most,
         ray_actor_options={"num_cpus": 0.1, **_on_node(cfg.ingress_node_resource)},
