@@ -132,7 +132,8 @@ def measure_server(args, log: Path) -> dict:
         path.write_text(json.dumps(config))
         [port] = vs.free_ports(1)
         env = (os.environ | vs.parse_env(args.env)) if args.env else None
-        spec = vs.ServerSpec("specserve", "off", vs.specserve_argv(path, port), env, port)
+        argv = vs.specserve_argv(path, port) + (["--proxy-only"] if args.proxy_only else [])
+        spec = vs.ServerSpec("specserve", "off", argv, env, port)
         proc = vs.start(spec, log)
         try:
             vs.wait_ready(spec, proc, log)
@@ -192,6 +193,8 @@ def main() -> None:
                         "target's kernels: integer)")
     p.add_argument("--app", default="{}", help="JSON fields merged into the app's config")
     p.add_argument("--unit", default="{}", help="JSON fields merged into the unit's config")
+    p.add_argument("--proxy-only", action="store_true",
+                   help="the server's --proxy-only: through Serve's proxy, for comparison")
     p.add_argument("--out", default=str(ROOT / "results" / "profile_stream.json"))
     args = p.parse_args()
     out = Path(args.out)
@@ -200,7 +203,7 @@ def main() -> None:
     in_process = decode_ms.main(args.decode_runs, kernels)  # the same kernels as the server's
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "env": args.env, "config": args.config, "app": json.loads(args.app),
-              "unit": json.loads(args.unit), "requests": args.requests,
+              "unit": json.loads(args.unit), "proxy_only": args.proxy_only, "requests": args.requests,
               "tokens_per_request": args.tokens, "server": server,
               "in_process_ms": statistics.median(in_process["ms_per_token"]),
               "in_process_runs": in_process["ms_per_token"]}

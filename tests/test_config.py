@@ -198,3 +198,18 @@ def test_one_cpu_unit_runs_in_the_ingress_and_anything_more_has_replicas_of_its_
     else:
         assert unit._bound_deployment.name == "SpeculationUnit"
         assert ingress._replica_config.placement_group_bundles is None
+
+
+@pytest.mark.parametrize("app, ok", [
+    ({"direct_http": {"port": 8000}}, True),
+    ({"direct_http": {"port": 8000}, "num_units": 2}, False),
+    ({"direct_http": {"port": 8000}, "unit_in_ingress": False}, False),
+])
+def test_the_ingress_serves_http_itself_only_where_the_unit_runs_in_it(app, ok):
+    """``direct_http``: the replica's own server is for the unit it holds (one replica, one
+    port); the CLI sets it (``specserve serve``: tests/serve/test_server_process.py)."""
+    if ok:
+        assert AppConfig.model_validate(app).direct_http.host == "127.0.0.1"
+        return
+    with pytest.raises(ValidationError, match="direct_http"):
+        AppConfig.model_validate(app)

@@ -127,6 +127,14 @@ class UnitAutoscalingConfig(_Strict):
         return self
 
 
+class DirectHTTPConfig(_Strict):
+    """Where the ingress replica serves the API itself (``AppConfig.direct_http``)."""
+
+    host: str = Field("127.0.0.1", min_length=1, max_length=255,
+                      description="The address its server listens on.")
+    port: int = Field(ge=1, le=65535, description="Its port.")
+
+
 class AppConfig(_Strict):
     """The Serve application: an OpenAI-compatible ingress in front of N units."""
 
@@ -164,6 +172,13 @@ class AppConfig(_Strict):
                     "It needs one unit (num_units 1, no autoscaling) whose target runs in the "
                     "unit (tensor_parallel_size 1, accelerator cpu) and no "
                     "ingress_node_resource. None: wherever that holds.")
+    direct_http: DirectHTTPConfig | None = Field(
+        None,
+        description="With the unit in the ingress: the ingress replica also serves the API on "
+                    "this address itself, so a token goes from the engine to the client's "
+                    "socket without the hop through Serve's proxy (which keeps serving on its "
+                    "own port). specserve serve sets it to --host and --port and moves the "
+                    "proxy to a free loopback port. None: the proxy only.")
 
     @model_validator(mode="after")
     def _starts_within_bounds(self) -> AppConfig:
@@ -175,6 +190,9 @@ class AppConfig(_Strict):
             raise ValueError("unit_in_ingress runs the one unit in the ingress's process: it needs "
                              "num_units 1, no autoscaling, no ingress_node_resource, and a target "
                              "in the unit (tensor_parallel_size 1, accelerator cpu)")
+        if self.direct_http is not None and not self.unit_here:
+            raise ValueError("direct_http is the ingress replica's own server, for the unit it "
+                             "runs: it needs the unit in the ingress (unit_in_ingress)")
         return self
 
     def _one_unit_here(self) -> bool:

@@ -122,6 +122,9 @@ def _serve_parser(sub) -> None:
                    help=f"Ray's metrics export port (default: {DEFAULT_METRICS_PORT}, which "
                         "deploy/prometheus/prometheus.yml scrapes, or a free one near it, printed, "
                         "when another process holds it)")
+    p.add_argument("--proxy-only", action="store_true",
+                   help="serve --port through Serve's proxy even where the unit runs in the "
+                        "ingress replica (which then serves --port itself: one hop less a token)")
     p.set_defaults(func=cmd_serve)
 
 

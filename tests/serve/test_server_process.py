@@ -4,7 +4,9 @@ metrics port, serves on one it chooses; SIGTERM to the process group (Ctrl-C's h
 stops a server cleanly, our stop line last. A server whose Ray dies or hangs, at start-up or
 serving, or whose supervisor dies with it, ends in one line within Ray's own bound, nothing of
 its session left (its guardian, specserve.serve.ray_watch); one whose Ray's agent lost its port
-is started again. Four servers start a Ray: the module's (twice: it loses a port race on
+is started again. Its app is one CPU unit, in the ingress replica, which serves the HTTP port
+itself (Serve's proxy on another): a killed replica is replaced on the same port. Four servers
+start a Ray: the module's (twice: it loses a port race on
 purpose, then serves until its raylet is killed), a second one beside it, and two that die
 starting.
 
@@ -33,7 +35,7 @@ import httpx
 import pytest
 import yaml
 from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP, agent_ports
-from specserve.serve.ports import bind_error, parent
+from specserve.serve.ports import bind_error, holder_words, parent
 from specserve.serve.ray_watch import POLL_S, children, node_death_bound_s, ray_setting, session_pids
 
 from tests.net import free_port
@@ -274,6 +276,60 @@ def test_a_second_server_chooses_a_free_metrics_port_and_sigterm_to_its_group_st
     finally:
         second.stop()
     assert_stopped_cleanly(code, lines)
+
+
+def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_same_api(server, tiny_models):
+    """The module's server is one CPU unit, in the ingress replica: that replica serves
+    ``--port`` itself (a Ray worker of the server's cluster holds it) and Serve's proxy the
+    same API on the port one line names. Both give the same greedy tokens. A stream the client
+    leaves half-read on the replica's port is aborted: the unit's slots come back."""
+    said = server.line("Serve's proxy serves the same API on")
+    assert said and f"the ingress replica serves 127.0.0.1:{server.port} itself" in said, server.lines
+    proxy = int(re.search(r"on 127\.0\.0\.1:(\d+)$", said)[1])
+    assert proxy != server.port
+    assert "ServeReplica" in holder_words(server.port) and "ProxyActor" in holder_words(proxy)
+    body = {"model": Path(tiny_models[0]).name, "prompt": "The capital of France is",
+            "max_tokens": 8, "temperature": 0}
+    texts = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                        timeout=WAIT_S).json()["choices"][0]["text"] for port in (server.port, proxy)]
+    assert texts[0] == texts[1] and texts[0], texts
+    stats = f"http://127.0.0.1:{server.port}/v1/units/stats"
+    aborted = httpx.get(stats, timeout=WAIT_S).json()["requests_aborted"]
+    with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/completions", timeout=WAIT_S,
+                      json=body | {"max_tokens": 200, "stream": True, "ignore_eos": True}) as reply:
+        assert reply.status_code == 200
+        next(reply.iter_lines())  # the first chunk, then the connection is closed
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        now = httpx.get(stats, timeout=WAIT_S).json()
+        if now["requests_aborted"] > aborted and now["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert now["requests_aborted"] == aborted + 1 and now["running"] == 0, now
+    assert now["free_slots"] == now["num_slots"], now
+
+
+def test_a_killed_ingress_replica_is_replaced_and_serves_the_port_again(server, tiny_models):
+    """SIGKILL to the replica that serves ``--port`` (the unit's process): Serve replaces it,
+    the new replica listens on the same port, and the server serves again, within a bound
+    against a hang (a replica's start on a busy machine has no limit of Serve's)."""
+    from specserve.serve.ports import port_holder
+
+    replica = port_holder(server.port)
+    os.kill(replica, signal.SIGKILL)
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    body = {"model": Path(tiny_models[0]).name, "prompt": "hello", "max_tokens": 4}
+    deadline, reply = time.monotonic() + START_BOUND_S, None
+    while time.monotonic() < deadline:
+        holder = port_holder(server.port)
+        if holder not in (None, replica):
+            with contextlib.suppress(httpx.HTTPError):
+                reply = httpx.post(url, json=body, timeout=WAIT_S)
+                if reply.status_code == 200:
+                    break
+        time.sleep(0.2)
+    assert reply is not None and reply.status_code == 200, (reply, server.timed_lines())
+    assert server.proc.poll() is None
 
 
 # -- Ray's death (issue 70) ----------------------------------------------------------------------

@@ -52,6 +52,7 @@ from specserve.serve.api_errors import (
     from_unparsable,
     from_validation_errors,
 )
+from specserve.serve.direct_http import DirectHTTP
 from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.local_unit import HostsUnit, LocalUnit
@@ -123,6 +124,11 @@ class OpenAIIngress(HostsUnit):
         initialize_request_metrics()
         self.app_name = serve.get_replica_context().app_name
         self.hub = get_hub(self.app_name)
+        if self.cfg.direct_http is not None:  # the same app, from this process's own server
+            async def asgi(scope, receive, send) -> None:
+                await self.app(scope, receive, send)  # (Serve's wrapper sets it after this)
+
+            self.direct = DirectHTTP(asgi, self.cfg.direct_http.host, self.cfg.direct_http.port)
 
     # -- endpoints ----------------------------------------------------------------------------
     @app.get("/health")

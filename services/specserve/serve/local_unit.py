@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from specserve.serve.direct_http import DirectHTTP
+
 
 class LocalStream:
     """One request's chunks from a unit in this process: what the ingress reads of a Serve
@@ -78,12 +80,17 @@ class HostsUnit:
     in either shape."""
 
     local: LocalUnit | None = None
+    direct: DirectHTTP | None = None  # its own HTTP server (AppConfig.direct_http)
 
     def check_health(self) -> None:
         if self.local is not None:
             self.local.check_health()
+        if self.direct is not None:
+            self.direct.check_health()
 
     def __del__(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         if self.local is not None:
             self.local.close()
 

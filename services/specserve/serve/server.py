@@ -21,7 +21,14 @@ import threading
 from pathlib import Path
 
 from specserve.errors import SpecServeError
-from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP, start_local_ray, start_serve, stop_serve
+from specserve.serve.local import (
+    DEFAULT_METRICS_PORT,
+    NODE_IP,
+    free_ports,
+    start_local_ray,
+    start_serve,
+    stop_serve,
+)
 from specserve.serve.ray_watch import RETRY_EXIT, TRY_ENV, VERDICT_ENV, Lifeline, kill_session
 
 
@@ -59,12 +66,12 @@ def serve(args) -> int:
     stop = threading.Event()  # a stop signal, from the first moment: one during start-up
     _stop_on_signal(stop)      # drains as soon as the app is up
     raw = _app_args(args.config) if args.config else LOCAL_DEFAULT
-    cfg = AppConfig.model_validate(_default_draft_or_ngram(raw))
+    cfg, proxy = _direct(AppConfig.model_validate(_default_draft_or_ngram(raw)), args)
     from deploy.app import build_app
 
     app = build_app(cfg.model_dump())  # validates and checks the draft's files: fail before Ray
     lifeline = Lifeline(cfg.drain_timeout_s)  # the guardian: Ray's death ends this process
-    _start(app, args, metrics_port, stop, lifeline)
+    _start(app, args, proxy, metrics_port, stop, lifeline)
     lifeline.serving()
     if not cfg.auth.enabled:
         print("specserve: authentication is OFF (auth.enabled: false): anyone who reaches "
@@ -72,6 +79,9 @@ def serve(args) -> int:
     print(f"specserve: {_speculation_line(cfg)}", flush=True)
     print(f"specserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
           flush=True)
+    if cfg.direct_http is not None:
+        print(f"specserve: the ingress replica serves {args.host}:{args.port} itself; Serve's "
+              f"proxy serves the same API on {proxy[0]}:{proxy[1]}", flush=True)
     stop.wait()
     drain("specserve", cfg.drain_timeout_s)  # (should Ray die meanwhile, the guardian ends it)
     stop_serve("specserve", before_shutdown=lifeline.stand_down)
@@ -79,16 +89,30 @@ def serve(args) -> int:
     return 0
 
 
-def _start(app, args, metrics_port: int, stop: threading.Event, lifeline: Lifeline) -> None:
-    """A local Ray, Serve on ``--host``/``--port``, and the app; a failure is one line and an
-    exit (the guardian's where Ray died)."""
+def _direct(cfg, args) -> tuple:
+    """The config to serve, and where Serve's proxy listens. With the unit in the ingress, the
+    ingress replica serves ``--host``/``--port`` itself (``direct_http``: no proxy hop a token)
+    and the proxy takes a free loopback port; otherwise (or ``--proxy-only``) the proxy serves
+    ``--host``/``--port``."""
+    from specserve.app_config import DirectHTTPConfig
+
+    if not cfg.unit_here or args.proxy_only:
+        return cfg, (args.host, args.port)
+    direct = DirectHTTPConfig(host=args.host, port=args.port)
+    return cfg.model_copy(update={"direct_http": direct}), (NODE_IP, free_ports(1)[0])
+
+
+def _start(app, args, proxy: tuple, metrics_port: int, stop: threading.Event,
+           lifeline: Lifeline) -> None:
+    """A local Ray, Serve's proxy on ``proxy`` (host, port), and the app; a failure is one
+    line and an exit (the guardian's where Ray died)."""
     from ray import serve
 
     try:
         start_local_ray(metrics_export_port=metrics_port)
         lifeline.ray_up()
         _stop_on_signal(stop)  # ray.init put its own SIGTERM handler (it exits) in place
-        start_serve(args.host, args.port)
+        start_serve(*proxy)
         serve.run(app, name="specserve", route_prefix="/")
     except Exception as exc:  # Ray's or Serve's: the death behind it, else its first line
         lifeline.failed(exc)
