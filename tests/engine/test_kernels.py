@@ -234,6 +234,36 @@ def test_native_attention_for_a_query_does_not_depend_on_other_queries_or_rows(h
                           ref.transpose(1, 2).reshape(1, 4, h * d), atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+def test_native_attention_split_across_threads_gives_the_same_bits(heads, build):
+    """A decode has one work item per key/value head, fewer than 2 a thread: its scores split
+    by keys and its values by value vectors across the threads (``attention_split``). The
+    suite's workers run 1 thread each, so the threads are asked for here: 2 and 3 threads
+    give the bits of 1, for a lone decode and beside a second row, at lengths around the
+    split's threshold and the tiles' 4 keys."""
+    h, hk = heads
+    d = 64
+    keys, values = seeded(4, hk, 6 * KV_BLOCK, d, seed=1), seeded(4, hk, 6 * KV_BLOCK, d, seed=2)
+    q = seeded(2, 1, h, d, seed=3)
+    table = torch.tensor([[2], [0]], dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        for n in (3, 57, 58, 61, 130, 6 * KV_BLOCK):
+            hi = torch.tensor([[n], [max(1, n // 2)]], dtype=torch.int32)
+            lo = torch.zeros_like(hi)
+            runs = {}
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                runs[threads] = (native.attention(q[:1], keys, values, table[:1], lo[:1], hi[:1], d ** -0.5),
+                                 native.attention(q, keys, values, table, lo, hi, d ** -0.5))
+            for threads in (2, 3):
+                assert torch.equal(runs[threads][0], runs[1][0]), (n, threads)
+                assert torch.equal(runs[threads][1], runs[1][1]), (n, threads)
+            assert torch.equal(runs[1][1][:1], runs[1][0]), n  # and a row's bits are its own
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kind", ["llama-gqa", "llama-mha", "qwen2-bias", "mistral-window", "qwen3-qknorm"])
 def test_a_tokens_logits_do_not_depend_on_the_forward_they_are_in(kind, kernels):
     """The whole runtime: the logits after token p are bit-identical whether p was decoded

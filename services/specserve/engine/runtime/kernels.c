@@ -15,7 +15,8 @@
      registers, 11 loads for 24 multiply-adds where 4 x 4 needs 8 for 16; no prefetch: the
      rows are reused from cache), at matrix-multiply speed.
    - attention_rows: each query against its visible keys [lo, hi) straight from the KV cache
-     storage: scores (4 queries x 4 keys at a time, each pair a dot as above), a max, exp
+     storage: scores (a group's 1-4 queries x 4 keys at a time, each pair a dot as above, so a
+     decode's query heads of one key/value head share their key loads too), a max, exp
      and its sum (VL keys at a time from the query's first key), and the weighted values in
      key order (4 queries sharing each value row's loads, each query's sums its own).
    - linear_rows_q4_0, _q4_1, _q8_0: linear_rows over a GGUF's own blocks, each
@@ -503,30 +504,44 @@ static float *task_buffer(size_t floats) {
   }
 LINEAR_Q(q4_0) LINEAR_Q(q4_1) LINEAR_Q(q8_0)
 
+/* p[r][j .. j + 4) = scale * q[r] . k[j + c] for NQ queries and 4 keys: each pair one vector
+   accumulator with dot()'s arithmetic (D a multiple of VL), the tile sharing the keys' and
+   queries' loads and its horizontal sums (HSUMS: hsum's bits). Its NQ x 4 chains of FMAs
+   are independent, where one dot() at a time is one chain waiting on each FMA's latency. */
+#define SCORE_TILE(NQ)                                                                        \
+  static inline void score_tile_##NQ(const float *const *q, const float *const *k, int D,    \
+                                     int j, float scale, float *const *p) {                  \
+    vf acc[NQ][4];                                                                            \
+    for (int r = 0; r < NQ; r++)                                                              \
+      for (int c = 0; c < 4; c++) acc[r][c] = (vf){0};                                        \
+    for (int d = 0; d < D; d += VL) {                                                         \
+      vf ks[4];                                                                               \
+      for (int c = 0; c < 4; c++) ks[c] = held(NQ, k[j + c] + d);                             \
+      for (int r = 0; r < NQ; r++) {                                                          \
+        vf qv = held(4, q[r] + d);                                                            \
+        for (int c = 0; c < 4; c++) acc[r][c] = fmadd(qv, ks[c], acc[r][c]);                  \
+      }                                                                                       \
+    }                                                                                         \
+    float sums[NQ * 4];                                                                       \
+    HSUMS(acc, sums, NQ, 4);                                                                  \
+    for (int r = 0; r < NQ; r++)                                                              \
+      for (int c = 0; c < 4; c++) p[r][j + c] = sums[r * 4 + c] * scale;                      \
+  }
+SCORE_TILE(1) SCORE_TILE(2) SCORE_TILE(3) SCORE_TILE(4)
+
 /* p[r][j] = scale * q[r] . k[j] for the nq (<= 4) queries q[r] and keys j0 <= j < j1 (key j's
-   D floats at k[j]: wherever its block put it), each pair with dot()'s arithmetic: 4 queries
-   x 4 keys at a time share loads and one hsum16. */
+   D floats at k[j]: wherever its block put it), each pair with dot()'s arithmetic: 4 keys at
+   a time in a tile of all nq queries, the last j1 - j0 % 4 keys one dot() each. */
 static void scores(const float *const *q, int nq, const float *const *k, int D, int j0, int j1,
                    float scale, float *const *p) {
   int j = j0;
-  if (nq == 4 && D % VL == 0) {
-    for (; j + 4 <= j1; j += 4) {
-      vf acc[4][4];
-      for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = (vf){0};
-      for (int d = 0; d < D; d += VL) {
-        vf ks[4];
-        for (int c = 0; c < 4; c++) ks[c] = held(4, k[j + c] + d);
-        for (int r = 0; r < 4; r++) {
-          vf qv = held(4, q[r] + d);
-          for (int c = 0; c < 4; c++) acc[r][c] = fmadd(qv, ks[c], acc[r][c]);
-        }
+  if (D % VL == 0) {
+    for (; j + 4 <= j1; j += 4) switch (nq) {  /* a constant query count: registers */
+        case 4: score_tile_4(q, k, D, j, scale, p); break;
+        case 3: score_tile_3(q, k, D, j, scale, p); break;
+        case 2: score_tile_2(q, k, D, j, scale, p); break;
+        default: score_tile_1(q, k, D, j, scale, p); break;
       }
-      float sums[16];
-      hsum16(&acc[0][0], sums);
-      for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) p[r][j + c] = sums[r * 4 + c] * scale;
-    }
   }
   for (; j < j1; j++)
     for (int r = 0; r < nq; r++) p[r][j] = dot(q[r], k[j], D) * scale;
@@ -619,6 +634,25 @@ static inline void weighted_pass(float *const *p, const int *j0, const int *j1,
     for (; c0 < dv; c0++) weighted_pass(p, j0, j1, v, out, total, c0, NQ, 1);                 \
   } while (0)
 
+/* weighted_values' value vectors c0 .. c1 (a part of a head, passes of half a chunk). */
+static void weighted_part(float *const *p, int nq, const int *j0, const int *j1,
+                          const float *const *v, float *const *out, const float *total, int c0,
+                          int c1) {
+  enum { CW = PV_CHUNK / 2 > 0 ? PV_CHUNK / 2 : 1 };
+#define PART_PASSES(NQ)                                                                       \
+  do {                                                                                        \
+    for (; c0 + CW <= c1; c0 += CW) weighted_pass(p, j0, j1, v, out, total, c0, NQ, CW);      \
+    for (; c0 < c1; c0++) weighted_pass(p, j0, j1, v, out, total, c0, NQ, 1);                 \
+  } while (0)
+  switch (nq) {
+    case 4: PART_PASSES(4); break;
+    case 3: PART_PASSES(3); break;
+    case 2: PART_PASSES(2); break;
+    default: PART_PASSES(1); break;
+  }
+#undef PART_PASSES
+}
+
 /* softmax_values for nq <= 4 chain queries at once, their exp'd scores in p[r] (exp_scores)
    and sums in total: each query's value vector c gets the FMAs of softmax_values in key order
    (a key outside a query's range adds nothing to it), so a query's bits do not depend on
@@ -654,6 +688,98 @@ static void weighted_values(float *const *p, int nq, const int *j0, const int *j
    tree[b * T + t] (its ancestors and itself; hi is then its own position + 1); a row with
    start[b] = -1 is a chain. Its visible keys are gathered in order, so
    a node computes exactly what the same token computes in a chain of its path. */
+/* The query rows of attention_rows' work item `item` (a key/value head of a row b, its query
+   rows first .. first + nq of T * group): their q, out and scores rows, key ranges, tokens,
+   and the union of the ranges [*lowest, *highest); returns nq. */
+static int item_rows(int item, const float *q, int q_stride, float *out, float *p, size_t stride,
+                     const int32_t *lo, const int32_t *hi, int T, int H, int Hk, int D, int rows,
+                     int blocks, const float **qs, float **os, float **ps, int *j0, int *j1,
+                     int *bts, int *b, int *kh, int *lowest, int *highest) {
+  int block = item % blocks, group = H / Hk, first = block * 4;
+  int nq = rows - first < 4 ? rows - first : 4;
+  *kh = item / blocks % Hk;
+  *b = item / blocks / Hk;
+  *lowest = INT32_MAX;
+  *highest = 0;
+  for (int r = 0; r < nq; r++) {
+    int row = first + r, h = *kh * group + row % group, bt = *b * T + row / group;
+    qs[r] = q + (size_t)bt * q_stride + (size_t)h * D;
+    os[r] = out + ((size_t)bt * H + h) * D;
+    ps[r] = p + r * stride;
+    j0[r] = lo[bt];
+    j1[r] = hi[bt];
+    bts[r] = bt;
+    *lowest = j0[r] < *lowest ? j0[r] : *lowest;
+    *highest = j1[r] > *highest ? j1[r] : *highest;
+  }
+  return nq;
+}
+
+/* krow[j], vrow[j] (either may be NULL): where key/value head kh of row b keeps position j,
+   for from <= j < to. */
+static void key_rows(const float *k, const float *v, const int32_t *table, int W, int Hk, int BS,
+                     int D, int b, int kh, int from, int to, const float **krow,
+                     const float **vrow) {
+  for (int j = from; j < to;) {  /* a block at a time */
+    int off = j % BS;
+    size_t at = (((size_t)table[(size_t)b * W + j / BS] * Hk + kh) * BS + off) * D;
+    for (; off < BS && j < to; off++, j++, at += D) {
+      if (krow) krow[j] = k + at;
+      if (vrow) vrow[j] = v + at;
+    }
+  }
+}
+
+/* attention_rows for chains when its work items are too few for its threads (a decode: one
+   item per key/value head): each item's scores split by keys, its exp'd sums one per query,
+   and its weighted values split by value vectors, phase by phase across the threads. Each
+   query's arithmetic is the one item's in attention_rows (which keys or value vectors a
+   thread takes changes no operation of a query), so the bits are the same. */
+static void attention_split(const float *q, int q_stride, const float *k, const float *v,
+                            const int32_t *table, int W, const int32_t *lo, const int32_t *hi,
+                            float *out, int B, int T, int H, int Hk, int BS, int D, float scale,
+                            int threads, int rows, int blocks, int n) {
+  int S = W * BS, parts = (2 * threads + n - 1) / n;  /* each item's share of the threads */
+  int dv = D / VL, half = (dv + 1) / 2;
+  size_t stride = (size_t)S + VL;
+  float *p = malloc(sizeof(float) * (size_t)n * 4 * stride), *totals = malloc(sizeof(float) * (size_t)n * 4);
+#pragma omp parallel num_threads(threads)
+  {
+    const float **krow = malloc(sizeof(float *) * (size_t)S), **vrow = malloc(sizeof(float *) * (size_t)S);
+    const float *qs[4];
+    float *ps[4], *os[4];
+    int j0[4], j1[4], bts[4], b, kh, lowest, highest;
+#pragma omp for schedule(static)
+    for (int w = 0; w < n * parts; w++) {  /* scores: keys [from, to) of item w / parts */
+      int item = w / parts, part = w % parts;
+      int nq = item_rows(item, q, q_stride, out, p + (size_t)item * 4 * stride, stride, lo, hi, T,
+                         H, Hk, D, rows, blocks, qs, os, ps, j0, j1, bts, &b, &kh, &lowest, &highest);
+      int span = highest - lowest;
+      int from = lowest + (int)((long)span * part / parts), to = lowest + (int)((long)span * (part + 1) / parts);
+      key_rows(k, v, table, W, Hk, BS, D, b, kh, from, to, krow, NULL);
+      scores(qs, nq, krow, D, from, to, scale, ps);
+    }
+#pragma omp for schedule(static)
+    for (int w = 0; w < n * 4; w++) {  /* exp'd scores and their sum: query w % 4 of item w / 4 */
+      int nq = item_rows(w / 4, q, q_stride, out, p + (size_t)(w / 4) * 4 * stride, stride, lo, hi,
+                         T, H, Hk, D, rows, blocks, qs, os, ps, j0, j1, bts, &b, &kh, &lowest, &highest);
+      if (w % 4 < nq) totals[w] = exp_scores(ps[w % 4], j0[w % 4], j1[w % 4]);
+    }
+#pragma omp for schedule(static)
+    for (int w = 0; w < n * 2; w++) {  /* weighted values: half w % 2 of item w / 2's vectors */
+      int item = w / 2, c0 = w % 2 ? half : 0, c1 = w % 2 ? dv : half;
+      int nq = item_rows(item, q, q_stride, out, p + (size_t)item * 4 * stride, stride, lo, hi, T,
+                         H, Hk, D, rows, blocks, qs, os, ps, j0, j1, bts, &b, &kh, &lowest, &highest);
+      key_rows(k, v, table, W, Hk, BS, D, b, kh, lowest, highest, NULL, vrow);
+      weighted_part(ps, nq, j0, j1, vrow, os, totals + (size_t)item * 4, c0, c1);
+    }
+    free(krow);
+    free(vrow);
+  }
+  free(totals);
+  free(p);
+}
+
 void attention_rows(const float *q, int q_stride, const float *k, const float *v,
                     const int32_t *table, int W, const int32_t *lo, const int32_t *hi,
                     const uint64_t *tree, const int32_t *start, float *out,
@@ -663,6 +789,11 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
   size_t stride = (size_t)S + VL;
   long work = 0;
   for (int bt = 0; bt < B * T; bt++) work += (long)(hi[bt] - lo[bt]) * H * D;
+  if (!tree && threads > 1 && n < 2 * threads && D % VL == 0 && work >= PARALLEL_MIN_WORK) {
+    attention_split(q, q_stride, k, v, table, W, lo, hi, out, B, T, H, Hk, BS, D, scale, threads,
+                    rows, blocks, n);
+    return;
+  }
 #pragma omp parallel num_threads(threads) if (work >= PARALLEL_MIN_WORK)
   {
     float *p = malloc(sizeof(float) * 4 * stride);
@@ -671,30 +802,12 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
     vf *acc = aligned_alloc(sizeof(vf), sizeof(vf) * (size_t)(D / VL + 1));
 #pragma omp for schedule(static)
     for (int item = 0; item < n; item++) {
-      int block = item % blocks, kh = item / blocks % Hk, b = item / blocks / Hk;
-      int first = block * 4, nq = rows - first < 4 ? rows - first : 4;
       const float *qs[4];
       float *ps[4], *os[4];
-      int j0[4], j1[4], bts[4], lowest = S, highest = 0;
-      for (int r = 0; r < nq; r++) {
-        int row = first + r, h = kh * group + row % group, bt = b * T + row / group;
-        qs[r] = q + (size_t)bt * q_stride + (size_t)h * D;
-        os[r] = out + ((size_t)bt * H + h) * D;
-        ps[r] = p + r * stride;
-        j0[r] = lo[bt];
-        j1[r] = hi[bt];
-        bts[r] = bt;
-        lowest = j0[r] < lowest ? j0[r] : lowest;
-        highest = j1[r] > highest ? j1[r] : highest;
-      }
-      for (int j = lowest; j < highest;) {  /* each key's row, a block at a time */
-        int off = j % BS;
-        size_t at = (((size_t)table[(size_t)b * W + j / BS] * Hk + kh) * BS + off) * D;
-        for (; off < BS && j < highest; off++, j++, at += D) {
-          krow[j] = k + at;
-          vrow[j] = v + at;
-        }
-      }
+      int j0[4], j1[4], bts[4], b, kh, lowest, highest;
+      int nq = item_rows(item, q, q_stride, out, p, stride, lo, hi, T, H, Hk, D, rows, blocks, qs,
+                         os, ps, j0, j1, bts, &b, &kh, &lowest, &highest);
+      key_rows(k, v, table, W, Hk, BS, D, b, kh, lowest, highest, krow, vrow);
       scores(qs, nq, krow, D, lowest, highest, scale, ps);
       if (!tree || start[b] < 0) {  /* chains (start -1: a chain row beside trees) */
         float total[4];
