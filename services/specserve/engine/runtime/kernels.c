@@ -627,11 +627,11 @@ static inline void weighted_pass(float *const *p, const int *j0, const int *j1,
     for (int c = 0; c < CW; c++) store(out[r] + (c0 + c) * VL, acc[r][c] / total[r]);
 }
 
-#define WEIGHTED_PASSES(NQ)                                                                   \
+/* weighted_pass over value vectors c0 .. END for NQ queries, CW vectors a pass, then one. */
+#define VALUE_PASSES(NQ, CW, END)                                                             \
   do {                                                                                        \
-    for (; c0 + PV_CHUNK <= dv; c0 += PV_CHUNK)                                               \
-      weighted_pass(p, j0, j1, v, out, total, c0, NQ, PV_CHUNK);                              \
-    for (; c0 < dv; c0++) weighted_pass(p, j0, j1, v, out, total, c0, NQ, 1);                 \
+    for (; c0 + (CW) <= (END); c0 += (CW)) weighted_pass(p, j0, j1, v, out, total, c0, NQ, CW); \
+    for (; c0 < (END); c0++) weighted_pass(p, j0, j1, v, out, total, c0, NQ, 1);              \
   } while (0)
 
 /* weighted_values' value vectors c0 .. c1 (a part of a head, passes of half a chunk). */
@@ -639,18 +639,12 @@ static void weighted_part(float *const *p, int nq, const int *j0, const int *j1,
                           const float *const *v, float *const *out, const float *total, int c0,
                           int c1) {
   enum { CW = PV_CHUNK / 2 > 0 ? PV_CHUNK / 2 : 1 };
-#define PART_PASSES(NQ)                                                                       \
-  do {                                                                                        \
-    for (; c0 + CW <= c1; c0 += CW) weighted_pass(p, j0, j1, v, out, total, c0, NQ, CW);      \
-    for (; c0 < c1; c0++) weighted_pass(p, j0, j1, v, out, total, c0, NQ, 1);                 \
-  } while (0)
   switch (nq) {
-    case 4: PART_PASSES(4); break;
-    case 3: PART_PASSES(3); break;
-    case 2: PART_PASSES(2); break;
-    default: PART_PASSES(1); break;
+    case 4: VALUE_PASSES(4, CW, c1); break;
+    case 3: VALUE_PASSES(3, CW, c1); break;
+    case 2: VALUE_PASSES(2, CW, c1); break;
+    default: VALUE_PASSES(1, CW, c1); break;
   }
-#undef PART_PASSES
 }
 
 /* softmax_values for nq <= 4 chain queries at once, their exp'd scores in p[r] (exp_scores)
@@ -661,10 +655,10 @@ static void weighted_values(float *const *p, int nq, const int *j0, const int *j
                             const float *const *v, int D, float *const *out, const float *total) {
   int dv = D / VL, c0 = 0;
   switch (nq) {  /* a constant query count: the accumulators in registers */
-    case 4: WEIGHTED_PASSES(4); break;
-    case 3: WEIGHTED_PASSES(3); break;
-    case 2: WEIGHTED_PASSES(2); break;
-    default: WEIGHTED_PASSES(1); break;
+    case 4: VALUE_PASSES(4, PV_CHUNK, dv); break;
+    case 3: VALUE_PASSES(3, PV_CHUNK, dv); break;
+    case 2: VALUE_PASSES(2, PV_CHUNK, dv); break;
+    default: VALUE_PASSES(1, PV_CHUNK, dv); break;
   }
   for (int r = 0; r < nq; r++)
     for (int d = dv * VL; d < D; d++) {
@@ -674,20 +668,6 @@ static void weighted_values(float *const *p, int nq, const int *j0, const int *j
     }
 }
 
-/* out[b, t, h, :] = softmax(scale * q[b, t, h] . keys) @ values over the keys [lo, hi) of
-   the query (b, t), read from the cache storage through row b's block table and key/value
-   head h / (H / Hk): position j is at offset j % BS of block table[b * W + j / BS].
-   q: B * T tokens of H heads of D floats, q_stride floats apart (the q heads of the fused
-   projection's rows); k, v: [blocks, Hk, BS, D]; table: [B, W]; lo, hi: [B * T] (at most
-   W * BS); out: [B, T, H, D]. A slot cache is the case W = 1, BS = its slot length.
-   Where a key lives changes no arithmetic: the same keys give the same bits.
-   The T * (H / Hk) query rows of one (b, key/value head) go 4 at a time (sharing key loads);
-   a query's arithmetic is the same in any group (see scores and softmax_values).
-   Token trees (tree non-NULL): query (b, t) of a row with start[b] >= 0 reads the keys
-   [lo, start[b]) and, of the row's new tokens stored from start[b], those whose bit is set in
-   tree[b * T + t] (its ancestors and itself; hi is then its own position + 1); a row with
-   start[b] = -1 is a chain. Its visible keys are gathered in order, so
-   a node computes exactly what the same token computes in a chain of its path. */
 /* The query rows of attention_rows' work item `item` (a key/value head of a row b, its query
    rows first .. first + nq of T * group): their q, out and scores rows, key ranges, tokens,
    and the union of the ranges [*lowest, *highest); returns nq. */
@@ -737,7 +717,7 @@ static void key_rows(const float *k, const float *v, const int32_t *table, int W
    thread takes changes no operation of a query), so the bits are the same. */
 static void attention_split(const float *q, int q_stride, const float *k, const float *v,
                             const int32_t *table, int W, const int32_t *lo, const int32_t *hi,
-                            float *out, int B, int T, int H, int Hk, int BS, int D, float scale,
+                            float *out, int T, int H, int Hk, int BS, int D, float scale,
                             int threads, int rows, int blocks, int n) {
   int S = W * BS, parts = (2 * threads + n - 1) / n;  /* each item's share of the threads */
   int dv = D / VL, half = (dv + 1) / 2;
@@ -755,7 +735,8 @@ static void attention_split(const float *q, int q_stride, const float *k, const 
       int nq = item_rows(item, q, q_stride, out, p + (size_t)item * 4 * stride, stride, lo, hi, T,
                          H, Hk, D, rows, blocks, qs, os, ps, j0, j1, bts, &b, &kh, &lowest, &highest);
       int span = highest - lowest;
-      int from = lowest + (int)((long)span * part / parts), to = lowest + (int)((long)span * (part + 1) / parts);
+      int from = lowest + (int)((long)span * part / parts);
+      int to = lowest + (int)((long)span * (part + 1) / parts);
       key_rows(k, v, table, W, Hk, BS, D, b, kh, from, to, krow, NULL);
       scores(qs, nq, krow, D, from, to, scale, ps);
     }
@@ -780,6 +761,20 @@ static void attention_split(const float *q, int q_stride, const float *k, const 
   free(p);
 }
 
+/* out[b, t, h, :] = softmax(scale * q[b, t, h] . keys) @ values over the keys [lo, hi) of
+   the query (b, t), read from the cache storage through row b's block table and key/value
+   head h / (H / Hk): position j is at offset j % BS of block table[b * W + j / BS].
+   q: B * T tokens of H heads of D floats, q_stride floats apart (the q heads of the fused
+   projection's rows); k, v: [blocks, Hk, BS, D]; table: [B, W]; lo, hi: [B * T] (at most
+   W * BS); out: [B, T, H, D]. A slot cache is the case W = 1, BS = its slot length.
+   Where a key lives changes no arithmetic: the same keys give the same bits.
+   The T * (H / Hk) query rows of one (b, key/value head) go 4 at a time (sharing key loads);
+   a query's arithmetic is the same in any group (see scores and softmax_values).
+   Token trees (tree non-NULL): query (b, t) of a row with start[b] >= 0 reads the keys
+   [lo, start[b]) and, of the row's new tokens stored from start[b], those whose bit is set in
+   tree[b * T + t] (its ancestors and itself; hi is then its own position + 1); a row with
+   start[b] = -1 is a chain. Its visible keys are gathered in order, so
+   a node computes exactly what the same token computes in a chain of its path. */
 void attention_rows(const float *q, int q_stride, const float *k, const float *v,
                     const int32_t *table, int W, const int32_t *lo, const int32_t *hi,
                     const uint64_t *tree, const int32_t *start, float *out,
@@ -790,7 +785,7 @@ void attention_rows(const float *q, int q_stride, const float *k, const float *v
   long work = 0;
   for (int bt = 0; bt < B * T; bt++) work += (long)(hi[bt] - lo[bt]) * H * D;
   if (!tree && threads > 1 && n < 2 * threads && D % VL == 0 && work >= PARALLEL_MIN_WORK) {
-    attention_split(q, q_stride, k, v, table, W, lo, hi, out, B, T, H, Hk, BS, D, scale, threads,
+    attention_split(q, q_stride, k, v, table, W, lo, hi, out, T, H, Hk, BS, D, scale, threads,
                     rows, blocks, n);
     return;
   }
