@@ -25,6 +25,8 @@ import errno
 import socket
 import time
 
+from specserve.serve.ports import address_family
+
 # How long a replica's start waits for the port while another process listens on it: a
 # replica being replaced stops within its drain (Serve's graceful stop), then its process ends.
 REBIND_WAIT_S = 60.0
@@ -40,7 +42,7 @@ def listen(host: str, port: int, wait_s: float = REBIND_WAIT_S) -> socket.socket
     ``wait_s`` while another socket listens there; else :class:`DirectHTTPError`."""
     deadline = time.monotonic() + wait_s
     while True:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(address_family(host), socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

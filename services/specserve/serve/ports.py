@@ -33,7 +33,7 @@ class PortInUse(SpecServeError):
 
 def bind_error(host: str, port: int) -> OSError | None:
     """Why ``port`` cannot be listened on at ``host`` (None: it can)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -42,7 +42,7 @@ def bind_error(host: str, port: int) -> OSError | None:
     return None
 
 
-def _family(host: str) -> socket.AddressFamily:
+def address_family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET  # as Serve's proxy chooses
 
 
@@ -64,7 +64,7 @@ def first_free(host: str, start: int, tries: int = 20) -> int:
     for port in range(start, start + tries):
         if bind_error(host, port) is None:
             return port
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
