@@ -11,7 +11,8 @@ once, each with 2 threads, bound to 127.0.0.1 only:
 - ``specserve serve --config ...`` as a user starts it, ready on its ``serving on`` line, once
   per config: ``off`` (``speculative.method: null``, target-only) and ``router`` (the default,
   ``deploy/serve_config.yaml``'s args, auth off), and on request (``--configs``) each of them
-  on the integer kernels (``off-integer``, ``router-integer``: ``kernels: integer``).
+  on the float32-identical kernels (``off-invariant``, ``router-invariant``: ``kernels:
+  invariant``; the default's are ``integer``).
   specserve's actors take the machine's cores (``os.cpu_count()``), so "2 threads each" holds
   on a 2-core machine, this project's kind; elsewhere the script says so.
 
@@ -207,13 +208,13 @@ def specserve_argv(config: Path, port: int) -> list[str]:
     return [str(specserve), "serve", "--config", str(config), "--host", HOST, "--port", str(port)]
 
 
-CONFIGS = ("off", "router", "off-integer", "router-integer")
+CONFIGS = ("off", "router", "off-invariant", "router-invariant")
 
 
 def specserve_configs(serve_config: Path = ROOT / "deploy" / "serve_config.yaml") -> dict[str, dict]:
     """AppConfig dicts by name: ``router``, the shipped default (auth off: loopback only),
-    ``off``, the same with speculation off, and each on the integer kernels
-    (``router-integer``, ``off-integer``: the target's ``kernels: integer``)."""
+    ``off``, the same with speculation off, and each on the float32-identical kernels
+    (``router-invariant``, ``off-invariant``: the target's ``kernels: invariant``)."""
     import yaml
 
     args = yaml.safe_load(serve_config.read_text())["applications"][0]["args"]
@@ -224,9 +225,9 @@ def specserve_configs(serve_config: Path = ROOT / "deploy" / "serve_config.yaml"
         return config | {"unit": config["unit"] | {"engine": engine}}
 
     off = engine_with(router, speculative={"method": None})
-    integer = {"kernels": "integer"}
+    invariant = {"kernels": "invariant"}
     return {"off": off, "router": router,
-            **{f"{name}-integer": engine_with(config, target=config["unit"]["engine"]["target"] | integer)
+            **{f"{name}-invariant": engine_with(config, target=config["unit"]["engine"]["target"] | invariant)
                for name, config in (("off", off), ("router", router))}}
 
 

@@ -188,9 +188,9 @@ def main() -> None:
     p.add_argument("--decode-runs", type=int, default=3)
     p.add_argument("--py-spy", default=None, help="a folder for each Python role's flame graph")
     p.add_argument("--env", default="", help="'K=V ...' for the server (an experiment's settings)")
-    p.add_argument("--config", default="off", choices=("off", "off-integer"),
-                   help="the server's configuration (bench-vs-llama-server's; off-integer: the "
-                        "target's kernels: integer)")
+    p.add_argument("--config", default="off", choices=("off", "off-invariant"),
+                   help="the server's configuration (bench-vs-llama-server's; off-invariant: the "
+                        "target's kernels: invariant, the float32-identical arithmetic)")
     p.add_argument("--app", default="{}", help="JSON fields merged into the app's config")
     p.add_argument("--unit", default="{}", help="JSON fields merged into the unit's config")
     p.add_argument("--proxy-only", action="store_true",
@@ -199,7 +199,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     server = measure_server(args, out.with_suffix(".log"))
-    kernels = "integer" if args.config == "off-integer" else "auto"
+    kernels = "invariant" if args.config == "off-invariant" else "auto"
     in_process = decode_ms.main(args.decode_runs, kernels)  # the same kernels as the server's
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "env": args.env, "config": args.config, "app": json.loads(args.app),

@@ -188,14 +188,16 @@ class ModelConfig(_Strict):
         "auto", description="invariant: a token's logits do not depend on what else is in the "
                             "forward (greedy speculation is bit-identical to target-only); "
                             "integer: invariant too, with a GGUF's blocks met by 8-bit inputs "
-                            "in integer dot products (llama.cpp's CPU arithmetic: faster, and "
-                            "not the float32 path's logits; other weights as invariant); "
+                            "(16 bits for a block holding an outlier) in integer dot products "
+                            "(llama.cpp's CPU arithmetic: faster; near, not equal to, the "
+                            "float32 path's logits; other weights as invariant); "
                             "library: torch's F.linear and SDPA (FlexAttention on CUDA); "
                             "compiled: library ops at bucketed static shapes under "
                             "torch.compile, CUDA graphs on a GPU (there library's decode is "
                             "bound by kernel launches, compiled's by memory bandwidth; "
-                            "measured: docs/BENCHMARKS.md, \"The GPU path\"). auto: invariant "
-                            "on CPU; on CUDA compiled for the target, library for a draft model.")
+                            "measured: docs/BENCHMARKS.md, \"The GPU path\"). auto: on a CPU "
+                            "integer where the model has a GGUF's blocks, invariant elsewhere; "
+                            "on CUDA compiled for the target, library for a draft model.")
     weights: Literal["auto", "float32"] = Field(
         "auto", description="auto: a GGUF's decoder linears of Q4_0, Q4_1 or Q8_0 blocks run on "
                             "those blocks where the kernels are invariant on a CPU (the float32 "

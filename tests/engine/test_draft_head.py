@@ -274,7 +274,7 @@ def test_a_loaded_head_takes_the_kernels_of_its_config(target_hf, tmp_path):
     target = runtime_of(target_hf)
     head = load_draft_head(out, target, max_model_len=256)
     assert head.kernels == "invariant" and all(layer.attn.invariant for layer in head.layers)
-    assert default_kernels("cpu", draft=True) == default_kernels("cpu") == "invariant"
+    assert default_kernels("cpu", draft=True) == default_kernels("cpu") == "integer"
     assert default_kernels("cuda:1", draft=True) == "library" and default_kernels("cuda") == "compiled"
     proposer = load_draft_proposer("eagle", ModelConfig(source=str(out), kernels="library"),
                                    num_slots=2, max_model_len=256, target_runtime=target)

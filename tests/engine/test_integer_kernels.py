@@ -1,14 +1,16 @@
-"""The integer kernels (``kernels: integer``): a GGUF's blocks met by 8-bit inputs in integer dot
-products, llama.cpp's CPU arithmetic (kernels.c, "Integer dot products").
+"""The integer kernels (``kernels: integer``, the default on a CPU): a GGUF's blocks met by 8-bit
+inputs in integer dot products, llama.cpp's CPU arithmetic, with 16 bits for a block that holds
+an outlier (kernels.c, "Integer dot products").
 
 They are not the float32 path's bits, so what speculation needs is checked directly: a row's
 outputs are the same bits whatever else is in the call (a decode, a verify's K + 1, a batch,
 a prefill's passes), and, every operation being IEEE-defined, on every C build. Their value is
-the exact integer arithmetic's, to float32 rounding (a float64 reference). A planted mistake
-that lets one row's inputs change another's rounding (one scale for the rows of a call, as a
-per-tensor quantizer has) is caught. On the embedded model: speculation on equals off token
-for token, at every batch shape, K, chunk size and prefix-cache hit; and against the float32
-path, perplexity within 1% and top-1 agreement of at least 95% over 2,048 tokens of text.
+the exact integer arithmetic's, to float32 rounding (a float64 reference). Two planted
+mistakes are caught: one that lets one row's inputs change another's rounding (one scale for
+the rows of a call, as a per-tensor quantizer has), and one that rounds an outlier's block to
+8 bits. On the embedded model: speculation on equals off token for token, at every batch shape,
+K, chunk size and prefix-cache hit; and against the float32 path, perplexity within 1% and
+top-1 agreement of at least 98% over 2,048 tokens of text.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ SHAPES = [(576, 576), (960, 576), (576, 1536), (13, 96), (7, 64)]  # and rows of
 ROWS = [*range(1, 10), 24, 50]
 
 
+OUTLIER = 8  # kernels.c's X8_OUTLIER: a block whose max |x| is over 8 times its mean |x| is wide
+
+
 def exact(kind: str, raw: torch.Tensor, x: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The integer arithmetic in float64: each row's inputs quantized per block of 32, times
-    the dequantized weight (exact: float32 weights, integers times a float32 scale)."""
+    """The integer arithmetic in float64: each row's inputs quantized per block of 32 to 127
+    steps of the block's largest |x|, or 127 * 254 where that is an outlier's (a wide block),
+    times the dequantized weight (exact: float32 weights, integers times a float32 scale)."""
     blocks = x.view(x.shape[0], k // 32, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    amax = blocks.abs().amax(-1, keepdim=True)
+    wide = amax * 32 > OUTLIER * blocks.abs().sum(-1, keepdim=True)
+    d = amax / torch.where(wide, 127.0 * 254, 127.0)
     q = torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d)))  # ties to even
     return (q.double() * d.double()).view(x.shape[0], k) @ dequantized(kind, raw, n, k).double().T
 
@@ -41,7 +49,7 @@ def outputs(other_builds):
     for kind in native.QUANT_BLOCKS:
         for i, (n, k) in enumerate(SHAPES):
             raw = random_blocks(kind, n, k, seed=i)
-            x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(300 + i))
+            x = with_outliers(torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(300 + i)))
             packed = native.pack_blocks(kind, raw, n, k, x8_inputs=True)
             builds = {}
             for build in ("native", *other_builds):
@@ -51,6 +59,15 @@ def outputs(other_builds):
                 builds[build].append(torch.cat(alone))
             out[kind, n, k] = x, raw, builds
     return out
+
+
+def with_outliers(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with one value in every third block of 32 made 40 times larger: wide blocks
+    beside narrow ones (Gaussian blocks alone are never wide: their max |x| is about 3 times
+    their mean)."""
+    x = x.clone()
+    x.view(x.shape[0], -1, 32)[:, ::3, 5] *= 40
+    return x
 
 
 def _call(lib, kind: str, x: torch.Tensor, packed: native.QuantizedWeight) -> torch.Tensor:
@@ -71,6 +88,21 @@ def test_a_rows_outputs_are_the_same_bits_in_any_call_and_on_every_build(outputs
                 assert torch.equal(y, alone[:y.shape[0]]), (build, n, k, m)
         want = exact(kind, raw, x, n, k)
         assert torch.allclose(alone.double(), want, rtol=0, atol=2e-6 * float(want.abs().max())), (n, k)
+
+
+def test_a_build_that_rounds_an_outliers_block_to_8_bits_is_caught(outputs, tmp_path):
+    """The planted build never makes a block wide (8 bits everywhere, the arithmetic before
+    outliers had 16): its rows are still the same bits in any call, but the value check
+    against the float64 reference fails, while the native build passes it."""
+    path = tmp_path / "narrow.so"
+    native._compile(native.os.environ.get("CC") or "cc", native.FLAGS + ["-DX8_OUTLIER=1000000"], path)
+    narrow = native.declare(ctypes.CDLL(str(path)))
+    x, raw, builds = outputs["Q4_1", 576, 576]
+    packed = native.pack_blocks("Q4_1", raw, 576, 576, x8_inputs=True)
+    want = exact("Q4_1", raw, x, 576, 576)
+    bound = 2e-6 * float(want.abs().max())
+    assert float((builds["native"][-1].double() - want).abs().max()) <= bound
+    assert float((_call(narrow, "Q4_1", x, packed).double() - want).abs().max()) > 10 * bound
 
 
 def test_the_interleaved_rows_are_the_blocks_moved():
@@ -117,11 +149,8 @@ def test_on_the_embedded_model_speculation_is_lossless_and_the_logits_agree_with
     and at K = 2 one prompt at a time (the second pass over each prompt hits the prefix
     cache), every output the same tokens. Then the float32 path and the integer one read the
     same 2,048 tokens of English (Python's own documentation, ``pydoc_data``), four rows of
-    512 teacher-forced: their perplexities differ by under 1% (measured: 15.11 against
-    15.04), and their top-1 choices agree at 95% or more. Issue 71 asks 98% of an arithmetic
-    that is to become the default; this one measures 96.1% (its disagreements are near-ties:
-    a median gap of 0.07 between the float32 path's first two logits), so it stays a choice,
-    and the bound here catches a broken kernel, whose agreement falls far below."""
+    512 teacher-forced: their perplexities differ by under 1%, and their top-1 choices agree
+    at 98% or more (the figures: docs/BENCHMARKS.md)."""
     from pydoc_data.topics import topics
 
     from specserve.config import EngineConfig, ModelConfig, SamplingParams
@@ -147,8 +176,8 @@ def test_on_the_embedded_model_speculation_is_lossless_and_the_logits_agree_with
     tokens = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:4 * 513]
     rows = [tokens[i * 513:(i + 1) * 513] for i in range(4)]
     scores = {}
-    for name, runtime in (("integer", loaded.runtime),
-                          ("float32", load_model(ModelConfig(), max_model_len=1024).runtime)):
+    float32 = load_model(ModelConfig(kernels="invariant"), max_model_len=1024).runtime
+    for name, runtime in (("integer", loaded.runtime), ("float32", float32)):
         cache = runtime.make_cache(num_slots=4, max_seq_len=1024)
         slots = [cache.allocate() for _ in rows]
         batch = ForwardBatch(slots, [r[:-1] for r in rows], [512] * 4)
@@ -158,5 +187,5 @@ def test_on_the_embedded_model_speculation_is_lossless_and_the_logits_agree_with
         scores[name] = logits.argmax(-1), float(torch.exp(nll))
     agreement = float((scores["integer"][0] == scores["float32"][0]).float().mean())
     ppl_int, ppl_float = scores["integer"][1], scores["float32"][1]
-    assert agreement >= 0.95, agreement
+    assert agreement >= 0.98, agreement
     assert abs(ppl_int / ppl_float - 1) < 0.01, (ppl_int, ppl_float)

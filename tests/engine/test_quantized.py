@@ -97,12 +97,13 @@ def test_only_the_block_types_the_kernels_read_are_packed():
 
 @pytest.mark.slow
 def test_the_embedded_model_keeps_its_blocks_with_the_same_logits():
-    """Loaded as serving loads it, the embedded SmolLM2 (Q4_1 decoder linears, a Q8_0
-    embedding tied to its LM head) runs its 120 decoder linears and its LM head on the file's
-    blocks and looks its embeddings up in them, each checked against the float32 weights at
-    load, and gives the float32 load's logits bit for bit: a prefill, a decode, a verify of 5
-    after a rollback. Its weights drop from 538 MB to under 150 MB (issue 54's aim); a draft
-    made on its embedding gets the float32 table."""
+    """Loaded as serving loads it on the float32-identical kernels (``invariant``; the
+    default's ``integer`` are tests/engine/test_integer_kernels.py's), the embedded SmolLM2
+    (Q4_1 decoder linears, a Q8_0 embedding tied to its LM head) runs its 120 decoder linears
+    and its LM head on the file's blocks and looks its embeddings up in them, each checked
+    against the float32 weights at load, and gives the float32 load's logits bit for bit: a
+    prefill, a decode, a verify of 5 after a rollback. Its weights drop from 538 MB to under
+    150 MB; a draft made on its embedding gets the float32 table."""
     from specserve.config import ModelConfig
     from specserve.engine.gguf_blocks import resident_weights
     from specserve.engine.loader import load_model
@@ -110,7 +111,7 @@ def test_the_embedded_model_keeps_its_blocks_with_the_same_logits():
 
     out, weights = {}, {}
     for blocks in (False, True):
-        rt = load_model(ModelConfig(), max_model_len=256, blocks=blocks).runtime
+        rt = load_model(ModelConfig(kernels="invariant"), max_model_len=256, blocks=blocks).runtime
         weights[blocks] = resident_weights(rt)
         cache = rt.make_cache(num_slots=2, max_seq_len=256)
         slot = cache.allocate()

@@ -190,9 +190,9 @@ def test_specserve_configs_are_the_shipped_default_and_it_without_speculation():
     assert router["unit"]["engine"]["speculative"]["method"] == "suffix"
     assert off["unit"]["engine"]["speculative"] == {"method": None}
     assert off["unit"]["engine"]["max_num_seqs"] == router["unit"]["engine"]["max_num_seqs"] == vs.SLOTS
-    for name, plain in (("off-integer", off), ("router-integer", router)):  # on the integer kernels
+    for name, plain in (("off-invariant", off), ("router-invariant", router)):  # float32-identical
         engine = configs[name]["unit"]["engine"]
-        assert engine["target"] == plain["unit"]["engine"]["target"] | {"kernels": "integer"}
+        assert engine["target"] == plain["unit"]["engine"]["target"] | {"kernels": "invariant"}
         assert engine | {"target": plain["unit"]["engine"]["target"]} == plain["unit"]["engine"]
     assert "kernels" not in router["unit"]["engine"]["target"]
     with pytest.raises(SystemExit):

@@ -39,7 +39,8 @@ LAYER_LINEARS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_ou
 
 def quantize_linears(runtime, path: Path, x8_inputs: bool = False) -> dict:
     """Give ``runtime``'s decoder linears the blocks of the GGUF at ``path`` where the kernels
-    read them (module docstring); ``x8_inputs``: met by 8-bit inputs in integer dot products
+    read them (module docstring); ``x8_inputs``: met by 8-bit inputs (16-bit in an outlier's
+    block) in integer dot products
     (``kernels: integer``), not in float32. Returns what was done: ``linears`` quantized, their
     ``bytes`` and the float32 ``bytes_dropped``, and per reason the linears ``kept_float32``."""
     arch, tensors = read_tensors(path)
@@ -82,7 +83,7 @@ def quantize_linears(runtime, path: Path, x8_inputs: bool = False) -> dict:
     report = {"linears": done, "bytes": size, "bytes_dropped": dropped, "kept_float32": dict(kept)}
     kinds = "/".join(sorted({lin.quantized.kind for lin in _linears(runtime) if lin.quantized})) or "-"
     log.info("%s: %d linears on their %s blocks%s (%.0f MB, were %.0f MB in float32)%s", path.name, done,
-             kinds, ", 8-bit inputs" if x8_inputs else "", size / 1e6, dropped / 1e6,
+             kinds, ", integer inputs" if x8_inputs else "", size / 1e6, dropped / 1e6,
              "; kept in float32: " + ", ".join(f"{n} ({reason})" for reason, n in kept.items())
              if kept else "")
     return report

@@ -282,13 +282,13 @@ def load_model(cfg, *, max_model_len: int,
                            group=tp_group, desc=f"loading {src.name}", progress=progress)
     runtime.requires_grad_(False)
     kernels = cfg.kernels if cfg.kernels != "auto" else default_kernels(device, draft=draft)
-    # integer: the invariant runtime, whose blocks take 8-bit inputs (gguf_blocks)
+    # integer: the invariant runtime, whose blocks take integer inputs (gguf_blocks)
     runtime.use_kernels("invariant" if kernels == "integer" else kernels, verify_tokens=verify_tokens)
     if (blocks and cfg.weights == "auto" and src.blocks is not None and tp_group is None
             and runtime.kernels == "invariant"
             and native_ready(runtime.embed.weight)):
         quantize_linears(runtime, Path(src.blocks), x8_inputs=kernels == "integer")
-    elif kernels == "integer":
+    elif kernels == "integer" and cfg.kernels == "integer":  # auto: invariant, quietly
         log.warning("kernels: integer needs a GGUF's blocks on a CPU with the C kernels, with "
                     "weights: auto and no tensor parallelism; %s runs the invariant kernels' "
                     "float32 arithmetic instead", src.name)

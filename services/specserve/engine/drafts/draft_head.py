@@ -454,5 +454,5 @@ def _kernels(head: DraftHead, kernels: str) -> str:
     """A draft's ``kernels``, ``auto`` resolved for its device (``default_kernels``); a head
     holds no GGUF blocks, so ``integer`` is ``invariant`` here."""
     if kernels == "auto":
-        return default_kernels(head.embed.weight.device, draft=True)
+        kernels = default_kernels(head.embed.weight.device, draft=True)
     return "invariant" if kernels == "integer" else kernels

@@ -1020,17 +1020,20 @@ void exponential_noise_rows(const int64_t *keys, int N, int V, float *out, int t
 }
 
 /* Integer dot products (kernels: integer): a GGUF's blocks met by 8-bit inputs, the
-   arithmetic of llama.cpp's CPU backend.
+   arithmetic of llama.cpp's CPU backend, with 16 bits where a block holds an outlier.
 
    Each input row is quantized block by block from its own values only (quantize_x8): d = max
    |x| / 127 and q = x * (1 / d) rounded to nearest, ties to even, so q is in [-127, 127]. A
-   weight block and an input block meet in integer multiply-adds, which are exact. Then, for
-   each (weight row, input row) pair, block after block in order, one float32 accumulator:
-   acc = fma(d_w * d_x, sum, acc), and for Q4_1 acc = fma(m, d_x * sum q_x, acc); the bias
-   last. So a token's outputs are the same bits alone, in a verify or in a batch (row
-   invariance by construction), and, every operation being IEEE-defined (fmaf where there is
-   no FMA instruction), the same bits on every build. They are not the float32 path's bits:
-   the inputs are rounded to 8 bits (tests/engine/test_integer_kernels.py).
+   block whose largest |x| is over X8_OUTLIER times its mean |x| is wide instead: 8 bits would
+   round most of its values to a few steps of the outlier's, so d = max |x| / (127 * 254) and q
+   = 254 * hi + lo, hi and lo both in [-127, 127]; its sums take a second pass of multiply-adds
+   (lo), joined to the first (hi) in int32. A weight block and an input block meet in integer
+   multiply-adds, which are exact. Then, for each (weight row, input row) pair, block after
+   block in order, one float32 accumulator: acc = fma(d_w * d_x, sum, acc), and for Q4_1 acc =
+   fma(m, d_x * sum q_x, acc); the bias last. So a token's outputs are the same bits alone, in
+   a verify or in a batch (row invariance by construction), and, every operation being
+   IEEE-defined (fmaf where there is no FMA instruction), the same bits on every build. They
+   are not the float32 path's bits: the inputs are rounded (tests/engine/test_integer_kernels.py).
 
    The weights are packed in groups of 8 rows (native.interleave_rows): per block, the 8 rows'
    d, then their m (Q4_1), then their quants in chunks of 4 (chunk c of rows 0..7, then chunk
@@ -1038,7 +1041,14 @@ void exponential_noise_rows(const int64_t *keys, int N, int V, float *out, int t
    and one multiply-add instruction give 8 rows' partial sums in 8 lanes, and a lane ends the
    block holding its row's whole sum: no horizontal adds, and a vector of 8 pairs' scales.
    A group's blocks are read once for the up to 4 input rows of a pass. */
-typedef struct { float d, s; int32_t sum; int8_t qs[32]; } x8_block;  /* s = d * sum */
+typedef struct {
+  float d, s;          /* s = d * sum */
+  int32_t sum, wide;   /* sum of q; wide: q = 254 * qs + lo, else q = qs */
+  int8_t qs[32], lo[32];
+} x8_block;
+#ifndef X8_OUTLIER
+#define X8_OUTLIER 8  /* max |x| over mean |x| that makes a block wide (docs/BENCHMARKS.md) */
+#endif
 #ifndef X8_PF
 #define X8_PF 1024  /* bytes a group's blocks are prefetched ahead (measured: 0 to 4096) */
 #endif
@@ -1054,15 +1064,20 @@ static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads
     for (long o = r % nb; o < (long)M * nb; o += nb)
       for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[o * 32 + i]));
 #endif
-    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float mean = 0.0f;
+    for (int i = 0; i < 32; i++) mean += fabsf(v[i]);
+    int wide = amax * 32.0f > X8_OUTLIER * mean;
+    float d = amax / (wide ? 127.0f * 254.0f : 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int i = 0; i < 32; i++) {
-      int q = (int)nearbyintf(v[i] * id);
-      out[r].qs[i] = (int8_t)q;
+      int q = (int)nearbyintf(v[i] * id), hi = wide ? (q + (q < 0 ? -127 : 127)) / 254 : q;
+      out[r].qs[i] = (int8_t)hi;
+      out[r].lo[i] = (int8_t)(q - 254 * hi);  /* 0 in a narrow block */
       sum += q;
     }
     out[r].d = d;
     out[r].sum = sum;
+    out[r].wide = wide;
     out[r].s = d * (float)sum;
   }
 }
@@ -1078,6 +1093,12 @@ static __thread size_t x8_cap;
 #define X8_QUANTS_q4_1 128
 #define X8_QUANTS_q8_0 256
 #define X8_GROUP(T) (X8_SCALES_##T * 32 + X8_QUANTS_##T)
+#define X8_BITS_q4_0 4
+#define X8_BITS_q4_1 4
+#define X8_BITS_q8_0 8
+#define X8_ZERO_q4_0 8  /* Q4_0's quants are w_q - 8 */
+#define X8_ZERO_q4_1 0
+#define X8_ZERO_q8_0 0
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* acc + u . s in int32 lanes, 4 byte products a lane (u unsigned, s signed) */
@@ -1099,15 +1120,15 @@ static inline __m256i x8_madd(__m256i acc, __m256i u, __m256i s) {
 #define X8_Q4_ACC(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
 #define X8_Q4_DONE(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
 #endif
-static inline __m256i x8_chunk(const x8_block *a, int c) {  /* input quants 4c .. 4c + 3, 8 times */
+static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c .. 4c + 3, 8 times */
   int32_t v;
-  __builtin_memcpy(&v, a->qs + 4 * c, 4);
+  __builtin_memcpy(&v, qs + 4 * c, 4);
   return _mm256_set1_epi32(v);
 }
-/* sums[j]: the 8 rows' sums against input block a[j]. A 4-bit group's 32-byte load c holds
+/* The 8 rows' sums against MR input blocks' bytes qs[j]. A 4-bit group's 32-byte load c holds
    quants 4c .. 4c + 3 of each row in its low nibbles and 16 + 4c .. 16 + 4c + 3 in its high
    ones. Q8_0: |w| against x carrying w's sign. */
-#define X8_SUMS_q4(q, a, MR, sums)                                                            \
+#define X8_DOTS_q4(q, qs, MR, sums)                                                           \
   do {                                                                                        \
     for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
     for (int c = 0; c < 4; c++) {                                                             \
@@ -1115,26 +1136,40 @@ static inline __m256i x8_chunk(const x8_block *a, int c) {  /* input quants 4c .
       __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
       for (int j = 0; j < MR; j++) {                                                          \
-        sums[j] = X8_Q4_ACC(sums[j], lo, x8_chunk(a[j], c));                                  \
-        sums[j] = X8_Q4_ACC(sums[j], hi, x8_chunk(a[j], c + 4));                              \
+        sums[j] = X8_Q4_ACC(sums[j], lo, x8_chunk(qs[j], c));                                 \
+        sums[j] = X8_Q4_ACC(sums[j], hi, x8_chunk(qs[j], c + 4));                             \
       }                                                                                       \
     }                                                                                         \
     for (int j = 0; j < MR; j++) sums[j] = X8_Q4_DONE(sums[j]);                               \
   } while (0)
-#define X8_SUMS_q4_0(q, a, MR, sums)                                                          \
-  do {                                                                                        \
-    X8_SUMS_q4(q, a, MR, sums);                                                               \
-    for (int j = 0; j < MR; j++) sums[j] = _mm256_sub_epi32(sums[j], _mm256_set1_epi32(8 * a[j]->sum)); \
-  } while (0)
-#define X8_SUMS_q4_1(q, a, MR, sums) X8_SUMS_q4(q, a, MR, sums)
-#define X8_SUMS_q8_0(q, a, MR, sums)                                                          \
+#define X8_DOTS_q8_0(q, qs, MR, sums)                                                         \
   do {                                                                                        \
     for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
     for (int c = 0; c < 8; c++) {                                                             \
       __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * c)), u = _mm256_sign_epi8(w, w); \
       for (int j = 0; j < MR; j++)                                                            \
-        sums[j] = x8_madd(sums[j], u, _mm256_sign_epi8(x8_chunk(a[j], c), w));                \
+        sums[j] = x8_madd(sums[j], u, _mm256_sign_epi8(x8_chunk(qs[j], c), w));               \
     }                                                                                         \
+  } while (0)
+#define X8_DOTS_q4_0 X8_DOTS_q4
+#define X8_DOTS_q4_1 X8_DOTS_q4
+/* sums[j]: the 8 rows' sums of w_q * q against input block a[j]; a wide block's second pass
+   (its lo bytes) joins the first as 254 * hi + lo, exact in int32. Q4_0's quants are w_q - 8. */
+#define X8_SUMS(T, q, a, MR, sums)                                                            \
+  do {                                                                                        \
+    const int8_t *qs[MR];                                                                     \
+    for (int j = 0; j < MR; j++) qs[j] = a[j]->qs;                                            \
+    X8_DOTS_##T(q, qs, MR, sums);                                                             \
+    for (int j = 0; j < MR; j++)                                                              \
+      if (a[j]->wide) {                                                                       \
+        __m256i lows[1];                                                                      \
+        const int8_t *lo_qs[1] = {a[j]->lo};                                                  \
+        X8_DOTS_##T(q, lo_qs, 1, lows);                                                       \
+        sums[j] = _mm256_add_epi32(_mm256_mullo_epi32(sums[j], _mm256_set1_epi32(254)), lows[0]); \
+      }                                                                                       \
+    if (X8_ZERO_##T)                                                                          \
+      for (int j = 0; j < MR; j++)                                                            \
+        sums[j] = _mm256_sub_epi32(sums[j], _mm256_set1_epi32(X8_ZERO_##T * a[j]->sum));      \
   } while (0)
 
 /* A pass: MR input rows (from m) against the group of 8 weight rows from n. */
@@ -1149,7 +1184,7 @@ static inline __m256i x8_chunk(const x8_block *a, int c) {  /* input quants 4c .
       const x8_block *a[MR];                                                                  \
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
       __m256i sums[MR];                                                                       \
-      X8_SUMS_##T(blk + X8_SCALES_##T * 32, a, MR, sums);                                     \
+      X8_SUMS(T, blk + X8_SCALES_##T * 32, a, MR, sums);                                      \
       __m256 d = _mm256_loadu_ps((const float *)blk);                                         \
       for (int j = 0; j < MR; j++) {                                                          \
         acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[j]->d)),                   \
@@ -1174,12 +1209,6 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
   int c = k % 16 / 4, byte = q[32 * c + 4 * r + k % 4];
   return k < 16 ? byte & 15 : byte >> 4;
 }
-#define X8_BITS_q4_0 4
-#define X8_BITS_q4_1 4
-#define X8_BITS_q8_0 8
-#define X8_ZERO_q4_0 8
-#define X8_ZERO_q4_1 0
-#define X8_ZERO_q8_0 0
 #define XGROUP(T, MR)                                                                         \
   static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
                                        float *y, int N, int nb, int n, int m) {              \
@@ -1192,7 +1221,8 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
           const x8_block *a = x + (size_t)(m + j) * nb + b;                                   \
           const uint8_t *q = blk + X8_SCALES_##T * 32;                                        \
           int sum = 0;                                                                        \
-          for (int k = 0; k < 32; k++) sum += x8_quant(q, X8_BITS_##T, r, k) * a->qs[k];      \
+          for (int k = 0; k < 32; k++)                                                      \
+            sum += x8_quant(q, X8_BITS_##T, r, k) * (a->wide ? 254 * a->qs[k] + a->lo[k] : a->qs[k]); \
           sum -= X8_ZERO_##T * a->sum;                                                        \
           acc = fmaf(((const float *)blk)[r] * a->d, (float)sum, acc);                        \
           if (X8_SCALES_##T == 2) acc = fmaf(((const float *)blk)[8 + r], a->s, acc);         \

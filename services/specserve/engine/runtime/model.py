@@ -353,13 +353,14 @@ class LlamaRuntime(nn.Module):
 
 
 def default_kernels(device: torch.device, draft: bool = False) -> str:
-    """``kernels: auto``: the C kernels (``invariant``) on a CPU. On CUDA, where they cannot
-    run, a target's are ``compiled`` (CUDA graphs: 4-5x ``library``, which is launch-bound
-    there; the engine end to end on them on an H200, docs/BENCHMARKS.md), a draft's the
-    library's (``library``, attention on FlexAttention) until a GPU window has run drafts
-    compiled."""
+    """``kernels: auto``: on a CPU the C kernels' ``integer`` arithmetic (a GGUF's blocks met by
+    8-bit inputs, 16 bits for an outlier's block; where a model has no such blocks the loader
+    runs their float32 arithmetic, ``invariant``). On CUDA, where they cannot run, a target's
+    are ``compiled`` (CUDA graphs: 4-5x ``library``, which is launch-bound there; the engine
+    end to end on them on an H200, docs/BENCHMARKS.md), a draft's the library's (``library``,
+    attention on FlexAttention) until a GPU window has run drafts compiled."""
     if torch.device(device).type != "cuda":
-        return "invariant"
+        return "integer"
     return "library" if draft else "compiled"
 
 

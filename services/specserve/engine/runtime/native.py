@@ -317,8 +317,9 @@ def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None)
 def linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`linear` with a weight of packed blocks: the float32 path's outputs bit for bit
     (the weight formed in registers as the dequantizer forms it); with ``weight.x8_inputs``,
-    each row's inputs quantized to 8 bits and met by the blocks in integer dot products
-    (kernels.c, "Integer dot products": row-invariant, not the float32 path's bits)."""
+    each row's inputs quantized to 8 bits (16 in an outlier's block) and met by the blocks in
+    integer dot products (kernels.c, "Integer dot products": row-invariant, not the float32
+    path's bits)."""
     k, n = weight.in_features, weight.out_features
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], n, dtype=torch.float32)
@@ -413,7 +414,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 # -- a decoder layer in one call (kernels.c, "A decoder layer in one call") ----------------------
 WEIGHT_KINDS = {"float32": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # kernels.c's W_F32 ...
-X8_INPUTS = 8  # kernels.c's W_X8, added to a block kind whose inputs go in 8 bits
+X8_INPUTS = 8  # kernels.c's W_X8, added to a block kind whose inputs go in 8 bits (16: outliers')
 
 
 class WeightRef(ctypes.Structure):
