@@ -25,7 +25,7 @@ moment it is measured:
 
 A dry run: the tiny shape in float32 on the CPU, ``compiled`` under dynamo's eager backend
 with FlexAttention (its eager CPU form reduces over keys in storage order, so there the
-FlexAttention logits differ in the last bits: ``tests/engine/test_paged_compiled.py``).
+FlexAttention logits differ in the last bits: ``tests/engine/runtime/test_paged_compiled.py``).
 docs/GPU.md says what passes.
 """
 

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from specserve.engine.runtime import native
 
-from tests.engine.test_kernels import use_build
+from tests.engine.runtime.test_kernels import use_build
 
 # The embedded model's weights (q, k and v, the fused qkv the runtime holds, o, gate_up, down,
 # the LM head) and odd shapes (row counts off the tiles').
@@ -98,7 +98,7 @@ def test_only_the_block_types_the_kernels_read_are_packed():
 @pytest.mark.slow
 def test_the_embedded_model_keeps_its_blocks_with_the_same_logits():
     """Loaded as serving loads it on the float32-identical kernels (``invariant``; the
-    default's ``integer`` are tests/engine/test_integer_kernels.py's), the embedded SmolLM2
+    default's ``integer`` are tests/engine/runtime/test_integer_kernels.py's), the embedded SmolLM2
     (Q4_1 decoder linears, a Q8_0 embedding tied to its LM head) runs its 120 decoder linears
     and its LM head on the file's blocks and looks its embeddings up in them, each checked
     against the float32 weights at load, and gives the float32 load's logits bit for bit: a

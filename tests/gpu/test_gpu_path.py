@@ -93,7 +93,7 @@ def test_row_groups_run_each_group_at_its_own_shape(hf):
 
 
 def test_padding_writes_only_the_spare_slot(hf):
-    """tests/engine/test_compiled.py's check on CUDA: padding rows and tokens of bucket
+    """tests/engine/runtime/test_compiled.py's check on CUDA: padding rows and tokens of bucket
     (2, 4) land in the spare slot; no sequence's keys change outside its new tokens."""
     rt = gpu_runtime(hf, "compiled", verify_tokens=4)
     cache = rt.make_cache(num_slots=4, max_seq_len=64)

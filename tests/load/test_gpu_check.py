@@ -208,7 +208,7 @@ def test_paged_phase_compares_the_layouts_end_to_end(tmp_path):
     """``--phase paged --dry-run`` (issue 53): every entry of ``paged.json`` measured on the
     compiled path over FlexAttention with a shuffled pool: the decode and verify logits the
     slot cache's bit for bit (the chunk's and the prefix hit's within eager FlexAttention's
-    last bits: ``tests/engine/test_paged_compiled.py``), the greedy tokens the same, a real
+    last bits: ``tests/engine/runtime/test_paged_compiled.py``), the greedy tokens the same, a real
     prefix hit, and the chunk-gap figures with their bound."""
     dry_phase("paged", tmp_path)
     report = json.loads((tmp_path / "paged.json").read_text())

@@ -154,7 +154,7 @@ def unit_args(target_dir: str, **engine) -> dict:
     little, so the short-output and low-acceptance rules are off (``test_policy.py`` and
     ``test_router.py`` test them). Prompts whole (``chunked_prefill_size`` None): bursts of
     many requests start in one step, as the tests' timings were made for; chunking is tested
-    in the engine (``tests/engine/test_prefix_cache.py``) and over HTTP on ``ngram_app``."""
+    in the engine (``tests/engine/kv/test_prefix_cache.py``) and over HTTP on ``ngram_app``."""
     return {"unit": {"engine": {"target": {"source": target_dir}, "max_model_len": 256,
                                 "max_num_seqs": 8, "chunked_prefill_size": None, **engine},
                      "max_queue_len": 16,

@@ -159,7 +159,7 @@ def test_stop_token_ids_are_honoured(ngram_app, model, tiny_models):
 def test_logit_bias_penalties_min_tokens_and_min_p_are_honoured(ngram_app, model, tiny_models):
     """OpenAI's logit_bias and penalties and vLLM's repetition_penalty, min_tokens, min_p,
     allowed_token_ids and bad_words reach the engine (their losslessness under speculation:
-    tests/engine/test_logit_rules.py): a token biased +100 is every greedy token; with
+    tests/engine/step/test_logit_rules.py): a token biased +100 is every greedy token; with
     min_tokens 5 a forced stop token comes sixth; min_p 1 samples the greedy text; penalized
     greedy text, and text with allowed tokens and a bad word, is the engine's; refusals name
     the field."""

@@ -3,7 +3,7 @@
 features travelling from target rank 0 through the coordinator to the draft actor every step,
 prompt lookup in front (``ngram_first``). And a published EAGLE-3 head (the ``speculators``
 format; the other formats' loaders are tested in-process in
-``tests/engine/test_published_drafts.py``): the target group returns the layers it names.
+``tests/engine/drafts/test_published_drafts.py``): the target group returns the layers it names.
 The other published layouts (the EAGLE authors' EAGLE-3 and EAGLE-1, SpecForge's) run through
 the real groups a unit starts, without the ingress and coordinator processes an app adds:
 over HTTP they would take the path the speculators head takes (issue 50: four fewer
@@ -22,7 +22,12 @@ from specserve.config import SamplingParams
 from specserve.engine.drafts.draft_head import save_draft
 from specserve.engine.tokenizer import encode_prompt
 
-from tests.engine.test_published_drafts import eagle1_tensors, head_tensors, layer_config, write_checkpoint
+from tests.engine.drafts.test_published_drafts import (
+    eagle1_tensors,
+    head_tensors,
+    layer_config,
+    write_checkpoint,
+)
 from tests.engine.test_spec_decode import make_engine
 from tests.models import eagle_head_of, tiny_hf_model, write_agreeing_eagle3_head
 from tests.serve.conftest import deployed, save_tiny, unit_args

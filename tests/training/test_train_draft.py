@@ -101,7 +101,7 @@ def test_an_eagle3_head_is_trained_exported_as_speculators_and_loaded_back(tiny,
     from specserve.engine.drafts.draft_head import load_draft_head
     from transformers import AutoModelForCausalLM
 
-    from tests.engine.test_published_drafts import reference_logits
+    from tests.engine.drafts.test_published_drafts import reference_logits
 
     target, train, held, base = tiny
     out = base / "eagle3"

@@ -32,7 +32,7 @@ function, and for some ops (``silu``) scalar and vector results differ in the la
 (measured). The runs here are whole tokens' rows (hidden, intermediate, heads x head size,
 key blocks), multiples of 32 floats in every supported model, so no token's elements fall in
 a tail.
-``tests/engine/test_kernels.py`` checks each kernel directly, on whatever CPU runs the suite.
+``tests/engine/runtime/test_kernels.py`` checks each kernel directly, on whatever CPU runs the suite.
 """
 
 from __future__ import annotations

@@ -5,14 +5,14 @@ Our own forward over a :class:`~specserve.engine.kv.kv_cache.SlotKVCache`: one c
 and its own number of new tokens — and returns logits only for the positions the caller asks
 for (the last ``num_logits`` new tokens of each row: 1 for plain decoding and prefill, K + 1
 for a verify). Weights come from a ``transformers`` model of the same architecture, and the
-logits match its forward (fp32, max abs diff ≤ 1e-4; ``tests/engine/test_model.py``).
+logits match its forward (fp32, max abs diff ≤ 1e-4; ``tests/engine/runtime/test_model.py``).
 
 Row invariance: the logits after a token are bit-identical whether it was decoded alone,
 verified among other drafted tokens, or decoded in a batch beside other sequences, so greedy
 speculative decoding gives exactly the target's own output. The linears and attention come
-from :mod:`specserve.engine.runtime.kernels`, which is built for that (``tests/engine/test_kernels.py``
-checks it kernel by kernel and for the whole forward). Training (``forward_full``) does not
-need it and uses torch's own attention.
+from :mod:`specserve.engine.runtime.kernels`, which is built for that
+(``tests/engine/runtime/test_kernels.py`` checks it kernel by kernel and for the whole
+forward). Training (``forward_full``) does not need it and uses torch's own attention.
 
 Layout choices, for speed on the hot path:
 - q/k/v are one fused linear (``qkv``) and gate/up another (``gate_up``): two matmuls fewer

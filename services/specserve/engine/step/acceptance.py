@@ -30,7 +30,7 @@ accepted path and the tried siblings; batching rows is the caller's): N nodes,
 the order they were drawn, p ``[N + 1, V]`` with row 0 after the root and row i + 1 after node
 i, output :class:`TreeAcceptance`. A chain of K drafts is the tree ``chain_parents(K)``; on it
 every tree rule agrees with its chain rule (greedy and seeded token for token, sampled in
-distribution: tests/engine/test_acceptance.py).
+distribution: tests/engine/step/test_acceptance.py).
 
 The three rules, each for a chain and for a tree (verification.py picks: **greedy** for
 greedy rows, ``SamplingParams.greedy``: temperature 0 or ``top_k`` 1; **seeded** for sampled

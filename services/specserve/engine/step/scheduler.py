@@ -17,7 +17,7 @@ decoding rows.)
 
 Chunk boundaries depend on the budget and the arrival order, not on speculation; and a
 chunked prefill yields the same bits as a whole one on the row-invariant kernels
-(``tests/engine/test_paged_kv.py``); on a GPU, where shapes change rounding, it is one more
+(``tests/engine/kv/test_paged_kv.py``); on a GPU, where shapes change rounding, it is one more
 thing identity there does not promise.
 
 **Preemption.** A paged cache may hold fewer blocks than every running sequence at its full

@@ -27,8 +27,8 @@ from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.errors import ConfigError
 from torch.nn.attention.flex_attention import create_mask
 
-from tests.engine.test_model import ATOL, reference_logits
-from tests.engine.test_tree_forward import random_tree
+from tests.engine.runtime.test_model import ATOL, reference_logits
+from tests.engine.runtime.test_tree_forward import random_tree
 from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
 
 HK, S = 2, 256  # KV heads, and positions per slot (4 key blocks)

@@ -26,7 +26,7 @@ from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import ModelWorker
 from torch._dynamo.testing import CompileCounter
 
-from tests.engine.test_model import ATOL, reference_logits
+from tests.engine.runtime.test_model import ATOL, reference_logits
 from tests.engine.test_spec_decode import EOS, prompts
 from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer

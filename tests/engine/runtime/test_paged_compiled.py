@@ -31,7 +31,7 @@ from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ConfigError
 
-from tests.engine.test_paged_kv import steps
+from tests.engine.kv.test_paged_kv import steps
 from tests.engine.test_spec_decode import EOS, prompts
 from tests.models import random_sequences, runtime_of, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
