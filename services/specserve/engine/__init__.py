@@ -6,22 +6,31 @@ Vocabulary (every name in this package uses it):
   ``p`` (after the request's temperature / top-k / top-p transform).
 - **draft** (or *proposer*): anything that proposes tokens cheaply: a smaller model of the
   same tokenizer (``draft_model``), an EAGLE head that reads the target's hidden states
-  (``eagle``), or prompt lookup (``ngram``). A draft model's distribution is ``q``; a proposer
-  without a model proposes deterministically, which is the same as a one-hot ``q``.
+  (``eagle``), or prompt lookup (``ngram``, ``suffix``). A draft model's distribution is
+  ``q``; a token chosen deterministically from the context (an n-gram or suffix-tree match,
+  an EAGLE top-k expansion) has for q a point mass on it, passed as None.
 - **features** (``hidden``): the target's final hidden state at a position (what its LM head
   reads), which the verify forward returns for an ``eagle`` proposer.
 - **K** (γ, ``num_speculative_tokens``): how many tokens are drafted per step for a sequence.
   ``max_spec_len`` is the largest K in a batch. A row may draft fewer (``num_draft_tokens``),
   even zero, which is plain target-only decoding.
-- **verify**: one target forward over ``[pending tokens..., draft_1..draft_K]`` that yields
-  ``p`` at the K + 1 positions that follow the last committed token.
-- **accepted** tokens: the leading drafts the rejection sampler keeps
-  (``num_accepted_tokens`` in ``0..K``). Greedy: while the draft equals the target argmax.
-  Sampled: draft ``x`` kept with probability ``min(1, p(x) / q(x))``.
-- **recovered** token: on the first rejection, a token sampled from
+- **chain** and **tree**: a chain is K drafts in a row; a tree drafts several continuations
+  at once and lets the target keep the longest it agrees with (SpecInfer, Medusa, EAGLE;
+  layout in ``runtime/token_tree.py``), from its **root**, the row's last committed token.
+- **verify**: one target forward over ``[pending tokens..., draft_1..draft_K]`` (or the tree's
+  nodes) that yields ``p`` at the K + 1 positions that follow the last committed token.
+- **accepted** tokens: the drafts the target keeps, a prefix of the chain or a path from the
+  tree's root (``num_accepted_tokens`` in ``0..K``). Greedy: while the draft equals the
+  target argmax. Sampled: draft ``x`` kept with probability ``min(1, p(x) / q(x))``.
+- **recovered** token: the final token when a draft was rejected (a tree: when every child of
+  the last accepted node was), the target's token in its place: sampled from
   ``norm(max(0, p - q))`` at that position (greedy: the target argmax).
-- **bonus** token: when all K drafts are accepted, one more token sampled from ``p`` at
-  position K + 1 (greedy: its argmax). Each step therefore emits ``accepted + 1`` tokens.
+- **bonus** token: the final token when nothing was rejected (all K drafts kept, or the
+  tree's path ended at a leaf): one more token from ``p`` after the last draft (greedy: its
+  argmax), free from the same forward.
+- **emitted** = the accepted tokens, then one final token (recovered or bonus):
+  ``accepted + 1`` tokens a step, never none. ``PLACEHOLDER`` (-1) fills a chain output's
+  positions after a row's emitted tokens.
 - **draft** (as a count, ``num_drafts``): one proposal round for one sequence with K ≥ 1.
 - **acceptance rate** = accepted tokens / draft tokens.
 - **mean acceptance length** = 1 + accepted tokens / drafts: tokens emitted per target

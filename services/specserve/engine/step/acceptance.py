@@ -2,25 +2,9 @@
 trees (pure functions; :mod:`~specserve.engine.step.verification` batches the rows, turns logits
 into distributions and draws the randomness).
 
-**Vocabulary** (every name here, in verification.py and in stats.py uses it):
-
-- **draft**: a token the proposer guessed after a prefix, drawn from the draft distribution
-  **q**; **p** is the target's distribution after the same prefix. A token chosen
-  deterministically from the context (an n-gram or suffix-tree match, an EAGLE top-k
-  expansion) has for q a point mass on it, passed as None. A **chain** is K drafts in a row
-  (K = ``max_spec_len``; ``num_draft_tokens`` of a padded row are real, 0 allowed: plain
-  decoding). A **tree** drafts several continuations at once and lets the target keep the
-  longest it agrees with (SpecInfer, Medusa, EAGLE; layout in
-  :mod:`~specserve.engine.runtime.token_tree`).
-- **accepted tokens**: the drafts the target keeps, a prefix of the chain or a path from the
-  tree's root. ``num_accepted`` (``num_accepted_tokens`` for a batch) counts them.
-- **recovered token**: the final token when a draft was rejected (for a tree: when every
-  child of the last accepted node was), the target's token in its place.
-- **bonus token**: the final token when nothing was rejected (all K drafts kept, or the tree's
-  path ended at a leaf), the target's token after the last draft, free from the same forward.
-- **emitted** = the accepted tokens, then one final token (recovered or bonus):
-  ``num_accepted + 1`` tokens, so a step never emits nothing.
-- :data:`PLACEHOLDER` (-1): a chain output's positions after a row's emitted tokens.
+The words (draft, p and q, chain and tree, accepted, recovered, bonus and emitted tokens,
+``PLACEHOLDER``) are the engine's vocabulary, defined once in the package docstring
+(:mod:`specserve.engine`); this module and ``verification.py`` use them as defined there.
 
 **Chains and trees.** A chain rule verifies B rows at once: drafts ``[B, K]``, p
 ``[B, K + 1, V]`` (position K the bonus position), output :class:`RejectionOutput`
