@@ -243,9 +243,11 @@ def test_a_step_waiting_on_a_local_draft_that_dies_fails_at_once(app):
 def test_the_draft_shares_target_rank_0s_gpu(app):
     """The unit's placement group holds a coordinator bundle and one GPU bundle per target
     rank, none for the draft; rank 0 and the draft (restarted there after the faults above)
-    together use all of rank 0's bundle's GPU: its 0.75 and the draft's 0.25. (Ray's state
-    API, which would name each actor's resources, needs the dashboard these clusters run
-    without; the bundle's own resource says it.)"""
+    together use all of rank 0's bundle's GPU: its 0.75 and the draft's 0.25, and Ray gives
+    both processes the same GPU (``CUDA_VISIBLE_DEVICES``; the cluster declares 8 GPUs and
+    has no CUDA, so the tensors are on the CPU). (Ray's state API, which would name each
+    actor's resources, needs the dashboard these clusters run without; the bundle's own
+    resource says it.)"""
     cpus = 2 * UnitConfig().cpus_per_actor  # rank 0's bundle holds both actors' CPUs
     tables = {pg: t for pg, t in ray.util.placement_group_table().items()
               if t["state"] == "CREATED" and any(b.get("GPU") for b in t["bundles"].values())
@@ -258,3 +260,9 @@ def test_the_draft_shares_target_rank_0s_gpu(app):
     while ray.available_resources().get(rank0, 0) > 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get(rank0, 0) == 0, ray.available_resources().get(rank0)
+    names = unit_handle(APP).target_actor_names.remote().result()
+    rank = ray.get(ray.get_actor(names[0], namespace=ACTOR_NAMESPACE).describe.remote(), timeout=60)
+    draft = ray.get(draft_actor().describe.remote(), timeout=60)
+    assert rank["cuda_visible_devices"] not in (None, "")
+    assert draft["cuda_visible_devices"] == rank["cuda_visible_devices"], (draft, rank)
+    assert draft["gpu_ids"] == [rank["cuda_visible_devices"]]

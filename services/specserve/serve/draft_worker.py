@@ -179,6 +179,12 @@ class DraftWorker:
     def ping(self) -> bool:
         return True
 
+    def describe(self) -> dict:
+        """Where this draft runs (tests check the placement): the GPU Ray assigned it, as its
+        process sees it (``CUDA_VISIBLE_DEVICES``), and the device its model is on."""
+        return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
+
     def slots_in_use(self) -> int:
         """Sequences the draft holds a cache slot for (tests: zero once the unit is idle)."""
         model = getattr(self.proposer, "model", self.proposer)  # behind speculative.first
