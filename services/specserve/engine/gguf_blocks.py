@@ -40,9 +40,9 @@ LAYER_LINEARS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_ou
 def quantize_linears(runtime, path: Path, x8_inputs: bool = False) -> dict:
     """Give ``runtime``'s decoder linears the blocks of the GGUF at ``path`` where the kernels
     read them (module docstring); ``x8_inputs``: met by 8-bit inputs (16-bit in an outlier's
-    block) in integer dot products
-    (``kernels: integer``), not in float32. Returns what was done: ``linears`` quantized, their
-    ``bytes`` and the float32 ``bytes_dropped``, and per reason the linears ``kept_float32``."""
+    block) in integer dot products (``kernels: integer``), not in float32. Returns what was
+    done: ``linears`` quantized, their ``bytes`` and the float32 ``bytes_dropped``, and per
+    reason the linears ``kept_float32``."""
     arch, tensors = read_tensors(path)
     kept: Counter[str] = Counter()
     done, size, dropped = 0, 0, 0

@@ -288,7 +288,7 @@ def load_model(cfg, *, max_model_len: int,
             and runtime.kernels == "invariant"
             and native_ready(runtime.embed.weight)):
         quantize_linears(runtime, Path(src.blocks), x8_inputs=kernels == "integer")
-    elif kernels == "integer" and cfg.kernels == "integer":  # auto: invariant, quietly
+    elif cfg.kernels == "integer":  # asked for by name (auto falls back quietly)
         log.warning("kernels: integer needs a GGUF's blocks on a CPU with the C kernels, with "
                     "weights: auto and no tensor parallelism; %s runs the invariant kernels' "
                     "float32 arithmetic instead", src.name)

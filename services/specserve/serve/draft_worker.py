@@ -181,7 +181,7 @@ class DraftWorker:
 
     def describe(self) -> dict:
         """Where this draft runs (tests check the placement): the GPU Ray assigned it, as its
-        process sees it (``CUDA_VISIBLE_DEVICES``), and the device its model is on."""
+        process sees it (``CUDA_VISIBLE_DEVICES``) and as Ray names it (``gpu_ids``)."""
         return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
 

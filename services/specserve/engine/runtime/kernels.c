@@ -1058,15 +1058,16 @@ static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads
 #pragma omp parallel for schedule(static) num_threads(threads) if ((long)M * K >= 8 * PARALLEL_MIN_WORK)
   for (long r = 0; r < (long)M * nb; r++) {
     const float *v = x + r * 32;
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float amax = 0.0f, total = 0.0f;  /* max and sum of |x| */
+    for (int i = 0; i < 32; i++) {
+      amax = fmaxf(amax, fabsf(v[i]));
+      total += fabsf(v[i]);
+    }
 #ifdef SPECSERVE_PLANTED_SHARED_SCALE /* a mistake the tests plant: one scale for all rows */
     for (long o = r % nb; o < (long)M * nb; o += nb)
       for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[o * 32 + i]));
 #endif
-    float mean = 0.0f;
-    for (int i = 0; i < 32; i++) mean += fabsf(v[i]);
-    int wide = amax * 32.0f > X8_OUTLIER * mean;
+    int wide = amax * 32.0f > X8_OUTLIER * total;  /* max over X8_OUTLIER times the mean */
     float d = amax / (wide ? 127.0f * 254.0f : 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int i = 0; i < 32; i++) {
@@ -1093,9 +1094,6 @@ static __thread size_t x8_cap;
 #define X8_QUANTS_q4_1 128
 #define X8_QUANTS_q8_0 256
 #define X8_GROUP(T) (X8_SCALES_##T * 32 + X8_QUANTS_##T)
-#define X8_BITS_q4_0 4
-#define X8_BITS_q4_1 4
-#define X8_BITS_q8_0 8
 #define X8_ZERO_q4_0 8  /* Q4_0's quants are w_q - 8 */
 #define X8_ZERO_q4_1 0
 #define X8_ZERO_q8_0 0
@@ -1209,6 +1207,9 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
   int c = k % 16 / 4, byte = q[32 * c + 4 * r + k % 4];
   return k < 16 ? byte & 15 : byte >> 4;
 }
+#define X8_BITS_q4_0 4
+#define X8_BITS_q4_1 4
+#define X8_BITS_q8_0 8
 #define XGROUP(T, MR)                                                                         \
   static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
                                        float *y, int N, int nb, int n, int m) {              \
