@@ -64,9 +64,11 @@ def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
     ships no tokenizer: its vocabulary size is checked against the target's when it loads."""
     if published(draft.source) is not None:
         return
-    target_vocab = load_tokenizer(resolve(target.source, target.cache_dir)).get_vocab()
+    # The draft first: a draft path that does not exist is refused before the target's GGUF
+    # is converted (minutes on a large model, and progress bars around a one-line error).
     draft_src = (ResolvedSource(draft.source, str(draft_path(draft.source))) if is_draft_dir(draft.source)
                  else resolve(draft.source, draft.cache_dir))
+    target_vocab = load_tokenizer(resolve(target.source, target.cache_dir)).get_vocab()
     draft_vocab = load_tokenizer(draft_src).get_vocab()
     if target_vocab != draft_vocab:
         raise ConfigError(
