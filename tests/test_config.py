@@ -126,25 +126,31 @@ def test_the_kv_layout_is_paged_by_default_where_the_kernels_read_blocks():
     assert on["cpu"].engine.kv_cache.layout == "paged" and on["gpu"].engine.kv_cache.layout == "slots"
 
 
-@pytest.mark.parametrize("unit, ok", [
-    ({"accelerator": "gpu", "draft_gpu_fraction": 0.2}, True),
-    ({"accelerator": "cpu", "draft_gpu_fraction": 0.2}, False),       # no GPU to share
-    ({"accelerator": "gpu", "draft_gpu_fraction": 0.2, "draft_node_resource": "d"}, False),
-    ({"accelerator": "gpu", "draft_gpu_fraction": 1.0}, False),       # a whole GPU: its own
+@pytest.mark.parametrize("unit, where", [
+    ({"accelerator": "gpu"}, "shared"),                                     # the default
+    ({"accelerator": "gpu", "draft_placement": "shared", "draft_gpu_fraction": 0.3}, "shared"),
+    ({"accelerator": "gpu", "draft_placement": "own"}, "bundle"),
+    ({"accelerator": "gpu", "draft_placement": "own", "draft_node_resource": "d"}, "node"),
+    ({"accelerator": "cpu"}, "bundle"),                                     # no GPU to share
+    ({"accelerator": "cpu", "draft_placement": "own", "draft_node_resource": "d"}, "node"),
+    ({"accelerator": "gpu", "draft_node_resource": "d"}, None),             # shared, yet a node
+    ({"accelerator": "gpu", "draft_gpu_fraction": 1.0}, None),              # a whole GPU: own
 ])
-def test_a_draft_shares_rank_0s_gpu_only_with_a_gpu_and_its_bundle(unit, ok):
-    """``draft_gpu_fraction`` (issue 52): the draft in target rank 0's bundle, on a fraction of
-    its GPU; refused where there is no GPU, where the draft has a node of its own, or for a
-    whole GPU."""
+def test_where_the_draft_runs(unit, where):
+    """``draft_placement``: shared (the default) puts the draft in target rank 0's bundle on a
+    fraction of its GPU; own gives it a bundle of its own, or with ``draft_node_resource`` a
+    node of its own. A unit without GPUs has nothing to share; a node of its own with shared,
+    or a whole GPU's fraction, is refused."""
     engine = {"speculative": {"method": "draft_model", "draft": {"source": "d"}}}
-    if ok:
-        cfg = UnitConfig.model_validate({"engine": engine, **unit})
-        assert cfg.draft_shares_gpu and not cfg.draft_in_bundle
-    else:
-        with pytest.raises(ValidationError):
+    if where is None:
+        with pytest.raises(ValidationError, match="draft_placement own|less than 1"):
             UnitConfig.model_validate({"engine": engine, **unit})
-    with pytest.raises(ValidationError, match="draft_gpu_fraction"):  # no draft to share with
-        UnitConfig.model_validate({"accelerator": "gpu", "draft_gpu_fraction": 0.2})
+        return
+    cfg = UnitConfig.model_validate({"engine": engine, **unit})
+    found = ("shared" if cfg.draft_shares_gpu else "bundle" if cfg.draft_in_bundle
+             else "node" if cfg.draft_node_resource else None)
+    assert found == where
+    assert not UnitConfig.model_validate(unit | {"engine": {}}).draft_shares_gpu  # no draft to share
 
 
 @pytest.mark.parametrize("unit, here", [

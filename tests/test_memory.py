@@ -41,18 +41,14 @@ from specserve.memory import (
     largest_num_seqs,
     workspace_bytes,
 )
+from specserve.model_configs import PUBLISHED
 
 from tests.models import TINY_CONFIGS, tiny_hf_model
 from tests.tiny import make_tiny_tokenizer
 
 # Public config.json numbers (huggingface.co/meta-llama/*/blob/main/config.json).
-LLAMA_31_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80,
-                "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
-                "vocab_size": 128256, "tie_word_embeddings": False, "max_position_embeddings": 131072}
-LLAMA_32_1B = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
-               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-               "intermediate_size": 8192, "vocab_size": 128256, "tie_word_embeddings": True,
-               "max_position_embeddings": 131072}
+LLAMA_31_70B = PUBLISHED["meta-llama/Llama-3.1-70B-Instruct"]
+LLAMA_32_1B = PUBLISHED["meta-llama/Llama-3.2-1B-Instruct"]
 GPU_80GB = 79 * GIB  # an "80 GB" H100 / A100 as CUDA counts it
 MAX_LEN = 100        # not a whole number of KV blocks: the cache rounds it up to 128
 
@@ -247,15 +243,16 @@ def test_cli_prints_every_part_and_exits_1_when_it_does_not_fit(config_files, ca
     out = capsys.readouterr().out
     assert out.count("total") == 2 and "KV cache             15.62 GiB" in out  # 24 slots + the padding one
     assert "largest max_num_seqs that fits: 48" in out
-    assert main([*flags, "--max-num-seqs", "24", "--draft-shares-gpu"]) == 0  # both on one GPU
-    assert capsys.readouterr().out.endswith(
-        "target rank 0 + draft on one GPU: 65.07 GiB, 82% of 79.0 GiB: fits (at most 90%); "
-        "draft_gpu_fraction 0.15\n")
-    assert main([*flags, "--max-num-seqs", "40", "--draft-shares-gpu"]) == 1  # fits alone, not together
-    assert "on one GPU" in capsys.readouterr().out
-    assert main([*flags, "--max-num-seqs", "64"]) == 1
+    assert out.endswith(  # shared, the default: both on rank 0's GPU
+        "target rank 0 + draft on one GPU: 55.06 + 10.01 = 65.07 GiB, 82% of 79.0 GiB: fits (at most "
+        "90%); draft_gpu_fraction 0.15\n"
+        "  largest max_num_seqs that fits both: 30 (else draft_placement own)\n")
+    assert main([*flags, "--max-num-seqs", "40"]) == 1  # each fits alone, not together
     assert "does NOT fit" in capsys.readouterr().out
-    assert main([*flags, "--max-num-seqs", "64", "--draft-config", draft]) == 1
+    assert main([*flags, "--max-num-seqs", "40", "--draft-placement", "own"]) == 0
+    assert "on one GPU" not in capsys.readouterr().out
+    assert main([*flags, "--max-num-seqs", "64", "--draft-placement", "own"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

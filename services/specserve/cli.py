@@ -284,9 +284,10 @@ def _memory_parser(sub) -> None:
                    help="memory of one GPU as CUDA counts it (an 80 GB H100: 79); exit 1 if it does not fit")
     p.add_argument("--draft-gpu-memory-gib", type=float,
                    help="the draft's GPU, if another kind (default: --gpu-memory-gib)")
-    p.add_argument("--draft-shares-gpu", action="store_true",
-                   help="the draft runs on target rank 0's GPU (unit.draft_gpu_fraction): both "
-                        "are counted on that GPU")
+    p.add_argument("--draft-placement", choices=_choices(UnitConfig, "draft_placement"),
+                   default=_default(UnitConfig, "draft_placement"),
+                   help="unit.draft_placement: shared counts target rank 0 and the draft on one "
+                        "GPU together; own gives the draft a GPU of its own")
     p.set_defaults(func=cmd_memory_estimate)
 
 
@@ -321,7 +322,8 @@ def cmd_memory_estimate(args) -> int:
         format_estimate,
         largest_kv_blocks,
         largest_num_seqs,
-        shared_gpu_line,
+        largest_shared_num_seqs,
+        shared_gpu,
     )
 
     kv = {"layout": args.kv_layout, "num_blocks": args.kv_blocks,
@@ -333,7 +335,7 @@ def cmd_memory_estimate(args) -> int:
     roles = [("target", args.config, args.tp, False, gpus[0])]
     if args.draft_config:
         roles.append(("draft", args.draft_config, 1, True, gpus[1] or gpus[0]))
-    fits, totals = True, []
+    fits, sized = True, []
     for role, path, tp, draft, gpu in roles:
         shape = ModelShape.from_config(_read_model_config(path))
         kv = cfg.draft_kv_cache if draft else cfg.kv_cache
@@ -344,7 +346,7 @@ def cmd_memory_estimate(args) -> int:
                         spare_slot=compiled("auto", "cuda", draft),  # kernels auto, on a GPU
                         block_size=kv.block_size if paged else cfg.kv_cache.block_size)
         est = estimate(shape, load)
-        totals.append(est.total)
+        sized.append((shape, load))
         dtype = "auto = bfloat16" if args.dtype == "auto" else args.dtype
         print(f"{role} {path}: tp {tp}, {dtype}, max_model_len {args.max_model_len}, "
               f"max_num_seqs {args.max_num_seqs}, K {args.k}; per GPU:")
@@ -355,10 +357,16 @@ def cmd_memory_estimate(args) -> int:
             if load.paged and load.kv_blocks is not None and not draft:
                 print(f"  largest kv_cache.num_blocks that fits: {largest_kv_blocks(shape, load, gpu)}")
             fits = fits and est.fits(gpu)
-    if args.draft_shares_gpu and len(totals) == 2:
-        line, together = shared_gpu_line(*totals, gpus[0])
-        print(line)
-        fits = fits and together
+    if args.draft_placement == "shared" and len(sized) == 2:
+        both = shared_gpu(*sized, gpus[0])
+        print(both.line())
+        if gpus[0] is not None:
+            top = _bound(EngineConfig, "max_num_seqs", "le")
+            (target, target_load), (draft, draft_load) = sized
+            most = largest_shared_num_seqs((target, replace(target_load, max_num_seqs=top)),
+                                           (draft, replace(draft_load, max_num_seqs=top)), gpus[0])
+            print(f"  largest max_num_seqs that fits both: {most} (else draft_placement own)")
+        fits = fits and both.fits
     return 0 if fits else 1
 
 

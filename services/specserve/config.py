@@ -508,28 +508,36 @@ class UnitConfig(_Strict):
         description="A custom Ray resource the nodes for target ranks advertise (the Helm chart's "
                     "target worker group); the coordinator and target bundles ask for a sliver "
                     "of it, so they land only there. None: any node with the GPUs.")
+    draft_placement: Literal["shared", "own"] = Field(
+        "shared",
+        description="With accelerator gpu, where a draft model or head runs. shared: beside "
+                    "target rank 0, in its placement bundle, on draft_gpu_fraction of its GPU "
+                    "(a separate actor and process; a unit needs TP GPUs). own: on a GPU of "
+                    "its own (a unit needs TP + 1; the Helm chart's draft worker group). "
+                    "shared fits wherever rank 0's and the draft's memory estimates together "
+                    "stay within 90% of one GPU: `specserve memory-estimate` prints the split, "
+                    "the chart's preflight refuses one that does not fit.")
     draft_node_resource: NodeResource | None = Field(
         None,
-        description="Put the draft actor outside the unit's placement group, on a node that "
-                    "advertises this custom Ray resource (the Helm chart's draft worker group). "
-                    "None: the draft gets a bundle in the unit's placement group (one node).")
-    draft_gpu_fraction: float | None = Field(
-        None, gt=0, lt=1,
-        description="With accelerator gpu: the draft shares target rank 0's GPU and takes this "
-                    "fraction of it (Ray's fractional num_gpus; the rank takes the rest), so a "
-                    "speculative unit needs TP GPUs, not TP + 1. Size it to the draft's share of "
-                    "the GPU's memory (`specserve memory-estimate --draft-shares-gpu`). None: "
-                    "the draft has a GPU of its own.")
+        description="With draft_placement own: put the draft actor outside the unit's placement "
+                    "group, on a node that advertises this custom Ray resource (the Helm "
+                    "chart's draft worker group). None: the draft gets a bundle of its own in "
+                    "the unit's placement group (one node).")
+    draft_gpu_fraction: float = Field(
+        0.15, gt=0, lt=1,
+        description="With draft_placement shared: the share of rank 0's GPU Ray counts for the "
+                    "draft (fractional num_gpus; the rank takes the rest). Ray does not limit "
+                    "memory by it: each process allocates what its own configuration sizes, "
+                    "so it is bookkeeping; the memory estimate prints the share the draft's "
+                    "memory implies.")
 
     @model_validator(mode="after")
     def _check(self) -> UnitConfig:
         if self.accelerator == "cpu" and self.engine.target.device not in ("auto", "cpu"):
             raise ValueError("accelerator cpu cannot run the target on " + self.engine.target.device)
-        if self.draft_gpu_fraction is not None and not (
-                self.accelerator == "gpu" and self.has_draft_group and self.draft_node_resource is None):
-            raise ValueError("draft_gpu_fraction shares target rank 0's GPU: it needs accelerator "
-                             "gpu, a draft group (method draft_model or eagle) and no "
-                             "draft_node_resource")
+        if self.draft_node_resource is not None and self.draft_placement == "shared":
+            raise ValueError("draft_node_resource puts the draft on a node of its own: it needs "
+                             "draft_placement own")
         if self.target_in_unit and not (self.tensor_parallel_size == 1 and self.accelerator == "cpu"):
             raise ValueError("target_in_unit runs the target in the unit's process: it needs "
                              "tensor_parallel_size 1 and accelerator cpu")
@@ -558,5 +566,6 @@ class UnitConfig(_Strict):
 
     @property
     def draft_shares_gpu(self) -> bool:
-        """The draft actor runs in target rank 0's bundle, on a fraction of its GPU."""
-        return self.draft_gpu_fraction is not None
+        """The draft actor runs in target rank 0's bundle, on a fraction of its GPU (a unit
+        without GPUs gives its draft a bundle of CPUs of its own, whatever the placement)."""
+        return self.has_draft_group and self.accelerator == "gpu" and self.draft_placement == "shared"

@@ -360,18 +360,54 @@ def check_cuda_memory(config, load: Workload, device=None) -> MemoryEstimate:
     return check_fits(ModelShape.from_config(config), load, free_bytes=free, total_bytes=total)
 
 
-def shared_gpu_line(target: int, draft: int, gpu_bytes: float | None) -> tuple[str, bool]:
-    """Target rank 0's and the draft's totals on one GPU (``draft_gpu_fraction``: each
-    process its own CUDA context, so both overheads count), and the ``draft_gpu_fraction`` of
-    the draft's share in steps of 0.05; whether both fit (True without a GPU to compare)."""
-    line = f"target rank 0 + draft on one GPU: {(target + draft) / GIB:.2f} GiB"
-    if gpu_bytes is None:
-        return line, True
-    fits = target + draft <= MAX_UTILIZATION * gpu_bytes
-    share = math.ceil(draft / gpu_bytes * 20) / 20
-    return (f"{line}, {(target + draft) / gpu_bytes:.0%} of {gpu_bytes / GIB:.1f} GiB: "
-            f"{'fits' if fits else 'does NOT fit'} (at most {MAX_UTILIZATION:.0%}); "
-            f"draft_gpu_fraction {share:.2f}", fits)
+@dataclass(frozen=True)
+class SharedGpu:
+    """Target rank 0 and the draft on one GPU (``draft_placement: shared``): two processes,
+    each with its own CUDA context, so both estimates count in full, overheads included."""
+
+    target: MemoryEstimate
+    draft: MemoryEstimate
+    gpu_memory_bytes: float | None
+
+    @property
+    def total(self) -> int:
+        return self.target.total + self.draft.total
+
+    @property
+    def fits(self) -> bool:
+        """Within :data:`MAX_UTILIZATION` of the GPU (True without a GPU to compare)."""
+        return self.gpu_memory_bytes is None or self.total <= MAX_UTILIZATION * self.gpu_memory_bytes
+
+    @property
+    def draft_share(self) -> float:
+        """The draft's share of the GPU in steps of 0.05: the ``draft_gpu_fraction`` it implies."""
+        return math.ceil(self.draft.total / self.gpu_memory_bytes * 20) / 20
+
+    def line(self) -> str:
+        """One line: both totals, their sum, and against the GPU whether it fits."""
+        line = (f"target rank 0 + draft on one GPU: {self.target.total / GIB:.2f} + "
+                f"{self.draft.total / GIB:.2f} = {self.total / GIB:.2f} GiB")
+        if self.gpu_memory_bytes is None:
+            return line
+        return (f"{line}, {self.total / self.gpu_memory_bytes:.0%} of {self.gpu_memory_bytes / GIB:.1f} "
+                f"GiB: {'fits' if self.fits else 'does NOT fit'} (at most {MAX_UTILIZATION:.0%}); "
+                f"draft_gpu_fraction {self.draft_share:.2f}")
+
+
+def shared_gpu(target: tuple[ModelShape, Workload], draft: tuple[ModelShape, Workload],
+               gpu_memory_bytes: float | None) -> SharedGpu:
+    """Target rank 0's and the draft's estimates on one GPU, each ``(shape, workload)``."""
+    return SharedGpu(estimate(*target), estimate(*draft), gpu_memory_bytes)
+
+
+def largest_shared_num_seqs(target: tuple[ModelShape, Workload], draft: tuple[ModelShape, Workload],
+                            gpu_memory_bytes: float) -> int:
+    """The most ``max_num_seqs``, up to the target workload's (both models hold as many), at
+    which target rank 0 and the draft still fit one GPU together (0: not even one)."""
+    def fits(n: int) -> bool:
+        return shared_gpu((target[0], replace(target[1], max_num_seqs=n)),
+                          (draft[0], replace(draft[1], max_num_seqs=n)), gpu_memory_bytes).fits
+    return _largest(fits, target[1].max_num_seqs)
 
 
 PARTS = (  # (field, label, what it is) in the order a table prints them

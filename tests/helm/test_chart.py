@@ -66,7 +66,9 @@ def groups(docs: list[dict]) -> dict[str, dict]:
 
 
 def test_lint_strict():
+    """The defaults (a draft shared with rank 0's GPU) and a draft on a GPU of its own."""
     helm("lint", "--strict", str(CHART))
+    helm("lint", "--strict", str(CHART), "-f", str(CHART / "ci" / "draft-own-values.yaml"))
 
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
@@ -94,8 +96,7 @@ def test_target_pods_ask_for_exactly_tp_gpus(tp):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == tp
     assert container["resources"]["requests"]["nvidia.com/gpu"] == tp
     assert target["rayStartParams"]["num-gpus"] == str(tp)
-    assert groups(docs)["draft"]["template"]["spec"]["containers"][0]["resources"]["limits"][
-        "nvidia.com/gpu"] == 1
+    assert "draft" not in groups(docs)  # the default draft shares rank 0's GPU
     assert app_args(docs)["unit"]["tensor_parallel_size"] == tp
 
 
@@ -107,47 +108,63 @@ def test_ngram_has_no_draft_group():
     assert "draft_node_resource" not in unit and unit["target_node_resource"] == "specserve_target"
 
 
-def test_eagle_gets_a_draft_group_and_keeps_its_draft():
-    """method eagle, like draft_model, runs the draft in its own worker group (the head reads
-    the features rank 0 sends); the app keeps the draft directory and ngram_first."""
+def test_eagle_keeps_its_draft_and_shares_rank_0s_gpu():
+    """method eagle, like draft_model, runs the draft as its own actor (the head reads the
+    features rank 0 sends), by default beside rank 0 in the target pod; the app keeps the
+    draft directory and ngram_first."""
     docs = render(CHART / "ci" / "eagle-values.yaml")
-    assert "draft" in groups(docs)
+    assert set(groups(docs)) == {"target"}
     spec = app_args(docs)["unit"]["engine"]["speculative"]
     assert spec["method"] == "eagle" and spec["ngram_first"] is True
     assert spec["draft"]["source"] == "/models/drafts/llama-3.1-70b-eagle"
-    assert app_args(docs)["unit"]["draft_node_resource"] == "specserve_draft"
+    assert "draft_node_resource" not in app_args(docs)["unit"]
 
 
-def test_a_draft_sharing_rank_0s_gpu_has_no_draft_group_or_pod(tmp_path):
-    """``unit.draft_gpu_fraction`` (issue 52): the draft runs in the target pod, on a fraction
-    of rank 0's GPU, so a speculative unit needs TP GPUs: no draft worker group or budget, no
-    draft node resource, the draft kept in the app; the preflight counts no draft pod."""
+SHARED, OWN = CHART / "ci" / "tp4-draft-values.yaml", CHART / "ci" / "draft-own-values.yaml"
+
+
+def test_a_shared_draft_runs_in_the_target_pods_and_an_own_draft_in_its_group():
+    """``unit.draft_placement``. shared (the default): the draft runs in the target pod, on a
+    fraction of rank 0's GPU, so a speculative unit needs TP GPUs: no draft worker group or
+    budget, no draft node resource, the target pods labelled as carrying it, the draft kept
+    in the app. own: a draft group of one-GPU pods, pinned by its node resource. The
+    preflight counts the pods the chart renders."""
     from specserve.kube.needs import load_values, needs_of
 
-    flagship, shared = CHART / "ci" / "tp4-draft-values.yaml", tmp_path / "shared.yaml"
-    shared.write_text("specserve: {unit: {draft_gpu_fraction: 0.15}}\n")  # (--set makes a string)
-    docs = render(flagship, shared)
+    docs = render(SHARED)
     assert set(groups(docs)) == {"target"}
     assert [p["metadata"]["name"] for p in by_kind(docs, "PodDisruptionBudget")] == ["rel-specserve-target"]
+    labels = groups(docs)["target"]["template"]["metadata"]["labels"]
+    assert labels["specserve.io/draft"] == "shared"
     unit = app_args(docs)["unit"]
-    assert unit["draft_gpu_fraction"] == 0.15 and "draft_node_resource" not in unit
+    assert unit["draft_placement"] == "shared" and "draft_node_resource" not in unit
     assert unit["engine"]["speculative"]["draft"]["source"] == "meta-llama/Llama-3.2-1B-Instruct"
-    AppConfig.model_validate(app_args(docs))
-    assert [p.group for p in needs_of(load_values([flagship], CHART)).pods] == ["head", "target", "draft"]
-    assert [p.group for p in needs_of(load_values([flagship, shared], CHART)).pods] == ["head", "target"]
+    assert AppConfig.model_validate(app_args(docs)).unit.draft_shares_gpu
+    assert [p.group for p in needs_of(load_values([SHARED], CHART)).pods] == ["head", "target"]
+
+    docs = render(OWN)
+    draft = groups(docs)["draft"]
+    [container] = draft["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1 == int(draft["rayStartParams"]["num-gpus"])
+    assert "specserve.io/draft" not in groups(docs)["target"]["template"]["metadata"]["labels"]
+    assert len(by_kind(docs, "PodDisruptionBudget")) == 2
+    unit = app_args(docs)["unit"]
+    assert unit["draft_placement"] == "own" and unit["draft_node_resource"] == "specserve_draft"
+    assert not AppConfig.model_validate(app_args(docs)).unit.draft_shares_gpu
+    assert [(p.group, p.gpus) for p in needs_of(load_values([OWN], CHART)).pods] == [
+        ("head", 0), ("target", 1), ("draft", 1)]
 
 
 def test_a_published_eagle3_head_by_hub_id_is_served_like_any_eagle_draft():
     """The hub id travels to the app as the draft's source (the target and draft pods read its
     config; the draft pod loads it); a draft group as for any EAGLE head."""
     docs = render(CHART / "ci" / "eagle3-values.yaml")
-    assert "draft" in groups(docs)
     spec = app_args(docs)["unit"]["engine"]["speculative"]
     assert spec["method"] == "eagle" and spec["draft"]["source"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
 
 def test_groups_advertise_the_resources_the_unit_asks_for():
-    docs = render()
+    docs = render(OWN)  # every group: head, target and draft
     unit = app_args(docs)["unit"]
     [svc] = by_kind(docs, "RayService")
     head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
@@ -219,14 +236,18 @@ def test_auth_off_is_explicit_and_mounts_no_keys():
 
 
 def test_autoscaling_turns_on_kuberays_autoscaler_with_the_groups_bounded_by_units():
-    """A unit is a target pod and a draft pod: each group scales between the unit bounds;
-    without autoscaling the groups are fixed at num_units (as before)."""
+    """A unit is a target pod, and a draft pod where the draft has a GPU of its own: each
+    group scales between the unit bounds; without autoscaling the groups are fixed at
+    num_units (as before)."""
     docs = render(CHART / "ci" / "autoscaling-values.yaml")
     [svc] = by_kind(docs, "RayService")
     cluster = svc["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
     assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] == 120
     bounds = {name: (g["replicas"], g["minReplicas"], g["maxReplicas"]) for name, g in groups(docs).items()}
+    assert bounds == {"target": (1, 1, 3)}  # the draft shares rank 0's GPU
+    own = render(CHART / "ci" / "autoscaling-values.yaml", sets=("specserve.unit.draft_placement=own",))
+    bounds = {name: (g["replicas"], g["minReplicas"], g["maxReplicas"]) for name, g in groups(own).items()}
     assert bounds == {"target": (1, 1, 3), "draft": (1, 1, 3)}
     scaling = AppConfig.model_validate(app_args(docs)).autoscaling
     assert (scaling.policy, scaling.min_units, scaling.max_units) == ("speculation", 1, 3)

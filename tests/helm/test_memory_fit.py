@@ -4,7 +4,7 @@ No network, no GPU, no cluster: the chart is rendered with the real ``helm templ
 rank will run is read from the rendered RayService (the app's tensor_parallel_size,
 max_model_len, max_num_seqs, K and dtype; each worker group's GPUs per pod and its
 ``specserve.io/gpu-memory-gib`` annotation), and the models' architectures are their public
-``config.json`` numbers, written out below. ``specserve.memory`` itself is checked against a
+``config.json`` numbers (``specserve.model_configs``). ``specserve.memory`` itself is checked against a
 real runtime's tensors in ``tests/test_memory.py``.
 """
 
@@ -23,32 +23,14 @@ from specserve.memory import (
     estimate,
     format_estimate,
     largest_num_seqs,
+    shared_gpu,
 )
+from specserve.model_configs import PUBLISHED
 
 from tests.helm.test_chart import CHART, CI_VALUES, app_args, groups, render
-from tests.test_memory import LLAMA_31_70B, LLAMA_32_1B
 
 FLAGSHIP = CHART / "ci" / "tp4-draft-values.yaml"
 NODE_GPUS = 8  # the flagship's node (nodeSelector nvidia.com/gpu.count: "8")
-
-# Public config.json numbers of the other models the values files name (huggingface.co).
-MODELS = {
-    "meta-llama/Llama-3.1-70B-Instruct": LLAMA_31_70B,
-    "meta-llama/Llama-3.1-8B-Instruct": {
-        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-        "tie_word_embeddings": False, "max_position_embeddings": 131072},
-    "meta-llama/Llama-3.2-1B-Instruct": LLAMA_32_1B,
-    "Qwen/Qwen2.5-14B-Instruct": {
-        "model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
-        "num_key_value_heads": 8, "intermediate_size": 13824, "vocab_size": 152064,
-        "tie_word_embeddings": False, "max_position_embeddings": 32768},
-    "HuggingFaceTB/SmolLM2-1.7B-Instruct": {
-        "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
-        "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 49152,
-        "tie_word_embeddings": True, "max_position_embeddings": 8192},
-}
-
 
 @dataclass(frozen=True)
 class Pod:
@@ -81,8 +63,8 @@ def fit(app: AppConfig, pod: Pod, *, draft: bool):
     """``(estimate, shape, workload)`` of the target's rank or the draft, as rendered."""
     engine = app.unit.engine
     model = engine.speculative.draft if draft else engine.target
-    shape = ModelShape.from_config(MODELS[model.source])
-    load = Workload.of(engine, tp=pod.gpus, draft=draft)
+    shape = ModelShape.from_config(PUBLISHED[model.source])
+    load = Workload.of(engine, tp=1 if draft else pod.gpus, draft=draft)
     return estimate(shape, load), shape, load
 
 
@@ -93,39 +75,49 @@ def _why(est, pod: Pod, shape, load) -> str:
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda p: p.stem if p else "defaults")
 def test_every_rank_fits_its_gpu(values):
-    """The target's ranks, and a draft model's GPU (an EAGLE head is not estimated), within
-    MAX_UTILIZATION of the GPU memory each group was sized for."""
+    """The target's ranks, and a draft model within MAX_UTILIZATION of the GPU memory each
+    group was sized for: with ``draft_placement`` shared, target rank 0 and the draft together
+    on one GPU, and shared wherever the two fit (the default); own only where they do not.
+    A head trained here and kept on the model-cache volume has no published config and is not
+    estimated."""
     app, by_group = rendered(values)
     target = by_group["target"]
     assert target.gpus == app.unit.tensor_parallel_size
     est, shape, load = fit(app, target, draft=False)
     assert est.fits(target.gpu_memory_bytes), _why(est, target, shape, load)
-    if app.unit.engine.speculative.method == "draft_model":
-        assert by_group["draft"].gpus == 1
-        est, shape, load = fit(app, by_group["draft"], draft=True)
-        assert est.fits(by_group["draft"].gpu_memory_bytes), _why(est, by_group["draft"], shape, load)
+    if app.unit.has_draft_group and app.unit.engine.speculative.draft.source in PUBLISHED:
+        both = shared_gpu(fit(app, target, draft=False)[1:], fit(app, target, draft=True)[1:],
+                          target.gpu_memory_bytes)
+        assert app.unit.draft_shares_gpu == both.fits, both.line()
+        if not both.fits:
+            assert by_group["draft"].gpus == 1
+            est, shape, load = fit(app, by_group["draft"], draft=True)
+            assert est.fits(by_group["draft"].gpu_memory_bytes), _why(est, by_group["draft"], shape, load)
 
 
-def test_flagship_is_a_tp4_70b_and_a_1b_draft_on_one_8_gpu_node():
+def test_flagship_is_two_tp4_70b_units_with_1b_drafts_on_one_8_gpu_node():
     app, by_group = rendered(FLAGSHIP)
     engine = app.unit.engine
     assert engine.target.source == "meta-llama/Llama-3.1-70B-Instruct" and engine.target.dtype == "auto"
     assert engine.speculative.draft.source == "meta-llama/Llama-3.2-1B-Instruct"
-    assert (by_group["target"].gpus, by_group["draft"].gpus) == (4, 1)
-    assert app.num_units * (by_group["target"].gpus + by_group["draft"].gpus) <= NODE_GPUS
-    assert by_group["target"].gpu_memory_bytes == by_group["draft"].gpu_memory_bytes == 79 * GIB
+    assert app.unit.draft_shares_gpu and set(by_group) == {"target"} and by_group["target"].gpus == 4
+    assert app.num_units * by_group["target"].gpus == NODE_GPUS
+    assert by_group["target"].gpu_memory_bytes == 79 * GIB
 
 
 def test_flagship_comments_state_the_estimate():
     """The values file's comment carries the numbers the estimate gives now."""
     app, by_group = rendered(FLAGSHIP)
     text = FLAGSHIP.read_text()
-    for draft, group in ((False, "target"), (True, "draft")):
-        est, *_ = fit(app, by_group[group], draft=draft)
-        share = est.total / by_group[group].gpu_memory_bytes
-        total = f"= {est.total / GIB:.1f} GiB, {share:.0%} of 79 GiB"
-        assert re.search(re.escape(total), text), (group, total)
-        assert f"{est.kv_cache / GIB:.1f} GiB KV cache" in text, group
+    gpu = by_group["target"].gpu_memory_bytes
+    for draft in (False, True):
+        est, *_ = fit(app, by_group["target"], draft=draft)
+        total = f"= {est.total / GIB:.1f} GiB, {est.total / gpu:.0%} of 79 GiB"
+        assert re.search(re.escape(total), text), (draft, total)
+        assert f"{est.kv_cache / GIB:.1f} GiB KV cache" in text, draft
+    both = shared_gpu(fit(app, by_group["target"], draft=False)[1:],
+                      fit(app, by_group["target"], draft=True)[1:], gpu)
+    assert f"rank 0 + draft:   {both.total / GIB:.1f} GiB, {both.total / gpu:.0%} of 79 GiB" in text
 
 
 def test_the_previous_flagship_would_not_start():

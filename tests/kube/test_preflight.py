@@ -63,8 +63,8 @@ CPU_NODES = [node("cpu-1", 0, cpu="16", memory="64Gi")]
 
 @pytest.fixture(scope="module")
 def flagship():
-    """The chart's own values: Llama-3.1-70B on TP 4 with a 1B draft (a 4-GPU target pod and
-    a 1-GPU draft pod per unit), monitoring on."""
+    """The chart's own values: Llama-3.1-70B on TP 4 with a 1B draft beside rank 0 (a 4-GPU
+    target pod per unit, no draft pods), monitoring on."""
     return needs_of(load_values([], CHART))
 
 
@@ -75,18 +75,25 @@ def run(needs, nodes, crds=(KUBERAY_13, *PROMETHEUS), classes=(DEFAULT_CLASS,), 
 
 def test_the_flagship_values_fit_a_cluster_of_8_gpu_nodes(flagship):
     assert (flagship.tensor_parallel_size, flagship.units) == (4, 1)
-    assert [(p.group, p.gpus) for p in flagship.pods] == [("head", 0), ("target", 4), ("draft", 1)]
+    assert [(p.group, p.gpus) for p in flagship.pods] == [("head", 0), ("target", 4)]
     findings, units, lines = run(flagship, CPU_NODES + [node("gpu-a", 8, taints=[GPU_TAINT])])
     assert units == 1 and can_come_up(findings), lines
     assert lines[-1].startswith("ok   1 of 1 unit(s) fit")
 
 
-def test_how_many_units_fit_counts_gpus_left_after_each_unit(flagship):
-    """Two 8-GPU nodes hold three units of 4 + 1 GPUs (15 of their 16), not five: a fourth
-    target pod finds no node with 4 GPUs left."""
+def test_how_many_units_fit_counts_gpus_left_after_each_unit(flagship, tmp_path):
+    """Two 8-GPU nodes hold four units whose drafts share rank 0's GPU; with drafts on GPUs of
+    their own, three units of 4 + 1 GPUs (15 of their 16), not five: a fourth target pod finds
+    no node with 4 GPUs left."""
     gpu_nodes = [node(f"gpu-{i}", 8, taints=[GPU_TAINT]) for i in range(2)]
     _, units, _ = run(replace(flagship, units=5), CPU_NODES + gpu_nodes)
-    assert units == 3
+    assert units == 4
+    own = tmp_path / "own.yaml"
+    own.write_text("specserve: {unit: {draft_placement: own}}\n")
+    needs = needs_of(load_values([own], CHART))
+    assert [(p.group, p.gpus) for p in needs.pods] == [("head", 0), ("target", 4), ("draft", 1)]
+    findings, units, lines = run(replace(needs, units=5), CPU_NODES + gpu_nodes)
+    assert units == 3 and any(line.startswith("ok   draft pods") for line in lines)
 
 
 def test_with_autoscaling_the_cluster_is_counted_for_max_units(tmp_path):
@@ -98,7 +105,7 @@ def test_with_autoscaling_the_cluster_is_counted_for_max_units(tmp_path):
     findings, units, lines = run(needs, CPU_NODES + gpu_nodes)
     assert units == 3 and lines[-1].startswith("ok   3 of 3 unit(s) (autoscaling's max_units) fit")
     _, units, lines = run(needs, CPU_NODES + gpu_nodes[:1])
-    assert units == 1 and lines[-1].startswith("warn 1 of 3 unit(s) (autoscaling's max_units)")
+    assert units == 2 and lines[-1].startswith("warn 2 of 3 unit(s) (autoscaling's max_units)")
 
 
 def test_no_node_with_four_gpus_names_the_biggest_node_and_what_it_lacks(flagship):
@@ -108,7 +115,40 @@ def test_no_node_with_four_gpus_names_the_biggest_node_and_what_it_lacks(flagshi
     bad = next(line for line in lines if "target pod" in line)
     assert bad.startswith("FAIL no node can hold a target pod (4 GPUs, 16 CPU, 256Gi)")
     assert "the biggest node, gpu-b, has 3 allocatable nvidia.com/gpu, the target pod asks 4" in bad
-    assert any(line.startswith("ok   draft pods") for line in lines)  # one GPU fits anywhere
+
+
+def test_gpu_memory_is_estimated_per_gpu_and_a_shared_split_that_does_not_fit_is_refused(
+        flagship, tmp_path):
+    """Each GPU's estimate against the GPU memory the values were sized for: a target rank,
+    then target rank 0 and its shared draft together. At 40 slots each fits a GPU alone and
+    the two together do not: one FAIL line naming the two values that fix it, and either
+    fix passes. A draft whose config cannot be had here is a warning, not a failure."""
+    nodes = CPU_NODES + [node("gpu-a", 8, taints=[GPU_TAINT])]
+    findings, _, lines = run(flagship, nodes)
+    assert "ok   a target rank: about 55.1 GiB, 70% of its 79 GiB GPU" in lines
+    assert ("ok   target rank 0 + draft on one GPU: 55.06 + 10.01 = 65.07 GiB, 82% of 79.0 GiB: "
+            "fits (at most 90%); draft_gpu_fraction 0.15") in lines
+    forty = tmp_path / "forty.yaml"
+    forty.write_text("specserve: {unit: {engine: {max_num_seqs: 40}}}\n")
+    findings, _, lines = run(needs_of(load_values([forty], CHART)), nodes)
+    assert not can_come_up(findings)
+    [bad] = [line for line in lines if line.startswith("FAIL")]
+    assert bad.endswith("does NOT fit (at most 90%); draft_gpu_fraction 0.20: set "
+                        "specserve.unit.draft_placement: own (a GPU of its own) or lower "
+                        "specserve.unit.engine.max_num_seqs to 30 or less"), bad
+    fixes = {"specserve: {unit: {draft_placement: own}}": "ok   the draft on its own GPU: about",
+             "specserve: {unit: {engine: {max_num_seqs: 30}}}": "ok   target rank 0 + draft on one GPU"}
+    for fix, line in fixes.items():
+        fixed = tmp_path / "fix.yaml"
+        fixed.write_text(fix + "\n")
+        findings, _, lines = run(needs_of(load_values([forty, fixed], CHART)), nodes)
+        assert can_come_up(findings) and any(found.startswith(line) for found in lines), lines
+    local = tmp_path / "local.yaml"
+    local.write_text("specserve: {unit: {engine: {speculative: {draft: {source: /models/d}}}}}\n")
+    findings, _, lines = run(needs_of(load_values([local], CHART)), nodes)
+    assert can_come_up(findings)
+    assert any(line.startswith("warn GPU memory not estimated: no config.json for the draft /models/d")
+               for line in lines), lines
 
 
 def test_a_gpu_pool_whose_taint_the_values_do_not_tolerate(flagship, tmp_path):

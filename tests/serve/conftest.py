@@ -174,11 +174,14 @@ def ngram_app(ray_cluster, tiny_models) -> str:
 
 @pytest.fixture(scope="session")
 def draft_app(ray_cluster, tiny_models) -> str:
-    """A unit with a draft group, placed on a fake GPU bundle like on a cluster."""
+    """A unit with a draft group, placed on fake GPU bundles like on a cluster, the draft on
+    a GPU bundle of its own (``draft_placement: own``; test_draft_faults.py runs the shared
+    default)."""
     args = unit_args(tiny_models[0], speculative={
         "method": "draft_model", "num_speculative_tokens": 3,
         "draft": {"source": tiny_models[1]}})
     args["unit"]["accelerator"] = "gpu"
+    args["unit"]["draft_placement"] = "own"
     args["unit"]["engine"]["target"]["device"] = "cpu"  # fake GPUs: the placement would say cuda
     args["unit"]["draft_retry_s"] = 0.2
     # Only a real fault may take the draft away: a busy machine must not time a step out.

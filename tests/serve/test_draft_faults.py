@@ -9,9 +9,9 @@ load streams through the unit (real Ray actors, real HTTP):
 - speculation resumes once the draft answers again, and the draft actor holds no slot once
   the unit is idle (the slots of sequences that ended while it was away included).
 
-The unit's draft shares target rank 0's (fake) GPU (``draft_gpu_fraction``, issue 52): its
-placement group has no draft bundle, the draft asks for its fraction of rank 0's bundle, and
-Ray restarts it there after each kill.
+The unit's draft shares target rank 0's (fake) GPU (``draft_placement: shared``, the
+default): its placement group has no draft bundle, the draft asks for its fraction of rank 0's
+bundle (``draft_gpu_fraction``), and Ray restarts it there after each kill.
 
 Times are compared within one window of one unit, never with a number or with another
 moment's rate: the test holds on a slow machine and on one whose load changes under it (a

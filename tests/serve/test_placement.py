@@ -26,7 +26,7 @@ def split_app(ray_cluster, tiny_models):
         "method": "draft_model", "num_speculative_tokens": 3, "draft": {"source": tiny_models[1]},
         "adaptive": {"enabled": False}})
     args["unit"].update({"accelerator": "gpu", "target_node_resource": "specserve_target",
-                         "draft_node_resource": "specserve_draft",
+                         "draft_placement": "own", "draft_node_resource": "specserve_draft",
                          # A draft step takes milliseconds; the default 10 s limit could still
                          # call a draft that a busy machine delayed dead, and the test needs it.
                          "draft_timeout_s": 120})

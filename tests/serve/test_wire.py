@@ -59,7 +59,8 @@ class Unit:
                        "max_num_seqs": slots, "chunked_prefill_size": None,  # bursts start at once
                        "speculative": {"num_speculative_tokens": K, "adaptive": {"enabled": False},
                                        **draft}},
-            "tensor_parallel_size": tp, "accelerator": "gpu", "draft_timeout_s": 300})
+            "tensor_parallel_size": tp, "accelerator": "gpu", "draft_timeout_s": 300,
+            "draft_placement": "own"})  # bundles [coordinator, draft, ranks...]
         self.pg = placement_group(unit_bundles(self.cfg), strategy="STRICT_PACK")
         ray.get(self.pg.ready(), timeout=120)
         self.target = TargetGroup(self.cfg, self.pg, 2)

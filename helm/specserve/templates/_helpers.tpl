@@ -43,10 +43,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if has (toString .Values.specserve.unit.engine.speculative.method) (list "draft_model" "eagle") -}}true{{- end -}}
 {{- end -}}
 
-{{/* Whether the draft worker group exists: a draft method whose draft does not share target
-rank 0's GPU (specserve.unit.draft_gpu_fraction puts it in the target pod). */}}
+{{/* Whether the draft worker group exists: a draft method whose draft has a GPU of its own
+(specserve.unit.draft_placement own; shared, the default, runs it in the target pod). */}}
 {{- define "specserve.hasDraft" -}}
-{{- if and (include "specserve.draftMethod" .) (not .Values.specserve.unit.draft_gpu_fraction) -}}true{{- end -}}
+{{- if and (include "specserve.draftMethod" .) (eq (toString .Values.specserve.unit.draft_placement) "own") -}}true{{- end -}}
+{{- end -}}
+
+{{/* Whether the target pods also run each unit's draft, on target rank 0's GPU. */}}
+{{- define "specserve.sharedDraft" -}}
+{{- if and (include "specserve.draftMethod" .) (not (include "specserve.hasDraft" .)) -}}true{{- end -}}
 {{- end -}}
 
 {{- define "specserve.hubTokenSecret" -}}

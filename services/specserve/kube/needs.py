@@ -3,7 +3,7 @@
 The chart (``helm/specserve``) makes one RayService whose cluster has a head pod (no GPU), one
 **target** pod per unit (``tensor_parallel_size`` GPUs) and, for ``draft_model`` and ``eagle``,
 one **draft** pod per unit (one GPU; none where the draft shares target rank 0's GPU,
-``unit.draft_gpu_fraction``), each with the group's ``resources``, ``nodeSelector`` and
+``unit.draft_placement: shared``, the default), each with the group's ``resources``, ``nodeSelector`` and
 ``tolerations``. The ``specserve`` value is an ``AppConfig``, validated here by the same
 pydantic model the Serve app parses, so a values file the app would refuse is refused before
 the cluster is asked anything.
@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from specserve.app_config import AppConfig
+from specserve.config import UnitConfig
 from specserve.errors import ConfigError
 
 DRAFT_METHODS = ("draft_model", "eagle")  # the chart's specserve.draftMethod
@@ -69,6 +70,7 @@ class Needs:
     secrets: list[SecretNeed]
     storage_class: str | None  # the model cache's claim: "" = the cluster's default; None: no claim made
     autoscaled: bool = False   # units: autoscaling's max_units (the most the cluster must hold)
+    unit: UnitConfig | None = None  # what each unit runs (its GPU memory: preflight.check_gpu_memory)
 
 
 def load_values(files: list[Path], chart_dir: Path | None) -> dict:
@@ -111,7 +113,7 @@ def needs_of(values: dict) -> Needs:
         pods.append(_pod("draft", values.get("draft") or {}, units, 1))
     return Needs(units=units, tensor_parallel_size=tp, method=method, pods=pods,
                  crds=_crds(values), secrets=_secrets(values), storage_class=_storage_class(values),
-                 autoscaled=scaling is not None)
+                 autoscaled=scaling is not None, unit=app.unit)
 
 
 def _without_draft(spec: dict) -> dict:

@@ -234,10 +234,74 @@ def check_secrets(secrets: dict, needs: Needs, namespace: str) -> list[Finding]:
     return out
 
 
+# -- GPU memory ---------------------------------------------------------------------------------
+SEQS = "specserve.unit.engine.max_num_seqs"
+
+
+def check_gpu_memory(needs: Needs) -> list[Finding]:
+    """Each GPU's memory estimate (``specserve.memory``) against the GPU memory its group was
+    sized for (``target.gpuMemoryGiB``, ``draft.gpuMemoryGiB``): a target rank, and with a
+    draft either target rank 0 and the draft together (``draft_placement: shared``) or the
+    draft's own GPU. A model whose ``config.json`` cannot be had here (not published in
+    :mod:`specserve.model_configs`, not a local directory) is a warning, not estimated."""
+    from specserve.memory import (
+        GIB,
+        ModelShape,
+        Workload,
+        estimate,
+        largest_num_seqs,
+        largest_shared_num_seqs,
+        shared_gpu,
+    )
+    from specserve.model_configs import model_config
+
+    unit = needs.unit
+    if unit is None or unit.accelerator != "gpu":
+        return []
+    engine = unit.engine.for_device("cuda")
+    gib = {p.group: (p.gpu_memory_gib or 80e9 / GIB) * GIB for p in needs.pods}
+    sized = {}
+    for role, model in (("target", engine.target), ("draft", engine.speculative.draft)):
+        if role == "draft" and not unit.has_draft_group:
+            continue
+        config = model_config(model.source)
+        if config is None:
+            return [Finding(False, f"GPU memory not estimated: no config.json for the {role} "
+                                   f"{model.source} here (run `specserve memory-estimate --config` "
+                                   "with it, docs/MEMORY.md)", fatal=False)]
+        load = Workload.of(engine, tp=unit.tensor_parallel_size if role == "target" else 1,
+                           draft=role == "draft")
+        sized[role] = (ModelShape.from_config(config), load)
+    out = []
+    target = estimate(*sized["target"])
+    if not target.fits(gib["target"]):
+        most = largest_num_seqs(*sized["target"], gib["target"])
+        return [Finding(False, f"a target rank needs about {target.total / GIB:.1f} GiB of its "
+                               f"{gib['target'] / GIB:g} GiB GPU (at most 90%): lower {SEQS} to {most} "
+                               "or less, or raise tensor_parallel_size")]
+    out.append(Finding(True, f"a target rank: about {target.total / GIB:.1f} GiB, "
+                             f"{target.total / gib['target']:.0%} of its {gib['target'] / GIB:g} GiB GPU"))
+    if "draft" not in sized:
+        return out
+    if unit.draft_shares_gpu:
+        both = shared_gpu(sized["target"], sized["draft"], gib["target"])
+        if both.fits:
+            return [*out, Finding(True, both.line())]
+        most = largest_shared_num_seqs(*sized.values(), gib["target"])
+        return [*out, Finding(False, f"{both.line()}: set specserve.unit.draft_placement: own (a GPU "
+                                     f"of its own) or lower {SEQS} to {most} or less")]
+    draft = estimate(*sized["draft"])
+    ok = draft.fits(gib["draft"])
+    fix = "" if ok else f": lower {SEQS} to {largest_num_seqs(*sized['draft'], gib['draft'])} or less"
+    return [*out, Finding(ok, f"the draft on its own GPU: about {draft.total / GIB:.1f} GiB, "
+                              f"{draft.total / gib['draft']:.0%} of {gib['draft'] / GIB:g} GiB{fix}")]
+
+
 def preflight(needs: Needs, nodes: list, crds: list, classes: list, secrets: dict,
               namespace: str) -> tuple[list[Finding], int]:
     """Every finding, and how many of ``needs.units`` units fit."""
     findings, units = place(nodes, needs)
+    findings += check_gpu_memory(needs)
     findings += check_crds(crds, needs) + check_storage(classes, needs)
     findings += check_secrets(secrets, needs, namespace)
     fit = units >= needs.units
