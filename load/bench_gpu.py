@@ -59,6 +59,12 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                  max_position_embeddings=1024),
 }
+# Drafts beside those targets (gpu/shared.py): Llama-3.2-1B's shape (16 layers of hidden 2048,
+# tied embeddings, Llama-3's vocabulary) and one under the tiny target, with its vocabulary.
+SHAPES["llama3.2-1b"] = {**LLAMA3_8B, "hidden_size": 2048, "intermediate_size": 8192,
+                         "num_hidden_layers": 16, "tie_word_embeddings": True}
+SHAPES["tiny-draft"] = {**SHAPES["tiny"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                        "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": True}
 PRIORITY = (1, 8, 5, 2, 4, 3, 6, 7)  # T in the order measured (module docstring)
 PAIRED = 8  # the verify measured against T = 1 in alternating calls as well (``paired``)
 TABLE: TableSpec = (("kernels", "kernels", 9, 0), ("rows", "rows", 4, 0),

@@ -8,8 +8,10 @@ the moment it has something (``load/gpu/``: the steps and the harness's pieces):
     step   step.json (the engine end to end)        timeout 450 s
     full   full.json (the host lines, whole 8B)     timeout 300 s
     paged  paged.json (issue 53)                    timeout 450 s
+    shared shared.json (issue 73: a draft process    timeout 180 s
+           beside the target's on one GPU)
     all    quick and bench, in that order
-    next   full and paged: what the open issues wait for, least measured first
+    next   full, paged and shared: what the open issues wait for, least measured first
 
 with ``log.txt`` (every line, timestamped) and ``summary.json`` (each step's status, seconds
 and one line, rewritten after every step): at most 8 files, the lent machine's limit. The
@@ -46,15 +48,17 @@ from load.gpu.runner import Outcome, Step, Summary, run_step  # noqa: E402
 log = logging.getLogger("gpu-check")
 
 PHASES = {"quick": ("env", "tests", "identity"), "bench": ("bench", "memory", "profile"),
-          "step": ("step",), "paged": ("paged",), "full": ("full",)}
+          "step": ("step",), "paged": ("paged",), "full": ("full",), "shared": ("shared",)}
 # Not step: all is at the lent machine's 8 files already (6 steps, log.txt, summary.json).
 PHASES["all"] = PHASES["quick"] + PHASES["bench"]
 # The next window's first command (docs/GPU.md "The next window"): full's host gap at the real
-# depth, then paged, which no window has measured; step runs in the second, on the warm machine.
-PHASES["next"] = PHASES["full"] + PHASES["paged"]
+# depth, then paged, which no window has measured, then shared (about 180 + 230 + 80 s of the
+# 550 s budget: last, so a budget cut short costs the least wanted); 5 files. step runs in the
+# second command, on the warm machine.
+PHASES["next"] = PHASES["full"] + PHASES["paged"] + PHASES["shared"]
 IN_PROCESS = {"env": "load.gpu.env", "identity": "load.gpu.identity", "memory": "load.gpu.memory",
               "profile": "load.gpu.profiling", "step": "load.gpu.step", "paged": "load.gpu.paged",
-              "full": "load.gpu.full"}
+              "full": "load.gpu.full", "shared": "load.gpu.shared"}
 TEST_PATHS = ("tests/gpu", "tests/test_memory.py")
 ENGINE = ("torch", "transformers", "numpy", "jinja2", "pydantic", "pydantic_core", "annotated_types",
           "typing_inspection")  # what importing specserve's engine and config takes
@@ -102,6 +106,7 @@ def step_table(out: Path, dry_run: bool) -> dict[str, Step]:
         "step": own("step", 450, ENGINE, "step.json"),
         "paged": own("paged", 450, ENGINE, "paged.json"),
         "full": own("full", 300, ENGINE, "full.json"),
+        "shared": own("shared", 180, ENGINE, "shared.json"),
     }
 
 

@@ -87,9 +87,9 @@ import torch.distributed as dist
 from specserve.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specserve.engine.builder import assemble_engine
 from specserve.engine.drafts.base import Proposer
-from specserve.engine.drafts.draft_head import DraftHead, new_draft_head
+from specserve.engine.drafts.draft_head import DraftHead, head_kernels, new_draft_head
 from specserve.engine.request import check_request
-from specserve.engine.runtime.model import LlamaRuntime, default_kernels
+from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.runtime.tp import all_reducer
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step.cost_model import expected_speedup
@@ -497,7 +497,7 @@ def untrained_draft(target: LlamaRuntime, kind: str, num_layers: int) -> DraftHe
         head = new_draft_head(target, kind=kind, num_layers=num_layers,
                               draft_vocab=torch.arange(target.arch.vocab_size))
     head = head.to(weight.device).requires_grad_(False).eval()
-    return head.use_kernels(default_kernels(weight.device, draft=True))
+    return head.use_kernels(head_kernels(head))
 
 
 @contextlib.contextmanager

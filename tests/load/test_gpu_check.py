@@ -11,6 +11,8 @@ The engine phases' dry runs (``step``, ``full``, ``paged``: each a whole engine 
 together on a quiet 2-core machine, minutes of a loaded one's suite) are the rehearsal that
 ``make gpu-rehearsal`` runs before a GPU window (docs/GPU.md), not the suite: ``all``'s dry
 run keeps the harness's plumbing, its files, budget and exit codes in every ``make test``.
+``shared``'s step (issue 73: a draft in a process of its own) is seconds at its tiny shapes,
+so the suite runs it, through the harness's ``--run`` in this process.
 """
 
 from __future__ import annotations
@@ -193,6 +195,27 @@ def test_full_phase_runs_the_host_entries_in_one_slot(tmp_path):
     for name in tuple(entries)[1:]:
         assert entries[name]["status"] == "ok" and entries[name]["same_as_target_only"] is True, entries[name]
     assert entries["suffix"]["second_pass"]["acceptance_rate"] > 0.5, entries["suffix"]
+
+
+def test_shared_step_drafts_from_another_process(tmp_path):
+    """``--run shared --dry-run`` (issue 73): a smaller draft model in a spawned process, the
+    engine here drafting through the pipe. Drafts were made (else the comparison proves
+    nothing), every prompt's greedy tokens are target-only's, nothing fell back, and the
+    draft's process is gone after; memory is estimated but not measured on a CPU."""
+    assert gpu_check.main(["--run", "shared", "--out", str(tmp_path), "--dry-run"]) == 0
+    report = json.loads((tmp_path / "shared.json").read_text())
+    entries = report["entries"]
+    assert tuple(entries) == ("target_only", "shared_draft", "memory")
+    assert all(e["status"] == "ok" for e in entries.values()), entries
+    spec = entries["shared_draft"]
+    assert spec["same_as_target_only"] is True and spec["num_same"] == report["settings"]["num_prompts"]
+    assert spec["draft_tokens"] > 0 and spec["draft_fallbacks"] == 0 and spec["errors"] == 0, spec
+    draft = report["draft"]
+    assert draft["shape"] != report["settings"]["shape"] and draft["pid"] != os.getpid()
+    assert not _alive(draft["pid"])
+    memory = entries["memory"]
+    assert memory["within_estimate"] is None and set(memory["device_used_gib"].values()) == {None}
+    assert memory["estimate_gib"]["target"] > 0 and memory["estimate_gib"]["draft"] > 0
 
 
 def test_union_of_intervals_counts_overlaps_once():

@@ -399,7 +399,7 @@ def load_draft_head(path: str | Path, target: LlamaRuntime | None = None, *, tar
         raise ConfigError(f"draft {path}: weights missing: {', '.join(sorted(missing))}")
     dtype = dtype or embed.dtype
     head = head.to(device=device, dtype=dtype).requires_grad_(False).eval()
-    return head.use_kernels(_kernels(head, kernels))
+    return head.use_kernels(head_kernels(head, kernels))
 
 
 def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_model_len: int,
@@ -447,10 +447,10 @@ def _load_published(path: Path, target: LlamaRuntime | None, target_cfg, *, max_
     head.embed.weight = nn.Parameter(embed.detach(), requires_grad=False)
     head.rope_cos, head.rope_sin, head.draft_vocab = cos, sin, draft_vocab
     head = head.to(device=device, dtype=dtype or embed.dtype).requires_grad_(False).eval()
-    return head.use_kernels(_kernels(head, kernels))
+    return head.use_kernels(head_kernels(head, kernels))
 
 
-def _kernels(head: DraftHead, kernels: str) -> str:
+def head_kernels(head: DraftHead, kernels: str = "auto") -> str:
     """A draft's ``kernels``, ``auto`` resolved for its device (``default_kernels``); a head
     holds no GGUF blocks, so ``integer`` is ``invariant`` here."""
     if kernels == "auto":
