@@ -10,9 +10,10 @@ kinds, so every prompt is checked under speculation once, every proposer with bo
 in half the decoding (this module was 165 s of the suite on one core).
 
 The prompts were written once, before any output was seen, and are not tuned to the model:
-in JSON mode (any object) one of them sends the 135M model into a greedy repetition loop
-(``{"Lagos,": 2018, "Lagos,": 2018, ...``) that runs to ``max_tokens``; its output is then a
-valid prefix of a JSON object, as OpenAI documents for JSON mode cut by ``max_tokens``. The
+in JSON mode (any object) one or two of them (the CPU's rounding decides) send the 135M model
+into a greedy repetition loop (``{"Lagos,": 2018, "Lagos,": 2018, ...``) that runs to
+``max_tokens``; its output is then a valid prefix of a JSON object, as OpenAI documents for
+JSON mode cut by ``max_tokens``. The
 schema, whose strings and numbers are bounded, completes for all 50."""
 
 from __future__ import annotations
@@ -82,11 +83,16 @@ def test_greedy_structured_output_with_speculation_is_target_onlys(outputs, meth
 
 
 def test_json_mode_output_parses(outputs):
+    """Every output that completed parses as an object; every other ran to ``max_tokens``
+    inside one. How many prompts loop depends on the CPU's rounding, not on the grammar: one
+    on the AVX2 machines, two on an AVX512-VNNI Xeon (2026-12-02), so the floor is loose."""
     done = outputs["off", "json_object"]
     complete = [c for c in done if c.finish_reason == "stop"]
     for c in complete:
         assert isinstance(json.loads(c.text), dict)
-    assert len(complete) >= 49, [c.text[:80] for c in done if c.finish_reason != "stop"]
+    cut = [c for c in done if c.finish_reason != "stop"]
+    assert all(c.finish_reason == "length" and c.text.lstrip().startswith("{") for c in cut), cut
+    assert len(complete) >= 45, [c.text[:80] for c in cut]
 
 
 def test_json_schema_output_validates(outputs):
