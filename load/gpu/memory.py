@@ -31,7 +31,7 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.proposal import Proposal
-from specserve.engine.step.step_batch import VerifyBatch
+from specserve.engine.step.verify_batch import VerifyBatch, VerifyRow
 from specserve.engine.worker import ModelWorker
 from specserve.memory import MemoryEstimate, ModelShape, Workload, estimate, format_estimate
 
@@ -91,9 +91,10 @@ def verify(worker: ModelWorker, s: Settings) -> None:
     matter to memory, so its lengths are set rather than prefilled."""
     slots = list(range(s.max_num_seqs))
     for slot in slots:
-        worker.cache.lengths[slot] = s.max_model_len - s.k - 1
-    worker.verify(VerifyBatch(slots, [[5] * (s.k + 1)] * len(slots), [Proposal([5] * s.k)] * len(slots),
-                              [(SAMPLED, slot) for slot in slots]))
+        worker.cache.lengths[slot] = s.max_model_len - s.k - 1  # (the rows' start)
+    start = s.max_model_len - s.k - 1
+    worker.verify(VerifyBatch([VerifyRow(slot, start, [5] * (s.k + 1), Proposal([5] * s.k), (SAMPLED, slot))
+                               for slot in slots]))
 
 
 def measure(worker: ModelWorker, s: Settings, phase, calls: int) -> dict:

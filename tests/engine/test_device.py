@@ -24,11 +24,11 @@ from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step import sampling
 from specserve.engine.step.penalties import history
 from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
-from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import Launched, ModelWorker, Verified
 from specserve.serve.wire import DeviceTensorCrossing, host_only, wire_bytes
 
 from tests.device_double import DeviceDouble, DeviceMix, OnDevice, to_double
+from tests.engine.rows import verify_batch
 from tests.engine.test_spec_decode import EOS, prompts
 from tests.models import eagle_head_of, perturbed, runtime_of
 from tests.tiny import make_tiny_tokenizer
@@ -207,7 +207,7 @@ def test_a_draft_chain_stays_on_the_device_until_its_proposal_is_read(target_hf,
 def test_a_verify_launched_before_the_last_is_read_emits_what_it_would_after(target_hf, kernels):
     """Issue 52's overlap, at the worker: step N + 1 is launched before step N is read, each
     row's pending token taken on the device from its verdict of step N
-    (``VerifyBatch.follows``); launching waits for nothing (on a GPU a wait would hold the
+    (``VerifyRow.follows``); launching waits for nothing (on a GPU a wait would hold the
     host until the device is idle) and queues its own result's read, so that reading step N
     waits for that copy alone, not for step N + 1 queued after it: reading makes no copy of
     its own and waits once per sampler call. Greedy, seeded and unseeded rows emit what
@@ -222,20 +222,21 @@ def test_a_verify_launched_before_the_last_is_read_emits_what_it_would_after(tar
         outputs = {}
         for way in ("one at a time", "launched ahead"):
             slots = [worker.allocate() for _ in sampling]
-            start = worker.verify(VerifyBatch(slots, first, [Proposal([])] * 3, sampling))
+            start = worker.verify(verify_batch(worker, slots, first, [Proposal([])] * 3, sampling))
             emitted = [v.emitted for v in start.verdicts]
             if way == "one at a time":
                 for _ in range(5):
-                    done = worker.verify(VerifyBatch(slots, [e[-1:] for e in emitted],
+                    done = worker.verify(verify_batch(worker, slots, [e[-1:] for e in emitted],
                                                      [Proposal([])] * 3, sampling))
                     emitted = [e + v.emitted for e, v in zip(emitted, done.verdicts)]
             else:
-                launched = worker.launch(VerifyBatch(slots, [e[-1:] for e in emitted],
+                launched = worker.launch(verify_batch(worker, slots, [e[-1:] for e in emitted],
                                                      [Proposal([])] * 3, sampling))
                 for step in range(5):
                     waits, reads = double.waits, double.to_host
                     ahead = None if step == 4 else worker.launch(
-                        VerifyBatch(slots, [[0]] * 3, [Proposal([])] * 3, sampling, follows=[0, 1, 2]),
+                        verify_batch(worker, slots, [[0]] * 3, [Proposal([])] * 3, sampling,
+                                     follows=[0, 1, 2]),
                         after=launched)
                     assert double.waits == waits  # launched without waiting
                     queued = double.to_host - reads  # its reads, one per sampler call
@@ -272,7 +273,7 @@ def test_the_engine_launches_each_decode_step_before_it_reads_the_last(target_hf
                                   make_tiny_tokenizer(), eos_token_ids=eos, launch_ahead=ahead)
         events, launch = [], engine.target.launch
         engine.target.launch = lambda batch, after=None, e=events, go=launch: (
-            e.append("ahead" if batch.follows else "launch") or go(batch, after))
+            e.append("ahead" if batch.followers else "launch") or go(batch, after))
         monkeypatch.setattr(Launched, "result", lambda self, e=events: e.append("read") or result(self))
         ids = [engine.add_request(p, sp) for p, sp in zip(first, params)]
         tokens, ends = {i: [] for i in ids}, {}
@@ -310,9 +311,9 @@ def test_penalties_and_a_drafts_q_go_to_the_device_without_a_wait(target_hf):
     with DeviceDouble() as double:
         worker = _worker(runtime_of(target_hf), device=True)
         slots = [worker.allocate(), worker.allocate()]
-        batch = VerifyBatch(slots, [[3, 4, 5, 7], [3, 4, 9]], [Proposal([5, 7], q), Proposal([9])],
-                            [(unseeded, 1), (seeded, 2)],
-                            histories=[history(unseeded, [3, 4], [4]), history(seeded, [3], [4])])
+        batch = verify_batch(worker, slots, [[3, 4, 5, 7], [3, 4, 9]], [Proposal([5, 7], q), Proposal([9])],
+                             [(unseeded, 1), (seeded, 2)],
+                             histories=[history(unseeded, [3, 4], [4]), history(seeded, [3], [4])])
         waits, copies = double.waits, double.to_device
         verified = worker.verify(batch)
         assert double.waits - waits == 2 and double.to_device - copies >= 3
@@ -339,13 +340,13 @@ def test_a_planted_host_tensor_in_the_sampler_is_caught(target_hf, monkeypatch):
     with DeviceDouble():
         worker = _worker(runtime_of(target_hf), device=True)
         slot = worker.allocate()
-        worker.verify(VerifyBatch([slot], [[5, 6, 7]], [Proposal([])], [sampled]))  # fine as built
+        worker.verify(verify_batch(worker, [slot], [[5, 6, 7]], [Proposal([])], [sampled]))  # fine as built
         worker.rollback(slot, 0)
         compute_probs = sampling.compute_probs
         monkeypatch.setattr(sampling, "compute_probs", lambda logits, temperature, *rest, **kw:
                             compute_probs(logits, temperature.cpu(), *rest, **kw))
         with pytest.raises(DeviceMix, match="same device"):
-            worker.verify(VerifyBatch([slot], [[5, 6, 7]], [Proposal([])], [sampled]))
+            worker.verify(verify_batch(worker, [slot], [[5, 6, 7]], [Proposal([])], [sampled]))
 
 
 def test_the_double_catches_mixes_and_allows_what_cuda_allows():

@@ -98,13 +98,13 @@ def test_forbidden_drafts_never_reach_the_verifier(target_hf, compiler, monkeypa
         return out
 
     def checking_verify(batch):
-        for proposal, mask in zip(batch.proposals, batch.masks):
-            assert mask.shape[0] == len(proposal.token_ids) + 1
-            allowed = unpack_bitmask(mask, VOCAB)
-            for j, t in enumerate(proposal.token_ids):
+        for row in batch.rows:
+            assert row.mask.shape[0] == len(row.proposal.token_ids) + 1
+            allowed = unpack_bitmask(row.mask, VOCAB)
+            for j, t in enumerate(row.proposal.token_ids):
                 assert allowed[j, t], "a forbidden draft reached verification"
-            seen["drafts"] += len(proposal.token_ids)
-        seen["cut"] += sum(len(d) - len(p.token_ids) for d, p in zip(seen["drafted"], batch.proposals))
+            seen["drafts"] += len(row.proposal.token_ids)
+        seen["cut"] += sum(len(d) - len(r.proposal.token_ids) for d, r in zip(seen["drafted"], batch.rows))
         return verify(batch)
 
     monkeypatch.setattr(engine.draft.proposer, "propose", counting_propose)

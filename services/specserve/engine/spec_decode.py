@@ -385,7 +385,7 @@ class TargetCalls:
     the host's part of a step. Only where the next step needs nothing of step N on the host
     (:meth:`StepBatch.decode_ahead <specserve.engine.step.step_batch.StepBatch.decode_ahead>`:
     plain decodes), nothing waits to be admitted and the KV cache has room; its rows take
-    step N's tokens on the device (``VerifyBatch.follows``). ``launch_ahead`` None: where the
+    step N's tokens on the device (``VerifyRow.follows``). ``launch_ahead`` None: where the
     target queues work on a device that runs beside the host (``ModelWorker.queues_work``:
     CUDA in this process); on a CPU a forward runs as it is called, and a token would only
     come back one forward later."""

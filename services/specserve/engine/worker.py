@@ -24,16 +24,8 @@ from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.acceptance import RejectionOutput
 from specserve.engine.step.proposal import Proposal
-from specserve.engine.step.step_batch import VerifyBatch
-from specserve.engine.step.verification import (
-    Judged,
-    SamplingRow,
-    Verdict,
-    greedy_in_bucket,
-    judge,
-    prompt_token_logprobs,
-    stage,
-)
+from specserve.engine.step.verification import Judged, greedy_in_bucket, judge, prompt_token_logprobs, stage
+from specserve.engine.step.verify_batch import Verdict, VerifyBatch
 
 
 @dataclass
@@ -159,11 +151,11 @@ class ModelWorker(SlotOwner):
         """One verify forward and its rejection sampling, here, next to the logits: the
         result of :meth:`launch`, read back.
 
-        Row i of ``batch`` feeds its pending tokens, then its drafts (``proposals[i]``), and
-        is verified under its request's parameters and seed (``sampling[i]``) and, for a
-        structured output or a ``min_tokens``, its masks (:attr:`SamplingRow.mask`), and its
-        ``logit_bias`` and penalties (:attr:`VerifyBatch.histories`). Greedy-only batches
-        without any of them compute the argmax on the device and nothing else. With ``hidden``
+        Each row (:class:`~specserve.engine.step.verify_batch.VerifyRow`) feeds its pending
+        tokens, then its drafts, and is verified under its request's parameters and seed and,
+        unless it is plain, its mask (a structured output, bans, ``min_tokens``),
+        ``logit_bias`` and penalties. Where every row needs only the argmax
+        (:attr:`VerifyRow.argmax_only`) the device computes that and nothing else. With ``hidden``
         the kept tokens' hidden states come back (:attr:`Verified.hidden`), and the prompt
         chunks' (prefilled in the same forward, after the rows: no logits, no verdict) in
         :attr:`Verified.chunk_hidden`. On the compiled path such a batch of chains is
@@ -176,43 +168,33 @@ class ModelWorker(SlotOwner):
         """:meth:`verify`'s forward and sampler, queued on the device and not read back
         (:meth:`Launched.result` reads them): the host can build and launch the next step
         while the device runs this one. Rows of ``batch`` that follow ``after``
-        (:attr:`VerifyBatch.follows`: one pending token, a placeholder, and no drafts) feed
+        (:attr:`VerifyRow.follows`: one pending token, a placeholder, and no drafts) feed
         the last token their row of ``after`` emitted, taken on the device; their positions
         count it already (``after``'s forward wrote its keys), so such a row is a decode that
         goes on as if ``after`` had been read, which the caller undoes for a row that
         ``after`` ended. ``fed``: those tokens already taken (:meth:`Launched.feeds`: a
         unit's rank 0 sends them to the other ranks first), instead of ``after``."""
-        counts = batch.num_verify_logits
-        masks = batch.masks or [None] * len(batch.slots)
-        pasts = batch.histories or [None] * len(batch.slots)
-        rows = [SamplingRow(params, seed, self.length(slot) + len(ids) - len(p.token_ids), mask, past)
-                for slot, ids, p, (params, seed), mask, past
-                in zip(batch.slots, batch.token_ids, batch.proposals, batch.sampling, masks, pasts)]
-        # A prefill that scores its prompt asks for logits at every prompt position.
-        scored = [r.params.prompt_logprobs is not None and self.length(slot) == 0
-                  for r, slot in zip(rows, batch.slots)]
-        asked = [len(ids) if s else n for ids, s, n in zip(batch.token_ids, scored, counts)]
+        rows = batch.rows
+        assert all(self.length(r.slot) == r.start for r in rows), "the cache is not at the rows' starts"
         clock = ForwardClock(self.runtime.embed.weight.device)
-        argmax_only = all(r.params.greedy and r.params.logprobs is None and r.mask is None
-                          and not r.params.logit_bias and r.history is None and not s
-                          for r, s in zip(rows, scored))
+        argmax_only = all(r.argmax_only for r in rows)
         upload = Upload()  # the verification's inputs go to the device with the forward's
-        staged = stage(rows, batch.proposals, upload)
+        staged = stage(rows, upload)
         if batch.followers:
             assert (after is not None or fed is not None) and all(
-                len(batch.token_ids[i]) == 1 and not batch.proposals[i].token_ids
+                len(rows[i].token_ids) == 1 and not rows[i].proposal.token_ids
                 for i in batch.followers), "a follower is a decode"
             fed = after.feeds(batch) if fed is None else fed
-        out = self.forward(batch.forward(asked, argmax=argmax_only, upload=upload, fed=fed))
+        out = self.forward(batch.forward(asked=True, argmax=argmax_only, upload=upload, fed=fed))
         logits, hidden = (out.token_ids if argmax_only else out.logits), out.hidden
         clock.forward_done()
         judged = None
-        if argmax_only and out.verdict is not None and all(p.parents is None for p in batch.proposals):
+        if argmax_only and out.verdict is not None and all(r.proposal.parents is None for r in rows):
             judged = RejectionOutput.unpack(out.verdict[:len(rows)])
-        per_row = list(logits.split(asked))
-        judged = judge(rows, batch.proposals, [x[-n:] for x, n in zip(per_row, counts)], staged, judged)
+        asked = list(logits.split([r.num_asked for r in rows]))
+        judged = judge(rows, [x[-r.num_logits:] for r, x in zip(rows, asked)], staged, judged)
         judged.send()  # its read queued now, ahead of the next step's forward
-        return Launched(batch, judged, per_row, scored, hidden, clock)
+        return Launched(batch, judged, asked, hidden, clock)
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
@@ -252,44 +234,44 @@ class ForwardClock:
 
 @dataclass
 class Launched:
-    """A verify on the device's queue (:meth:`ModelWorker.launch`): its rows judged there, its
-    logits per row, its hidden states; :meth:`result` reads it back."""
+    """A verify on the device's queue (:meth:`ModelWorker.launch`): its rows judged there, the
+    logits each row asked for (:attr:`VerifyRow.num_asked`), its hidden states;
+    :meth:`result` reads it back."""
 
     batch: VerifyBatch
     judged: Judged
-    per_row: list[torch.Tensor]   # each row's asked logits (or argmax ids)
-    scored: list[bool]            # rows that asked for their prompt's logprobs
+    asked: list[torch.Tensor]     # [rows] each row's asked logits (or argmax ids)
     hidden: torch.Tensor | None
     clock: ForwardClock
 
     def feeds(self, batch: VerifyBatch) -> torch.Tensor:
         """``[followers]``: the last token each row of ``batch`` that follows this verify
-        (:attr:`VerifyBatch.follows`) emitted here, on the device."""
-        last, picked = self.judged.last_tokens(), [batch.follows[i] for i in batch.followers]
+        (:attr:`VerifyRow.follows`) emitted here, on the device."""
+        last, picked = self.judged.last_tokens(), [batch.rows[i].follows for i in batch.followers]
         return last[row_index(picked, last.shape[0], last.device)]
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read
         back to the host."""
-        batch, verdicts = self.batch, self.judged.verdicts()
-        for i, (ids, x, n) in enumerate(zip(batch.token_ids, self.per_row, batch.num_verify_logits)):
-            if self.scored[i]:  # logits row j predicts prompt token j + 1
-                prompt = ids[:len(ids) - n + 1]
+        rows, verdicts = self.batch.rows, self.judged.verdicts()
+        for i, (row, x) in enumerate(zip(rows, self.asked)):
+            if row.scores_prompt:  # logits row j predicts prompt token j + 1
+                prompt = row.token_ids[:len(row.token_ids) - row.num_logits + 1]
                 logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
                 verdicts[i] = replace(verdicts[i], prompt_logprobs=prompt_token_logprobs(
-                    logp, prompt[1:], self.judged.rows[i].params.prompt_logprobs) if len(prompt) > 1 else [])
+                    logp, prompt[1:], row.params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = chunk_hidden = None
         if self.hidden is not None:  # every row's kept states and the chunks', in one read
             picks, start = [], 0
-            for ids, p, v in zip(batch.token_ids, batch.proposals, verdicts):
-                picks.append([start + j for j in _kept_rows(len(ids), p, v)])
-                start += len(ids)
-            for _, ids in batch.chunks:
+            for row, v in zip(rows, verdicts):
+                picks.append([start + j for j in _kept_rows(len(row.token_ids), row.proposal, v)])
+                start += len(row.token_ids)
+            for _, ids in self.batch.chunks:
                 picks.append(list(range(start, start + len(ids))))
                 start += len(ids)
             flat = self.hidden[device_index([j for row in picks for j in row], self.hidden.device)]
             parts = list(flat.cpu().split([len(row) for row in picks]))
-            kept, chunk_hidden = parts[:len(batch.token_ids)], parts[len(batch.token_ids):]
+            kept, chunk_hidden = parts[:len(rows)], parts[len(rows):]
         return Verified(verdicts, kept, *self.clock.split(), chunk_hidden)
 
 

@@ -45,7 +45,7 @@ from specserve.engine.kv.kv_cache import SlotTable
 from specserve.engine.kv.kv_manager import KVManager
 from specserve.engine.loader import load_model
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded
-from specserve.engine.step.step_batch import VerifyBatch
+from specserve.engine.step.verify_batch import VerifyBatch
 from specserve.engine.worker import Launched, ModelWorker, SlotOwner, Verified
 from specserve.errors import TargetUnavailable
 from specserve.serve.placement import (
@@ -201,7 +201,7 @@ class TargetRank:
         """Rank 0: :meth:`verify` launched and kept as step ``number``, not read back
         (:meth:`result` reads it): the coordinator launches the next step before it asks for
         this one's result, so the device has it queued while the host reads this one. Rows
-        that follow step ``after`` (:attr:`VerifyBatch.follows`) take their token
+        that follow step ``after`` (:attr:`VerifyRow.follows`) take their token
         from its verdicts, here on the device (``ModelWorker.launch``); the other ranks get
         those tokens from this one. Steps before ``number - 1`` are dropped: the coordinator
         reads a step before it launches the one after next, or has given it up."""
@@ -228,7 +228,7 @@ class TargetRank:
             if fed is not None:  # before the forward: its all-reduces must pair up
                 dist.broadcast(fed, src=0)
         self._prepare(step)
-        batch = replace(batch, sampling=[self.sampling[s] for s in batch.slots])
+        batch = replace(batch, rows=[replace(r, sampling=self.sampling[r.slot]) for r in batch.rows])
         return self.worker.launch(batch, fed=fed)
 
     def forward(self, batch: ForwardBatch, starts: list[int], moves: list | None = None,
@@ -447,9 +447,9 @@ class TargetGroup(SlotOwner):
         as one :meth:`verify` call when it is read: one Ray call a step where nothing
         launches ahead, two (launch, then result) where steps do."""
         new = {}
-        for slot, row in zip(batch.slots, batch.sampling):
-            if self._sampling.get(slot) != row:
-                new[slot] = self._sampling[slot] = row
+        for row in batch.rows:
+            if self._sampling.get(row.slot) != row.sampling:
+                new[row.slot] = self._sampling[row.slot] = row.sampling
         forward = batch.forward()
         starts = [self.table.lengths[s] for s in forward.slots]
         tables = self._tables(forward.slots, forward.token_ids)
@@ -459,7 +459,8 @@ class TargetGroup(SlotOwner):
             self.table.lengths[slot] += len(ids)
         self._steps += 1
         step = GroupStep(self, self._steps,
-                         (replace(batch, sampling=None), starts, new, moves, forks, tables))
+                         (replace(batch, rows=[replace(r, sampling=None) for r in batch.rows]),
+                          starts, new, moves, forks, tables))
         if after is not None:
             after.send()
             step.send(after.number)

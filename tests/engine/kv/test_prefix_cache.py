@@ -116,7 +116,7 @@ def test_a_failed_step_with_a_chunk_steps_every_row_alone_the_chunk_too(target_h
         if batch.chunks and not any(e[0] == "failed" for e in events):
             events.append(("failed", [len(ids) for _, ids in batch.chunks]))
             raise RuntimeError("planted: a step with a chunk fails once")
-        events.append(("verify", len(batch.slots), len(batch.chunks)))
+        events.append(("verify", len(batch.rows), len(batch.chunks)))
         return verify(batch)
 
     def logged_forward(batch):

@@ -22,10 +22,10 @@ from specserve.engine.runtime.compiled import BUCKET_TOKENS, bucket, token_bucke
 from specserve.engine.runtime.forward_batch import ForwardBatch, Upload
 from specserve.engine.spec_decode import SpecDecodeEngine
 from specserve.engine.step.proposal import Proposal
-from specserve.engine.step.step_batch import VerifyBatch
 from specserve.engine.worker import ModelWorker
 from torch._dynamo.testing import CompileCounter
 
+from tests.engine.rows import verify_batch
 from tests.engine.runtime.test_model import ATOL, reference_logits
 from tests.engine.test_spec_decode import EOS, prompts
 from tests.models import TINY_CONFIGS, VOCAB, random_sequences, runtime_of, tiny_hf_model
@@ -361,8 +361,9 @@ def test_a_greedy_verify_is_judged_inside_the_graph_as_the_sampler_judges_it():
         forward = worker.forward
         worker.forward = lambda batch: seen.append(forward(batch)) or seen[-1]
         try:
-            done = worker.verify(VerifyBatch(slots, [[s[-1], *d] for s, d in zip(seqs, drafts)],
-                                             [Proposal(d) for d in drafts], [greedy] * 4))
+            done = worker.verify(verify_batch(
+                worker, slots, [[s[-1], *d] for s, d in zip(seqs, drafts)], [Proposal(d) for d in drafts],
+                [greedy] * 4))
         finally:
             worker.forward = forward
             for slot, start in zip(slots, starts):
@@ -371,8 +372,9 @@ def test_a_greedy_verify_is_judged_inside_the_graph_as_the_sampler_judges_it():
 
     follow = [[] for _ in slots]  # each row's greedy continuation, a decode at a time
     for _ in range(4):
-        out = worker.verify(VerifyBatch(slots, [[f[-1] if f else s[-1]] for s, f in zip(seqs, follow)],
-                                        [Proposal([])] * 4, [greedy] * 4))
+        out = worker.verify(verify_batch(
+            worker, slots, [[f[-1] if f else s[-1]] for s, f in zip(seqs, follow)], [Proposal([])] * 4,
+            [greedy] * 4))
         for f, v in zip(follow, out.verdicts):
             f += v.emitted
     for slot, start in zip(slots, starts):

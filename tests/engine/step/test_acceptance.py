@@ -36,7 +36,9 @@ from specserve.engine.step.acceptance import (
 )
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
-from specserve.engine.step.verification import SamplingRow, target_probs, verify_greedy, verify_seeded
+from specserve.engine.step.verification import target_probs, verify_greedy, verify_seeded
+
+from tests.engine.step.test_verification import verify_row
 
 # A depth-3 tree with several siblings per node (used by the hand-made cases):
 #   root ─ 0:2 ─ 3:1 ─ 6:0
@@ -192,7 +194,7 @@ def _greedy_tree_is_target_only_greedy_and_the_best_chain(seed):
     assert out.path == matched
     assert out.emitted == [tokens[i] for i in matched] + [argmax[matched[-1] + 1 if matched else 0]]
 
-    best = max((verify_greedy([Proposal([tokens[i] for i in path])],
+    best = max((verify_greedy([verify_row(Proposal([tokens[i] for i in path]))],
                               [logits[[0] + [i + 1 for i in path]]]).emitted(0)
                 for path in _root_to_leaf_paths(parents)), key=len)
     assert out.emitted == best
@@ -210,7 +212,7 @@ def _greedy_chain_equals_the_chain_verifier(seed):
     argmax = logits.argmax(dim=-1)
     drafts = torch.where(torch.rand(k, generator=gen) < 0.75, argmax[:k],
                          torch.randint(0, 5, (k,), generator=gen))
-    chain = verify_greedy([Proposal(drafts.tolist())], [logits])
+    chain = verify_greedy([verify_row(Proposal(drafts.tolist()))], [logits])
     tree = tree_accept_greedy(chain_parents(k), drafts.tolist(), logits)
     assert tree.emitted == chain.emitted(0) and tree.num_accepted == int(chain.num_accepted_tokens[0])
     assert tree.path == list(range(tree.num_accepted))
@@ -235,7 +237,7 @@ def _seeded_chain_equals_the_chain_verifier(seed):
     truth = [int(sample_from(p[j], position_noise(seed, position + j, vocab))) for j in range(k + 1)]
     drafts = [t if random.Random(seed * 31 + j).random() < 0.75 else (t + 1) % vocab
               for j, t in enumerate(truth[:k])]
-    chain = verify_seeded([SamplingRow(SEEDED, seed, position)], [Proposal(drafts)], [logits])
+    chain = verify_seeded([verify_row(Proposal(drafts), SEEDED, seed, position)], [logits])
     tree = tree_accept_seeded(chain_parents(k), drafts, p, seed, position)
     assert tree.emitted == chain.emitted(0) and tree.num_accepted == int(chain.num_accepted_tokens[0])
 
@@ -269,7 +271,7 @@ def _seeded_tree_emits_the_target_only_text_as_a_chain_would(seed):
     assert tree.num_accepted >= planted and tree.emitted == text[: tree.num_accepted + 1]
 
     path_rows = [0] + [tokens[i] + 1 for i in tree.path]
-    chain = verify_seeded([SamplingRow(SEEDED, seed, position)], [Proposal(tree.emitted[:-1])],
+    chain = verify_seeded([verify_row(Proposal(tree.emitted[:-1]), SEEDED, seed, position)],
                           [logits[path_rows]])
     assert chain.emitted(0) == tree.emitted
 

@@ -11,7 +11,6 @@ from specserve.engine.step.acceptance import PLACEHOLDER
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
 from specserve.engine.step.verification import (
-    SamplingRow,
     draft_probs,
     pad_drafts,
     target_probs,
@@ -20,9 +19,17 @@ from specserve.engine.step.verification import (
     verify_sampled,
     verify_seeded,
 )
+from specserve.engine.step.verify_batch import VerifyRow
 
 V = 16
 SAMPLED = SamplingParams(temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def verify_row(proposal: Proposal, params: SamplingParams = GREEDY, seed: int = 0,
+               position: int = 1) -> VerifyRow:
+    """A decode row of ``proposal`` whose first draft is at ``position``, drawing from ``seed``."""
+    return VerifyRow(0, position - 1, [0, *proposal.token_ids], proposal, (params, seed))
 
 
 def one_hot_logits(token_ids: list[int]) -> torch.Tensor:
@@ -43,7 +50,7 @@ def test_greedy_rows_of_any_length_argmax_ids_or_logits():
     # Row 0 is the rejection sampler's worked example (K = 3), given as argmax ids.
     proposals = [Proposal([5, 9, 2]), Proposal([]), Proposal([3])]
     logits = [torch.tensor([5, 9, 7, 4]), one_hot_logits([6]), one_hot_logits([3, 8])]
-    out = verify_greedy(proposals, logits)
+    out = verify_greedy([verify_row(p) for p in proposals], logits)
     assert [out.emitted(i) for i in range(3)] == [[5, 9, 7], [6], [3, 8]]
     assert out.output_token_ids[1].tolist() == [6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]
 
@@ -71,19 +78,22 @@ def test_seeded_rows_emit_the_seeds_target_only_tokens_whatever_the_draft():
     logits = random_logits(4, 3)  # [K + 1, V], K = 3
     p = compute_probs(logits, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.ones(4))
     truth = [int(sample_from(p[j], position_noise(seed, position + j, V))) for j in range(4)]
-    row = SamplingRow(SamplingParams(temperature=1.0, seed=seed), seed, position)
-    right = verify_seeded([row], [Proposal(truth[:3])], [logits])
-    assert right.emitted(0) == truth
+    params = SamplingParams(temperature=1.0, seed=seed)
+
+    def row(drafts: list[int]) -> VerifyRow:
+        return verify_row(Proposal(drafts), params, seed, position)
+
+    assert verify_seeded([row(truth[:3])], [logits]).emitted(0) == truth
     wrong = [(truth[1] + 1) % V]
-    assert verify_seeded([row], [Proposal(truth[:1] + wrong)], [logits[:3]]).emitted(0) == truth[:2]
-    assert verify_seeded([row], [Proposal([])], [logits[:1]]).emitted(0) == truth[:1]
+    assert verify_seeded([row(truth[:1] + wrong)], [logits[:3]]).emitted(0) == truth[:2]
+    assert verify_seeded([row([])], [logits[:1]]).emitted(0) == truth[:1]
 
 
 def test_sampled_row_without_drafts_samples_its_position():
     seed, position = 3, 20
     logits = random_logits(1, 4)
     p = compute_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.long), torch.ones(1))
-    out = verify_sampled([SamplingRow(SAMPLED, seed, position)], [Proposal([])], [logits])
+    out = verify_sampled([verify_row(Proposal([]), SAMPLED, seed, position)], [logits])
     assert out.emitted(0) == [int(sample_from(p[0], position_noise(seed, position, V)))]
 
 
@@ -104,17 +114,17 @@ def test_a_rows_p_is_the_same_alone_or_beside_top_k_and_top_p_rows():
 
 
 def test_verify_batch_verifies_each_kind_in_one_call():
-    greedy = SamplingRow(SamplingParams(temperature=0.0), 1, 5)
-    seeded = SamplingRow(SamplingParams(temperature=1.0, seed=2), 2, 5)
-    unseeded = SamplingRow(SAMPLED, 3, 5)
-    rows = [seeded, greedy, unseeded, greedy, seeded]
+    seeded = SamplingParams(temperature=1.0, seed=2)
+    kinds = [(seeded, 2), (GREEDY, 1), (SAMPLED, 3), (GREEDY, 1), (seeded, 2)]
     proposals = [Proposal([1]), Proposal([2, 3]), Proposal([]), Proposal([4]), Proposal([])]
-    logits = [random_logits(len(p.token_ids) + 1, i) for i, p in enumerate(proposals)]
-    results = verify_batch(rows, proposals, logits)
+    rows = [verify_row(p, params, seed, 5) for p, (params, seed) in zip(proposals, kinds)]
+    logits = {row: random_logits(row.num_logits, i) for i, row in enumerate(rows)}
+    outcomes = verify_batch(rows, logits)
+    results = [outcomes[row] for row in rows]
     assert [j for _, j in results] == [0, 0, 0, 1, 1]
     assert results[0][0] is results[4][0] and results[1][0] is results[3][0]
     assert len({id(out) for out, _ in results}) == 3
-    alone = verify_greedy([proposals[1], proposals[3]], [logits[1], logits[3]])
+    alone = verify_greedy([rows[1], rows[3]], [logits[rows[1]], logits[rows[3]]])
     assert torch.equal(results[1][0].output_token_ids, alone.output_token_ids)
 
 

@@ -65,6 +65,16 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len:]
 
+    @property
+    def plain(self) -> bool:
+        """Every row it verifies from now on is **plain** (``VerifyRow.plain``: decided on the
+        model's own logits), whatever it emits: no grammar, bans, ``min_tokens`` still to
+        reach, penalties or ``logit_bias``."""
+        params = self.params
+        return (self.grammar is None and self.allowed is None and not self.bad_words
+                and len(self.output_token_ids) >= params.min_tokens
+                and not params.penalized and not params.logit_bias)
+
     def append_tokens(self, token_ids: list[int], *, eos_token_ids: frozenset[int],
                       max_model_len: int) -> None:
         """Append a step's emitted tokens up to the first that stops the sequence (module

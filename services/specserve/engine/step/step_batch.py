@@ -31,12 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.config import SamplingParams
-from specserve.engine.runtime.forward_batch import ForwardBatch, Upload
-from specserve.engine.step.penalties import History, history
+from specserve.engine.step.penalties import history
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sequence import Sequence
-from specserve.engine.step.verification import Verdict
+from specserve.engine.step.verify_batch import Verdict, VerifyBatch, VerifyRow
 
 
 @dataclass(eq=False)
@@ -147,9 +145,9 @@ class StepBatch:
         """The step after this one as a verify that can be launched before this one is read
         (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
         (rows whose sequence has ended since this step was launched aside) that decodes
-        without drafts, a grammar, features, penalties or bans (``bans.py``). A row that
+        without drafts or features, and is plain (``Sequence.plain``). A row that
         reaches its ``max_tokens`` or the context with this step has no next row; each other
-        one feeds the token it emits now, taken on the device (:attr:`VerifyBatch.follows`),
+        one feeds the token it emits now, taken on the device (:attr:`VerifyRow.follows`),
         at the position after it, and where this step ends it otherwise (EOS, a stop string,
         an abort) its next row is ignored. None where the next step must be scheduled after
         this one is read."""
@@ -159,34 +157,27 @@ class StepBatch:
         follows = []
         for j in live:
             row, seq = self.rows[j], self.rows[j].seq
-            if (not row.decoding or row.proposal.token_ids or seq.grammar is not None
-                    or seq.draft_attached or seq.params.penalized or seq.bad_words
-                    or seq.allowed is not None
-                    or len(seq.output_token_ids) + 1 < seq.params.min_tokens):
-                return None  # (the next row's penalties and bans would need this one's token)
+            if not row.decoding or row.proposal.token_ids or seq.draft_attached or not seq.plain:
+                return None  # (the next row's mask or penalties would need this one's token)
             if (len(seq.output_token_ids) + 1 < (seq.params.max_tokens or max_model_len)
                     and len(seq.token_ids) + 1 < max_model_len):  # (else this step ends it)
                 follows.append(j)
         rows = [self.rows[j] for j in follows]
         if not rows:
             return None
-        return (StepBatch([StepRow(row.seq, row.start + 1) for row in rows], []),
-                VerifyBatch([r.seq.slot for r in rows], [[0]] * len(rows), [Proposal([])] * len(rows),
-                            [(r.seq.params, r.seq.sample_seed) for r in rows], follows=follows))
+        ahead = [StepRow(row.seq, row.start + 1) for row in rows]
+        return (StepBatch(ahead, []),
+                VerifyBatch([VerifyRow(r.seq.slot, r.start, [0], Proposal([]),
+                                       (r.seq.params, r.seq.sample_seed), follows=j)
+                             for r, j in zip(ahead, follows)]))
 
     def to_verify(self) -> VerifyBatch:
         """What the target's verify takes: the rows as plain data, in forward order."""
-        trees = [r.tree for r in self.rows]
-        masks = [r.mask for r in self.rows]
-        pasts = [history(r.seq.params, r.seq.token_ids[:r.seq.prompt_len], r.seq.output_token_ids)
-                 for r in self.rows]
         return VerifyBatch(
-            slots=[r.seq.slot for r in self.rows], token_ids=[r.input_ids for r in self.rows],
-            proposals=[r.proposal for r in self.rows],
-            sampling=[(r.seq.params, r.seq.sample_seed) for r in self.rows],
-            trees=trees if any(trees) else None,
-            masks=masks if any(m is not None for m in masks) else None,
-            histories=pasts if any(h is not None for h in pasts) else None,
+            [VerifyRow(r.seq.slot, r.start, r.input_ids, r.proposal, (r.seq.params, r.seq.sample_seed),
+                       r.tree, r.mask, history(r.seq.params, r.seq.token_ids[:r.seq.prompt_len],
+                                               r.seq.output_token_ids))
+             for r in self.rows],
             chunks=[(c.seq.slot, c.input_ids) for c in self.chunks], groups=self.groups or None,
             hidden=self.hidden)
 
@@ -196,53 +187,6 @@ class StepBatch:
         rows = [(len(r.input_ids), r.start + len(r.input_ids)) for r in self.rows]
         chunks = [(c.num_tokens, c.start + c.num_tokens) for c in self.chunks]
         return [n for n, _ in rows + chunks], [c for _, c in rows + chunks]
-
-
-@dataclass(frozen=True)
-class VerifyBatch:
-    """A verify as plain data (:meth:`StepBatch.to_verify`): what the target's ``verify``
-    takes, in process or on a unit's rank 0 (where it crosses as it is)."""
-
-    slots: list[int]                              # [rows]
-    token_ids: list[list[int]]                    # [rows][pending tokens, then drafts]
-    proposals: list[Proposal]                     # [rows] (the drafts, a tree's parents, q)
-    # [rows] (request parameters, seed); None on the way to a unit's rank 0, which keeps them
-    # per slot (they travel when a slot's holder changes: ``TargetGroup.verify``)
-    sampling: list[tuple[SamplingParams, int]] | None
-    trees: list[list[int] | None] | None = None   # [rows] a tree over the row's tokens; None: chains
-    masks: list[torch.Tensor | None] | None = None  # [rows] [drafts + 1, W] bitmasks; None: free
-    histories: list[History | None] | None = None  # [rows] a penalized row's tokens so far (penalties.py)
-    chunks: list[tuple[int, list[int]]] = ()      # [chunks] (slot, prompt tokens) prefilled beside the rows
-    groups: list[int] | None = None               # the forward's row groups over rows, then chunks
-    hidden: bool = False                          # the kept tokens' (and chunks') features come back
-    # [rows]: the row of the verify launched before this one whose last emitted token is
-    # this row's one pending token (its token_ids a placeholder: ModelWorker.launch), -1: its
-    # own; None: every row its own
-    follows: list[int] | None = None
-
-    @property
-    def num_verify_logits(self) -> list[int]:
-        """[rows] logits each row's verdict reads: one per draft, and one after the last."""
-        return [len(p.token_ids) + 1 for p in self.proposals]
-
-    def forward(self, num_logits: list[int] | None = None, *, argmax: bool = False,
-                upload: Upload | None = None, fed: torch.Tensor | None = None) -> ForwardBatch:
-        """The verify's one forward: the rows (``num_logits`` each; default
-        :attr:`num_verify_logits`), then the chunks (none), with their trees and groups;
-        ``upload``: the verification's inputs, to go with the forward's; ``fed``: the
-        pending tokens of the rows that follow another verify (:attr:`follows`)."""
-        return ForwardBatch(
-            [*self.slots, *(slot for slot, _ in self.chunks)],
-            [*self.token_ids, *(ids for _, ids in self.chunks)],
-            [*(num_logits or self.num_verify_logits), *(0 for _ in self.chunks)],
-            trees=None if self.trees is None else [*self.trees, *(None for _ in self.chunks)],
-            groups=self.groups, hidden=self.hidden, argmax=argmax, upload=upload, fed=fed,
-            fed_rows=None if fed is None else self.followers)
-
-    @property
-    def followers(self) -> list[int]:
-        """The rows whose pending token is another verify's (:attr:`follows`)."""
-        return [i for i, row in enumerate(self.follows or []) if row >= 0]
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from specserve.engine.step.acceptance import (
     tree_accept_sampled,
     tree_accept_seeded,
 )
-from specserve.engine.step.penalties import History, penalize
+from specserve.engine.step.penalties import penalize
 from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.step.sampling import (
     compute_probs_each,
@@ -65,35 +65,7 @@ from specserve.engine.step.sampling import (
     step_generator,
     with_logit_bias,
 )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What one row keeps of a step, as plain data: what the target's rank 0 sends back to
-    the coordinator (never logits)."""
-
-    emitted: list[int]               # the accepted drafts, then the recovered or bonus token
-    num_accepted: int
-    path: list[int] | None = None    # a tree's accepted nodes (None: a chain)
-    # per emitted token, with SamplingParams.logprobs: its log-probability under the target
-    # and the top alternatives, ``(logprob, [(token, logprob), ...])``
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    # a prefill with SamplingParams.prompt_logprobs: prompt tokens 1.. (token 0 has none),
-    # ``(logprob, top, rank)`` (prompt_token_logprobs)
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] | None = None
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """What verification needs of one sequence besides its proposal and logits."""
-
-    params: SamplingParams
-    sample_seed: int  # the sequence's (Sequence.sample_seed): every draw derives from it
-    position: int   # of the step's first new token: the sequence's length before the step
-    # structured output: the grammar's packed bitmask of allowed tokens at each verified
-    # position (``[num_draft_tokens + 1, W]`` int32, a tree's root then its nodes); None: free
-    mask: torch.Tensor | None = None
-    history: History | None = None  # a penalized row's tokens so far (penalties.py)
+from specserve.engine.step.verify_batch import Verdict, VerifyRow
 
 
 class KindInputs:
@@ -104,20 +76,19 @@ class KindInputs:
     inputs (the worker stages a verify this way: one host-to-device copy a step); None: one
     of their own, sent where they are read."""
 
-    def __init__(self, kind: str, rows: list[SamplingRow], proposals: list[Proposal],
-                 upload: Upload | None = None) -> None:
-        counts = [len(p.token_ids) + 1 for p in proposals]
-        parts = {"drafts": pad_drafts(proposals)}
+    def __init__(self, kind: str, rows: list[VerifyRow], upload: Upload | None = None) -> None:
+        counts = [r.num_logits for r in rows]
+        parts = {"drafts": pad_drafts([r.proposal for r in rows])}
         if kind != "greedy":
             parts["settings"] = settings_host([r.params for r in rows], counts)
-            parts["keys"] = noise_keys([noise_key(r.sample_seed, r.position + j)
+            parts["keys"] = noise_keys([noise_key(r.seed, r.position + j)
                                         for r, n in zip(rows, counts) for j in range(n)])
         if kind == "seeded":  # where each key's draw goes in [B, K + 1] (row-major: as drawn)
             parts["drawn_at"] = torch.tensor([i * max(counts) + j for i, n in enumerate(counts)
                                               for j in range(n)], dtype=torch.long)
         if kind == "unseeded":
             parts["uniform"] = torch.tensor(
-                [[position_uniform(r.sample_seed, r.position + j) if j < n - 1 else 1.0
+                [[position_uniform(r.seed, r.position + j) if j < n - 1 else 1.0
                   for j in range(max(counts) - 1)] for r, n in zip(rows, counts)],
                 dtype=torch.float32)
         self.upload = upload or Upload()
@@ -129,129 +100,128 @@ class KindInputs:
         return {name: self.upload[i] for name, i in self._index.items()}
 
 
-def chain_kinds(rows: list[SamplingRow], proposals: list[Proposal]) -> dict[str, list[int]]:
+def chain_kinds(rows: list[VerifyRow]) -> dict[str, list[VerifyRow]]:
     """The chain rows (no tree) of each kind: greedy, seeded, unseeded (module docstring)."""
-    chains = [i for i in range(len(rows)) if proposals[i].parents is None]
-    sampled = [i for i in chains if not rows[i].params.greedy]
-    return {"greedy": [i for i in chains if rows[i].params.greedy],
-            "seeded": [i for i in sampled if rows[i].params.seed is not None],
-            "unseeded": [i for i in sampled if rows[i].params.seed is None]}
+    chains = [r for r in rows if r.proposal.parents is None]
+    sampled = [r for r in chains if not r.params.greedy]
+    return {"greedy": [r for r in chains if r.params.greedy],
+            "seeded": [r for r in sampled if r.params.seed is not None],
+            "unseeded": [r for r in sampled if r.params.seed is None]}
 
 
-def stage(rows: list[SamplingRow], proposals: list[Proposal], upload: Upload
-          ) -> dict[str, KindInputs]:
+def stage(rows: list[VerifyRow], upload: Upload) -> dict[str, KindInputs]:
     """Each chain kind's :class:`KindInputs`, added to ``upload`` (to go with the forward's
-    inputs); :func:`verify_rows` takes them."""
-    return {kind: KindInputs(kind, [rows[i] for i in picked], [proposals[i] for i in picked],
-                             upload)
-            for kind, picked in chain_kinds(rows, proposals).items() if picked}
+    inputs); :func:`verify_batch` takes them."""
+    return {kind: KindInputs(kind, picked, upload) for kind, picked in chain_kinds(rows).items() if picked}
 
 
-def verify_batch(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
+Outcome = tuple[RejectionOutput, int]  # a row's sampler call's output, and its row there
+
+
+def verify_batch(rows: list[VerifyRow], logits: dict[VerifyRow, torch.Tensor],
                  staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
-                 ) -> list[tuple[RejectionOutput, int]]:
-    """Verify a step's rows, each kind (module docstring) in one sampler call; returns, per
-    row, the output of its kind's call and its row in that output. ``staged``: :func:`stage`'s
-    inputs, sent with the forward's (None: each kind sends its own). ``judged``: the greedy
-    rows' result, made inside the forward's graph (:func:`greedy_in_bucket`) where every row
-    is a greedy chain.
+                 ) -> dict[VerifyRow, Outcome]:
+    """Verify a step's rows, each kind (module docstring) in one sampler call; returns each
+    row's :data:`Outcome`. ``staged``: :func:`stage`'s inputs, sent with the forward's (None:
+    each kind sends its own). ``judged``: the greedy rows' result, made inside the forward's
+    graph (:func:`greedy_in_bucket`) where every row is a greedy chain.
 
-    logits[i]: ``[num_draft_tokens_i + 1, V]``, or ``[num_draft_tokens_i + 1]`` argmax ids
-    when every row of the forward was greedy.
+    logits: ``{row: [num_logits, V]}``, or ``[num_logits]`` argmax ids when every row of the
+    forward was greedy.
     """
-    assert len(rows) == len(proposals) == len(logits)
-    results: list[tuple[RejectionOutput, int] | None] = [None] * len(rows)
-    trees = [i for i, proposal in enumerate(proposals) if proposal.parents is not None]
-    sampled = [i for i in trees if not rows[i].params.greedy]  # their p in one transform
-    probs = dict(zip(sampled, compute_probs_rows([logits[i] for i in sampled],
-                                                 [rows[i].params for i in sampled]))) if sampled else {}
-    for i in trees:
-        results[i] = (verify_tree(rows[i], proposals[i], logits[i], probs.get(i)), 0)
-    verifiers = {"greedy": lambda _rows, props, x, inputs: verify_greedy(props, x, inputs),
-                 "seeded": verify_seeded, "unseeded": verify_sampled}
-    for kind, picked in chain_kinds(rows, proposals).items():
+    outcomes: dict[VerifyRow, Outcome] = {}
+    trees = [r for r in rows if r.proposal.parents is not None]
+    sampled = [r for r in trees if not r.params.greedy]  # their p in one transform
+    probs = dict(zip(sampled, compute_probs_rows([logits[r] for r in sampled],
+                                                 [r.params for r in sampled]))) if sampled else {}
+    for row in trees:
+        outcomes[row] = (verify_tree(row, logits[row], probs.get(row)), 0)
+    verifiers = {"greedy": verify_greedy, "seeded": verify_seeded, "unseeded": verify_sampled}
+    for kind, picked in chain_kinds(rows).items():
         if not picked:
             continue
         if judged is not None:
             assert kind == "greedy" and len(picked) == len(rows), "a verdict covers greedy chains"
             out = judged
         else:
-            out = verifiers[kind]([rows[i] for i in picked], [proposals[i] for i in picked],
-                                  [logits[i] for i in picked], (staged or {}).get(kind))
-        for j, i in enumerate(picked):
-            results[i] = (out, j)
-    return results
+            out = verifiers[kind](picked, [logits[r] for r in picked], (staged or {}).get(kind))
+        outcomes.update((row, (out, j)) for j, row in enumerate(picked))
+    return outcomes
 
 
-def verify_rows(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
+def verify_rows(rows: list[VerifyRow], logits: list[torch.Tensor],
                 staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
                 ) -> list[Verdict]:
     """:func:`verify_batch` (``staged`` and ``judged`` as it takes them), each row's result as a
     :class:`Verdict` (with the emitted tokens' log-probabilities where its request asked):
     :func:`judge`, then its :meth:`Judged.verdicts`."""
-    return judge(rows, proposals, logits, staged, judged).verdicts()
+    return judge(rows, logits, staged, judged).verdicts()
 
 
-def judge(rows: list[SamplingRow], proposals: list[Proposal], logits: list[torch.Tensor],
+def judge(rows: list[VerifyRow], logits: list[torch.Tensor],
           staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
           ) -> Judged:
     """:func:`verify_batch` on the device, nothing read back yet (a worker queues the next
-    forward before it reads: ``ModelWorker.launch``).
+    forward before it reads: ``ModelWorker.launch``). ``logits``: each row's, in row order.
 
     A row with a ``logit_bias`` or a ``mask`` (a grammar's, a ``min_tokens``'s) is verified
     on its logits with the bias added, then the disallowed tokens at -inf: the constrained
     target distribution, at every position (greedy argmax, p of the rejection test, the
     recovered and bonus tokens alike)."""
-    constrained = [constrain_logits(x, r, p) for r, x, p in zip(rows, logits, proposals)]
-    return Judged(rows, logits, constrained, verify_batch(rows, proposals, constrained, staged, judged))
+    given = dict(zip(rows, logits, strict=True))
+    constrained = {row: x if row.plain else constrain_logits(x, row) for row, x in given.items()}
+    return Judged(rows, given, constrained, verify_batch(rows, constrained, staged, judged))
 
 
-def constrain_logits(logits: torch.Tensor, row: SamplingRow, proposal: Proposal) -> torch.Tensor:
+def constrain_logits(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
     """``logits`` (``[n, V]``) as ``row`` is decided on: its request's ``logit_bias`` added,
     its penalties for the tokens before each position (``penalties.py``), then its mask
     applied; the same tensor where it has none of them."""
     logits = with_logit_bias(logits, row.params.logit_bias)
     if row.history is not None:
-        logits = penalize(logits, row.params, row.history, proposal.token_ids, proposal.parents)
+        logits = penalize(logits, row.params, row.history, row.proposal.token_ids, row.proposal.parents)
     return logits if row.mask is None else masked(logits, row.mask)
 
 
 @dataclass(frozen=True)
 class Judged:
-    """A step's rows judged on the device (:func:`judge`): each row's sampler output and its
-    row in it, and the logits they came from."""
+    """A step's rows judged on the device (:func:`judge`): each row's logits, as given and as
+    decided on (biased, masked), and its :data:`Outcome`."""
 
-    rows: list[SamplingRow]
-    logits: list[torch.Tensor]
-    constrained: list[torch.Tensor]          # the logits as each row is decided on (biased, masked)
-    results: list[tuple[RejectionOutput, int]]
+    rows: list[VerifyRow]
+    logits: dict[VerifyRow, torch.Tensor]
+    constrained: dict[VerifyRow, torch.Tensor]
+    outcomes: dict[VerifyRow, Outcome]
 
     def verdicts(self) -> list[Verdict]:
-        """Each row's :class:`Verdict`, read back (one read per sampler call). Logprobs: a
-        sampled row's are of its constrained distribution (what the token was drawn from), a
-        greedy row's the model's log-softmax, as without a grammar."""
-        verdicts = []
-        for r, x, c, (res, row) in zip(self.rows, self.logits, self.constrained, self.results):
-            path = res.paths[row] if res.paths is not None else None
-            emitted = res.emitted(row)
-            lp = None if r.params.logprobs is None else emitted_logprobs(
-                r.params, x if r.params.greedy else c, emitted, path)
-            verdicts.append(Verdict(emitted, res.accepted(row), path, lp))
-        return verdicts
+        """Each row's :class:`Verdict`, in row order, read back (one read per sampler call).
+        Logprobs: a sampled row's are of its constrained distribution (what the token was
+        drawn from), a greedy row's the model's log-softmax, as without a grammar."""
+        return [self.verdict(row) for row in self.rows]
+
+    def verdict(self, row: VerifyRow) -> Verdict:
+        res, j = self.outcomes[row]
+        path = res.paths[j] if res.paths is not None else None
+        emitted = res.emitted(j)
+        params = row.params
+        lp = None if params.logprobs is None else emitted_logprobs(
+            params, self.logits[row] if params.greedy else self.constrained[row], emitted, path)
+        return Verdict(emitted, res.accepted(j), path, lp)
 
     def last_tokens(self) -> torch.Tensor:
         """``[rows]``: each chain row's last emitted token (the one it feeds next), on the
         logits' device and computed there, nothing read (what a following forward takes:
-        ``VerifyBatch.follows``); -1 for a tree row."""
-        device = self.logits[0].device
-        outputs: dict[int, tuple[RejectionOutput, list[int], list[int]]] = {}
-        for i, (res, row) in enumerate(self.results):
+        ``VerifyRow.follows``); -1 for a tree row."""
+        device = next(iter(self.logits.values())).device
+        calls: dict[int, tuple[RejectionOutput, list[int], list[int]]] = {}
+        for i, row in enumerate(self.rows):
+            res, j = self.outcomes[row]
             if res.paths is None:
-                _, rows, picked = outputs.setdefault(id(res), (res, [], []))
+                _, rows, picked = calls.setdefault(id(res), (res, [], []))
                 rows.append(i)
-                picked.append(row)
+                picked.append(j)
         last = torch.full((len(self.rows),), -1, dtype=torch.long, device=device)
-        for res, rows, picked in outputs.values():
+        for res, rows, picked in calls.values():
             ends = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0].to(device)
             if rows == picked == list(range(len(self.rows))):
                 return ends
@@ -260,7 +230,7 @@ class Judged:
 
     def send(self) -> None:
         """Queue each sampler call's result to the host (:meth:`RejectionOutput.send`)."""
-        for res, _ in self.results:
+        for res in {id(res): res for res, _ in self.outcomes.values()}.values():
             res.send()
 
 
@@ -304,37 +274,35 @@ def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list
     return token_logprobs(logp, emitted, params.logprobs)
 
 
-def verify_tree(row: SamplingRow, proposal: Proposal, logits: torch.Tensor,
-                p: torch.Tensor | None) -> RejectionOutput:
+def verify_tree(row: VerifyRow, logits: torch.Tensor, p: torch.Tensor | None) -> RejectionOutput:
     """One row whose drafts form a tree; logits: ``[N + 1, V]`` (or argmax ids, greedy), row
     0 after the row's last token, row i + 1 after node i; ``p``: a sampled row's ``[N + 1, V]``
     after its transform (None for a greedy row). Returns a one-row output whose ``paths``
     holds the accepted nodes."""
-    parents, tokens = proposal.parents, proposal.token_ids
+    parents, tokens = row.proposal.parents, row.proposal.token_ids
     if row.params.greedy:
         out = tree_accept_greedy(parents, tokens, logits)
     else:
         if row.params.seed is not None:
-            out = tree_accept_seeded(parents, tokens, p, row.sample_seed, row.position)
+            out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
         else:
-            q = proposal.probs
+            q = row.proposal.probs
             if isinstance(q, TopK):
                 q = q.dense(p.shape[-1], p.device)
-            out = tree_accept_sampled(parents, tokens, p, q,
-                                      step_generator(row.sample_seed, row.position))
+            out = tree_accept_sampled(parents, tokens, p, q, step_generator(row.seed, row.position))
     emitted = torch.full((1, len(tokens) + 1), PLACEHOLDER, dtype=torch.long)
     emitted[0, :len(out.emitted)] = torch.tensor(out.emitted, dtype=torch.long)
     return RejectionOutput(emitted, torch.tensor([out.num_accepted]), paths=[out.path])
 
 
-def verify_greedy(proposals: list[Proposal], logits: list[torch.Tensor],
+def verify_greedy(rows: list[VerifyRow], logits: list[torch.Tensor],
                   inputs: KindInputs | None = None) -> RejectionOutput:
     """Greedy verification against the target argmax.
 
     logits[i]: ``[num_draft_tokens_i + 1, V]`` logits or ``[num_draft_tokens_i + 1]`` argmax ids.
     """
-    assert len(proposals) == len(logits) and all(x.ndim in (1, 2) for x in logits)
-    drafts = (inputs or KindInputs("greedy", [], proposals)).on(logits[0].device)["drafts"]
+    assert len(rows) == len(logits) and all(x.ndim in (1, 2) for x in logits)
+    drafts = (inputs or KindInputs("greedy", rows)).on(logits[0].device)["drafts"]
     draft_token_ids, num_draft_tokens = drafts[:, :-1], drafts[:, -1]  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
@@ -367,14 +335,14 @@ def greedy_in_bucket(tokens: torch.Tensor, argmax: torch.Tensor, first: torch.Te
     return torch.cat([out.num_accepted_tokens[:, None], out.output_token_ids], dim=1)
 
 
-def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
-                  logits: list[torch.Tensor], inputs: KindInputs | None = None) -> RejectionOutput:
+def verify_seeded(rows: list[VerifyRow], logits: list[torch.Tensor],
+                  inputs: KindInputs | None = None) -> RejectionOutput:
     """Drafter-invariant verification: the text is the target-only text of the seed.
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
-    assert len(rows) == len(proposals) == len(logits)
-    on = (inputs or KindInputs("seeded", rows, proposals)).on(logits[0].device)
+    assert len(rows) == len(logits)
+    on = (inputs or KindInputs("seeded", rows)).on(logits[0].device)
     draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
     p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1],
                      on["settings"])  # [B, K + 1, V]
@@ -386,18 +354,18 @@ def verify_seeded(rows: list[SamplingRow], proposals: list[Proposal],
     return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
 
 
-def verify_sampled(rows: list[SamplingRow], proposals: list[Proposal],
-                   logits: list[torch.Tensor], inputs: KindInputs | None = None) -> RejectionOutput:
+def verify_sampled(rows: list[VerifyRow], logits: list[torch.Tensor],
+                   inputs: KindInputs | None = None) -> RejectionOutput:
     """The rejection test (Leviathan), its draws fixed by (seed, position).
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
-    assert len(rows) == len(proposals) == len(logits)
-    on = (inputs or KindInputs("unseeded", rows, proposals)).on(logits[0].device)
+    assert len(rows) == len(logits)
+    on = (inputs or KindInputs("unseeded", rows)).on(logits[0].device)
     draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
     p = target_probs([r.params for r in rows], logits, max_spec_len, on["settings"])  # [B, K + 1, V]
-    q = draft_probs(proposals, draft_token_ids, p.shape[-1])           # [B, K, V] or None
+    q = draft_probs([r.proposal for r in rows], draft_token_ids, p.shape[-1])  # [B, K, V] or None
     uniform = on["uniform"]  # [B, K]
     num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
     # The noise of the position each row's recovered or bonus token lands on, [B, V], from
