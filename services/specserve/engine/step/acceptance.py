@@ -99,7 +99,7 @@ import torch
 
 from specserve.engine.runtime.forward_batch import HostCopy
 from specserve.engine.runtime.token_tree import tree_children, tree_depths, validate_tree
-from specserve.engine.step.sampling import position_noise, sample_from
+from specserve.engine.step.sampling import exponential_noise, position_noise, sample_from
 
 PLACEHOLDER = -1  # output positions after the emitted token
 
@@ -255,6 +255,24 @@ def drafter_invariant_sample(draft_token_ids: torch.Tensor, num_draft_tokens: to
                                    sample_from(target_probs, noise))  # [B, K + 1] target's tokens
 
 
+def seeded_chains(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                  target_probs: torch.Tensor, keys: torch.Tensor, drawn_at: torch.Tensor) -> RejectionOutput:
+    """:func:`drafter_invariant_sample` with its noise drawn here, from each verified
+    position's key (``sampling.noise_key``: the row's seed and the position), so the text is
+    the seed's target-only text.
+
+    keys: ``[N]``, each row's ``num_draft_tokens + 1`` positions in turn, row after row;
+    drawn_at: ``[N]``, where each key's draw goes in ``target_probs`` viewed as
+    ``[B * (K + 1), V]``. Every row's positions are drawn in one call: what follows a
+    disagreement is never emitted, and drawing it costs less than deciding where to stop.
+    """
+    vocab = target_probs.shape[-1]
+    drawn = exponential_noise(keys, vocab, target_probs.device)   # [N, V]
+    noise = torch.ones_like(target_probs)  # [B, K + 1, V]; the padding positions are never emitted
+    noise.view(-1, vocab)[drawn_at] = drawn  # (an index, not a mask: no wait)
+    return drafter_invariant_sample(draft_token_ids, num_draft_tokens, target_probs, noise)
+
+
 def tree_accept_seeded(parents: Sequence[int], tokens: Sequence[int], target_probs: torch.Tensor,
                        seed: int, position: int) -> TreeAcceptance:
     """Drafter-invariant verification of a tree (module docstring).
@@ -307,6 +325,20 @@ def rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tens
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_at, residual)
     return _assemble(draft_token_ids, num_accepted_tokens, sample_from(residual, noise))
+
+
+def sampled_chains(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
+                   target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                   uniform: torch.Tensor, keys: torch.Tensor) -> RejectionOutput:
+    """:func:`rejection_sample` with the noise of each row's recovered or bonus token drawn
+    here, from the key of the position it lands on (keys: ``[N]``, as
+    :func:`seeded_chains` takes them), chosen on the device: no read of the count."""
+    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens,
+                                                  target_probs, draft_probs, uniform)  # [B]
+    first = torch.cumsum(num_draft_tokens + 1, 0) - (num_draft_tokens + 1)  # [B] each row's first key
+    noise = exponential_noise(keys[first + num_accepted_tokens], target_probs.shape[-1],
+                              target_probs.device)  # [B, V]
+    return rejection_sample(draft_token_ids, num_draft_tokens, target_probs, draft_probs, uniform, noise)
 
 
 def stochastic_num_accepted(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,

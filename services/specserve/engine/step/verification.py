@@ -5,9 +5,10 @@ The target forward (:meth:`TargetCalls.launch
 <specserve.engine.spec_decode.TargetCalls.launch>`) returns, per row, logits at its
 ``num_draft_tokens + 1`` positions. This module pads the ragged rows to one ``[B, K + 1]``
 batch (K = ``max_spec_len``, the most drafts of any row), turns logits into ``p`` and
-proposals into ``q`` with the request's sampling transform, draws the randomness of each
-position from the row's seed, and runs the matching rule of
-:mod:`~specserve.engine.step.acceptance`. Rows are verified in three calls, one per kind:
+proposals into ``q`` with the request's sampling transform, keys the randomness of each
+position by the row's seed (noise keys, uniforms), and calls the matching rule of
+:mod:`~specserve.engine.step.acceptance`, which does the arithmetic (the noise drawn from
+those keys included). Rows are verified in three calls, one per kind:
 
 - **greedy** rows: drafts kept while they equal the target argmax (:func:`verify_greedy`);
 - **seeded** sampled rows: drafter-invariant verification, so the text is the target-only
@@ -44,10 +45,9 @@ from specserve.engine.runtime.forward_batch import Upload, device_index, queued
 from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     RejectionOutput,
-    drafter_invariant_sample,
     greedy_rejection_sample,
-    rejection_sample,
-    stochastic_num_accepted,
+    sampled_chains,
+    seeded_chains,
     tree_accept_greedy,
     tree_accept_sampled,
     tree_accept_seeded,
@@ -57,7 +57,6 @@ from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.step.sampling import (
     compute_probs_each,
     compute_probs_rows,
-    exponential_noise,
     noise_key,
     noise_keys,
     position_uniform,
@@ -346,12 +345,7 @@ def verify_seeded(rows: list[VerifyRow], logits: list[torch.Tensor],
     draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
     p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1],
                      on["settings"])  # [B, K + 1, V]
-    # Every row's positions 0..num_draft_tokens in one draw (what follows a disagreement is
-    # never emitted: drawn anyway, it costs less than deciding where to stop row by row).
-    drawn = exponential_noise(on["keys"], p.shape[-1], p.device)  # [sum(K_i + 1), V]
-    noise = torch.ones_like(p)  # [B, K + 1, V]; the padding positions are never emitted
-    noise.view(-1, p.shape[-1])[on["drawn_at"]] = drawn  # (an index, not a mask: no wait)
-    return drafter_invariant_sample(draft_token_ids, num_draft_tokens, p, noise)
+    return seeded_chains(draft_token_ids, num_draft_tokens, p, on["keys"], on["drawn_at"])
 
 
 def verify_sampled(rows: list[VerifyRow], logits: list[torch.Tensor],
@@ -366,13 +360,7 @@ def verify_sampled(rows: list[VerifyRow], logits: list[torch.Tensor],
     max_spec_len = draft_token_ids.shape[1]
     p = target_probs([r.params for r in rows], logits, max_spec_len, on["settings"])  # [B, K + 1, V]
     q = draft_probs([r.proposal for r in rows], draft_token_ids, p.shape[-1])  # [B, K, V] or None
-    uniform = on["uniform"]  # [B, K]
-    num_accepted_tokens = stochastic_num_accepted(draft_token_ids, num_draft_tokens, p, q, uniform)
-    # The noise of the position each row's recovered or bonus token lands on, [B, V], from
-    # its key among the row's K_i + 1 (chosen on the device: no read of the count).
-    first = torch.cumsum(num_draft_tokens + 1, 0) - (num_draft_tokens + 1)  # [B]
-    noise = exponential_noise(on["keys"][first + num_accepted_tokens], p.shape[-1], p.device)
-    return rejection_sample(draft_token_ids, num_draft_tokens, p, q, uniform, noise)
+    return sampled_chains(draft_token_ids, num_draft_tokens, p, q, on["uniform"], on["keys"])
 
 
 def pad_drafts(proposals: list[Proposal]) -> torch.Tensor:
