@@ -29,6 +29,7 @@ from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     greedy_rejection_sample,
     rejection_sample,
+    target_probs,
     tree_accept_greedy,
     tree_accept_sampled,
     tree_accept_seeded,
@@ -36,7 +37,7 @@ from specserve.engine.step.acceptance import (
 )
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
-from specserve.engine.step.verification import target_probs, verify_greedy, verify_seeded
+from specserve.engine.step.verification import verify_greedy, verify_seeded
 
 from tests.engine.step.test_verification import verify_row
 

@@ -7,13 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from specserve.config import SamplingParams
-from specserve.engine.step.acceptance import PLACEHOLDER
+from specserve.engine.step.acceptance import PLACEHOLDER, draft_probs, pad_drafts, target_probs
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
 from specserve.engine.step.verification import (
-    draft_probs,
-    pad_drafts,
-    target_probs,
     verify_batch,
     verify_greedy,
     verify_sampled,

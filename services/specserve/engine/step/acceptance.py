@@ -1,6 +1,6 @@
 """Acceptance: which drafts the target keeps and which token it adds, for chains and token
-trees (pure functions; :mod:`~specserve.engine.step.verification` batches the rows, turns logits
-into distributions and draws the randomness).
+trees: the arithmetic, as pure functions (:mod:`~specserve.engine.step.verification` picks each
+row's rule, stages its inputs and keys its draws by the row's seed and positions).
 
 The words (draft, p and q, chain and tree, accepted, recovered, bonus and emitted tokens,
 ``PLACEHOLDER``) are the engine's vocabulary, defined once in the package docstring
@@ -84,8 +84,9 @@ further sibling or to expand a node may depend on what was drawn before; a drawn
 no longer distributed as q. A token chosen deterministically from the context (an EAGLE-style
 top-k expansion, a suffix-tree branch) is a point mass: pass None for it.
 
-**Code order**: the two outputs (with the helpers that lay out a chain batch), then one
-section per rule in the order above, its chain function first and its tree function right
+**Code order**: the two outputs (with the helpers that lay out a chain batch), a chain
+batch's inputs (drafts, p and q padded to ``[B, K (+ 1)]``), then one section per rule in the
+order above, its chain function first and its tree function right
 after it, each private helper next to its caller (the walk that greedy and seeded trees
 share, :func:`tree_accept_matching`, closes the greedy section).
 """
@@ -97,9 +98,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.runtime.forward_batch import HostCopy
+from specserve.config import SamplingParams
+from specserve.engine.runtime.forward_batch import HostCopy, queued
 from specserve.engine.runtime.token_tree import tree_children, tree_depths, validate_tree
-from specserve.engine.step.sampling import exponential_noise, position_noise, sample_from
+from specserve.engine.step.proposal import Proposal, TopK
+from specserve.engine.step.sampling import compute_probs_rows, exponential_noise, position_noise, sample_from
 
 PLACEHOLDER = -1  # output positions after the emitted token
 
@@ -183,6 +186,68 @@ def _assemble(draft_token_ids: torch.Tensor, num_accepted_tokens: torch.Tensor,
     out = torch.where(cols < num_accepted_tokens[:, None], padded, PLACEHOLDER)
     out = torch.where(cols == num_accepted_tokens[:, None], final_token[:, None], out)
     return RejectionOutput(out, num_accepted_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The inputs of a batch of chains: drafts, p and q padded to [B, K (+ 1)]
+
+
+def pad_drafts(proposals: list[Proposal]) -> torch.Tensor:
+    """``[B, K + 1]`` on the host: each row's draft token ids padded with 0 to the most any
+    row has (K), then its number of drafts."""
+    assert proposals
+    max_spec_len = max(len(p.token_ids) for p in proposals)
+    drafts = torch.zeros(len(proposals), max_spec_len + 1, dtype=torch.long)
+    for i, p in enumerate(proposals):
+        drafts[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
+        drafts[i, -1] = len(p.token_ids)
+    return drafts
+
+
+def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
+                 max_spec_len: int, settings: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0).
+    ``settings``: as :func:`~specserve.engine.step.sampling.compute_probs_each` takes them.
+
+    logits[i]: ``[num_draft_tokens_i + 1, V]``, at most K + 1 rows; params[i] is not greedy.
+    """
+    assert len(params) == len(logits)
+    assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
+    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0)
+                        for x in compute_probs_rows(logits, params, settings)])
+
+
+def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    """Pad dim 0 of ``x`` (``[m, ...]``, m ≤ n) to ``n`` rows with ``value``."""
+    assert x.shape[0] <= n
+    if x.shape[0] == n:
+        return x
+    pad = x.new_full((n - x.shape[0], *x.shape[1:]), value)
+    return torch.cat([x, pad])
+
+
+def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
+                vocab: int) -> torch.Tensor | None:
+    """``[B, K, V]`` q for model proposers, on ``draft_token_ids``' device; None when every
+    proposal is deterministic. A deterministic row inside a model batch (no probs) gets its
+    one-hot q; a :class:`TopK` q is scattered into the vocabulary.
+
+    draft_token_ids: ``[B, K]``, :func:`pad_drafts`' first K columns.
+    """
+    assert draft_token_ids.ndim == 2 and draft_token_ids.shape[0] == len(proposals)
+    if all(p.probs is None for p in proposals):
+        return None
+    device = draft_token_ids.device
+    q = torch.zeros(len(proposals), draft_token_ids.shape[1], vocab, device=device)
+    for i, p in enumerate(proposals):
+        n = len(p.token_ids)
+        if isinstance(p.probs, TopK):
+            q[i, :n] = p.probs.dense(vocab, device)  # [n, V]
+        elif p.probs is not None:
+            q[i, :n] = queued(p.probs, device)
+        elif n:
+            q[i, torch.arange(n, device=device), draft_token_ids[i, :n]] = 1.0
+    return q
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,19 +41,23 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
-from specserve.engine.runtime.forward_batch import Upload, device_index, queued
+from specserve.engine.runtime.forward_batch import Upload, device_index
 from specserve.engine.step.acceptance import (
     PLACEHOLDER,
     RejectionOutput,
+    draft_probs,
     greedy_rejection_sample,
+    pad_drafts,
+    pad_rows,
     sampled_chains,
     seeded_chains,
+    target_probs,
     tree_accept_greedy,
     tree_accept_sampled,
     tree_accept_seeded,
 )
 from specserve.engine.step.penalties import penalize
-from specserve.engine.step.proposal import Proposal, TopK
+from specserve.engine.step.proposal import TopK
 from specserve.engine.step.sampling import (
     compute_probs_each,
     compute_probs_rows,
@@ -361,61 +365,3 @@ def verify_sampled(rows: list[VerifyRow], logits: list[torch.Tensor],
     p = target_probs([r.params for r in rows], logits, max_spec_len, on["settings"])  # [B, K + 1, V]
     q = draft_probs([r.proposal for r in rows], draft_token_ids, p.shape[-1])  # [B, K, V] or None
     return sampled_chains(draft_token_ids, num_draft_tokens, p, q, on["uniform"], on["keys"])
-
-
-def pad_drafts(proposals: list[Proposal]) -> torch.Tensor:
-    """``[B, K + 1]`` on the host: each row's draft token ids padded with 0 to the most any
-    row has (K), then its number of drafts."""
-    assert proposals
-    max_spec_len = max(len(p.token_ids) for p in proposals)
-    drafts = torch.zeros(len(proposals), max_spec_len + 1, dtype=torch.long)
-    for i, p in enumerate(proposals):
-        drafts[i, : len(p.token_ids)] = torch.tensor(p.token_ids, dtype=torch.long)
-        drafts[i, -1] = len(p.token_ids)
-    return drafts
-
-
-def target_probs(params: list[SamplingParams], logits: list[torch.Tensor],
-                 max_spec_len: int, settings: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, K + 1, V]`` p after each row's temperature / top-k / top-p (rows padded with 0).
-    ``settings``: as :func:`~specserve.engine.step.sampling.compute_probs_each` takes them.
-
-    logits[i]: ``[num_draft_tokens_i + 1, V]``, at most K + 1 rows; params[i] is not greedy.
-    """
-    assert len(params) == len(logits)
-    assert all(x.ndim == 2 and x.shape[0] <= max_spec_len + 1 for x in logits)
-    return torch.stack([pad_rows(x, max_spec_len + 1, 0.0)
-                        for x in compute_probs_rows(logits, params, settings)])
-
-
-def pad_rows(x: torch.Tensor, n: int, value) -> torch.Tensor:
-    """Pad dim 0 of ``x`` (``[m, ...]``, m ≤ n) to ``n`` rows with ``value``."""
-    assert x.shape[0] <= n
-    if x.shape[0] == n:
-        return x
-    pad = x.new_full((n - x.shape[0], *x.shape[1:]), value)
-    return torch.cat([x, pad])
-
-
-def draft_probs(proposals: list[Proposal], draft_token_ids: torch.Tensor,
-                vocab: int) -> torch.Tensor | None:
-    """``[B, K, V]`` q for model proposers, on ``draft_token_ids``' device; None when every
-    proposal is deterministic. A deterministic row inside a model batch (no probs) gets its
-    one-hot q; a :class:`TopK` q is scattered into the vocabulary.
-
-    draft_token_ids: ``[B, K]``, :func:`pad_drafts`' first K columns.
-    """
-    assert draft_token_ids.ndim == 2 and draft_token_ids.shape[0] == len(proposals)
-    if all(p.probs is None for p in proposals):
-        return None
-    device = draft_token_ids.device
-    q = torch.zeros(len(proposals), draft_token_ids.shape[1], vocab, device=device)
-    for i, p in enumerate(proposals):
-        n = len(p.token_ids)
-        if isinstance(p.probs, TopK):
-            q[i, :n] = p.probs.dense(vocab, device)  # [n, V]
-        elif p.probs is not None:
-            q[i, :n] = queued(p.probs, device)
-        elif n:
-            q[i, torch.arange(n, device=device), draft_token_ids[i, :n]] = 1.0
-    return q
