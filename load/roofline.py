@@ -55,12 +55,20 @@ def decode_bytes(runtime) -> int:
 
 
 def forward_costs(runtime, context: list[int], ts=(1, 2, 3, 4, 5, 6, 7, 8),
-                  reps: int = 9, rows: int = 1) -> dict[int, float]:
+                  reps: int = 9, rows: int = 1, rounds: int = 3) -> dict[int, float]:
     """Median seconds of one forward of T new tokens after ``context``, in each of ``rows``
-    sequences (batch 1 by default). The first three calls of each T are warm-up: a
-    compiled runtime compiles, then records its CUDA graph."""
+    sequences (batch 1 by default): the median of ``rounds`` rounds over every T in turn,
+    ``reps`` forwards of each T a round, so a slow moment of the machine falls on all the
+    T alike and not on one (T = 1 measured alone, first, once read 1.2-2.8 ms slow on a
+    2-core VM, and the verify's cost against it low). The first three calls of each T are
+    warm-up: a compiled runtime compiles, then records its CUDA graph."""
     cache, slots = prefilled_cache(runtime, context, rows, max(ts))
-    return {t: forward_cost(runtime, cache, slots, context, t, reps)[0] for t in ts}
+    times: dict[int, list[float]] = {t: [] for t in ts}
+    for r in range(rounds):
+        for t in ts:
+            warmup = 3 if r == 0 else 1
+            times[t].append(forward_cost(runtime, cache, slots, context, t, reps, warmup)[0])
+    return {t: statistics.median(values) for t, values in times.items()}
 
 
 def prefilled_cache(runtime, context: list[int], rows: int, max_new: int):
