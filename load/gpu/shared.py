@@ -52,7 +52,7 @@ from specserve.engine.runtime.model import default_kernels
 from specserve.engine.step.proposal import DraftRequest, Proposal
 from specserve.engine.worker import ModelWorker
 from specserve.errors import ProposerUnavailable
-from specserve.memory import GIB, MemoryEstimate, ModelShape, Workload, compiled, estimate
+from specserve.memory import GIB, MemoryEstimate, ModelShape, SharedGpu, Workload, compiled, estimate
 from specserve.methods import proposer_class
 from specserve.serve.wire import host_only
 
@@ -325,15 +325,15 @@ def memory(b: Shared) -> dict:
     s, max_len = b.s, b.worker.max_seq_len
     est = {"target": estimate_of(s.shape, s, max_len, draft=False, kernels=s.kernels),
            "draft": estimate_of(s.draft_shape, s, max_len, draft=True, kernels=b.draft.report["kernels"])}
+    both = SharedGpu(est["target"], est["draft"], None)  # as memory-estimate counts them
     after = {"target": cuda_now(s.device), "draft": b.draft.usage()}
     used = {"after_load": b.used_after_load, "after_run": after["target"]["device_used"]}
     return {"status": "ok",
-            "estimate_gib": {**{role: gib(e.total) for role, e in est.items()},
-                             "sum": gib(sum(e.total for e in est.values()))},
+            "estimate_gib": {**{role: gib(e.total) for role, e in est.items()}, "sum": gib(both.total)},
             "device_used_gib": {when: gib(n) for when, n in used.items()},
             "peak_allocated_gib": {role: gib(now["peak_allocated"]) for role, now in after.items()},
             "reserved_gib": {role: gib(now["reserved"]) for role, now in after.items()},
-            "within_estimate": within(est, after, used.values())}
+            "within_estimate": within(est, after, used.values(), both.total)}
 
 
 def estimate_of(shape: str, s: Settings, max_len: int, *, draft: bool, kernels: str) -> MemoryEstimate:
@@ -343,15 +343,15 @@ def estimate_of(shape: str, s: Settings, max_len: int, *, draft: bool, kernels: 
     return estimate(ModelShape.from_config({"model_type": "llama", **SHAPES[shape]}), load)
 
 
-def within(est: dict[str, MemoryEstimate], after: dict[str, dict], used) -> bool | None:
+def within(est: dict[str, MemoryEstimate], after: dict[str, dict], used, total: int) -> bool | None:
     """Each process's peak within its estimate's tensors (its total less the context
-    allowance, which the allocator never sees), and the device's use within the two totals;
-    None where nothing was measured (a CPU)."""
+    allowance, which the allocator never sees), and the device's use within ``total``, the
+    two estimates together; None where nothing was measured (a CPU)."""
     used = list(used)
     if None in used:
         return None
     peaks = all(after[role]["peak_allocated"] <= e.total - e.overhead for role, e in est.items())
-    return peaks and max(used) <= sum(e.total for e in est.values())
+    return peaks and max(used) <= total
 
 
 def gib(n: int | None) -> float | None:

@@ -3,12 +3,12 @@
 
 The target forward (:meth:`TargetCalls.launch
 <specserve.engine.spec_decode.TargetCalls.launch>`) returns, per row, logits at its
-``num_draft_tokens + 1`` positions. This module pads the ragged rows to one ``[B, K + 1]``
-batch (K = ``max_spec_len``, the most drafts of any row), turns logits into ``p`` and
-proposals into ``q`` with the request's sampling transform, keys the randomness of each
-position by the row's seed (noise keys, uniforms), and calls the matching rule of
-:mod:`~specserve.engine.step.acceptance`, which does the arithmetic (the noise drawn from
-those keys included). Rows are verified in three calls, one per kind:
+``num_draft_tokens + 1`` positions. This module groups the rows by kind, stages what each
+kind needs of the host (drafts, sampling settings, the noise keys of every position by the
+row's seed, uniforms), and calls :mod:`~specserve.engine.step.acceptance`, which does the
+arithmetic: the ragged rows padded to one ``[B, K + 1]`` batch (K = ``max_spec_len``, the
+most drafts of any row), ``p`` and ``q`` after the request's sampling transform, the noise
+drawn from those keys, the rule. Rows are verified in three calls, one per kind:
 
 - **greedy** rows: drafts kept while they equal the target argmax (:func:`verify_greedy`);
 - **seeded** sampled rows: drafter-invariant verification, so the text is the target-only
