@@ -24,8 +24,17 @@ from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.acceptance import RejectionOutput
 from specserve.engine.step.proposal import Proposal
-from specserve.engine.step.verification import Judged, greedy_in_bucket, judge, prompt_token_logprobs, stage
-from specserve.engine.step.verify_batch import Verdict, VerifyBatch
+from specserve.engine.step.verification import (
+    Outcome,
+    greedy_in_bucket,
+    judge,
+    last_tokens,
+    prompt_token_logprobs,
+    send,
+    stage,
+    verdicts,
+)
+from specserve.engine.step.verify_batch import Verdict, VerifyBatch, VerifyRow
 
 
 @dataclass
@@ -179,7 +188,7 @@ class ModelWorker(SlotOwner):
         clock = ForwardClock(self.runtime.embed.weight.device)
         argmax_only = all(r.argmax_only for r in rows)
         upload = Upload()  # the verification's inputs go to the device with the forward's
-        staged = stage(rows, upload)
+        staged = upload, stage(rows, upload)
         if batch.followers:
             assert (after is not None or fed is not None) and all(
                 len(rows[i].token_ids) == 1 and not rows[i].proposal.token_ids
@@ -192,9 +201,9 @@ class ModelWorker(SlotOwner):
         if argmax_only and out.verdict is not None and all(r.proposal.parents is None for r in rows):
             judged = RejectionOutput.unpack(out.verdict[:len(rows)])
         asked = list(logits.split([r.num_asked for r in rows]))
-        judged = judge(rows, [x[-r.num_logits:] for r, x in zip(rows, asked)], staged, judged)
-        judged.send()  # its read queued now, ahead of the next step's forward
-        return Launched(batch, judged, asked, hidden, clock)
+        outcomes = judge(rows, [x[-r.num_logits:] for r, x in zip(rows, asked)], staged, judged)
+        send(outcomes)  # their read queued now, ahead of the next step's forward
+        return Launched(batch, outcomes, asked, hidden, clock)
 
     def forward(self, batch: ForwardBatch) -> Forwarded:
         """Append ``batch``'s tokens to its slots in this worker's cache; what the batch asks
@@ -234,12 +243,12 @@ class ForwardClock:
 
 @dataclass
 class Launched:
-    """A verify on the device's queue (:meth:`ModelWorker.launch`): its rows judged there, the
-    logits each row asked for (:attr:`VerifyRow.num_asked`), its hidden states;
-    :meth:`result` reads it back."""
+    """A verify on the device's queue (:meth:`ModelWorker.launch`): each row's outcome there
+    (:func:`~specserve.engine.step.verification.judge`), the logits each row asked for
+    (:attr:`VerifyRow.num_asked`), its hidden states; :meth:`result` reads it back."""
 
     batch: VerifyBatch
-    judged: Judged
+    outcomes: dict[VerifyRow, Outcome]
     asked: list[torch.Tensor]     # [rows] each row's asked logits (or argmax ids)
     hidden: torch.Tensor | None
     clock: ForwardClock
@@ -247,23 +256,25 @@ class Launched:
     def feeds(self, batch: VerifyBatch) -> torch.Tensor:
         """``[followers]``: the last token each row of ``batch`` that follows this verify
         (:attr:`VerifyRow.follows`) emitted here, on the device."""
-        last, picked = self.judged.last_tokens(), [batch.rows[i].follows for i in batch.followers]
+        last = last_tokens(self.batch.rows, self.outcomes)
+        picked = [batch.rows[i].follows for i in batch.followers]
         return last[row_index(picked, last.shape[0], last.device)]
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read
         back to the host."""
-        rows, verdicts = self.batch.rows, self.judged.verdicts()
+        rows = self.batch.rows
+        judged = verdicts(rows, self.outcomes)
         for i, (row, x) in enumerate(zip(rows, self.asked)):
             if row.scores_prompt:  # logits row j predicts prompt token j + 1
                 prompt = row.token_ids[:len(row.token_ids) - row.num_logits + 1]
                 logp = torch.log_softmax(x[:len(prompt) - 1].float(), dim=-1)
-                verdicts[i] = replace(verdicts[i], prompt_logprobs=prompt_token_logprobs(
+                judged[i] = replace(judged[i], prompt_logprobs=prompt_token_logprobs(
                     logp, prompt[1:], row.params.prompt_logprobs) if len(prompt) > 1 else [])
         kept = chunk_hidden = None
         if self.hidden is not None:  # every row's kept states and the chunks', in one read
             picks, start = [], 0
-            for row, v in zip(rows, verdicts):
+            for row, v in zip(rows, judged):
                 picks.append([start + j for j in _kept_rows(len(row.token_ids), row.proposal, v)])
                 start += len(row.token_ids)
             for _, ids in self.batch.chunks:
@@ -272,7 +283,7 @@ class Launched:
             flat = self.hidden[device_index([j for row in picks for j in row], self.hidden.device)]
             parts = list(flat.cpu().split([len(row) for row in picks]))
             kept, chunk_hidden = parts[:len(rows)], parts[len(rows):]
-        return Verified(verdicts, kept, *self.clock.split(), chunk_hidden)
+        return Verified(judged, kept, *self.clock.split(), chunk_hidden)
 
 
 def _kept_rows(num_tokens: int, proposal: Proposal, verdict: Verdict) -> list[int]:

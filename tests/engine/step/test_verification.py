@@ -11,7 +11,7 @@ from specserve.engine.step.acceptance import PLACEHOLDER, draft_probs, pad_draft
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.sampling import compute_probs, position_noise, sample_from
 from specserve.engine.step.verification import (
-    verify_batch,
+    judge,
     verify_greedy,
     verify_sampled,
     verify_seeded,
@@ -50,6 +50,8 @@ def test_greedy_rows_of_any_length_argmax_ids_or_logits():
     out = verify_greedy([verify_row(p) for p in proposals], logits)
     assert [out.emitted(i) for i in range(3)] == [[5, 9, 7], [6], [3, 8]]
     assert out.output_token_ids[1].tolist() == [6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]
+    decodes = verify_greedy([verify_row(Proposal([]))] * 2, [one_hot_logits([6]), torch.tensor([3])])
+    assert [(decodes.emitted(i), decodes.accepted(i)) for i in range(2)] == [([6], 0), ([3], 0)]
 
 
 def test_target_probs_are_padded_with_zero_rows():
@@ -110,17 +112,17 @@ def test_a_rows_p_is_the_same_alone_or_beside_top_k_and_top_p_rows():
     assert int((beside[1] > 0).sum()) <= 20
 
 
-def test_verify_batch_verifies_each_kind_in_one_call():
+def test_judge_verifies_each_kind_in_one_call():
     seeded = SamplingParams(temperature=1.0, seed=2)
     kinds = [(seeded, 2), (GREEDY, 1), (SAMPLED, 3), (GREEDY, 1), (seeded, 2)]
     proposals = [Proposal([1]), Proposal([2, 3]), Proposal([]), Proposal([4]), Proposal([])]
     rows = [verify_row(p, params, seed, 5) for p, (params, seed) in zip(proposals, kinds)]
     logits = {row: random_logits(row.num_logits, i) for i, row in enumerate(rows)}
-    outcomes = verify_batch(rows, logits)
+    outcomes = judge(rows, [logits[row] for row in rows])
     results = [outcomes[row] for row in rows]
-    assert [j for _, j in results] == [0, 0, 0, 1, 1]
+    assert [j for _, j, _ in results] == [0, 0, 0, 1, 1]
     assert results[0][0] is results[4][0] and results[1][0] is results[3][0]
-    assert len({id(out) for out, _ in results}) == 3
+    assert len({id(out) for out, _, _ in results}) == 3
     alone = verify_greedy([rows[1], rows[3]], [logits[rows[1]], logits[rows[3]]])
     assert torch.equal(results[1][0].output_token_ids, alone.output_token_ids)
 

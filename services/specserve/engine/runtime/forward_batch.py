@@ -89,7 +89,11 @@ class Upload:
         return len(self._host) - 1
 
     def send(self, device: torch.device | str) -> None:
-        """Every tensor added since the last send, in one copy."""
+        """Every tensor added since the last send, in one copy; on the host itself, none:
+        the tensors are read as they are."""
+        if torch.device(device).type == "cpu":
+            self._sent.extend(self._host[len(self._sent):])
+            return
         flat = self.pending()
         if flat:
             self.received(queued(torch.cat(flat), device))

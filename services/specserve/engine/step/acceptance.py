@@ -12,9 +12,10 @@ The words (draft, p and q, chain and tree, accepted, recovered, bonus and emitte
 accepted path and the tried siblings; batching rows is the caller's): N nodes,
 ``parents[i] < i`` (-1: a child of the **root**, the row's last committed token), siblings in
 the order they were drawn, p ``[N + 1, V]`` with row 0 after the root and row i + 1 after node
-i, output :class:`TreeAcceptance`. A chain of K drafts is the tree ``chain_parents(K)``; on it
-every tree rule agrees with its chain rule (greedy and seeded token for token, sampled in
-distribution: tests/engine/step/test_acceptance.py).
+i, output the row's :class:`~specserve.engine.step.verify_batch.Verdict` (its path and
+emitted tokens). A chain of K drafts is the tree ``chain_parents(K)``; on it every tree rule
+agrees with its chain rule (greedy and seeded token for token, sampled in distribution:
+tests/engine/step/test_acceptance.py).
 
 The three rules, each for a chain and for a tree (verification.py picks: **greedy** for
 greedy rows, ``SamplingParams.greedy``: temperature 0 or ``top_k`` 1; **seeded** for sampled
@@ -103,20 +104,19 @@ from specserve.engine.runtime.forward_batch import HostCopy, queued
 from specserve.engine.runtime.token_tree import tree_children, tree_depths, validate_tree
 from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.step.sampling import compute_probs_rows, exponential_noise, position_noise, sample_from
+from specserve.engine.step.verify_batch import Verdict
 
 PLACEHOLDER = -1  # output positions after the emitted token
 
 
 # ---------------------------------------------------------------------------------------------
-# The outputs: a batch of chains, one row's tree
+# The output of a batch of chains (a tree's is its row's Verdict)
 
 
 @dataclass
 class RejectionOutput:
     output_token_ids: torch.Tensor   # [B, K + 1] long, PLACEHOLDER after each row's last token
     num_accepted_tokens: torch.Tensor       # [B] long, 0..num_draft_tokens
-    # token trees (verification.verify_tree): per row, the accepted nodes' indices; None: chains
-    paths: list[list[int]] | None = None
     _host: list[list[int]] | None = field(default=None, repr=False, compare=False)
     _packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _copy: HostCopy | None = field(default=None, repr=False, compare=False)
@@ -153,18 +153,6 @@ class RejectionOutput:
             self.send()
             self._host = self._copy.tolist()
         return self._host
-
-
-@dataclass(frozen=True)
-class TreeAcceptance:
-    """What one row keeps of its tree."""
-
-    path: list[int]     # accepted node indices, the root's child first (each the parent of the next)
-    emitted: list[int]  # the path's tokens, then the recovered or bonus token: num_accepted + 1
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path)
 
 
 def _num_leading_true(accepted: torch.Tensor, num_draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -262,13 +250,15 @@ def greedy_rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: tor
     (the target's argmax after each prefix, position K being the bonus position).
     """
     assert draft_token_ids.ndim == 2 and target_argmax.shape[1] == draft_token_ids.shape[1] + 1
+    if draft_token_ids.shape[1] == 0:  # no drafts (decodes): each row emits its argmax
+        return RejectionOutput(target_argmax, torch.zeros_like(target_argmax[:, 0]))
     num_accepted_tokens = _num_leading_true(draft_token_ids == target_argmax[:, :-1], num_draft_tokens)
     final = target_argmax.gather(1, num_accepted_tokens[:, None])[:, 0]
     return _assemble(draft_token_ids, num_accepted_tokens, final)
 
 
 def tree_accept_greedy(parents: Sequence[int], tokens: Sequence[int],
-                       target: torch.Tensor) -> TreeAcceptance:
+                       target: torch.Tensor) -> Verdict:
     """Greedy verification of a tree.
 
     target: ``[N + 1, V]`` logits (or probabilities), or ``[N + 1]`` argmax ids, row 0 after the
@@ -281,7 +271,7 @@ def tree_accept_greedy(parents: Sequence[int], tokens: Sequence[int],
 
 
 def tree_accept_matching(parents: Sequence[int], tokens: Sequence[int],
-                         target_token: Callable[[int], int]) -> TreeAcceptance:
+                         target_token: Callable[[int], int]) -> Verdict:
     """Walk from the root while a child carries the target's token, then emit that token.
 
     ``target_token(row)`` is the target's token at a row of its output (0: the root; i + 1:
@@ -296,7 +286,7 @@ def tree_accept_matching(parents: Sequence[int], tokens: Sequence[int],
         token = target_token(row)
         match = next((child for child in children[row] if tokens[child] == token), None)
         if match is None:
-            return TreeAcceptance(path, [tokens[i] for i in path] + [token])
+            return Verdict([tokens[i] for i in path] + [token], len(path), path)
         path.append(match)
         row = match + 1
 
@@ -339,7 +329,7 @@ def seeded_chains(draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor,
 
 
 def tree_accept_seeded(parents: Sequence[int], tokens: Sequence[int], target_probs: torch.Tensor,
-                       seed: int, position: int) -> TreeAcceptance:
+                       seed: int, position: int) -> Verdict:
     """Drafter-invariant verification of a tree (module docstring).
 
     target_probs p: ``[N + 1, V]``, after the request's transform (``compute_probs``);
@@ -438,7 +428,7 @@ def _draft_probs_at(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | N
 
 def tree_accept_sampled(parents: Sequence[int], tokens: Sequence[int], target_probs: torch.Tensor,
                         draft_probs: torch.Tensor | Sequence[torch.Tensor | None] | None,
-                        generator: torch.Generator | None = None) -> TreeAcceptance:
+                        generator: torch.Generator | None = None) -> Verdict:
     """Multi-candidate rejection sampling over a tree (module docstring).
 
     target_probs p: ``[N + 1, V]``, row 0 after the root, row i + 1 after node i;
@@ -476,7 +466,7 @@ def tree_accept_sampled(parents: Sequence[int], tokens: Sequence[int], target_pr
         else:  # every child rejected, or a leaf: recovered or bonus token from r
             # drawn on the host (the generator is a CPU one on every device), used on r's
             noise = torch.empty(vocab, dtype=r.dtype).exponential_(generator=generator).to(r.device)
-            return TreeAcceptance(path, [tokens[i] for i in path] + [int(sample_from(r, noise))])
+            return Verdict([tokens[i] for i in path] + [int(sample_from(r, noise))], len(path), path)
 
 
 def _accept(r: torch.Tensor, q: torch.Tensor | None, token: int, generator: torch.Generator | None) -> bool:

@@ -22,7 +22,7 @@ rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`
 
 On the compiled path the greedy rows' verification runs inside the forward's graph
 (:func:`greedy_in_bucket`, installed by the worker as the graph's verdict): the step's
-result is then a graph output, and :func:`verify_rows` takes it as it is (``judged``).
+result is then a graph output, and :func:`judge` takes it as it is (``judged``).
 
 What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
 before the target's forward: the worker stages it (:func:`stage`) into the forward's
@@ -35,7 +35,7 @@ of the batch or of K, which is why rows can be regrouped and padded freely.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
@@ -43,7 +43,6 @@ from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
 from specserve.engine.runtime.forward_batch import Upload, device_index
 from specserve.engine.step.acceptance import (
-    PLACEHOLDER,
     RejectionOutput,
     draft_probs,
     greedy_rejection_sample,
@@ -71,38 +70,6 @@ from specserve.engine.step.sampling import (
 from specserve.engine.step.verify_batch import Verdict, VerifyRow
 
 
-class KindInputs:
-    """What one kind's rows need of the host (module docstring), built before the forward and
-    on the device in one copy: the drafts (``[B, K + 1]``: padded with 0, then their count),
-    and for sampled rows each verified position's sampling settings and noise key, and the
-    rejection test's uniforms. ``upload``: the step's, which the forward sends with its own
-    inputs (the worker stages a verify this way: one host-to-device copy a step); None: one
-    of their own, sent where they are read."""
-
-    def __init__(self, kind: str, rows: list[VerifyRow], upload: Upload | None = None) -> None:
-        counts = [r.num_logits for r in rows]
-        parts = {"drafts": pad_drafts([r.proposal for r in rows])}
-        if kind != "greedy":
-            parts["settings"] = settings_host([r.params for r in rows], counts)
-            parts["keys"] = noise_keys([noise_key(r.seed, r.position + j)
-                                        for r, n in zip(rows, counts) for j in range(n)])
-        if kind == "seeded":  # where each key's draw goes in [B, K + 1] (row-major: as drawn)
-            parts["drawn_at"] = torch.tensor([i * max(counts) + j for i, n in enumerate(counts)
-                                              for j in range(n)], dtype=torch.long)
-        if kind == "unseeded":
-            parts["uniform"] = torch.tensor(
-                [[position_uniform(r.seed, r.position + j) if j < n - 1 else 1.0
-                  for j in range(max(counts) - 1)] for r, n in zip(rows, counts)],
-                dtype=torch.float32)
-        self.upload = upload or Upload()
-        self._index = {name: self.upload.add(x) for name, x in parts.items()}
-
-    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The inputs on ``device`` (sent now unless the forward sent them)."""
-        self.upload.send(device)
-        return {name: self.upload[i] for name, i in self._index.items()}
-
-
 def chain_kinds(rows: list[VerifyRow]) -> dict[str, list[VerifyRow]]:
     """The chain rows (no tree) of each kind: greedy, seeded, unseeded (module docstring)."""
     chains = [r for r in rows if r.proposal.parents is None]
@@ -112,34 +79,83 @@ def chain_kinds(rows: list[VerifyRow]) -> dict[str, list[VerifyRow]]:
             "unseeded": [r for r in sampled if r.params.seed is None]}
 
 
-def stage(rows: list[VerifyRow], upload: Upload) -> dict[str, KindInputs]:
-    """Each chain kind's :class:`KindInputs`, added to ``upload`` (to go with the forward's
-    inputs); :func:`verify_batch` takes them."""
-    return {kind: KindInputs(kind, picked, upload) for kind, picked in chain_kinds(rows).items() if picked}
+def kind_inputs(kind: str, rows: list[VerifyRow]) -> dict[str, torch.Tensor]:
+    """What one kind's rows need of the host (module docstring), on the host: the drafts
+    (``[B, K + 1]``: padded with 0, then their count), and for sampled rows each verified
+    position's sampling settings and noise key, where each key's draw goes (seeded) and the
+    rejection test's uniforms (unseeded). Greedy rows without a draft need nothing."""
+    counts = [r.num_logits for r in rows]
+    if kind == "greedy" and max(counts) == 1:
+        return {}
+    inputs = {"drafts": pad_drafts([r.proposal for r in rows])}
+    if kind != "greedy":
+        inputs["settings"] = settings_host([r.params for r in rows], counts)
+        inputs["keys"] = noise_keys([noise_key(r.seed, r.position + j)
+                                     for r, n in zip(rows, counts) for j in range(n)])
+    if kind == "seeded":  # where each key's draw goes in [B, K + 1] (row-major: as drawn)
+        inputs["drawn_at"] = torch.tensor([i * max(counts) + j for i, n in enumerate(counts)
+                                           for j in range(n)], dtype=torch.long)
+    if kind == "unseeded":
+        inputs["uniform"] = torch.tensor(
+            [[position_uniform(r.seed, r.position + j) if j < n - 1 else 1.0
+              for j in range(max(counts) - 1)] for r, n in zip(rows, counts)],
+            dtype=torch.float32)
+    return inputs
 
 
-Outcome = tuple[RejectionOutput, int]  # a row's sampler call's output, and its row there
+Staged = dict[str, dict[str, int]]  # per kind, each input's index in the step's Upload
 
 
-def verify_batch(rows: list[VerifyRow], logits: dict[VerifyRow, torch.Tensor],
-                 staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
-                 ) -> dict[VerifyRow, Outcome]:
-    """Verify a step's rows, each kind (module docstring) in one sampler call; returns each
-    row's :data:`Outcome`. ``staged``: :func:`stage`'s inputs, sent with the forward's (None:
-    each kind sends its own). ``judged``: the greedy rows' result, made inside the forward's
-    graph (:func:`greedy_in_bucket`) where every row is a greedy chain.
+def stage(rows: list[VerifyRow], upload: Upload) -> Staged:
+    """Each chain kind's :func:`kind_inputs`, added to ``upload``, the forward's (the worker
+    stages a verify this way: one host-to-device copy a step); :func:`judge` reads them there."""
+    return {kind: {name: upload.add(x) for name, x in kind_inputs(kind, picked).items()}
+            for kind, picked in chain_kinds(rows).items() if picked}
 
-    logits: ``{row: [num_logits, V]}``, or ``[num_logits]`` argmax ids when every row of the
-    forward was greedy.
-    """
+
+def _on_device(kind: str, rows: list[VerifyRow], device: torch.device,
+               staged: tuple[Upload, Staged] | None) -> dict[str, torch.Tensor]:
+    """A kind's inputs on ``device``: where :func:`stage` put them (sent with the forward's),
+    or sent now in one copy of their own."""
+    upload, indices = staged if staged is not None else (Upload(), None)
+    if indices is None:
+        indices = {name: upload.add(x) for name, x in kind_inputs(kind, rows).items()}
+    else:
+        indices = indices.get(kind, {})
+    upload.send(device)
+    return {name: upload[i] for name, i in indices.items()}
+
+
+# A row's result on the device: a chain's sampler call and its row there, or a tree's Verdict
+# (walked on the host), and the logits its log-probabilities are read from (its logits as
+# decided on for a sampled row, the model's for a greedy one: emitted_logprobs)
+Outcome = tuple[RejectionOutput | Verdict, int, torch.Tensor]
+
+
+def judge(rows: list[VerifyRow], logits: list[torch.Tensor],
+          staged: tuple[Upload, Staged] | None = None, judged: RejectionOutput | None = None
+          ) -> dict[VerifyRow, Outcome]:
+    """Verify a step's rows, each chain kind (module docstring) in one sampler call, each
+    tree alone, on the device: nothing is read back yet (a worker queues the next forward
+    before it reads: ``ModelWorker.launch``); :func:`verdicts` reads. ``logits``: each
+    row's ``[num_logits, V]``, in row order, or ``[num_logits]`` argmax ids when every row of
+    the forward was greedy. ``staged``: the step's upload and :func:`stage`'s indices into it
+    (None: each kind sends its own). ``judged``: the greedy rows' result, made inside the
+    forward's graph (:func:`greedy_in_bucket`) where every row is a greedy chain.
+
+    A row with a ``logit_bias``, penalties or a ``mask`` (a grammar's, a ``min_tokens``'s) is
+    verified on its logits with those applied: the constrained target distribution, at every
+    position (greedy argmax, p of the rejection test, the recovered and bonus tokens alike)."""
+    given = dict(zip(rows, logits, strict=True))
+    decided = {row: x if row.plain else constrain_logits(x, row) for row, x in given.items()}
     outcomes: dict[VerifyRow, Outcome] = {}
     trees = [r for r in rows if r.proposal.parents is not None]
     sampled = [r for r in trees if not r.params.greedy]  # their p in one transform
-    probs = dict(zip(sampled, compute_probs_rows([logits[r] for r in sampled],
+    probs = dict(zip(sampled, compute_probs_rows([decided[r] for r in sampled],
                                                  [r.params for r in sampled]))) if sampled else {}
     for row in trees:
-        outcomes[row] = (verify_tree(row, logits[row], probs.get(row)), 0)
-    verifiers = {"greedy": verify_greedy, "seeded": verify_seeded, "unseeded": verify_sampled}
+        outcomes[row] = (verify_tree(row, decided[row], probs.get(row)), 0, _logprobs_of(row, given, decided))
+    rules = {"greedy": verify_greedy, "seeded": verify_seeded, "unseeded": verify_sampled}
     for kind, picked in chain_kinds(rows).items():
         if not picked:
             continue
@@ -147,33 +163,16 @@ def verify_batch(rows: list[VerifyRow], logits: dict[VerifyRow, torch.Tensor],
             assert kind == "greedy" and len(picked) == len(rows), "a verdict covers greedy chains"
             out = judged
         else:
-            out = verifiers[kind](picked, [logits[r] for r in picked], (staged or {}).get(kind))
-        outcomes.update((row, (out, j)) for j, row in enumerate(picked))
+            inputs = _on_device(kind, picked, logits[0].device, staged)
+            out = rules[kind](picked, [decided[r] for r in picked], inputs)
+        outcomes.update((row, (out, j, _logprobs_of(row, given, decided))) for j, row in enumerate(picked))
     return outcomes
 
 
-def verify_rows(rows: list[VerifyRow], logits: list[torch.Tensor],
-                staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
-                ) -> list[Verdict]:
-    """:func:`verify_batch` (``staged`` and ``judged`` as it takes them), each row's result as a
-    :class:`Verdict` (with the emitted tokens' log-probabilities where its request asked):
-    :func:`judge`, then its :meth:`Judged.verdicts`."""
-    return judge(rows, logits, staged, judged).verdicts()
-
-
-def judge(rows: list[VerifyRow], logits: list[torch.Tensor],
-          staged: dict[str, KindInputs] | None = None, judged: RejectionOutput | None = None
-          ) -> Judged:
-    """:func:`verify_batch` on the device, nothing read back yet (a worker queues the next
-    forward before it reads: ``ModelWorker.launch``). ``logits``: each row's, in row order.
-
-    A row with a ``logit_bias`` or a ``mask`` (a grammar's, a ``min_tokens``'s) is verified
-    on its logits with the bias added, then the disallowed tokens at -inf: the constrained
-    target distribution, at every position (greedy argmax, p of the rejection test, the
-    recovered and bonus tokens alike)."""
-    given = dict(zip(rows, logits, strict=True))
-    constrained = {row: x if row.plain else constrain_logits(x, row) for row, x in given.items()}
-    return Judged(rows, given, constrained, verify_batch(rows, constrained, staged, judged))
+def _logprobs_of(row: VerifyRow, given: dict[VerifyRow, torch.Tensor],
+                 decided: dict[VerifyRow, torch.Tensor]) -> torch.Tensor:
+    """The logits a row's log-probabilities are read from (:func:`verdicts`)."""
+    return given[row] if row.params.greedy else decided[row]
 
 
 def constrain_logits(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
@@ -186,55 +185,53 @@ def constrain_logits(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
     return logits if row.mask is None else masked(logits, row.mask)
 
 
-@dataclass(frozen=True)
-class Judged:
-    """A step's rows judged on the device (:func:`judge`): each row's logits, as given and as
-    decided on (biased, masked), and its :data:`Outcome`."""
+def verdicts(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> list[Verdict]:
+    """Each row's :class:`Verdict`, in row order, read back (one read per sampler call), with
+    its emitted tokens' log-probabilities where its request asked: a sampled row's of its
+    constrained distribution (what the token was drawn from), a greedy row's the model's
+    log-softmax, as without a grammar."""
+    out = []
+    for row in rows:
+        res, j, logits = outcomes[row]
+        verdict = res if isinstance(res, Verdict) else Verdict(res.emitted(j), res.accepted(j))
+        if row.params.logprobs is not None:
+            verdict = replace(verdict, logprobs=emitted_logprobs(row.params, logits, verdict.emitted,
+                                                                 verdict.path))
+        out.append(verdict)
+    return out
 
-    rows: list[VerifyRow]
-    logits: dict[VerifyRow, torch.Tensor]
-    constrained: dict[VerifyRow, torch.Tensor]
-    outcomes: dict[VerifyRow, Outcome]
 
-    def verdicts(self) -> list[Verdict]:
-        """Each row's :class:`Verdict`, in row order, read back (one read per sampler call).
-        Logprobs: a sampled row's are of its constrained distribution (what the token was
-        drawn from), a greedy row's the model's log-softmax, as without a grammar."""
-        return [self.verdict(row) for row in self.rows]
+def verify_rows(rows: list[VerifyRow], logits: list[torch.Tensor]) -> list[Verdict]:
+    """:func:`judge`, then :func:`verdicts`: a step's rows verified and read back."""
+    return verdicts(rows, judge(rows, logits))
 
-    def verdict(self, row: VerifyRow) -> Verdict:
-        res, j = self.outcomes[row]
-        path = res.paths[j] if res.paths is not None else None
-        emitted = res.emitted(j)
-        params = row.params
-        lp = None if params.logprobs is None else emitted_logprobs(
-            params, self.logits[row] if params.greedy else self.constrained[row], emitted, path)
-        return Verdict(emitted, res.accepted(j), path, lp)
 
-    def last_tokens(self) -> torch.Tensor:
-        """``[rows]``: each chain row's last emitted token (the one it feeds next), on the
-        logits' device and computed there, nothing read (what a following forward takes:
-        ``VerifyRow.follows``); -1 for a tree row."""
-        device = next(iter(self.logits.values())).device
-        calls: dict[int, tuple[RejectionOutput, list[int], list[int]]] = {}
-        for i, row in enumerate(self.rows):
-            res, j = self.outcomes[row]
-            if res.paths is None:
-                _, rows, picked = calls.setdefault(id(res), (res, [], []))
-                rows.append(i)
-                picked.append(j)
-        last = torch.full((len(self.rows),), -1, dtype=torch.long, device=device)
-        for res, rows, picked in calls.values():
-            ends = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0].to(device)
-            if rows == picked == list(range(len(self.rows))):
-                return ends
-            last[device_index(rows, device)] = ends[device_index(picked, device)]
-        return last
+def last_tokens(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> torch.Tensor:
+    """``[rows]``: each chain row's last emitted token (the one it feeds next), on the
+    logits' device and computed there, nothing read (what a following forward takes:
+    ``VerifyRow.follows``); -1 for a tree row."""
+    device = outcomes[rows[0]][2].device
+    calls: dict[int, tuple[RejectionOutput, list[int], list[int]]] = {}
+    for i, row in enumerate(rows):
+        res, j, _ = outcomes[row]
+        if isinstance(res, RejectionOutput):
+            _, picked_rows, picked = calls.setdefault(id(res), (res, [], []))
+            picked_rows.append(i)
+            picked.append(j)
+    last = torch.full((len(rows),), -1, dtype=torch.long, device=device)
+    for res, picked_rows, picked in calls.values():
+        ends = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0].to(device)
+        if picked_rows == picked == list(range(len(rows))):
+            return ends
+        last[device_index(picked_rows, device)] = ends[device_index(picked, device)]
+    return last
 
-    def send(self) -> None:
-        """Queue each sampler call's result to the host (:meth:`RejectionOutput.send`)."""
-        for res in {id(res): res for res, _ in self.outcomes.values()}.values():
-            res.send()
+
+def send(outcomes: dict[VerifyRow, Outcome]) -> None:
+    """Queue each sampler call's result to the host (:meth:`RejectionOutput.send`)."""
+    calls = {id(res): res for res, _, _ in outcomes.values() if isinstance(res, RejectionOutput)}
+    for res in calls.values():
+        res.send()
 
 
 def token_logprobs(logp: torch.Tensor, tokens: list[int], top: int
@@ -277,35 +274,35 @@ def emitted_logprobs(params: SamplingParams, logits: torch.Tensor, emitted: list
     return token_logprobs(logp, emitted, params.logprobs)
 
 
-def verify_tree(row: VerifyRow, logits: torch.Tensor, p: torch.Tensor | None) -> RejectionOutput:
+def verify_tree(row: VerifyRow, logits: torch.Tensor, p: torch.Tensor | None) -> Verdict:
     """One row whose drafts form a tree; logits: ``[N + 1, V]`` (or argmax ids, greedy), row
     0 after the row's last token, row i + 1 after node i; ``p``: a sampled row's ``[N + 1, V]``
-    after its transform (None for a greedy row). Returns a one-row output whose ``paths``
-    holds the accepted nodes."""
+    after its transform (None for a greedy row). Its verdict, walked on the host."""
     parents, tokens = row.proposal.parents, row.proposal.token_ids
     if row.params.greedy:
-        out = tree_accept_greedy(parents, tokens, logits)
-    else:
-        if row.params.seed is not None:
-            out = tree_accept_seeded(parents, tokens, p, row.seed, row.position)
-        else:
-            q = row.proposal.probs
-            if isinstance(q, TopK):
-                q = q.dense(p.shape[-1], p.device)
-            out = tree_accept_sampled(parents, tokens, p, q, step_generator(row.seed, row.position))
-    emitted = torch.full((1, len(tokens) + 1), PLACEHOLDER, dtype=torch.long)
-    emitted[0, :len(out.emitted)] = torch.tensor(out.emitted, dtype=torch.long)
-    return RejectionOutput(emitted, torch.tensor([out.num_accepted]), paths=[out.path])
+        return tree_accept_greedy(parents, tokens, logits)
+    if row.params.seed is not None:
+        return tree_accept_seeded(parents, tokens, p, row.seed, row.position)
+    q = row.proposal.probs
+    if isinstance(q, TopK):
+        q = q.dense(p.shape[-1], p.device)
+    return tree_accept_sampled(parents, tokens, p, q, step_generator(row.seed, row.position))
 
 
 def verify_greedy(rows: list[VerifyRow], logits: list[torch.Tensor],
-                  inputs: KindInputs | None = None) -> RejectionOutput:
-    """Greedy verification against the target argmax.
+                  inputs: dict[str, torch.Tensor] | None = None) -> RejectionOutput:
+    """Greedy verification against the target argmax. ``inputs``: :func:`kind_inputs`' on
+    the logits' device (None: sent here).
 
     logits[i]: ``[num_draft_tokens_i + 1, V]`` logits or ``[num_draft_tokens_i + 1]`` argmax ids.
     """
     assert len(rows) == len(logits) and all(x.ndim in (1, 2) for x in logits)
-    drafts = (inputs or KindInputs("greedy", rows)).on(logits[0].device)["drafts"]
+    if inputs is None:
+        inputs = _on_device("greedy", rows, logits[0].device, None)
+    if not inputs:  # no row has a draft (decodes): each emits its argmax, nothing to compare
+        argmax = torch.stack([x if x.ndim == 1 else x.argmax(dim=-1) for x in logits])  # [B, 1]
+        return RejectionOutput(argmax, torch.zeros_like(argmax[:, 0]))
+    drafts = inputs["drafts"]
     draft_token_ids, num_draft_tokens = drafts[:, :-1], drafts[:, -1]  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
@@ -339,29 +336,31 @@ def greedy_in_bucket(tokens: torch.Tensor, argmax: torch.Tensor, first: torch.Te
 
 
 def verify_seeded(rows: list[VerifyRow], logits: list[torch.Tensor],
-                  inputs: KindInputs | None = None) -> RejectionOutput:
+                  inputs: dict[str, torch.Tensor] | None = None) -> RejectionOutput:
     """Drafter-invariant verification: the text is the target-only text of the seed.
+    ``inputs``: :func:`kind_inputs`' on the logits' device (None: sent here).
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
     assert len(rows) == len(logits)
-    on = (inputs or KindInputs("seeded", rows)).on(logits[0].device)
-    draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
+    inputs = inputs or _on_device("seeded", rows, logits[0].device, None)
+    draft_token_ids, num_draft_tokens = inputs["drafts"][:, :-1], inputs["drafts"][:, -1]  # [B, K], [B]
     p = target_probs([r.params for r in rows], logits, draft_token_ids.shape[1],
-                     on["settings"])  # [B, K + 1, V]
-    return seeded_chains(draft_token_ids, num_draft_tokens, p, on["keys"], on["drawn_at"])
+                     inputs["settings"])  # [B, K + 1, V]
+    return seeded_chains(draft_token_ids, num_draft_tokens, p, inputs["keys"], inputs["drawn_at"])
 
 
 def verify_sampled(rows: list[VerifyRow], logits: list[torch.Tensor],
-                   inputs: KindInputs | None = None) -> RejectionOutput:
-    """The rejection test (Leviathan), its draws fixed by (seed, position).
+                   inputs: dict[str, torch.Tensor] | None = None) -> RejectionOutput:
+    """The rejection test (Leviathan), its draws fixed by (seed, position). ``inputs``:
+    :func:`kind_inputs`' on the logits' device (None: sent here).
 
     logits[i]: ``[num_draft_tokens_i + 1, V]``.
     """
     assert len(rows) == len(logits)
-    on = (inputs or KindInputs("unseeded", rows)).on(logits[0].device)
-    draft_token_ids, num_draft_tokens = on["drafts"][:, :-1], on["drafts"][:, -1]  # [B, K], [B]
+    inputs = inputs or _on_device("unseeded", rows, logits[0].device, None)
+    draft_token_ids, num_draft_tokens = inputs["drafts"][:, :-1], inputs["drafts"][:, -1]  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
-    p = target_probs([r.params for r in rows], logits, max_spec_len, on["settings"])  # [B, K + 1, V]
+    p = target_probs([r.params for r in rows], logits, max_spec_len, inputs["settings"])  # [B, K + 1, V]
     q = draft_probs([r.proposal for r in rows], draft_token_ids, p.shape[-1])  # [B, K, V] or None
-    return sampled_chains(draft_token_ids, num_draft_tokens, p, q, on["uniform"], on["keys"])
+    return sampled_chains(draft_token_ids, num_draft_tokens, p, q, inputs["uniform"], inputs["keys"])
