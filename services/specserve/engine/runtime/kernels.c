@@ -1058,11 +1058,19 @@ static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads
 #pragma omp parallel for schedule(static) num_threads(threads) if ((long)M * K >= 8 * PARALLEL_MIN_WORK)
   for (long r = 0; r < (long)M * nb; r++) {
     const float *v = x + r * 32;
-    float amax = 0.0f, total = 0.0f;  /* max and sum of |x| */
-    for (int i = 0; i < 32; i++) {
-      amax = fmaxf(amax, fabsf(v[i]));
-      total += fabsf(v[i]);
+    /* max and sum of |x|: 8 lanes of 4 values each, then the lanes in a fixed order (a tree,
+       not one chain of 32 adds: the same on every build) */
+    float lane_max[8], lane_sum[8];
+    for (int i = 0; i < 8; i++) {
+      float a0 = fabsf(v[i]), a1 = fabsf(v[8 + i]), a2 = fabsf(v[16 + i]), a3 = fabsf(v[24 + i]);
+      float m01 = a0 > a1 ? a0 : a1, m23 = a2 > a3 ? a2 : a3;  /* (fmaxf: a library call) */
+      lane_max[i] = m01 > m23 ? m01 : m23;
+      lane_sum[i] = (a0 + a1) + (a2 + a3);
     }
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = lane_max[i] > amax ? lane_max[i] : amax;
+    float total = ((lane_sum[0] + lane_sum[4]) + (lane_sum[2] + lane_sum[6])) +
+                  ((lane_sum[1] + lane_sum[5]) + (lane_sum[3] + lane_sum[7]));
 #ifdef SPECSERVE_PLANTED_SHARED_SCALE /* a mistake the tests plant: one scale for all rows */
     for (long o = r % nb; o < (long)M * nb; o += nb)
       for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[o * 32 + i]));
@@ -1128,17 +1136,19 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
    ones. Q8_0: |w| against x carrying w's sign. */
 #define X8_DOTS_q4(q, qs, MR, sums)                                                           \
   do {                                                                                        \
-    for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
+    __m256i his[MR];  /* the high nibbles' sums apart: two chains of adds a row, not one */   \
+    for (int j = 0; j < MR; j++) sums[j] = his[j] = _mm256_setzero_si256();                   \
     for (int c = 0; c < 4; c++) {                                                             \
       __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * c));                        \
       __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
       for (int j = 0; j < MR; j++) {                                                          \
         sums[j] = X8_Q4_ACC(sums[j], lo, x8_chunk(qs[j], c));                                 \
-        sums[j] = X8_Q4_ACC(sums[j], hi, x8_chunk(qs[j], c + 4));                             \
+        his[j] = X8_Q4_ACC(his[j], hi, x8_chunk(qs[j], c + 4));                               \
       }                                                                                       \
     }                                                                                         \
-    for (int j = 0; j < MR; j++) sums[j] = X8_Q4_DONE(sums[j]);                               \
+    for (int j = 0; j < MR; j++)                                                              \
+      sums[j] = _mm256_add_epi32(X8_Q4_DONE(sums[j]), X8_Q4_DONE(his[j]));                    \
   } while (0)
 #define X8_DOTS_q8_0(q, qs, MR, sums)                                                         \
   do {                                                                                        \
