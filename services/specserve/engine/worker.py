@@ -22,11 +22,10 @@ from specserve.engine.kv.kv_cache import SlotTable
 from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index, row_index
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
-from specserve.engine.step.acceptance import RejectionOutput
+from specserve.engine.step.acceptance import RejectionOutput, greedy_in_bucket
 from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.verification import (
     Outcome,
-    greedy_in_bucket,
     judge,
     last_tokens,
     prompt_token_logprobs,
@@ -168,8 +167,9 @@ class ModelWorker(SlotOwner):
         the kept tokens' hidden states come back (:attr:`Verified.hidden`), and the prompt
         chunks' (prefilled in the same forward, after the rows: no logits, no verdict) in
         :attr:`Verified.chunk_hidden`. On the compiled path such a batch of chains is
-        verified inside the forward's graph (:func:`greedy_in_bucket`): its result is read
-        back as the graph left it."""
+        verified inside the forward's graph
+        (:func:`~specserve.engine.step.acceptance.greedy_in_bucket`): its result is read back
+        as the graph left it."""
         return self.launch(batch).result()
 
     def launch(self, batch: VerifyBatch, after: Launched | None = None, *,

@@ -343,7 +343,7 @@ def test_two_forwards_of_one_bucket_in_a_step_keep_the_first_ones_uploads():
 
 def test_a_greedy_verify_is_judged_inside_the_graph_as_the_sampler_judges_it():
     """On the compiled path a greedy verify's result is a graph output (issue 52): the
-    worker installs ``verification.greedy_in_bucket`` as the graph's verdict, which judges
+    worker installs ``acceptance.greedy_in_bucket`` as the graph's verdict, which judges
     each row's drafts against the argmax inside the graph. Its verdicts equal the sampler's
     on the same logits (the verdict removed: ``verify_greedy`` after the forward) for rows
     that keep all, some or none of their drafts and a decode row beside them; a planted

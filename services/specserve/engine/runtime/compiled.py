@@ -158,7 +158,7 @@ class StaticForward:
 
     ``verdict``: what the step makes of the logits, run inside the graph where the step's
     owner installs one (:data:`GraphVerdict`; the verify's worker installs the greedy
-    verification, ``verification.greedy_in_bucket``, so a greedy step's result is a graph
+    verification, ``acceptance.greedy_in_bucket``, so a greedy step's result is a graph
     output, with no launch of its own). The runtime knows nothing of verification: it hands the function the
     bucket's token ids, their argmax and the asked positions, and returns its result."""
 

@@ -124,7 +124,7 @@ class RejectionOutput:
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> RejectionOutput:
         """From ``[B, 1 + K + 1]`` on the device, each row's count then its output ids (what
-        a compiled graph's verdict returns: ``verification.greedy_in_bucket``), read back as
+        a compiled graph's verdict returns: :func:`greedy_in_bucket`), read back as
         it is."""
         return cls(packed[:, 1:], packed[:, 0], _packed=packed)
 
@@ -255,6 +255,30 @@ def greedy_rejection_sample(draft_token_ids: torch.Tensor, num_draft_tokens: tor
     num_accepted_tokens = _num_leading_true(draft_token_ids == target_argmax[:, :-1], num_draft_tokens)
     final = target_argmax.gather(1, num_accepted_tokens[:, None])[:, 0]
     return _assemble(draft_token_ids, num_accepted_tokens, final)
+
+
+def greedy_in_bucket(tokens: torch.Tensor, argmax: torch.Tensor, first: torch.Tensor,
+                     count: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of a compiled bucket's rows, inside its graph (the forward's
+    verdict: ``compiled.GraphVerdict``). Row r asked for logits at its last ``count[r]`` new
+    tokens, from column ``first[r]`` of ``tokens`` (``[R, W]``); the tokens after the first of
+    them are its drafts, each kept while it equals the ``argmax`` before it
+    (:func:`greedy_rejection_sample`, as ``verification.verify_greedy`` calls it). Returns
+    ``[R, 1 + W]``: each row's number of accepted drafts, then its emitted tokens,
+    PLACEHOLDER after them (the packing :class:`RejectionOutput` reads back in one copy).
+    Fixed shapes: a row's columns past its own are gathered clamped and never kept.
+
+    >>> tokens = torch.tensor([[5, 7, 8, 9], [3, 0, 0, 0]])  # row 0: 5 pending, drafts 7 8 9
+    >>> argmax = torch.tensor([[7, 8, 4, 6], [2, 1, 1, 1]])  # 7 and 8 kept; 4 after them
+    >>> greedy_in_bucket(tokens, argmax, torch.tensor([0, 0]), torch.tensor([4, 1])).tolist()
+    [[2, 7, 8, 4, -1], [0, 2, -1, -1, -1]]
+    """
+    width = tokens.shape[1]
+    cols = first[:, None] + torch.arange(width, device=tokens.device)  # [R, W]
+    target = argmax.gather(1, cols.clamp(max=width - 1))                # after each verified token
+    drafts = tokens.gather(1, cols[:, 1:].clamp(max=width - 1))         # [R, W - 1]
+    out = greedy_rejection_sample(drafts, (count - 1).clamp(min=0), target)
+    return torch.cat([out.num_accepted_tokens[:, None], out.output_token_ids], dim=1)
 
 
 def tree_accept_greedy(parents: Sequence[int], tokens: Sequence[int],

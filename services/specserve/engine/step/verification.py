@@ -21,7 +21,8 @@ walk, the drafter-invariant walk with the chain's noise per depth, or multi-cand
 rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`).
 
 On the compiled path the greedy rows' verification runs inside the forward's graph
-(:func:`greedy_in_bucket`, installed by the worker as the graph's verdict): the step's
+(:func:`~specserve.engine.step.acceptance.greedy_in_bucket`, installed by the worker as the
+graph's verdict): the step's
 result is then a graph output, and :func:`judge` takes it as it is (``judged``).
 
 What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
@@ -141,7 +142,7 @@ def judge(rows: list[VerifyRow], logits: list[torch.Tensor],
     row's ``[num_logits, V]``, in row order, or ``[num_logits]`` argmax ids when every row of
     the forward was greedy. ``staged``: the step's upload and :func:`stage`'s indices into it
     (None: each kind sends its own). ``judged``: the greedy rows' result, made inside the
-    forward's graph (:func:`greedy_in_bucket`) where every row is a greedy chain.
+    forward's graph (``acceptance.greedy_in_bucket``) where every row is a greedy chain.
 
     A row with a ``logit_bias``, penalties or a ``mask`` (a grammar's, a ``min_tokens``'s) is
     verified on its logits with those applied: the constrained target distribution, at every
@@ -308,31 +309,6 @@ def verify_greedy(rows: list[VerifyRow], logits: list[torch.Tensor],
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
     return greedy_rejection_sample(draft_token_ids, num_draft_tokens, argmax)
-
-
-def greedy_in_bucket(tokens: torch.Tensor, argmax: torch.Tensor, first: torch.Tensor,
-                     count: torch.Tensor) -> torch.Tensor:
-    """Greedy verification of a compiled bucket's rows, inside its graph (the forward's
-    verdict: ``compiled.GraphVerdict``). Row r asked for logits at its last ``count[r]`` new
-    tokens, from column ``first[r]`` of ``tokens`` (``[R, W]``); the tokens after the first of
-    them are its drafts, each kept while it equals the ``argmax`` before it
-    (:func:`~specserve.engine.step.acceptance.greedy_rejection_sample`, as
-    :func:`verify_greedy` calls it). Returns ``[R, 1 + W]``: each row's number of accepted
-    drafts, then its emitted tokens, PLACEHOLDER after them (the packing
-    :class:`~specserve.engine.step.acceptance.RejectionOutput` reads back in one copy).
-    Fixed shapes: a row's columns past its own are gathered clamped and never kept.
-
-    >>> tokens = torch.tensor([[5, 7, 8, 9], [3, 0, 0, 0]])  # row 0: 5 pending, drafts 7 8 9
-    >>> argmax = torch.tensor([[7, 8, 4, 6], [2, 1, 1, 1]])  # 7 and 8 kept; 4 after them
-    >>> greedy_in_bucket(tokens, argmax, torch.tensor([0, 0]), torch.tensor([4, 1])).tolist()
-    [[2, 7, 8, 4, -1], [0, 2, -1, -1, -1]]
-    """
-    width = tokens.shape[1]
-    cols = first[:, None] + torch.arange(width, device=tokens.device)  # [R, W]
-    target = argmax.gather(1, cols.clamp(max=width - 1))                # after each verified token
-    drafts = tokens.gather(1, cols[:, 1:].clamp(max=width - 1))         # [R, W - 1]
-    out = greedy_rejection_sample(drafts, (count - 1).clamp(min=0), target)
-    return torch.cat([out.num_accepted_tokens[:, None], out.output_token_ids], dim=1)
 
 
 def verify_seeded(rows: list[VerifyRow], logits: list[torch.Tensor],
