@@ -151,7 +151,9 @@ def fetch_source(cache: Path) -> Path:
     if (src := vendored_source(cache)) is not None:
         return src
     sdist = cache / "sdist"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    # --no-binary names the package alone: ":all:" would build its build tools from source
+    # too (pip prepares the sdist's metadata with them: CMake itself, for half an hour)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                     LLAMA_CPP_PYTHON, "-d", str(sdist)], check=True, timeout=BUILD_TIMEOUT_S)
     archives = sorted(sdist.glob("*.tar.gz"))
     if not archives:
