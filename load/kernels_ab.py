@@ -48,7 +48,8 @@ def main() -> None:
     p.add_argument("--shapes", default="layer", choices=sorted(SHAPES))
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {name: build(src, Path(tmp) / f"{name}.so") for name, src in (("old", args.old), ("new", args.new))}
+        sources = {"old": args.old, "new": args.new}
+        libs = {name: build(src, Path(tmp) / f"{name}.so") for name, src in sources.items()}
         group = SCALES[args.kind] * 32 + QUANTS[args.kind]
         rng = np.random.default_rng(0)
         weights = []
@@ -83,8 +84,8 @@ def main() -> None:
                 for name in times:
                     times[name].append(best_round(name, m))
             old, new = min(times["old"]), min(times["new"])
-            same = all(np.array_equal(outputs["old"][key].view(np.uint32), outputs["new"][key].view(np.uint32))
-                       for key in outputs["old"] if key[0] == m)
+            same = all(np.array_equal(y.view(np.uint32), outputs["new"][key].view(np.uint32))
+                       for key, y in outputs["old"].items() if key[0] == m)
             print(f"M={m}: old {old * 1e6:7.1f} us  new {new * 1e6:7.1f} us  new/old {new / old:.3f}  "
                   f"{'bits identical' if same else 'BITS DIFFER'}")
 
