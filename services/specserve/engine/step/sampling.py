@@ -97,7 +97,7 @@ def compute_probs_each(logits: torch.Tensor, params: Sequence, counts: list[int]
     ``settings``: :func:`settings_host`'s of them, already on the logits' device (a verify
     sends them with its forward's inputs); None: sent here, in one copy."""
     counts = counts or [1] * len(params)
-    assert all(p.temperature > 0 for p in params), "greedy rows have no sampling distribution"
+    assert not any(p.greedy for p in params), "greedy rows have no sampling distribution"
     truncate = any(p.top_k > 0 or p.top_p < 1 for p in params)
     if settings is None:
         settings = queued(settings_host(params, counts), logits.device)
