@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from specserve.engine.runtime import native
 from specserve.engine.runtime.forward_batch import ForwardBatch
-from specserve.engine.runtime.kernels import KV_BLOCK, Linear, attention, hidden_keys
+from specserve.engine.runtime.kernels import KV_BLOCK, Linear, argmax, attention, hidden_keys
 from specserve.engine.runtime.layers import rms_norm
 
 from tests.engine.conftest import OTHER_BUILDS  # (conftest's other_builds compiles them)
@@ -379,3 +379,13 @@ def test_library_kernels_compute_the_same_logits_up_to_rounding(kernels):
     assert torch.allclose(got["invariant"], got["library"], atol=1e-4)
     with pytest.raises(ConfigError, match="kernels"):
         ours.use_kernels("fast")
+
+
+def test_argmax_is_torchs_index_on_ties_and_nans():
+    """The host's argmax (numpy's reduction) keeps torch's answer: a row's first maximum, and
+    a NaN counted as the maximum (its first), for any number of dimensions."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [1.0, nan, 5.0, nan], [-inf, -inf, -inf, -inf]])
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 1, 0]
+    for y in (torch.randn(49_152), torch.randn(3, 9, 500).round()):  # .round(): many ties
+        assert torch.equal(argmax(y), y.argmax(dim=-1)) and argmax(y).dtype == torch.long

@@ -32,6 +32,7 @@ from specserve.config import PROPOSER_OPTIONS
 from specserve.engine.drafts.base import Proposer
 from specserve.engine.grammar import GrammarCompiler, Matcher, allocate_bitmask, masked
 from specserve.engine.runtime.forward_batch import ForwardBatch, queued, row_index
+from specserve.engine.runtime.kernels import argmax
 from specserve.engine.step.penalties import DraftCounts
 from specserve.engine.step.proposal import DraftRequest, Proposal, TopK
 from specserve.engine.step.sampling import (
@@ -304,7 +305,7 @@ class DraftModelProposer(Proposer):
                 ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor, torch.Tensor] | None]:
         """:meth:`_draw`'s tokens and q from its logits as the target would see them."""
         device = logits.device
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         sampled = [j for j, r in enumerate(requests) if not r.params.greedy]
         if not sampled:
             return tokens, None

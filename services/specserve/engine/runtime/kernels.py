@@ -37,6 +37,7 @@ a tail.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +49,16 @@ KV_BLOCK = 64  # positions per key/value block; the cache is allocated in whole 
 # 1 and 2 rows on AVX512 and 1 and 2-3 on AVX2. Fewer rows are padded up to these.
 LINEAR_MIN_ROWS = 2
 MATMUL_MIN_ROWS = 4
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``: the same indices (a row's first maximum; a NaN counts as the
+    maximum, its first), on the host through numpy, whose reduction is vectorized: torch's CPU
+    argmax over a vocabulary's width costs more than the rest of a decode's verdict
+    (docs/BENCHMARKS.md). Elsewhere (a GPU, a dtype numpy lacks) torch's own."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.requires_grad:
+        return x.argmax(dim=-1)
+    return torch.as_tensor(np.argmax(x.numpy(), axis=-1))
 
 
 def cpu_float32(weight: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ from specserve.engine.runtime.forward_batch import (
 )
 from specserve.engine.runtime.forward_context import ForwardContext, chains, prepare
 from specserve.engine.runtime.grouped_forward import forward_groups
-from specserve.engine.runtime.kernels import KV_BLOCK, Embedding, Linear
+from specserve.engine.runtime.kernels import KV_BLOCK, Embedding, Linear, argmax
 from specserve.engine.runtime.layers import MLP, Attention, DecoderLayer, NativeStack, rms_norm
 from specserve.errors import ConfigError
 
@@ -208,7 +208,7 @@ class LlamaRuntime(nn.Module):
         """
         logits, hidden, verdict = self._outputs(cache, batch)
         if batch.argmax:
-            return Forwarded(None, logits.argmax(dim=-1), hidden, verdict)
+            return Forwarded(None, argmax(logits), hidden, verdict)
         return Forwarded(logits, None, hidden, verdict)
 
     def _outputs(self, cache: SlotKVCache, batch: ForwardBatch

@@ -101,6 +101,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.runtime.forward_batch import HostCopy, queued
+from specserve.engine.runtime.kernels import argmax as row_argmax
 from specserve.engine.runtime.token_tree import tree_children, tree_depths, validate_tree
 from specserve.engine.step.proposal import Proposal, TopK
 from specserve.engine.step.sampling import compute_probs_rows, exponential_noise, position_noise, sample_from
@@ -290,7 +291,7 @@ def tree_accept_greedy(parents: Sequence[int], tokens: Sequence[int],
     rows at once: ties go where a chain's go.
     """
     assert target.ndim in (1, 2) and target.shape[0] == len(parents) + 1, "one target row per node, + 1"
-    argmax = (target if target.ndim == 1 else target.argmax(dim=-1)).tolist()  # [N + 1]
+    argmax = (target if target.ndim == 1 else row_argmax(target)).tolist()  # [N + 1]
     return tree_accept_matching(parents, tokens, argmax.__getitem__)
 
 

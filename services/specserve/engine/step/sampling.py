@@ -22,6 +22,7 @@ import torch
 
 from specserve.engine.runtime import native
 from specserve.engine.runtime.forward_batch import queued
+from specserve.engine.runtime.kernels import argmax
 
 
 def compute_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -142,7 +143,7 @@ def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     Gumbel-max trick in another guise) and needs no normalisation: ``probs`` may be any
     non-negative weights. probs, noise: ``[N, V]``; returns ``[N]``.
     """
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 # Streams of the counter-based generator: one per kind of draw, so no two kinds of draw at

@@ -43,6 +43,7 @@ import torch
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
 from specserve.engine.runtime.forward_batch import Upload, device_index
+from specserve.engine.runtime.kernels import argmax as row_argmax
 from specserve.engine.step.acceptance import (
     RejectionOutput,
     draft_probs,
@@ -301,12 +302,12 @@ def verify_greedy(rows: list[VerifyRow], logits: list[torch.Tensor],
     if inputs is None:
         inputs = _on_device("greedy", rows, logits[0].device, None)
     if not inputs:  # no row has a draft (decodes): each emits its argmax, nothing to compare
-        argmax = torch.stack([x if x.ndim == 1 else x.argmax(dim=-1) for x in logits])  # [B, 1]
+        argmax = torch.stack([x if x.ndim == 1 else row_argmax(x) for x in logits])  # [B, 1]
         return RejectionOutput(argmax, torch.zeros_like(argmax[:, 0]))
     drafts = inputs["drafts"]
     draft_token_ids, num_draft_tokens = drafts[:, :-1], drafts[:, -1]  # [B, K], [B]
     max_spec_len = draft_token_ids.shape[1]
-    argmax = torch.stack([pad_rows(x if x.ndim == 1 else x.argmax(dim=-1), max_spec_len + 1, 0)
+    argmax = torch.stack([pad_rows(x if x.ndim == 1 else row_argmax(x), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
     return greedy_rejection_sample(draft_token_ids, num_draft_tokens, argmax)
 
