@@ -22,8 +22,8 @@ rejection with draws from :func:`~specserve.engine.step.sampling.step_generator`
 
 On the compiled path the greedy rows' verification runs inside the forward's graph
 (:func:`~specserve.engine.step.acceptance.greedy_in_bucket`, installed by the worker as the
-graph's verdict): the step's
-result is then a graph output, and :func:`judge` takes it as it is (``judged``).
+graph's verdict): the step's result is then a graph output, and :func:`judge` takes it as it
+is (``judged``).
 
 What a kind needs of the host (drafts, sampling settings, noise keys, uniforms) is known
 before the target's forward: the worker stages it (:func:`stage`) into the forward's
@@ -119,11 +119,11 @@ def _on_device(kind: str, rows: list[VerifyRow], device: torch.device,
                staged: tuple[Upload, Staged] | None) -> dict[str, torch.Tensor]:
     """A kind's inputs on ``device``: where :func:`stage` put them (sent with the forward's),
     or sent now in one copy of their own."""
-    upload, indices = staged if staged is not None else (Upload(), None)
-    if indices is None:
+    if staged is None:
+        upload = Upload()
         indices = {name: upload.add(x) for name, x in kind_inputs(kind, rows).items()}
     else:
-        indices = indices.get(kind, {})
+        upload, indices = staged[0], staged[1].get(kind, {})
     upload.send(device)
     return {name: upload[i] for name, i in indices.items()}
 
@@ -201,11 +201,6 @@ def verdicts(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> list[
                                                                  verdict.path))
         out.append(verdict)
     return out
-
-
-def verify_rows(rows: list[VerifyRow], logits: list[torch.Tensor]) -> list[Verdict]:
-    """:func:`judge`, then :func:`verdicts`: a step's rows verified and read back."""
-    return verdicts(rows, judge(rows, logits))
 
 
 def last_tokens(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> torch.Tensor:
@@ -301,15 +296,13 @@ def verify_greedy(rows: list[VerifyRow], logits: list[torch.Tensor],
     assert len(rows) == len(logits) and all(x.ndim in (1, 2) for x in logits)
     if inputs is None:
         inputs = _on_device("greedy", rows, logits[0].device, None)
-    if not inputs:  # no row has a draft (decodes): each emits its argmax, nothing to compare
-        argmax = torch.stack([x if x.ndim == 1 else row_argmax(x) for x in logits])  # [B, 1]
-        return RejectionOutput(argmax, torch.zeros_like(argmax[:, 0]))
-    drafts = inputs["drafts"]
-    draft_token_ids, num_draft_tokens = drafts[:, :-1], drafts[:, -1]  # [B, K], [B]
-    max_spec_len = draft_token_ids.shape[1]
+    drafts = inputs.get("drafts")  # none staged where no row has a draft: K = 0
+    max_spec_len = 0 if drafts is None else drafts.shape[1] - 1
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else row_argmax(x), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
-    return greedy_rejection_sample(draft_token_ids, num_draft_tokens, argmax)
+    if drafts is None:
+        drafts = argmax.new_zeros(len(rows), 1)  # [B, 0 drafts, then their count 0]
+    return greedy_rejection_sample(drafts[:, :-1], drafts[:, -1], argmax)
 
 
 def verify_seeded(rows: list[VerifyRow], logits: list[torch.Tensor],
