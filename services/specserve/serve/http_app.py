@@ -41,19 +41,42 @@ def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(server_error(exc, rid))
 
 
-@app.middleware("http")
-async def _count_requests(request: Request, call_next):
+class _CountRequests:
     """``specserve:requests_total{route, status}``: every response, errors included (an error
     inside an already-started stream is reported in-band and counted as the 200 it began as).
-    An exception that no handler took is answered here, so it is counted as the 500 it is and
-    does not reach Serve, which would log it again."""
-    try:
-        response = await call_next(request)
-    except Exception as exc:  # noqa: BLE001
-        response = _unexpected(request, exc)
-    route = request.scope.get("route")
-    record_request(getattr(route, "path", "unmatched"), response.status_code)
-    return response
+    An exception that no handler took before the response began is answered here, so it is
+    counted as the 500 it is and does not reach Serve, which would log it again.
+
+    Plain ASGI, not ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` relays a
+    streamed body through a memory channel between two tasks, a handoff for every chunk."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = None
+
+        async def sent(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        except Exception as exc:  # noqa: BLE001
+            if status is not None:  # begun: the status is on the wire, the error is a bug
+                raise
+            await _unexpected(Request(scope, receive), exc)(scope, receive, sent)
+        finally:
+            if status is not None:  # not a request cancelled before its response began
+                record_request(getattr(scope.get("route"), "path", "unmatched"), status)
+
+
+app.add_middleware(_CountRequests)
 
 
 @app.exception_handler(APIError)
