@@ -15,12 +15,14 @@ speculation off, auth off, 127.0.0.1), streams ``--requests`` greedy chat comple
   (``load/decode_ms.py``: batch 1, 2 threads, 128 tokens), the forward's own time.
 
 The gap over HTTP minus the in-process decode is what serving adds to a token (issue 71's aim:
-at most 1 ms). CPU time shows where: on a 2-core machine every millisecond another process
-spends beside the forward delays it. ``--py-spy DIR`` (needs ``py-spy``) also records each
-Python role's flame graph over the window (speedscope JSON, one file a role). ``--unit JSON``
-merges fields into the unit's config (an experiment: ``'{"target_in_unit": false}'`` puts the
-target back in a rank actor). Prints a table with the CPU flags; writes
-``results/profile_stream.json``.
+at most 1 ms). ``--rounds N`` (3) measures the server and the in-process decode in turn N
+times and reports the median of the rounds' differences: on a shared VM the decode's own
+speed drifts by more than the aim within minutes. CPU time shows where: on a 2-core machine
+every millisecond another process spends beside the forward delays it. ``--py-spy DIR``
+(needs ``py-spy``) also records each Python role's flame graph over the window (speedscope
+JSON, one file a role). ``--unit JSON`` merges fields into the unit's config (an experiment:
+``'{"target_in_unit": false}'`` puts the target back in a rank actor). Prints a table with the
+CPU flags; writes ``results/profile_stream.json``.
 
     make profile-stream
     make profile-stream PROFILE_ARGS="--requests 12 --py-spy results/profile_stream"
@@ -58,7 +60,10 @@ ROLES = (("TargetRank", "target rank (the forward)"),
          ("OpenAIIngress", "ingress replica (and a unit in it)"), ("ProxyActor", "Serve proxy"),
          ("ServeController", "Serve controller"), ("gcs_server", "Ray GCS"),
          ("raylet", "raylet"), ("dashboard", "Ray dashboard and agents"),
-         ("ray_watch", "guardian"), ("specserve", "server and supervisor"))
+         ("DashboardAgent", "Ray dashboard and agents"), ("RuntimeEnvAgent", "Ray dashboard and agents"),
+         ("MetricsHub", "metrics hub (an actor)"), ("log_monitor", "Ray log monitor"),
+         ("autoscaler", "Ray autoscaler monitor"), ("ray_watch", "guardian"),
+         ("specserve", "server and supervisor"))
 PY_SPY_ROLES = ("TargetRank", "SpeculationUnit", "OpenAIIngress", "ProxyActor")
 
 
@@ -170,13 +175,17 @@ def report(result: dict) -> None:
     http, forward = result["server"]["gap_ms"], result["in_process_ms"]
     print(f"\n{result['machine']}; CPU flags: {' '.join(result['cpu_flags'])}")
     print(f"one stream, speculation off, {result['server']['tokens']} tokens in "
-          f"{result['requests']} requests of {result['tokens_per_request']}"
+          f"{result['requests']} requests of {result['tokens_per_request']} a round"
           + (f"; server env: {result['env']}" if result["env"] else "")
           + (f"; unit: {json.dumps(result['unit'])}" if result.get("unit") else ""))
-    print(f"  gap between tokens over HTTP   {http:7.2f} ms (median over requests)")
-    print(f"  decode in-process              {forward:7.2f} ms (load/decode_ms.py, median of runs)")
-    print(f"  what serving adds              {http - forward:7.2f} ms a token (aim: at most 1)")
-    print("CPU time a token, by process role (2 cores: 2 ms of CPU a ms of wall at most):")
+    for i, r in enumerate(result["rounds"], 1):
+        print(f"  round {i}: gap {r['gap_ms']:6.2f} ms, in-process decode {r['in_process_ms']:6.2f} ms, "
+              f"serving adds {r['adds_ms']:5.2f} ms")
+    print(f"  gap between tokens over HTTP   {http:7.2f} ms (median over requests, then rounds)")
+    print(f"  decode in-process              {forward:7.2f} ms (load/decode_ms.py, median over rounds)")
+    print(f"  what serving adds              {result['adds_ms']:7.2f} ms a token (median of the rounds'; "
+          "aim: at most 1)")
+    print("CPU time a token, by process role, the last round (2 cores: 2 ms of CPU a ms of wall at most):")
     for name, ms in result["server"]["cpu_ms_per_token"].items():
         print(f"  {name:32s} {ms:7.3f} ms")
 
@@ -185,7 +194,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--decode-runs", type=int, default=3)
+    p.add_argument("--decode-runs", type=int, default=3, help="in-process decodes a round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="server then in-process, this many times in turn; the median difference")
     p.add_argument("--py-spy", default=None, help="a folder for each Python role's flame graph")
     p.add_argument("--env", default="", help="'K=V ...' for the server (an experiment's settings)")
     p.add_argument("--config", default="off", choices=("off", "off-invariant"),
@@ -198,15 +209,24 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "results" / "profile_stream.json"))
     args = p.parse_args()
     out = Path(args.out)
-    server = measure_server(args, out.with_suffix(".log"))
     kernels = "invariant" if args.config == "off-invariant" else "auto"
-    in_process = decode_ms.main(args.decode_runs, kernels)  # the same kernels as the server's
+    rounds = []
+    for _ in range(args.rounds):  # in turn: this machine's speed drifts by more than the aim
+        server = measure_server(args, out.with_suffix(".log"))
+        in_process = decode_ms.main(args.decode_runs, kernels)  # the same kernels as the server's
+        ms = statistics.median(in_process["ms_per_token"])
+        rounds.append({"gap_ms": server["gap_ms"], "in_process_ms": ms, "in_process_runs":
+                       in_process["ms_per_token"], "adds_ms": round(server["gap_ms"] - ms, 2),
+                       "server": server})
     result = {"machine": machine_label(), "cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "env": args.env, "config": args.config, "app": json.loads(args.app),
               "unit": json.loads(args.unit), "proxy_only": args.proxy_only, "requests": args.requests,
-              "tokens_per_request": args.tokens, "server": server,
-              "in_process_ms": statistics.median(in_process["ms_per_token"]),
-              "in_process_runs": in_process["ms_per_token"]}
+              "tokens_per_request": args.tokens,
+              "gap_ms_median": statistics.median(r["gap_ms"] for r in rounds),
+              "in_process_ms": statistics.median(r["in_process_ms"] for r in rounds),
+              "adds_ms": statistics.median(r["adds_ms"] for r in rounds),
+              "rounds": [{k: v for k, v in r.items() if k != "server"} for r in rounds]}
+    result["server"] = server | {"gap_ms": result["gap_ms_median"]}
     report(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -31,9 +31,11 @@ def test_roles_come_from_the_command_line(monkeypatch):
              3: "ray::ServeReplica:specserve:OpenAIIngress", 4: "ray::ProxyActor",
              5: "/venv/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server --x",
              6: "/venv/bin/python -m specserve.serve.ray_watch 12", 7: "/venv/bin/specserve serve",
-             8: "ray::IDLE", 9: ""}
+             8: "ray::IDLE", 9: "", 10: "ray::MetricsHub", 11: "ray::DashboardAgent",
+             12: "/venv/bin/python -u /venv/lib/python3.11/site-packages/ray/_private/log_monitor.py"}
     monkeypatch.setattr(ps, "cmdline", lines.get)
     assert [ps.role(pid) for pid in lines] == [
         "target rank (the forward)", "unit replica (and an in-unit target)",
         "ingress replica (and a unit in it)", "Serve proxy", "Ray GCS", "guardian",
-        "server and supervisor", "other Ray processes", "other Ray processes"]
+        "server and supervisor", "other Ray processes", "other Ray processes",
+        "metrics hub (an actor)", "Ray dashboard and agents", "Ray log monitor"]

@@ -56,7 +56,7 @@ from specserve.serve.direct_http import DirectHTTP
 from specserve.serve.guard import Guard, Lease, Refusal
 from specserve.serve.http_app import app, openapi_document, read_body, request_id
 from specserve.serve.local_unit import HostsUnit, LocalUnit
-from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics
+from specserve.serve.metrics import exposition, get_hub, initialize_request_metrics, unpacked
 from specserve.serve.openai_shapes import (
     TokenIdNames,
     echoed,
@@ -101,6 +101,11 @@ class OpenAIIngress(HostsUnit):
         """``unit``: the units' deployment handle, or None where the one unit runs in this
         process (``unit_in_ingress``: built here, called the same way)."""
         self.cfg = AppConfig.model_validate(config)
+        # The metrics hub first: its actor's process starts while the model loads. Asked for
+        # after, it would still be starting as the first requests arrive, its imports taking
+        # the CPU from their forwards on a small machine (a second of CPU on 2 cores).
+        self.app_name = serve.get_replica_context().app_name
+        self.hub = get_hub(self.app_name)
         self.local = None
         if unit is None:
             self.local = unit = LocalUnit(self.cfg.unit.model_dump())
@@ -122,8 +127,6 @@ class OpenAIIngress(HostsUnit):
                                             self.cfg.unit.engine.max_num_seqs)
         self.openapi_doc = openapi_document(self.model_name)
         initialize_request_metrics()
-        self.app_name = serve.get_replica_context().app_name
-        self.hub = get_hub(self.app_name)
         if self.cfg.direct_http is not None:  # the same app, from this process's own server
             async def asgi(scope, receive, send) -> None:
                 await self.app(scope, receive, send)  # (Serve's wrapper sets it after this)
@@ -160,7 +163,7 @@ class OpenAIIngress(HostsUnit):
         if self.cfg.auth.protect_metrics:
             self._authenticate(request)
         try:
-            units = await self.hub.snapshot.remote()
+            units = unpacked(await self.hub.snapshot.remote())
         except Exception:  # noqa: BLE001  the hub was lost: start a new one, units re-report
             log.warning("metrics hub unavailable; recreating it", exc_info=True)
             self.hub, units = get_hub(self.app_name), {}

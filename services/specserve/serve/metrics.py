@@ -22,6 +22,7 @@ Labels stay low-cardinality: route, status, unit, method, decision, reason, posi
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,18 +101,31 @@ def record_finish(route: str, chunk: StreamDelta) -> None:
 # -- unit metrics: the hub ----------------------------------------------------------------------
 @ray.remote(num_cpus=0)
 class MetricsHub:
-    """Latest snapshot per unit, for the ingress's scrapes."""
+    """Latest snapshot per unit, for the ingress's scrapes: each kept as the bytes its unit
+    pickled (:func:`packed`). The hub never reads one, so its process imports none of the
+    engine; a :class:`UnitSnapshot` argument would import torch on the first report, a second
+    of CPU beside the first requests' forwards on a small machine."""
 
     def __init__(self) -> None:
-        self.units: dict[str, tuple[float, UnitSnapshot]] = {}
+        self.units: dict[str, tuple[float, bytes]] = {}
 
-    def report(self, unit: str, snapshot: UnitSnapshot) -> None:
+    def report(self, unit: str, snapshot: bytes) -> None:
         self.units[unit] = (time.monotonic(), snapshot)
 
-    def snapshot(self) -> dict[str, UnitSnapshot]:
+    def snapshot(self) -> dict[str, bytes]:
         now = time.monotonic()
         self.units = {u: v for u, v in self.units.items() if now - v[0] < STALE_AFTER_S}
         return {u: s for u, (_, s) in self.units.items()}
+
+
+def packed(snapshot: UnitSnapshot) -> bytes:
+    """A snapshot as the hub keeps it."""
+    return pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpacked(snapshots: dict[str, bytes]) -> dict[str, UnitSnapshot]:
+    """The hub's snapshots, read (``MetricsHub.snapshot``'s answer)."""
+    return {unit: pickle.loads(raw) for unit, raw in snapshots.items()}
 
 
 def hub_name(app: str) -> str:
@@ -142,7 +156,7 @@ class UnitReporter:
             try:
                 snap = self.snapshot()
                 hub = hub or get_hub(self.app)
-                hub.report.remote(self.unit, snap)
+                hub.report.remote(self.unit, packed(snap))
                 self._ray.update(snap)
                 failed = False
             except Exception:  # noqa: BLE001  metrics must never take the unit down
