@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import KVCacheConfig
 from specserve.engine.kv.kv_cache import SlotTable
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index, row_index
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.acceptance import RejectionOutput, greedy_in_bucket
@@ -256,9 +256,8 @@ class Launched:
     def feeds(self, batch: VerifyBatch) -> torch.Tensor:
         """``[followers]``: the last token each row of ``batch`` that follows this verify
         (:attr:`VerifyRow.follows`) emitted here, on the device."""
-        last = last_tokens(self.batch.rows, self.outcomes)
-        picked = [batch.rows[i].follows for i in batch.followers]
-        return last[row_index(picked, last.shape[0], last.device)]
+        return last_tokens(self.batch.rows, self.outcomes,
+                           [batch.rows[i].follows for i in batch.followers])
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read

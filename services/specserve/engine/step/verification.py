@@ -42,7 +42,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
-from specserve.engine.runtime.forward_batch import Upload, device_index
+from specserve.engine.runtime.forward_batch import Upload, row_index
 from specserve.engine.runtime.kernels import argmax as row_argmax
 from specserve.engine.step.acceptance import (
     RejectionOutput,
@@ -203,25 +203,25 @@ def verdicts(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> list[
     return out
 
 
-def last_tokens(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> torch.Tensor:
-    """``[rows]``: each chain row's last emitted token (the one it feeds next), on the
-    logits' device and computed there, nothing read (what a following forward takes:
-    ``VerifyRow.follows``); -1 for a tree row."""
+def last_tokens(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome], picked: list[int]
+                ) -> torch.Tensor:
+    """``[len(picked)]``: the last token each chain row ``rows[i]``, ``i`` in ``picked``,
+    emitted (the one it feeds next: what a following forward takes, ``VerifyRow.follows``),
+    on the logits' device and gathered there, nothing read. Each sampler call's ends are
+    computed once; the picked rows index them."""
     device = outcomes[rows[0]][2].device
-    calls: dict[int, tuple[RejectionOutput, list[int], list[int]]] = {}
-    for i, row in enumerate(rows):
-        res, j, _ = outcomes[row]
-        if isinstance(res, RejectionOutput):
-            _, picked_rows, picked = calls.setdefault(id(res), (res, [], []))
-            picked_rows.append(i)
-            picked.append(j)
-    last = torch.full((len(rows),), -1, dtype=torch.long, device=device)
-    for res, picked_rows, picked in calls.values():
-        ends = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0].to(device)
-        if picked_rows == picked == list(range(len(rows))):
-            return ends
-        last[device_index(picked_rows, device)] = ends[device_index(picked, device)]
-    return last
+    ends: dict[int, tuple[int, torch.Tensor]] = {}  # a call's id -> its offset, its rows' ends
+    index, width = [], 0
+    for i in picked:
+        res, j, _ = outcomes[rows[i]]
+        assert isinstance(res, RejectionOutput), "a follower follows a chain"
+        if id(res) not in ends:
+            tokens = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0]
+            ends[id(res)] = width, tokens.to(device)
+            width += tokens.shape[0]
+        index.append(ends[id(res)][0] + j)
+    flat = torch.cat([tokens for _, tokens in ends.values()])
+    return flat[row_index(index, width, device)]
 
 
 def send(outcomes: dict[VerifyRow, Outcome]) -> None:
