@@ -274,8 +274,8 @@ def load_model(cfg, *, max_model_len: int,
     hf_config, generation = load_configs(folder)
     tokenizer = load_tokenizer(ResolvedSource(src.name, str(folder)))
     device = resolve_device(cfg.device)
-    # The draft pipeline's --no-progress switches transformers' bars off; they used to be
-    # the only bar of a load, so that switch silences this one too.
+    # The draft pipeline's --no-progress switches transformers' bars off; the same switch
+    # silences this load's bar.
     progress = None if hf_logging.is_progress_bar_enabled() else False
     runtime = load_sharded(folder, hf_config, max_len=max_model_len,
                            dtype=resolve_dtype(cfg.dtype, device), device=device,

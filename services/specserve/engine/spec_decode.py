@@ -27,10 +27,9 @@ the step names the module):
    everything counted goes to the engine's :class:`~specserve.engine.step.stats.EngineCounters`.
 
 **A plain decode step is launched before the one before it is read** where the target
-queues work on a device that runs beside the host (a CUDA worker in this process:
-:class:`TargetCalls`): the device runs step N + 1, its tokens taken there from step N's
-verdicts, while the host reads and advances step N. Only plain decodes take part (no drafts,
-grammar, forks or features), so the tokens are those of steps run one after the other.
+queues work on a device that runs beside the host (a CUDA worker in this process): the
+device runs step N + 1, its tokens taken there from step N's verdicts, while the host reads
+and advances step N (``target_calls.py``, where it is decided and built).
 
 **One request's fault stays its own.** If a step raises anything but
 :class:`~specserve.errors.TargetUnavailable` (a dead rank or a step timeout, which only the
@@ -63,7 +62,6 @@ from specserve.engine.drafts.base import Proposer
 from specserve.engine.drafts.draft_link import DraftLink
 from specserve.engine.grammar import CompiledGrammar, constrain, structured_outputs
 from specserve.engine.request import EngineRequest, RequestLimits, check_request
-from specserve.engine.runtime.forward_batch import ForwardBatch
 from specserve.engine.step.adaptive import SpecLengthController
 from specserve.engine.step.bans import allowed_mask, narrowed, word_bans, word_token_ids
 from specserve.engine.step.k_planner import KPlanner
@@ -72,8 +70,9 @@ from specserve.engine.step.scheduler import Scheduler
 from specserve.engine.step.sequence import Completion, Sequence, StepOutput
 from specserve.engine.step.stats import EngineCounters
 from specserve.engine.step.step_batch import ChunkRow, StepBatch, StepRow
+from specserve.engine.target_calls import TargetCalls
 from specserve.engine.tokenizer import IncrementalDetokenizer
-from specserve.engine.worker import Launched, ModelWorker, Verified
+from specserve.engine.worker import Launched, ModelWorker
 from specserve.errors import InvalidRequestError, RequestFailed, TargetUnavailable
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,8 @@ class SpecDecodeEngine:
                                    match_prefix=not self.draft.needs_hidden)
         self.fault_token: int | None = None  # tests: a prompt with it fails its step (_inject_fault)
         self._ids = itertools.count()
-        self.calls = TargetCalls(target, self.scheduler, self.draft, self.counters, launch_ahead)
+        self.calls = TargetCalls(target, self.scheduler, self.draft.wants_features, self.counters,
+                                 launch_ahead)
 
     # -- requests ---------------------------------------------------------------------------
     @property
@@ -375,88 +375,6 @@ class SpecDecodeEngine:
                 if out.finish_reason is not None:
                     done[out.seq_id] = seqs[out.seq_id].completion(out.finish_reason)
         return [done[i] for i in ids]
-
-
-class TargetCalls:
-    """What a step asks of the target: its verify, read back into the batch's rows, with the
-    prompts' chunks prefilled in the same forward (or alone, in a step with no row), and
-    where it can go, the next decode step launched before this one is read: the
-    device runs step N + 1 while the host reads and advances step N, which on a GPU hides
-    the host's part of a step. Only where the next step needs nothing of step N on the host
-    (:meth:`StepBatch.decode_ahead <specserve.engine.step.step_batch.StepBatch.decode_ahead>`:
-    plain decodes), nothing waits to be admitted and the KV cache has room; its rows take
-    step N's tokens on the device (``VerifyRow.follows``). ``launch_ahead`` None: where the
-    target queues work on a device that runs beside the host (``ModelWorker.queues_work``:
-    CUDA in this process); on a CPU a forward runs as it is called, and a token would only
-    come back one forward later."""
-
-    def __init__(self, target, scheduler: Scheduler, draft: DraftLink, counters: EngineCounters,
-                 launch_ahead: bool | None = None) -> None:
-        self.target, self.scheduler, self.draft, self.counters = target, scheduler, draft, counters
-        if launch_ahead is None:
-            launch_ahead = getattr(target, "queues_work", False)
-        self.launch_ahead = launch_ahead and hasattr(target, "launch")
-        self._next: tuple[StepBatch, Launched] | None = None  # launched, not read yet
-
-    def launch(self, batch: StepBatch) -> Launched | Verified:
-        """``batch``'s verify, its rows and chunks in row groups (:meth:`StepBatch.arrange`),
-        so a running stream waits for one forward, not a chunk's and then its own (the stall
-        ``make bench-prefix`` measures): launched where steps launch ahead (:meth:`read`
-        reads it), else its result."""
-        batch.hidden = any(self.draft.wants_features(seq)
-                           for seq in (*batch.seqs, *(chunk.seq for chunk in batch.chunks)))
-        batch.arrange()
-        if self.launch_ahead:
-            return self.target.launch(batch.to_verify())
-        return self.target.verify(batch.to_verify())
-
-    def after(self, batch: StepBatch, launched: Launched | Verified, max_model_len: int) -> bool:
-        """Launch the step after ``batch`` where it can go now (class docstring); whether it
-        went (:meth:`take` hands it to the next step)."""
-        if (not self.launch_ahead or isinstance(launched, Verified) or self.scheduler.waiting
-                or self.scheduler.forks):
-            return False
-        nxt = batch.decode_ahead(self.scheduler.running, max_model_len)
-        if nxt is None or (self.target.paged and self.target.kv_shortfall(
-                [(row.seq.slot, row.start + 1) for row in nxt[0].rows])):
-            return False
-        self._next = nxt[0], self.target.launch(nxt[1], after=launched)
-        return True
-
-    def take(self) -> tuple[StepBatch, Launched] | None:
-        """The step launched ahead, if any (and none after)."""
-        nxt, self._next = self._next, None
-        return nxt
-
-    def read(self, batch: StepBatch, launched: Launched | Verified) -> None:
-        """``batch``'s verify read back: every row's verdict (and, for a proposer that reads
-        them, the features of its tokens that are now final); its chunks done."""
-        result = launched if isinstance(launched, Verified) else launched.result()
-        batch.clock.sample_s = result.sample_s
-        for i, row in enumerate(batch.rows):
-            row.verdict = result.verdicts[i]
-            row.hidden = result.hidden[i] if batch.hidden else None
-        for j, chunk in enumerate(batch.chunks):
-            if self.draft.wants_features(chunk.seq):
-                chunk.seq.hidden.append(result.chunk_hidden[j])
-            self._chunk_done(chunk)
-
-    def prefill_chunks(self, chunks: list[ChunkRow]) -> None:
-        """Prefill prompt chunks in forwards of their own (a step with no row to verify)."""
-        for chunk in chunks:
-            seq = chunk.seq
-            if self.draft.wants_features(seq):
-                seq.hidden.append(self.target.forward(
-                    ForwardBatch([seq.slot], [chunk.input_ids], [1], hidden=True, argmax=True)).hidden)
-            else:
-                self.target.forward(ForwardBatch([seq.slot], [chunk.input_ids], [1], argmax=True))
-            self._chunk_done(chunk)
-
-    def _chunk_done(self, chunk: ChunkRow) -> None:
-        """After a chunk's forward: its full blocks join the prefix cache; counters."""
-        self.target.commit(chunk.seq.slot, chunk.seq.token_ids)
-        self.counters.num_prefill_tokens += chunk.num_tokens
-        self.counters.num_prefill_chunks += 1
 
 
 def _inject_fault(fault_token: int | None, batch: StepBatch) -> None:

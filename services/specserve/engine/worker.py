@@ -19,7 +19,7 @@ import torch
 
 from specserve.config import KVCacheConfig
 from specserve.engine.kv.kv_cache import SlotTable
-from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index
+from specserve.engine.runtime.forward_batch import ForwardBatch, Forwarded, Upload, device_index, row_index
 from specserve.engine.runtime.malloc import keep_freed_memory
 from specserve.engine.runtime.model import LlamaRuntime
 from specserve.engine.step.acceptance import RejectionOutput, greedy_in_bucket
@@ -27,7 +27,6 @@ from specserve.engine.step.proposal import Proposal
 from specserve.engine.step.verification import (
     Outcome,
     judge,
-    last_tokens,
     prompt_token_logprobs,
     send,
     stage,
@@ -129,7 +128,7 @@ class ModelWorker(SlotOwner):
     def queues_work(self) -> bool:
         """Whether the device runs a forward after the call that launched it returns (CUDA):
         where launching the next step before reading this one pays
-        (``spec_decode.TargetCalls``)."""
+        (``target_calls.py``)."""
         return self.runtime.embed.weight.device.type == "cuda"
 
     @property
@@ -255,9 +254,23 @@ class Launched:
 
     def feeds(self, batch: VerifyBatch) -> torch.Tensor:
         """``[followers]``: the last token each row of ``batch`` that follows this verify
-        (:attr:`VerifyRow.follows`) emitted here, on the device."""
-        return last_tokens(self.batch.rows, self.outcomes,
-                           [batch.rows[i].follows for i in batch.followers])
+        (:attr:`VerifyRow.follows`: a chain row of it) emitted here, the one it feeds next,
+        on the logits' device and gathered there, nothing read (``target_calls.py``,
+        launching ahead). Each sampler call's ends are computed once; the rows index them."""
+        rows = self.batch.rows
+        device = self.outcomes[rows[0]][2].device
+        ends: dict[int, tuple[int, torch.Tensor]] = {}  # a call's id -> its offset, its rows' ends
+        index, width = [], 0
+        for i in batch.followers:
+            res, j, _ = self.outcomes[rows[batch.rows[i].follows]]
+            assert isinstance(res, RejectionOutput), "a follower follows a chain"
+            if id(res) not in ends:
+                tokens = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0]
+                ends[id(res)] = width, tokens.to(device)
+                width += tokens.shape[0]
+            index.append(ends[id(res)][0] + j)
+        flat = torch.cat([tokens for _, tokens in ends.values()])
+        return flat[row_index(index, width, device)]
 
     def result(self) -> Verified:
         """The verify's :class:`Verified`: verdicts, prompt logprobs and kept features, read

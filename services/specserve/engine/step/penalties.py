@@ -15,7 +15,7 @@ temperature and the truncations: with ``c`` a token's count in the output so far
 The coordinator holds the tokens; a verify carries each penalized row's :class:`History`
 (its output, and the prompt's distinct tokens where repetition reads them), so a unit's
 rank 0, which verifies, needs no state of its own. A step of a penalized row is not launched
-ahead (``StepBatch.decode_ahead``): its history would need the token the step before emits.
+ahead (``target_calls.decode_ahead``): its history would need the token the step before emits.
 A model draft applies the same formulas to the chain it draws (:class:`DraftCounts`), so it
 drafts what the penalties leave likely; its q is what it drew from, so that changes only
 how often its drafts are accepted.

@@ -140,37 +140,6 @@ class StepBatch:
         self.chunks = [self.chunks[j] for j in layout.chunks]
         self.groups, self.padded = layout.groups, layout.padded
 
-    def decode_ahead(self, running: dict[int, Sequence], max_model_len: int
-                     ) -> tuple[StepBatch, VerifyBatch] | None:
-        """The step after this one as a verify that can be launched before this one is read
-        (``spec_decode.TargetCalls.after``): where every ``running`` sequence is a row here
-        (rows whose sequence has ended since this step was launched aside) that decodes
-        without drafts or features, and is plain (``Sequence.plain``). A row that
-        reaches its ``max_tokens`` or the context with this step has no next row; each other
-        one feeds the token it emits now, taken on the device (:attr:`VerifyRow.follows`),
-        at the position after it, and where this step ends it otherwise (EOS, a stop string,
-        an abort) its next row is ignored. None where the next step must be scheduled after
-        this one is read."""
-        live = [j for j, row in enumerate(self.rows) if running.get(row.seq.seq_id) is row.seq]
-        if self.chunks or self.hidden or len(live) != len(running):
-            return None
-        follows = []
-        for j in live:
-            row, seq = self.rows[j], self.rows[j].seq
-            if not row.decoding or row.proposal.token_ids or seq.draft_attached or not seq.plain:
-                return None  # (the next row's mask or penalties would need this one's token)
-            if (len(seq.output_token_ids) + 1 < (seq.params.max_tokens or max_model_len)
-                    and len(seq.token_ids) + 1 < max_model_len):  # (else this step ends it)
-                follows.append(j)
-        rows = [self.rows[j] for j in follows]
-        if not rows:
-            return None
-        ahead = [StepRow(row.seq, row.start + 1) for row in rows]
-        return (StepBatch(ahead, []),
-                VerifyBatch([VerifyRow(r.seq.slot, r.start, [0], Proposal([]),
-                                       (r.seq.params, r.seq.sample_seed), follows=j)
-                             for r, j in zip(ahead, follows)]))
-
     def to_verify(self) -> VerifyBatch:
         """What the target's verify takes: the rows as plain data, in forward order."""
         return VerifyBatch(

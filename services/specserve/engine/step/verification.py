@@ -2,7 +2,7 @@
 (pure functions; the engine's steps 3 and 4 meet here).
 
 The target forward (:meth:`TargetCalls.launch
-<specserve.engine.spec_decode.TargetCalls.launch>`) returns, per row, logits at its
+<specserve.engine.target_calls.TargetCalls.launch>`) returns, per row, logits at its
 ``num_draft_tokens + 1`` positions. This module groups the rows by kind, stages what each
 kind needs of the host (drafts, sampling settings, the noise keys of every position by the
 row's seed, uniforms), and calls :mod:`~specserve.engine.step.acceptance`, which does the
@@ -42,7 +42,7 @@ import torch
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
-from specserve.engine.runtime.forward_batch import Upload, row_index
+from specserve.engine.runtime.forward_batch import Upload
 from specserve.engine.runtime.kernels import argmax as row_argmax
 from specserve.engine.step.acceptance import (
     RejectionOutput,
@@ -201,27 +201,6 @@ def verdicts(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome]) -> list[
                                                                  verdict.path))
         out.append(verdict)
     return out
-
-
-def last_tokens(rows: list[VerifyRow], outcomes: dict[VerifyRow, Outcome], picked: list[int]
-                ) -> torch.Tensor:
-    """``[len(picked)]``: the last token each chain row ``rows[i]``, ``i`` in ``picked``,
-    emitted (the one it feeds next: what a following forward takes, ``VerifyRow.follows``),
-    on the logits' device and gathered there, nothing read. Each sampler call's ends are
-    computed once; the picked rows index them."""
-    device = outcomes[rows[0]][2].device
-    ends: dict[int, tuple[int, torch.Tensor]] = {}  # a call's id -> its offset, its rows' ends
-    index, width = [], 0
-    for i in picked:
-        res, j, _ = outcomes[rows[i]]
-        assert isinstance(res, RejectionOutput), "a follower follows a chain"
-        if id(res) not in ends:
-            tokens = res.output_token_ids.gather(1, res.num_accepted_tokens[:, None])[:, 0]
-            ends[id(res)] = width, tokens.to(device)
-            width += tokens.shape[0]
-        index.append(ends[id(res)][0] + j)
-    flat = torch.cat([tokens for _, tokens in ends.values()])
-    return flat[row_index(index, width, device)]
 
 
 def send(outcomes: dict[VerifyRow, Outcome]) -> None:
