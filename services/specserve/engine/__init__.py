@@ -45,8 +45,9 @@ stack: each imports only those below it):
 - ``runtime/``: the model's forward and its kernels, over the KV cache;
 - ``step/``: a step's rows, the scheduler, K, verification and sampling;
 - ``drafts/``: the proposers, trained heads and published formats, and the draft link;
-- loose modules: the loop (``spec_decode.py``), the target's worker (``worker.py``: a model,
-  its cache and the verify next to the logits), loading (``loader.py``, ``shard_loader.py``),
+- loose modules: the loop (``spec_decode.py``), what a step asks of the target and
+  launching ahead (``target_calls.py``), the target's worker (``worker.py``: a model, its
+  cache and the verify next to the logits), loading (``loader.py``, ``shard_loader.py``),
   the tokenizer, structured outputs' grammars (``grammar.py``) and ``builder.py``, which
   assembles an engine from its configuration.
 
@@ -67,6 +68,9 @@ none of each other: the engine hands each what it needs):
 - **K planner** (``step/k_planner.py``): every decision about K: a row's **cap** (its request's K,
   ``max_tokens``, the context), its K each step, and what the step tells the K
   **controller** (``step/adaptive.py``, the cost model that picks K).
+- **target calls** (``target_calls.py``): a step's verify launched and read back into its
+  rows, prompt chunks in the same forward; on a GPU the next plain decode step **launched
+  ahead**, before this one is read, its rows each **following** a row of this one.
 - **acceptance** (``step/acceptance.py``): the rules that decide the accepted, recovered and bonus
   tokens, for chains and token trees side by side; ``verification.py`` runs them over a
   step's rows, next to the logits.
