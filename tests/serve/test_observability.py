@@ -275,3 +275,20 @@ def test_promtool_checks_and_rule_unit_tests():
         proc = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=120,
                               cwd=prom_dir)
         assert proc.returncode == 0, f"promtool {' '.join(args)}\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_the_hub_keeps_pickled_snapshots_and_takes_an_earlier_units_objects():
+    """The hub holds each unit's snapshot as the bytes the unit pickled (its process imports
+    none of the engine); the ingress reads them back, and takes a snapshot object as it is
+    (a unit of an earlier version, in a rolling update). No Prometheus here."""
+    from specserve.serve.metrics import packed, unpacked
+    from specserve.serve.unit_messages import UnitSnapshot
+
+    numbers = dict.fromkeys(("num_requests_running", "num_requests_waiting", "free_slots", "num_slots",
+                             "draft_available", "target_available", "target_restarts",
+                             "estimated_speedup", "speculation_length_current",
+                             "concurrency_gate_open", "requests_admitted", "requests_aborted"), 3)
+    snap = UnitSnapshot(method="suffix", router_decisions={("spec", "short"): 2}, **numbers)
+    raw = packed(snap)
+    assert isinstance(raw, bytes) and b"UnitSnapshot" in raw
+    assert unpacked({"u1": raw, "u2": snap}) == {"u1": snap, "u2": snap}

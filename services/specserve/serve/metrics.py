@@ -123,9 +123,11 @@ def packed(snapshot: UnitSnapshot) -> bytes:
     return pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def unpacked(snapshots: dict[str, bytes]) -> dict[str, UnitSnapshot]:
-    """The hub's snapshots, read (``MetricsHub.snapshot``'s answer)."""
-    return {unit: pickle.loads(raw) for unit, raw in snapshots.items()}
+def unpacked(snapshots: dict[str, bytes | UnitSnapshot]) -> dict[str, UnitSnapshot]:
+    """The hub's snapshots, read (``MetricsHub.snapshot``'s answer). A unit of an earlier
+    version, still running in a rolling update, reports the object itself: taken as it is."""
+    return {unit: pickle.loads(raw) if isinstance(raw, bytes) else raw
+            for unit, raw in snapshots.items()}
 
 
 def hub_name(app: str) -> str:
