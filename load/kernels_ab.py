@@ -9,7 +9,10 @@ take the same inputs (random blocks, a scale of 0.01; random normal activations)
 linears 30 times a round, six rounds in turn, and the best round is kept. The outputs of the
 two builds are then compared bit for bit. ``--shapes layer``: one decoder layer of the embedded
 SmolLM2-135M (qkv, o, gate_up, down: about 2 MB, from the caches); ``quantize``: one group of 8
-weight rows against inputs of 576 and 1,536 (the inputs' quantization, most of the time).
+weight rows against inputs of 576 and 1,536 (the inputs' quantization, most of the time);
+``head``: the LM head (49,152 x 576; with ``--kind q8_0``, the embedded model's, 28 MB read
+from memory); ``stack``: the 30 layers' linears, each its own weights (80 MB in Q4_1: from
+memory, as a forward reads them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
 from specserve.engine.runtime.native import FLAGS  # noqa: E402
 
 SHAPES = {"layer": [(1728, 576), (576, 576), (3072, 576), (576, 1536)],
+          "head": [(49152, 576)],
+          "stack": [(1728, 576), (576, 576), (3072, 576), (576, 1536)] * 30,
           "quantize": [(8, 576), (8, 1536)]}
 SCALES = {"q4_0": 1, "q4_1": 2, "q8_0": 1}     # 32-byte rows of scales a group's block opens with
 QUANTS = {"q4_0": 128, "q4_1": 128, "q8_0": 256}  # bytes of 8 rows' quants a block
@@ -59,13 +64,13 @@ def main() -> None:
                 np.full(SCALES[args.kind] * 8, 0.01, np.float32).tobytes(), np.uint8)
             weights.append((n, k, w))
         inputs = {(m, k): rng.standard_normal((m, k)).astype(np.float32) for m in ROWS for _, k, _ in weights}
-        outputs = {name: {(m, n): np.zeros((m, n), np.float32) for m in ROWS for n, _, _ in weights}
+        outputs = {name: {(m, i): np.zeros((m, n), np.float32) for m in ROWS for i, (n, _, _) in enumerate(weights)}
                    for name in libs}
 
         def calls(name: str, m: int) -> list[tuple]:
             return [(ctypes.c_void_p(inputs[(m, k)].ctypes.data), ctypes.c_void_p(w.ctypes.data), None,
-                     ctypes.c_void_p(outputs[name][(m, n)].ctypes.data), m, n, k, args.threads)
-                    for n, k, w in weights]
+                     ctypes.c_void_p(outputs[name][(m, i)].ctypes.data), m, n, k, args.threads)
+                    for i, (n, k, w) in enumerate(weights)]
 
         def best_round(name: str, m: int) -> float:
             kernel, argv = getattr(libs[name], f"linear_rows_{args.kind}_x8"), calls(name, m)

@@ -1104,7 +1104,12 @@ static __thread size_t x8_cap;
 #define X8_GROUP(T) (X8_SCALES_##T * 32 + X8_QUANTS_##T)
 #define X8_ZERO_q4_0 8  /* Q4_0's quants are w_q - 8 */
 #define X8_ZERO_q4_1 0
+#if defined(__AVX2__) && defined(__FMA__) && \
+    (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define X8_ZERO_q8_0 128  /* VNNI meets Q8_0's quants as w + 128, unsigned (X8_DOTS_q8_0) */
+#else
 #define X8_ZERO_q8_0 0
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* acc + u . s in int32 lanes, 4 byte products a lane (u unsigned, s signed) */
@@ -1133,7 +1138,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 }
 /* The 8 rows' sums against MR input blocks' bytes qs[j]. A 4-bit group's 32-byte load c holds
    quants 4c .. 4c + 3 of each row in its low nibbles and 16 + 4c .. 16 + 4c + 3 in its high
-   ones. Q8_0: |w| against x carrying w's sign. */
+   ones. Q8_0: below. */
 #define X8_DOTS_q4(q, qs, MR, sums)                                                           \
   do {                                                                                        \
     __m256i his[MR];  /* the high nibbles' sums apart: two chains of adds a row, not one */   \
@@ -1150,6 +1155,21 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
     for (int j = 0; j < MR; j++)                                                              \
       sums[j] = _mm256_add_epi32(X8_Q4_DONE(sums[j]), X8_Q4_DONE(his[j]));                    \
   } while (0)
+#if X8_ZERO_q8_0
+/* VNNI's products do not saturate: w + 128 (w xor 0x80) is the unsigned side, once a chunk for
+   every input row, and the 128 * sum q it adds comes off as Q4_0's 8 does (X8_SUMS; a wide
+   block's sums stay under 255 * 127 * 32 * 255 < 2^31). */
+#define X8_DOTS_q8_0(q, qs, MR, sums)                                                         \
+  do {                                                                                        \
+    for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
+    for (int c = 0; c < 8; c++) {                                                             \
+      __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 32 * c)),        \
+                                   _mm256_set1_epi8((char)0x80));                             \
+      for (int j = 0; j < MR; j++) sums[j] = x8_madd(sums[j], u, x8_chunk(qs[j], c));        \
+    }                                                                                         \
+  } while (0)
+#else
+/* maddubs saturates pairs in int16: |w| against x carrying w's sign keeps them under 2^15. */
 #define X8_DOTS_q8_0(q, qs, MR, sums)                                                         \
   do {                                                                                        \
     for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
@@ -1159,6 +1179,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
         sums[j] = x8_madd(sums[j], u, _mm256_sign_epi8(x8_chunk(qs[j], c), w));               \
     }                                                                                         \
   } while (0)
+#endif
 #define X8_DOTS_q4_0 X8_DOTS_q4
 #define X8_DOTS_q4_1 X8_DOTS_q4
 /* sums[j]: the 8 rows' sums of w_q * q against input block a[j]; a wide block's second pass
