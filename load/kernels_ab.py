@@ -64,8 +64,8 @@ def main() -> None:
                 np.full(SCALES[args.kind] * 8, 0.01, np.float32).tobytes(), np.uint8)
             weights.append((n, k, w))
         inputs = {(m, k): rng.standard_normal((m, k)).astype(np.float32) for m in ROWS for _, k, _ in weights}
-        outputs = {name: {(m, i): np.zeros((m, n), np.float32) for m in ROWS for i, (n, _, _) in enumerate(weights)}
-                   for name in libs}
+        outputs = {name: {(m, i): np.zeros((m, n), np.float32)
+                          for m in ROWS for i, (n, _, _) in enumerate(weights)} for name in libs}
 
         def calls(name: str, m: int) -> list[tuple]:
             return [(ctypes.c_void_p(inputs[(m, k)].ctypes.data), ctypes.c_void_p(w.ctypes.data), None,

@@ -100,3 +100,41 @@ def forward_cost(runtime, cache, slots: list[int], context: list[int], t: int, r
             _sync(device)
             times.append(time.perf_counter() - start)
     return statistics.median(times[warmup:]), times[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m load.roofline``: the embedded target's forward at T = 1, 8 and 9 new tokens
+    (a decode, and verifies of 7 and 8 drafts) after a context of ``--context`` tokens, the
+    bytes a decode reads, and torch's read bandwidth before and after (the best of both), as
+    one JSON object on stdout. ``make bench-vs-llama-server`` runs it after the servers, in
+    specserve's environment (``--avx2``: the AVX2 build's)."""
+    import argparse
+    import json
+
+    from specserve.config import EngineConfig
+    from specserve.engine.builder import build_engine
+
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=15)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth()
+    _, target = build_engine(EngineConfig.model_validate(  # the shipped server's target
+        {"target": {"source": "embedded"}, "speculative": {"method": None}, "max_num_seqs": 1}))
+    runtime = target.runtime
+    context = [int(t) for t in torch.arange(args.context) % 1000 + 1000]  # its length is what costs
+    costs = forward_costs(runtime, context, ts=(1, 8, 9), reps=args.reps, rounds=args.rounds)
+    bandwidth = max(bandwidth, read_bandwidth())
+    blocks = [m.quantized for m in runtime.modules() if getattr(m, "quantized", None) is not None]
+    kernels = "integer" if blocks and all(b.x8_inputs for b in blocks) else runtime.kernels
+    print(json.dumps({"threads": args.threads, "kernels": kernels,
+                      "read_bandwidth_gbs": round(bandwidth / 1e9, 2),
+                      "decode_bytes": decode_bytes(runtime),
+                      "forward_ms": {t: round(s * 1e3, 3) for t, s in costs.items()}}))
+
+
+if __name__ == "__main__":
+    main()
