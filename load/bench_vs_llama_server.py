@@ -34,6 +34,12 @@ this process (asyncio, one thread) on the same cores, alike for both servers. Pr
 CPU flags and the ratios specserve / llama-server; writes ``results/bench_vs_llama_server.json``
 and ``.csv``, and each server's log under ``results/bench_vs_llama_server-logs/``.
 
+Then the kernels, once the servers have stopped (``--no-kernels`` skips them): specserve's
+decode and its verifies of 7 and 8 drafts in-process (``python -m load.roofline``, in
+specserve's environment), a decode's bytes over its time against torch's read bandwidth, and
+beside it llama.cpp's own time a generated token at one stream, as its server reports it in
+each stream's ``timings``, over the GGUF's bytes.
+
     make bench-vs-llama-server                                     # everything, this CPU's build
     make bench-vs-llama-server BENCH_VS_ARGS="--avx2"              # AVX2-only, both servers
     make bench-vs-llama-server BENCH_VS_ARGS="--build-only"        # build llama-server and stop
@@ -415,6 +421,7 @@ class Stream:
     chunk_times: list[float] = field(default_factory=list)  # chunks that carried content
     end: float | None = None
     usage_tokens: int | None = None  # the final usage.completion_tokens, where sent
+    server_decode_ms: float | None = None  # llama-server's own time a generated token (its timings)
     text: str = ""
     error: str | None = None
 
@@ -458,6 +465,8 @@ def apply_chunk(stream: Stream, payload: str, now: float) -> bool:
             stream.text += content
     if (usage := obj.get("usage")) and usage.get("completion_tokens") is not None:
         stream.usage_tokens = int(usage["completion_tokens"])
+    if (per_token := (obj.get("timings") or {}).get("predicted_per_token_ms")) is not None:
+        stream.server_decode_ms = float(per_token)
     return False
 
 
@@ -519,6 +528,7 @@ def summarize(streams: list[Stream], wall_s: float, requested: int) -> dict:
             "ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_p95_ms": 1e3 * percentile(ttfts, 95),
             "gap_ms": 1e3 * _mean([g for s in ok if (g := s.token_gap) is not None]),
             "usage_share": _ratio(sum(s.usage_tokens is not None for s in ok), len(ok)),
+            "server_decode_ms": _mean([d for s in ok if (d := s.server_decode_ms) is not None]),
             "error": errors[0] if errors else ""}
 
 
@@ -595,7 +605,45 @@ RATIO_TABLE = (("config", "config", 7, 0), ("c", "concurrency", 3, 0),
 KIND_RATIO_TABLE = (("config", "config", 7, 0), ("kind", "group", 10, 0),
                     ("tok/s x", "tokens_per_s", 8, 2), ("TTFT x", "ttft_p50", 7, 2), ("gap x", "gap", 6, 2))
 CSV_COLUMNS = ["server", "config", "concurrency", "requests", "ok", "tokens", "wall_s",
-               "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "gap_ms", "usage_share", "error"]
+               "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "gap_ms", "usage_share", "server_decode_ms",
+               "error"]
+
+
+KERNEL_TABLE = (("server", "server", 12, 0), ("decode ms", "decode_ms", 9, 2), ("MB read", "mb_read", 8, 1),
+                ("GB/s", "gbs", 6, 1), ("of bandwidth", "bandwidth_share", 12, 2),
+                ("verify 7 x", "verify_7", 10, 2), ("verify 8 x", "verify_8", 10, 2))
+
+
+def kernel_figures(args) -> dict | None:
+    """``python -m load.roofline`` in specserve's environment (``--avx2``: the AVX2 build's),
+    after the servers have stopped: its decode and verifies in-process, and the read bandwidth."""
+    env = (os.environ | parse_env(args.avx2_env)) if args.avx2 else None
+    argv = [sys.executable, "-m", "load.roofline", "--threads", str(args.threads)]
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=READY_TIMEOUT_S["specserve"])
+    if done.returncode != 0:
+        print(f"note: load.roofline failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def kernel_rows(figures: dict, rows: list[dict], gguf_bytes: int) -> list[dict]:
+    """A decode against the read bandwidth, and a verify of 7 and 8 drafts (8 and 9 new tokens)
+    in decodes: specserve's in-process forward (``load.roofline``), and beside it llama.cpp's own
+    time a generated token at one stream as its server reports it (``timings``, sampling
+    included) over the GGUF's bytes (its tied embedding is its LM head, read whole)."""
+    bandwidth = figures["read_bandwidth_gbs"]
+    ms = {int(t): v for t, v in figures["forward_ms"].items()}
+    out = [{"server": "specserve", "decode_ms": ms[1], "mb_read": figures["decode_bytes"] / 1e6,
+            "verify_7": ms[8] / ms[1], "verify_8": ms[9] / ms[1]}]
+    llama = [r for r in rows if r["server"] == "llama-server" and r["concurrency"] == 1]
+    if llama and not math.isnan(llama[0].get("server_decode_ms", math.nan)):
+        out.append({"server": "llama-server", "decode_ms": llama[0]["server_decode_ms"],
+                    "mb_read": gguf_bytes / 1e6, "verify_7": math.nan, "verify_8": math.nan})
+    for row in out:
+        row["gbs"] = row["mb_read"] / row["decode_ms"]
+        row["bandwidth_share"] = row["gbs"] / bandwidth
+    return out
 
 
 def report(rows: list[dict], kinds: list[dict], meta: dict, out: Path) -> None:
@@ -608,6 +656,10 @@ def report(rows: list[dict], kinds: list[dict], meta: dict, out: Path) -> None:
     print("\nc = 1 by prompt kind")
     print(format_table(kinds, KIND_TABLE))
     print(format_table(ratio_rows(kinds, key="group"), KIND_RATIO_TABLE))
+    if kernels := meta.get("kernels"):
+        print(f"\nkernels in-process, {kernels['threads']} threads, {kernels['kernels']} arithmetic; "
+              f"read bandwidth {kernels['read_bandwidth_gbs']:.1f} GB/s (torch, best of two)")
+        print(format_table(kernels["rows"], KERNEL_TABLE))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(meta | {"rows": rows, "ratios": ratio_rows(rows), "kinds": kinds,
                                       "kind_ratios": ratio_rows(kinds, key="group")}, indent=2))
@@ -637,6 +689,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--avx2-env", default="",
                    help="'K=V ...' for specserve with --avx2 (make passes the Makefile's AVX2_ENV)")
     p.add_argument("--build-only", action="store_true", help="build llama-server and exit")
+    p.add_argument("--no-kernels", dest="kernels", action="store_false",
+                   help="skip the in-process decode and verify against the read bandwidth")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_vs_llama_server.json"))
     args = p.parse_args(argv)
     if not set(args.configs.split(",")) <= set(CONFIGS):
@@ -667,7 +721,10 @@ def main() -> None:
         for spec in specs:  # one after the other: each stopped before the next starts
             r, k = measure(spec, workload, args, out.parent / f"{out.stem}-logs")
             rows, kinds = rows + r, kinds + k
-    report(rows, kinds, run_meta(args, flavour, seed, specs), out)
+    meta = run_meta(args, flavour, seed, specs)
+    if args.kernels and (figures := kernel_figures(args)):
+        meta["kernels"] = figures | {"rows": kernel_rows(figures, rows, embedded_gguf().stat().st_size)}
+    report(rows, kinds, meta, out)
 
 
 if __name__ == "__main__":

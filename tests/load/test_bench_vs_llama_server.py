@@ -53,6 +53,16 @@ def test_without_usage_each_content_chunk_counts_as_one_token():
     assert s.token_gap == pytest.approx(0.25)
 
 
+def test_llama_servers_own_time_a_token_comes_from_its_timings():
+    s = vs.Stream(kind="chat", start=0.0)
+    vs.apply_chunk(s, _chunk("x"), 0.1)
+    assert s.server_decode_ms is None                   # specserve sends no timings
+    last = json.loads(_chunk(usage={"completion_tokens": 2})) | {
+        "timings": {"predicted_n": 2, "predicted_per_token_ms": 9.25}}
+    vs.apply_chunk(s, json.dumps(last), 0.2)
+    assert s.server_decode_ms == 9.25
+
+
 def test_an_error_event_ends_the_stream_as_failed():
     s = vs.Stream(kind="chat", start=0.0)
     assert vs.apply_chunk(s, json.dumps({"error": {"message": "slot busy", "code": 503}}), 0.1)
@@ -104,6 +114,21 @@ def test_ratio_rows_are_specserve_over_llama_server_per_level():
     [ratio] = vs.ratio_rows(rows)
     assert ratio == {"config": "router", "concurrency": 1, "tokens_per_s": 1.5, "ttft_p50": 2.0,
                      "gap": 0.5}
+
+
+def test_kernel_rows_put_a_decode_against_the_bandwidth_and_a_verify_in_decodes():
+    figures = {"read_bandwidth_gbs": 40.0, "decode_bytes": 100_000_000,
+               "forward_ms": {"1": 5.0, "8": 10.0, "9": 12.5}}
+    rows = [{"server": "llama-server", "concurrency": 1, "server_decode_ms": 8.0},
+            {"server": "llama-server", "concurrency": 4, "server_decode_ms": 30.0}]
+    ours, theirs = vs.kernel_rows(figures, rows, gguf_bytes=96_000_000)
+    assert ours["gbs"] == pytest.approx(20.0) and ours["bandwidth_share"] == pytest.approx(0.5)
+    assert (ours["verify_7"], ours["verify_8"]) == (pytest.approx(2.0), pytest.approx(2.5))
+    assert theirs["decode_ms"] == 8.0 and theirs["gbs"] == pytest.approx(12.0)  # its c = 1 row
+    assert theirs["bandwidth_share"] == pytest.approx(0.3) and math.isnan(theirs["verify_8"])
+    # a llama-server that sent no timings: specserve's row alone
+    assert len(vs.kernel_rows(figures, [{"server": "llama-server", "concurrency": 1,
+                                         "server_decode_ms": math.nan}], 1)) == 1
 
 
 def test_cpu_flags_shown():
