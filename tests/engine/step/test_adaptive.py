@@ -218,10 +218,35 @@ def test_measured_sizes_are_predicted_as_measured():
     share = run_on_cpu_costs(ctl)
     assert ctl.k == 4 and share > 0.95, share
     for n, ms in CPU_FORWARD_MS.items():
-        predicted = ctl.forward_seconds(1, n, n * (200 + n), n)
+        predicted = ctl.forward_seconds(1, n * (200 + n), n)
         assert predicted == pytest.approx(ms / 1000, rel=0.02), (n, predicted)
     fit = [ctl.forward_cost.predict((1.0, 1, n, n * (200 + n))) for n in (2, 3)]
     assert fit[0] < 0.080 and fit[1] < 0.090, fit  # what the line alone would have used
+
+
+def test_a_batchs_forward_is_priced_by_the_token_rows_it_computes():
+    """A batch of 8 whose rows draft unevenly (the suffix proposer finds long matches for some
+    and nothing for others) computes every row at its longest: 8 x 9 token rows for 8 + 20 new
+    tokens. Forwards cost by those rows; past the measured sizes the fit must say so and pick
+    K = 0 where drafting does not pay back. A fit on the new tokens called K = 8 at batch 8
+    cheap and kept it (docs/BENCHMARKS.md: the router at 16 streams, before and after)."""
+    ctl = SpecLengthController(8, AdaptiveConfig())
+    per_row, fixed = 0.0015, 0.004
+    rng = random.Random(1)
+    for _ in range(300):
+        k = rng.randint(0, 8)
+        lengths = [1 + (k if rng.random() < 0.3 else 0) for _ in range(8)]  # 3 in 10 find drafts
+        padded = 8 * max(lengths)
+        ctl.observe_forward(8, sum(lengths), sum(lengths) * 300, fixed + per_row * padded, padded)
+        ctl.observe_propose(max(k, 1), 8, 0.0002)
+        ctl.observe_accept(8, 0, 0.0005)
+        for n in lengths:
+            ctl.observe_draft(k, n - 1, (n - 1) // 2)
+    for padded in (72, 80):  # beyond the sizes kept apart: the fit
+        assert ctl.forward_seconds(8, 0.0, padded) == pytest.approx(fixed + per_row * padded, rel=0.05)
+    rows = [Row(context=300, cap=8, adaptive=True, sampled=False)] * 8
+    throughput = [ctl.throughput(rows, k) for k in range(9)]
+    assert max(range(9), key=throughput.__getitem__) == 0, throughput
 
 
 def test_a_capped_last_step_does_not_move_k():

@@ -18,11 +18,14 @@ most tokens per second. Both sides of that ratio are measured on this unit, not 
   part drafts to the row's cap and is picked per row by its own estimate (``hybrid.py``), so
   its long accepted runs must not raise the model's K, nor its misses lower it.
 - **cost**, fitted online by decayed least squares with non-negative coefficients:
-  the target forward as ``θ0 + θ1·rows + θ2·tokens + θ3·attention`` (attention = Σ new tokens ×
-  context), the draft phase as ``φ0 + φ1·K + φ2·K·rows`` and the accept phase as
-  ``ψ0 + ψ1·rows + ψ2·sampled logit rows``. The design's c and v (draft and verify cost
-  relative to one target decode step) are these predictions at the current batch size and
-  context lengths, divided by the K = 0 prediction.
+  the target forward as ``θ0 + θ1·rows + θ2·padded + θ3·attention`` (padded = the token rows
+  the forward computes, each row at its group's longest: where rows draft unevenly, as the
+  suffix proposer's do, more than their new tokens, and a fit on the new tokens called a long
+  K cheap at batch 8; attention = Σ new tokens × context), the draft phase as
+  ``φ0 + φ1·K + φ2·K·rows`` and the accept phase as ``ψ0 + ψ1·rows + ψ2·sampled logit
+  rows``. The design's c and v (draft and verify cost relative to one target decode step) are
+  these predictions at the current batch size and context lengths, divided by the K = 0
+  prediction.
 - **size**: kernels are not linear in the work where the matrices are small. On this
   project's CPU (MKL/oneDNN GEMMs) a batch-1 forward of 2 or 3 tokens costs 1.7x and 2.2x one
   of 1 token, more than one of 4 or 5 (1.4x); a linear fit through those points calls 2 and 3
@@ -210,16 +213,18 @@ class SpecLengthController:
     def observe_forward(self, rows: int, tokens: int, attention: int, seconds: float,
                         padded: int | None = None) -> None:
         """One target forward: ``rows`` rows, ``tokens`` new tokens in all, ``attention`` =
-        Σ new tokens x context, ``padded`` = rows x the longest row (default: ``tokens``)."""
-        self.forward_cost.observe((1.0, rows, tokens, attention), seconds)
-        self.sizes.observe(padded or tokens, seconds - self._attention_seconds(attention))
+        Σ new tokens x context, ``padded`` = the token rows it computed, each group of rows
+        at its longest (default: ``tokens``)."""
+        padded = padded or tokens
+        self.forward_cost.observe((1.0, rows, padded, attention), seconds)
+        self.sizes.observe(padded, seconds - self._attention_seconds(attention))
 
-    def forward_seconds(self, rows: int, tokens: float, attention: float, padded: int) -> float:
-        """Predicted seconds of a target forward: the size's measured mean plus the attention
-        term where the size was measured, the linear fit elsewhere."""
+    def forward_seconds(self, rows: int, attention: float, padded: int) -> float:
+        """Predicted seconds of a target forward of ``padded`` token rows: the size's measured
+        mean plus the attention term where the size was measured, the linear fit elsewhere."""
         measured = self.sizes.get(padded)
         if measured is None:
-            return self.forward_cost.predict((1.0, rows, tokens, attention))
+            return self.forward_cost.predict((1.0, rows, padded, attention))
         return measured + self._attention_seconds(attention)
 
     def _attention_seconds(self, attention: float) -> float:
@@ -278,19 +283,18 @@ class SpecLengthController:
         acc, got = rates if rates is not None else self.acceptance.rates()
         acc_sum = np.concatenate([[0.0], np.cumsum(acc)])
         got_sum = np.concatenate([[0.0], np.cumsum(got)])
-        emitted = tokens = attention = sampled = 0.0
+        emitted = attention = sampled = 0.0
         drafting, k_step = 0, 0
         for r in rows:
             ki = min(r.cap, k) if r.adaptive else r.cap
             ki = min(ki, self.max_k)
             n = 1.0 + got_sum[ki]
             emitted += 1.0 + acc_sum[ki]
-            tokens += n
             attention += n * (r.context + n)
             sampled += n if r.sampled else 0.0
             drafting += ki > 0
             k_step = max(k_step, ki)
-        seconds = (self.forward_seconds(len(rows), tokens, attention, len(rows) * (1 + k_step))
+        seconds = (self.forward_seconds(len(rows), attention, len(rows) * (1 + k_step))
                    + self.accept_cost.predict((1.0, len(rows), sampled)))
         if k_step:
             seconds += self.propose_cost.predict((1.0, k_step, k_step * drafting))
@@ -313,7 +317,7 @@ class SpecLengthController:
         costs = []
         for k in range(self.max_k + 1):
             n = 1.0 + k
-            t = (self.forward_seconds(1, n, n * (context + n), k + 1)
+            t = (self.forward_seconds(1, n * (context + n), k + 1)
                  + self.accept_cost.predict((1.0, 1, 0.0)))
             if k:
                 t += self.propose_cost.predict((1.0, k, k))
