@@ -65,6 +65,24 @@ def test_quantized_linears_are_the_dequantized_float32_linears_bit_for_bit(kind,
         assert torch.equal(native.dequantize_blocks(packed), weight)  # (the loader's check)
 
 
+@pytest.mark.parametrize("kind", list(native.QUANT_BLOCKS))
+def test_an_embeddings_rows_in_c_are_the_dequantizers_bits(kind):
+    """``dequantized_rows`` (an embedding's lookup, C) against the float32 table: every row of a
+    table in both layouts (rows in order, and interleaved in groups of 8 with the last padded),
+    a repeated row, and an index off the table refused, not read."""
+    n, k = 13, 96
+    raw = random_blocks(kind, n, k, seed=5)
+    table = dequantized(kind, raw, n, k)
+    rows = torch.tensor([*range(n), 3, n - 1])
+    for x8 in (False, True):
+        packed = native.pack_blocks(kind, raw, n, k, x8_inputs=x8)
+        got = native.dequantized_rows(packed, rows)
+        assert torch.equal(got, table[rows]), (kind, x8)
+        assert torch.equal(got, native.dequantize_blocks(packed, rows))
+        with pytest.raises(IndexError):
+            native.dequantized_rows(packed, torch.tensor([n]))
+
+
 def test_a_planted_nibble_order_or_rounding_is_caught():
     """The comparison above would see a kernel that read the nibbles the other way round, or
     rounded otherwise: ``d * (q + m / d)``, the same weight in exact arithmetic. (One rounding

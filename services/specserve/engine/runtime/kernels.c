@@ -1293,3 +1293,49 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
     }                                                                                         \
   }
 LINEAR_X8(q4_0) LINEAR_X8(q4_1) LINEAR_X8(q8_0)
+
+/* Rows rows[0 .. R) of a packed weight of `kind` (W_Q4_0, W_Q4_1, W_Q8_0; + W_X8 where its rows
+   are interleaved in groups of 8) with K inputs a row, dequantized into out[R, K]: an
+   embedding's lookup. The dequantizer's arithmetic, each operation rounded to float32 (fp
+   contraction off): d * (q - 8), d * q + m, q * d: the float32 table's bits
+   (native.dequantize_blocks, which the tests hold it to). Returns 1, writing nothing, where
+   a row is not in [0, N). */
+int dequantize_rows(int kind, const uint8_t *w, int N, const int64_t *rows, int R, int K, float *out) {
+  for (int i = 0; i < R; i++)
+    if (rows[i] < 0 || rows[i] >= N) return 1;
+  int x8 = kind >= W_X8, type = kind % W_X8, nb = K / 32;
+  int scales = type == W_Q4_1 ? 2 : 1, quants = type == W_Q8_0 ? 32 : 16;
+  int block = 4 * scales + quants;                                  /* a standard row's block */
+  for (int i = 0; i < R; i++) {
+    long r = rows[i];
+    float *o = out + (size_t)i * K;
+    for (int b = 0; b < nb; b++, o += 32) {
+      float d, m = 0.0f;
+      int q[32];
+      if (x8) {  /* group r / 8, lane r % 8: its scales, then its 4 bytes of each chunk */
+        const uint8_t *g = w + ((size_t)(r / 8) * nb + b) * (size_t)(scales * 32 + 8 * quants);
+        int lane = (int)(r % 8);
+        __builtin_memcpy(&d, g + 4 * lane, 4);
+        if (scales == 2) __builtin_memcpy(&m, g + 32 + 4 * lane, 4);
+        const uint8_t *qs = g + scales * 32;
+        for (int k = 0; k < 32; k++) {
+          if (type == W_Q8_0) q[k] = ((const int8_t *)qs)[32 * (k / 4) + 4 * lane + k % 4];
+          else {
+            int byte = qs[32 * (k % 16 / 4) + 4 * lane + k % 4];
+            q[k] = k < 16 ? byte & 15 : byte >> 4;
+          }
+        }
+      } else {   /* row r's blocks in order: d (and m), then the quants as the file has them */
+        const uint8_t *p = w + ((size_t)r * nb + b) * block;
+        __builtin_memcpy(&d, p, 4);
+        if (scales == 2) __builtin_memcpy(&m, p + 4, 4);
+        const uint8_t *qs = p + 4 * scales;
+        for (int k = 0; k < 32; k++)
+          q[k] = type == W_Q8_0 ? ((const int8_t *)qs)[k] : k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+      }
+      for (int k = 0; k < 32; k++)
+        o[k] = type == W_Q8_0 ? (float)q[k] * d : type == W_Q4_0 ? d * (float)(q[k] - 8) : d * (float)q[k] + m;
+    }
+  }
+  return 0;
+}

@@ -166,7 +166,8 @@ class Embedding(HeldAsBlocks, nn.Embedding):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:
             return super().forward(tokens)
-        return native.dequantize_blocks(self.quantized, tokens.reshape(-1)).view(*tokens.shape, -1)
+        rows = tokens.reshape(-1)  # the blocks are read by the C kernels, so they are built
+        return native.dequantized_rows(self.quantized, rows).view(*tokens.shape, -1)
 
 
 def hidden_keys(visible: torch.Tensor, group: int) -> torch.Tensor:

@@ -134,6 +134,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                ctypes.POINTER(ForwardRef)]
     lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(LayerRef), i32]
     lib.decoder_layer_scratch.restype = ctypes.c_long
+    lib.dequantize_rows.argtypes = [i32, ptr, i32, ptr, i32, i32, ptr]
+    lib.dequantize_rows.restype = i32
     quantized = [getattr(lib, f"linear_rows_{kind.lower()}{x8}") for kind in QUANT_BLOCKS
                  for x8 in ("", "_x8")]
     for fn in quantized:
@@ -312,6 +314,19 @@ def dequantize_blocks(weight: QuantizedWeight, rows: torch.Tensor | None = None)
     q = torch.cat([qs & 15, qs >> 4], dim=-1).float()            # [n, blocks, 32]
     out = d * (q - 8) if weight.kind == "Q4_0" else d * q + m
     return out.view(n, k)
+
+
+def dequantized_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`dequantize_blocks` of ``rows`` (``[R]`` indices, CPU), in C: an embedding's lookup
+    without its dozen small torch operations (one row: 6 us against 40 on a 2-core EPYC).
+    The same bits."""
+    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), weight.in_features)
+    kind = WEIGHT_KINDS[weight.kind] + X8_INPUTS * weight.x8_inputs
+    if _built().dequantize_rows(kind, weight.data.data_ptr(), weight.out_features, rows.data_ptr(),
+                                rows.numel(), weight.in_features, out.data_ptr()):
+        raise IndexError(f"a row off the table of {weight.out_features}")
+    return out
 
 
 def linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
