@@ -239,6 +239,11 @@ def specserve_configs(serve_config: Path = ROOT / "deploy" / "serve_config.yaml"
                for name, config in (("off", off), ("router", router))}}
 
 
+def specserve_env(args) -> dict[str, str] | None:
+    """specserve's environment: ``--avx2``'s settings over this one's, else this one (None)."""
+    return (os.environ | parse_env(args.avx2_env)) if args.avx2 else None
+
+
 def parse_env(words: str) -> dict[str, str]:
     """``"A=1 B=x"`` (the Makefile's ``AVX2_ENV`` as the shell expanded it) -> a dict."""
     return dict(word.split("=", 1) for word in words.split())
@@ -260,7 +265,7 @@ def server_specs(binary: Path, gguf: Path, args, config_dir: Path) -> list[Serve
     port, *ports = free_ports(1 + len(names))
     specs = [ServerSpec("llama-server", "default", llama_server_argv(binary, gguf, port, args.threads),
                         None, port)]
-    env = (os.environ | parse_env(args.avx2_env)) if args.avx2 else None
+    env = specserve_env(args)
     configs = specserve_configs()
     for name, port in zip(names, ports):
         path = config_dir / f"specserve-{name}.json"  # JSON is YAML: `--config` reads it
@@ -617,7 +622,7 @@ KERNEL_TABLE = (("server", "server", 12, 0), ("decode ms", "decode_ms", 9, 2), (
 def kernel_figures(args) -> dict | None:
     """``python -m load.roofline`` in specserve's environment (``--avx2``: the AVX2 build's),
     after the servers have stopped: its decode and verifies in-process, and the read bandwidth."""
-    env = (os.environ | parse_env(args.avx2_env)) if args.avx2 else None
+    env = specserve_env(args)
     argv = [sys.executable, "-m", "load.roofline", "--threads", str(args.threads)]
     done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=READY_TIMEOUT_S["specserve"])

@@ -1111,6 +1111,14 @@ static __thread size_t x8_cap;
 #define X8_ZERO_q8_0 0
 #endif
 
+/* Row r's quant k of an interleaved group's block (q: its quants; T_bits 4 or 8): the portable
+   kernels and an embedding's lookup read the layout through this. */
+static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row r's quant k */
+  if (T_bits == 8) return ((const int8_t *)q)[32 * (k / 4) + 4 * r + k % 4];
+  int c = k % 16 / 4, byte = q[32 * c + 4 * r + k % 4];
+  return k < 16 ? byte & 15 : byte >> 4;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* acc + u . s in int32 lanes, 4 byte products a lane (u unsigned, s signed) */
 static inline __m256i x8_madd(__m256i acc, __m256i u, __m256i s) {
@@ -1233,11 +1241,6 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
   }
 #else
 /* Elsewhere each pair on its own, the same operations (fmaf: one rounding, as the FMA). */
-static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row r's quant k */
-  if (T_bits == 8) return ((const int8_t *)q)[32 * (k / 4) + 4 * r + k % 4];
-  int c = k % 16 / 4, byte = q[32 * c + 4 * r + k % 4];
-  return k < 16 ? byte & 15 : byte >> 4;
-}
 #define X8_BITS_q4_0 4
 #define X8_BITS_q4_1 4
 #define X8_BITS_q8_0 8
@@ -1317,14 +1320,7 @@ int dequantize_rows(int kind, const uint8_t *w, int N, const int64_t *rows, int 
         int lane = (int)(r % 8);
         __builtin_memcpy(&d, g + 4 * lane, 4);
         if (scales == 2) __builtin_memcpy(&m, g + 32 + 4 * lane, 4);
-        const uint8_t *qs = g + scales * 32;
-        for (int k = 0; k < 32; k++) {
-          if (type == W_Q8_0) q[k] = ((const int8_t *)qs)[32 * (k / 4) + 4 * lane + k % 4];
-          else {
-            int byte = qs[32 * (k % 16 / 4) + 4 * lane + k % 4];
-            q[k] = k < 16 ? byte & 15 : byte >> 4;
-          }
-        }
+        for (int k = 0; k < 32; k++) q[k] = x8_quant(g + scales * 32, type == W_Q8_0 ? 8 : 4, lane, k);
       } else {   /* row r's blocks in order: d (and m), then the quants as the file has them */
         const uint8_t *p = w + ((size_t)r * nb + b) * block;
         __builtin_memcpy(&d, p, 4);
