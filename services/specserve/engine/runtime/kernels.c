@@ -1130,15 +1130,6 @@ static inline __m256i x8_madd(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-/* 4-bit weights' sums: without VNNI the pairs of products add up in int16 lanes over a whole
-   block, widened once (exact: at most 8 x 2 x 15 x 127 < 2^15); with it, in int32 lanes. */
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-#define X8_Q4_ACC(acc, u, s) x8_madd(acc, u, s)
-#define X8_Q4_DONE(acc) (acc)
-#else
-#define X8_Q4_ACC(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
-#define X8_Q4_DONE(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
-#endif
 static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c .. 4c + 3, 8 times */
   int32_t v;
   __builtin_memcpy(&v, qs + 4 * c, 4);
@@ -1147,6 +1138,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 /* The 8 rows' sums against MR input blocks' bytes qs[j]. A 4-bit group's 32-byte load c holds
    quants 4c .. 4c + 3 of each row in its low nibbles and 16 + 4c .. 16 + 4c + 3 in its high
    ones. Q8_0: below. */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define X8_DOTS_q4(q, qs, MR, sums)                                                           \
   do {                                                                                        \
     __m256i his[MR];  /* the high nibbles' sums apart: two chains of adds a row, not one */   \
@@ -1156,13 +1148,34 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
       __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
       for (int j = 0; j < MR; j++) {                                                          \
-        sums[j] = X8_Q4_ACC(sums[j], lo, x8_chunk(qs[j], c));                                 \
-        his[j] = X8_Q4_ACC(his[j], hi, x8_chunk(qs[j], c + 4));                               \
+        sums[j] = x8_madd(sums[j], lo, x8_chunk(qs[j], c));                                   \
+        his[j] = x8_madd(his[j], hi, x8_chunk(qs[j], c + 4));                                 \
       }                                                                                       \
     }                                                                                         \
-    for (int j = 0; j < MR; j++)                                                              \
-      sums[j] = _mm256_add_epi32(X8_Q4_DONE(sums[j]), X8_Q4_DONE(his[j]));                    \
+    for (int j = 0; j < MR; j++) sums[j] = _mm256_add_epi32(sums[j], his[j]);                 \
   } while (0)
+#else
+/* Without VNNI (maddubs) a row's 8 vectors of pairs of products add up in one chain of int16
+   lanes, widened once a block (exact: at most 8 x 2 x 15 x 127 < 2^15). The empty asm keeps
+   each add where it is written: GCC otherwise reassociated the chain, computed all 32 of a
+   4-row pass's products first and spilled them to the stack (20% slower on a Zen 3). */
+#define X8_DOTS_q4(q, qs, MR, sums)                                                           \
+  do {                                                                                        \
+    __m256i s16[MR];                                                                          \
+    for (int j = 0; j < MR; j++) s16[j] = _mm256_setzero_si256();                             \
+    for (int c = 0; c < 4; c++) {                                                             \
+      __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * c));                        \
+      __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
+      for (int j = 0; j < MR; j++) {                                                          \
+        s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(lo, x8_chunk(qs[j], c)));      \
+        s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(hi, x8_chunk(qs[j], c + 4)));  \
+        __asm__("" : "+x"(s16[j]));                                                           \
+      }                                                                                       \
+    }                                                                                         \
+    for (int j = 0; j < MR; j++) sums[j] = _mm256_madd_epi16(s16[j], _mm256_set1_epi16(1));   \
+  } while (0)
+#endif
 #if X8_ZERO_q8_0
 /* VNNI's products do not saturate: w + 128 (w xor 0x80) is the unsigned side, once a chunk for
    every input row, and the 128 * sum q it adds comes off as Q4_0's 8 does (X8_SUMS; a wide
