@@ -90,6 +90,27 @@ def test_a_rows_outputs_are_the_same_bits_in_any_call_and_on_every_build(outputs
         assert torch.allclose(alone.double(), want, rtol=0, atol=2e-6 * float(want.abs().max())), (n, k)
 
 
+def test_inputs_on_a_tie_round_to_even_and_a_zero_block_to_zeros_on_every_build(other_builds):
+    """A block whose largest |x| is 127 has a step of exactly 1, so its halves are ties: every
+    build (the AVX2 quantizer's vector rounding, the scalar nearbyintf, the portable one) rounds
+    them to even, as the float64 reference does; a block of zeros (-0.0 among them) quantizes
+    to zeros with a scale of 0."""
+    n, k = 24, 576
+    raw = random_blocks("Q4_1", n, k, seed=7)
+    packed = native.pack_blocks("Q4_1", raw, n, k, x8_inputs=True)
+    halves = torch.arange(-40, 40, dtype=torch.float32) + 0.5           # -39.5 .. 39.5
+    x = halves.repeat(3 * k // len(halves) + 1)[:3 * k].view(3, k).clone()
+    x.view(3, -1, 32)[:, :, 0] = 127.0                                  # a step of 1: narrow
+    x[1, 64:128] = 0.0
+    x[1, 64:128:2] = -0.0                                               # two zero blocks
+    want = exact("Q4_1", raw, x, n, k)
+    assert not torch.equal(torch.round(x), torch.floor(x + 0.5))        # the ties are there
+    for build, lib in {"native": native.library(), **other_builds}.items():
+        y = _call(lib, "Q4_1", x, packed)
+        assert torch.allclose(y.double(), want, rtol=0, atol=2e-6 * float(want.abs().max())), build
+        assert torch.equal(y, _call(native.library(), "Q4_1", x, packed)), build
+
+
 def test_a_build_that_rounds_an_outliers_block_to_8_bits_is_caught(outputs, tmp_path):
     """The planted build never makes a block wide (8 bits everywhere, the arithmetic before
     outliers had 16): its rows are still the same bits in any call, but the value check

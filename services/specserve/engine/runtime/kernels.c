@@ -1055,11 +1055,56 @@ typedef struct {
 #define X8_PF 2048
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* quantize_x8's block in 8-lane vectors, the same operations in the same order (lane i holds
+   v[i], v[8 + i], v[16 + i], v[24 + i]'s max and sum; the lanes' sum as its tree; a product
+   rounded to nearest, ties to even, as nearbyintf): 1 where it quantized the block, 0 where
+   the block is wide (quantize_x8's own loop does those). */
+static inline int quantize_narrow(const float *v, x8_block *o) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 a0 = _mm256_andnot_ps(sign, _mm256_loadu_ps(v)), a1 = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8));
+  __m256 a2 = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 16)), a3 = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 24));
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+  __m256 sm = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sm), _mm256_extractf128_ps(sm, 1)); /* l_i + l_i+4 */
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));        /* (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7) */
+  float total = _mm_cvtss_f32(_mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1)));
+  if (amax * 32.0f > X8_OUTLIER * total) return 0;
+  float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  __m256 scale = _mm256_set1_ps(id);
+  __m256i q[4];
+  for (int i = 0; i < 4; i++)
+    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * i), scale),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256i total_q = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total_q), _mm256_extracti128_si256(total_q, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+  int sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+  /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+  __m256i w16 = _mm256_packs_epi32(q[0], q[1]), w16b = _mm256_packs_epi32(q[2], q[3]);
+  __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b),
+                                           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i *)o->qs, b8);
+  _mm256_storeu_si256((__m256i *)o->lo, _mm256_setzero_si256());
+  o->d = d;
+  o->sum = sum;
+  o->wide = 0;
+  o->s = d * (float)sum;
+  return 1;
+}
+#endif
+
 static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads) {
   int nb = K / 32;
 #pragma omp parallel for schedule(static) num_threads(threads) if ((long)M * K >= 8 * PARALLEL_MIN_WORK)
   for (long r = 0; r < (long)M * nb; r++) {
     const float *v = x + r * 32;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(SPECSERVE_PLANTED_SHARED_SCALE)
+    if (quantize_narrow(v, out + r)) continue;
+#endif
     /* max and sum of |x|: 8 lanes of 4 values each, then the lanes in a fixed order (a tree,
        not one chain of 32 adds: the same on every build) */
     float lane_max[8], lane_sum[8];
@@ -1083,7 +1128,7 @@ static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads
     for (int i = 0; i < 32; i++) {
       int q = (int)nearbyintf(v[i] * id), hi = wide ? (q + (q < 0 ? -127 : 127)) / 254 : q;
       out[r].qs[i] = (int8_t)hi;
-      out[r].lo[i] = (int8_t)(q - 254 * hi);  /* 0 in a narrow block */
+      out[r].lo[i] = (int8_t)(wide ? q - 254 * hi : 0);  /* 0 in a narrow block */
       sum += q;
     }
     out[r].d = d;
