@@ -4,9 +4,9 @@ generate of one token (the prefill and the first) is taken off and the rest divi
 as the gap between tokens over HTTP leaves the prefill out (spread over 128 tokens it added
 0.3 ms a token to the step outside the forward on a Zen 3). Two checkouts compared in turn:
 ``PYTHONPATH=<checkout>/services:<checkout> python load/decode_ms.py 3`` (docs/BENCHMARKS.md,
-"The one-call stack's refs gathered once"). Beside it, the same model's bare forward of one
-token after the prompt (``load.roofline.forward_costs``): the decode less the forward is the
-engine's step outside it."""
+"The one-call stack's refs gathered once"). Beside it, the same steps' forward calls
+(``forward_in_step_ms``: the decode less them is the engine's step outside the forward), and
+the same model's bare forward of one token after the prompt (``load.roofline.forward_costs``)."""
 
 from __future__ import annotations
 
@@ -37,17 +37,37 @@ def main(runs: int, kernels: str = "auto") -> dict:
     engine, target = build_engine(cfg)
     ids = encode_chat(target.tokenizer, PROMPT)
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up
-    ms = []
+    spent = timed_forwards(target.runtime)
+    ms, in_step = [], []
     for _ in range(runs):  # the steps after the first: the prefill is not a decode's (nor the gap's)
-        start = time.perf_counter()
+        start, spent[0] = time.perf_counter(), 0.0
         engine.generate([ids], SamplingParams(temperature=0, max_tokens=1))
-        first = time.perf_counter()
+        first, first_forwards, spent[0] = time.perf_counter(), spent[0], 0.0
         [done] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
-        whole = time.perf_counter() - first
-        ms.append(round((whole - (first - start)) / (len(done.output_token_ids) - 1) * 1000, 2))
+        whole, steps = time.perf_counter() - first, len(done.output_token_ids) - 1
+        ms.append(round((whole - (first - start)) / steps * 1000, 2))
+        in_step.append(round((spent[0] - first_forwards) / steps * 1000, 2))
+    del target.runtime.forward  # the class's again
     forward = forward_costs(target.runtime, ids, ts=(1,), reps=15, rounds=max(runs, 1))[1]
-    return {"ms_per_token": ms, "tokens": len(done.output_token_ids),
+    return {"ms_per_token": ms, "forward_in_step_ms": in_step, "tokens": len(done.output_token_ids),
             "forward_ms": round(forward * 1000, 2)}
+
+
+def timed_forwards(runtime) -> list[float]:
+    """``runtime``'s forward timed where the engine calls it: a list whose one item adds up the
+    seconds its calls take (the forward of those very steps, at their context lengths; a bare
+    forward measured apart drifted by 1-2 ms against the decode on a shared 2-core VM)."""
+    spent, inner = [0.0], runtime.forward
+
+    def forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    runtime.forward = forward  # nn.Module.__call__ finds the instance's first
+    return spent
 
 
 if __name__ == "__main__":
