@@ -19,15 +19,14 @@ at most 1 ms). Beside it, the forward calls of those very steps (timed where the
 them): the decode less them is the engine's step outside the forward (aim: at most 0.5 ms),
 and the gap less them what a token costs beyond the forward, step and serving together (issue
 71's done-when: at most 1 ms); and the bare forward of one token after the prompt, measured
-apart (it drifted 1-2 ms against the decode on a shared VM). ``--rounds N``
-(3) measures the server and the in-process decode in turn N times and reports the median of
-the rounds' differences: on a shared VM the decode's own speed drifts by more than the aim
-within minutes. CPU time shows where: on a 2-core machine every millisecond another process
-spends beside the forward delays it. ``--py-spy DIR``
-(needs ``py-spy``) also records each Python role's flame graph over the window (speedscope
-JSON, one file a role). ``--unit JSON`` merges fields into the unit's config (an experiment:
-``'{"target_in_unit": false}'`` puts the target back in a rank actor). Prints a table with the
-CPU flags; writes ``results/profile_stream.json``.
+apart (it drifted 1-2 ms against the decode on a shared VM). ``--rounds N`` (3) measures the
+server and the in-process decode in turn N times and reports the median of the rounds'
+differences: on a shared VM the decode's own speed drifts by more than the aim within
+minutes. CPU time shows where: on a 2-core machine every millisecond another process spends
+beside the forward delays it. ``--py-spy DIR`` (needs ``py-spy``) also records each Python
+role's flame graph over the window (speedscope JSON, one file a role). ``--unit JSON`` merges
+fields into the unit's config (an experiment: ``'{"target_in_unit": false}'`` puts the target
+back in a rank actor). Prints a table with the CPU flags; writes ``results/profile_stream.json``.
 
     make profile-stream
     make profile-stream PROFILE_ARGS="--requests 12 --py-spy results/profile_stream"
@@ -38,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import shutil
 import statistics
@@ -186,7 +184,7 @@ def report(result: dict) -> None:
           + (f"; unit: {json.dumps(result['unit'])}" if result.get("unit") else ""))
     for i, r in enumerate(result["rounds"], 1):
         print(f"  round {i}: gap {r['gap_ms']:6.2f} ms, in-process decode {r['in_process_ms']:6.2f} ms, "
-              f"its forward {r['forward_ms']:6.2f} ms (bare {r.get('bare_forward_ms', math.nan):5.2f}), "
+              f"its forward {r['forward_ms']:6.2f} ms (bare {r['bare_forward_ms']:5.2f}), "
               f"serving adds {r['adds_ms']:5.2f} ms")
     print(f"  gap between tokens over HTTP   {http:7.2f} ms (median over requests, then rounds)")
     print(f"  decode in-process              {forward:7.2f} ms (load/decode_ms.py, median over rounds)")
