@@ -145,6 +145,14 @@ class SlotKVCache(SlotTable):
         rows = table[:, :1].long().expand(positions.shape)
         return rows[valid], positions[valid]
 
+    def locate_new(self, slots: list[int], starts: list[int], lens: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`locate` of a forward's new tokens (row ``i``'s at ``starts[i]`` onwards,
+        ``lens[i]`` of them), from the host's lists: two tensors made, no torch operations."""
+        rows = [slot for slot, n in zip(slots, lens) for _ in range(n)]
+        return (torch.tensor(rows, dtype=torch.long),
+                torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long))
+
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values at storage ``rows`` / ``offsets`` (:meth:`locate`'s, on the
@@ -313,6 +321,15 @@ class PagedKVCache:
         block table (the blocks reserved)."""
         blocks = table.long().gather(1, (positions // self.block_size).clamp(max=table.shape[1] - 1))
         return blocks[valid], (positions % self.block_size)[valid]
+
+    def locate_new(self, slots: list[int], starts: list[int], lens: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`SlotKVCache.locate_new` through the block tables (the blocks reserved)."""
+        bs, tables = self.block_size, self.manager.tables
+        places = [divmod(p, bs) for s, n in zip(starts, lens) for p in range(s, s + n)]
+        slot_of = [slot for slot, n in zip(slots, lens) for _ in range(n)]
+        return (torch.tensor([tables[slot][b] for slot, (b, _) in zip(slot_of, places)], dtype=torch.long),
+                torch.tensor([o for _, o in places], dtype=torch.long))
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

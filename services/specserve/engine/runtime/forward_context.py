@@ -47,38 +47,40 @@ class ForwardContext:
     # positions, tree and tree_starts on the forward's device (the library's mask is made
     # there from them)
     on_device: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+    # each row's start and number of new tokens as the host's lists: what the C kernels'
+    # int32 inputs are made from, without torch operations (a decode's Python, issue 71)
+    rows: tuple[list[int], list[int]] = ((), ())
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
 
-    @property
-    def query_last(self) -> torch.Tensor:
-        """``[B, T]``: each query's position, a padding query's capped at its row's last real
-        token (its output is never read, and a paged row holds blocks for its real tokens
-        only: nothing past them may be read)."""
-        if "last" not in self._ranges:
-            last = self.positions[:, :1] + self.lens[:, None].to(self.positions.device) - 1
-            self._ranges["last"] = torch.minimum(self.positions, last)
-        return self._ranges["last"]
+    def _per_query(self, value) -> torch.Tensor:
+        """``[B, T]`` int32 of ``value(p, last)`` for each query: ``p`` its position, ``last``
+        its row's last real position (from :attr:`rows`, on the host)."""
+        t = self.valid.shape[1]
+        return torch.tensor([[value(s + j, s + n - 1) for j in range(t)] for s, n in zip(*self.rows)],
+                            dtype=torch.int32)
 
     @property
     def key_end(self) -> torch.Tensor:
-        """``[B, T]`` int32: each query reads keys before ``position + 1``."""
+        """``[B, T]`` int32: each query reads keys before ``position + 1``, a padding query's
+        position capped at its row's last real token (its output is never read, and a paged
+        row holds blocks for its real tokens only: nothing past them may be read)."""
         if "end" not in self._ranges:
-            self._ranges["end"] = (self.query_last + 1).to(torch.int32)
+            self._ranges["end"] = self._per_query(lambda p, last: min(p, last) + 1)
         return self._ranges["end"]
 
     @property
     def row_starts(self) -> torch.Tensor:
         """``[B]`` int32: each row's first new position."""
         if "starts" not in self._ranges:
-            self._ranges["starts"] = self.positions[:, 0].to(torch.int32)
+            self._ranges["starts"] = torch.tensor(self.rows[0], dtype=torch.int32)
         return self._ranges["starts"]
 
     @property
     def row_lens(self) -> torch.Tensor:
         """``[B]`` int32: each row's number of new (real) tokens."""
         if "lens" not in self._ranges:
-            self._ranges["lens"] = self.valid.sum(1, dtype=torch.int32)
+            self._ranges["lens"] = torch.tensor(self.rows[1], dtype=torch.int32)
         return self._ranges["lens"]
 
     def library_mask(self, window: bool) -> torch.Tensor | None:
@@ -121,10 +123,9 @@ class ForwardContext:
         """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
         key = ("start", window)
         if key not in self._ranges:
-            start = torch.zeros_like(self.positions)
-            if window:
-                start = (self.query_last - self.window + 1).clamp(min=0)
-            self._ranges[key] = start.to(torch.int32)
+            w = self.window if window else None
+            self._ranges[key] = (self._per_query(lambda p, last: max(min(p, last) - w + 1, 0)) if w
+                                 else torch.zeros(self.valid.shape, dtype=torch.int32))
         return self._ranges[key]
 
     def native_forward(self, cache: SlotKVCache, layer: native.LayerRef) -> native.ForwardRef:
@@ -136,8 +137,7 @@ class ForwardContext:
         held = self._ranges.get("native")
         if held is None:
             table, starts, lens, hi = self.table, self.row_starts, self.row_lens, self.key_end
-            native.check_table(table, b, cache.k[0].shape[2],
-                               max(int(hi.max()), int((starts + lens).max())))
+            native.check_table(table, b, cache.k[0].shape[2], self.kv_used)  # every query's end
             lo = self.key_start(False)
             lo_window = self.key_start(True) if self.window is not None else lo
             tensors = [self.cos, self.sin, table, starts, lens, lo, lo_window, hi, self.tree_starts,
@@ -205,13 +205,11 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     t = max(lens)
     if decode_width is not None and t <= decode_width:
         t = decode_width  # a decode's GEMMs take a verify's shape (use_kernels)
-    tokens = torch.zeros(len(slots), t, dtype=torch.long)
-    for i, ids in enumerate(token_ids):
-        tokens[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    start_t = torch.tensor(starts)
-    steps = torch.arange(t)
-    positions = start_t[:, None] + steps[None, :]                   # [B, T]
-    valid = steps[None, :] < torch.tensor(lens)[:, None]              # [B, T]
+    # [B, T] each from the host's lists in one tensor, not a handful of small operations
+    tokens = torch.tensor([[*ids, *[0] * (t - len(ids))] for ids in token_ids], dtype=torch.long)
+    positions = torch.tensor([list(range(s, s + t)) for s in starts], dtype=torch.long)
+    valid = torch.tensor([[j < n for j in range(t)] for n in lens], dtype=torch.bool)
+    real = torch.tensor([i * t + j for i, n in enumerate(lens) for j in range(n)], dtype=torch.long)
     window = one_window(sliding_windows)
     rope_positions, tree, tree_starts = positions, None, None
     if trees is not None and any(parents is not None for parents in trees):
@@ -220,8 +218,8 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
     # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
     # where each real token's key goes ([N] each: cache.locate), a tree's masks and bases.
     upload, table = upload or Upload(), cache.block_table(slots)
-    parts = [upload.add(x) for x in (tokens, table_pos, valid, valid.flatten().nonzero()[:, 0],
-                                     *cache.locate(table, positions, valid),
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, real,
+                                     *cache.locate_new(slots, starts, lens),
                                      positions, *(() if tree is None else (tree, tree_starts)))]
     upload.send(device)
     tokens_d, table_pos_d, valid_d, real, write_slots, write_positions, positions_d, *tree_d = (
@@ -233,7 +231,7 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
         write_slots=write_slots, write_positions=write_positions,
         kv_used=kv_used, positions=positions, window=window, tree=tree,
         tree_starts=tree_starts, lens=torch.tensor(lens), table=table,
-        on_device=(positions_d, *(tree_d or (None, None))))
+        on_device=(positions_d, *(tree_d or (None, None))), rows=(starts, lens))
     return ctx, tokens_d
 
 
