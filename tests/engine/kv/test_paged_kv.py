@@ -151,3 +151,21 @@ def test_padding_queries_read_nothing_past_a_rows_blocks(hf):
         # a: positions 63..67
         outs.append(rt(cache, ForwardBatch([a, b], [[5], [1, 2, 3, 4, 5]], [1, 5])).logits)
     assert len(cache.manager.tables[a]) == 4 and torch.equal(outs[0], outs[1])
+
+
+def test_a_forwards_new_tokens_are_located_from_lists_as_from_tensors(hf):
+    """``locate_new`` (the host's lists, what a forward uses) places each new token where
+    ``locate`` (tensors through the block table) does, on both caches: rows part-filled, one
+    crossing a block, one padded."""
+    rt = runtime_of(hf)
+    for cache in (rt.make_cache(num_slots=4, max_seq_len=256), paged(rt)):
+        slots = [cache.allocate() for _ in range(3)]
+        for slot, prompt in zip(slots, random_sequences((13, 30, 2), seed=7)):
+            rt(cache, ForwardBatch([slot], [prompt]))
+        starts, lens = [cache.lengths[s] for s in slots], [5, 1, 3]
+        cache.reserve(slots, [s + n for s, n in zip(starts, lens)])
+        positions = torch.tensor(starts)[:, None] + torch.arange(5)[None]
+        valid = torch.arange(5)[None] < torch.tensor(lens)[:, None]
+        expected = cache.locate(cache.block_table(slots), positions, valid)
+        got = cache.locate_new(slots, starts, lens)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), type(cache).__name__
