@@ -5,11 +5,12 @@ speed and bits, measured apart from the machine's slow moments. ::
 
 Each source is compiled with the runtime's flags (``native.FLAGS``) into its own library. The
 shapes are the embedded SmolLM2-135M's (9 query heads, 3 key/value heads of 64, a table of
-2,048 positions in blocks of ``--block``: 16, a CPU server's paged cache, by default): 30 layers, each its own keys and values, as a forward
-reads them. Before each layer a 2-thread sum over 3.6 MB (one layer's weights) evicts what the
-caches held, as the layer's linears do. ``--tokens``: the new tokens of each row (1: a
-decode; 8 or 9: a verify of 7 or 8 drafts). For each context, seven rounds of both builds in
-turn, the best round of each kept; then their outputs compared bit for bit.
+2,048 positions in blocks of ``--block``: 16, a CPU server's paged cache, by default): 30
+layers, each its own keys and values, as a forward reads them. Before each layer a 2-thread sum
+over 3.6 MB (one layer's weights) evicts what the caches held, as the layer's linears do.
+``--tokens``: the new tokens of each row (1: a decode; 8 or 9: a verify of 7 or 8 drafts). For
+each context, seven rounds of both builds in turn, the best round of each kept; then their
+outputs compared bit for bit.
 """
 
 from __future__ import annotations
