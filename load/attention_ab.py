@@ -3,11 +3,11 @@ speed and bits, measured apart from the machine's slow moments. ::
 
     python load/attention_ab.py OLD/kernels.c NEW/kernels.c [--contexts 64,256,1024] [--tokens 1]
 
-Each source is compiled with the runtime's flags (``native.FLAGS``) into its own library. The
-shapes are the embedded SmolLM2-135M's (9 query heads, 3 key/value heads of 64, a table of
-2,048 positions in blocks of ``--block``: 16, a CPU server's paged cache, by default): 30
-layers, each its own keys and values, as a forward reads them. Before each layer a 2-thread sum
-over 3.6 MB (one layer's weights) evicts what the caches held, as the layer's linears do.
+Each source is compiled as ``kernels_ab.py`` compiles it (``native.FLAGS``) into its own
+library. The shapes are the embedded SmolLM2-135M's (9 query heads, 3 key/value heads of 64, a
+table of 2,048 positions in blocks of ``--block``: 16, a CPU server's paged cache, by default):
+30 layers, each its own keys and values, as a forward reads them. Before each layer a 2-thread
+sum over 3.6 MB (one layer's weights) evicts what the caches held, as the layer's linears do.
 ``--tokens``: the new tokens of each row (1: a decode; 8 or 9: a verify of 7 or 8 drafts). For
 each context, seven rounds of both builds in turn, the best round of each kept; then their
 outputs compared bit for bit.
@@ -25,8 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
-from specserve.engine.runtime.native import FLAGS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "services"), str(ROOT)]
+from specserve.engine.runtime.native import declare  # noqa: E402
+
+from load.kernels_ab import build  # noqa: E402
 
 H, HK, D, LAYERS, TABLE = 9, 3, 64, 30, 2048
 SWEEP = r"""
@@ -37,15 +40,6 @@ float sweep(const float *x, long n, int threads) {
   return s;
 }
 """
-
-
-def build(source: Path, out: Path) -> ctypes.CDLL:
-    subprocess.run(["cc", *FLAGS, str(source), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
-    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.attention_rows.argtypes = [ptr, i32] + [ptr] * 3 + [i32] + [ptr] * 5 + [i32] * 6 + [f32, i32]
-    lib.attention_rows.restype = None
-    return lib
 
 
 def main() -> None:
@@ -67,7 +61,7 @@ def main() -> None:
     weights = [np.ones(3_600_000 // 4, dtype=np.float32) for _ in range(LAYERS)]
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"old": args.old, "new": args.new}
-        libs = {name: build(src, Path(tmp) / f"{name}.so") for name, src in sources.items()}
+        libs = {name: declare(build(src, Path(tmp) / f"{name}.so")) for name, src in sources.items()}
         (Path(tmp) / "sweep.c").write_text(SWEEP)
         subprocess.run(["cc", "-O3", "-fopenmp", "-shared", "-fPIC", str(Path(tmp) / "sweep.c"),
                         "-o", str(Path(tmp) / "sweep.so")], check=True)
