@@ -23,6 +23,12 @@ from specserve.engine.kv.kv_manager import KVManager
 from specserve.errors import CapacityError
 
 
+def new_tokens(slots: list[int], starts: list[int], lens: list[int]) -> list[tuple[int, int]]:
+    """``(slot, position)`` of each new token of a forward, row by row in order (row ``i``'s
+    ``lens[i]`` tokens from ``starts[i]``; every row has at least one)."""
+    return [(slot, p) for slot, s, n in zip(slots, starts, lens) for p in range(s, s + n)]
+
+
 class SlotTable:
     """Which slots are in use and how long each is: the bookkeeping half of a cache.
 
@@ -149,9 +155,8 @@ class SlotKVCache(SlotTable):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`locate` of a forward's new tokens (row ``i``'s at ``starts[i]`` onwards,
         ``lens[i]`` of them), from the host's lists: two tensors made, no torch operations."""
-        rows = [slot for slot, n in zip(slots, lens) for _ in range(n)]
-        return (torch.tensor(rows, dtype=torch.long),
-                torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.long))
+        rows, positions = zip(*new_tokens(slots, starts, lens))
+        return torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
@@ -326,10 +331,9 @@ class PagedKVCache:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`SlotKVCache.locate_new` through the block tables (the blocks reserved)."""
         bs, tables = self.block_size, self.manager.tables
-        places = [divmod(p, bs) for s, n in zip(starts, lens) for p in range(s, s + n)]
-        slot_of = [slot for slot, n in zip(slots, lens) for _ in range(n)]
-        return (torch.tensor([tables[slot][b] for slot, (b, _) in zip(slot_of, places)], dtype=torch.long),
-                torch.tensor([o for _, o in places], dtype=torch.long))
+        places = new_tokens(slots, starts, lens)
+        blocks, offsets = zip(*((tables[slot][p // bs], p % bs) for slot, p in places))
+        return torch.tensor(blocks, dtype=torch.long), torch.tensor(offsets, dtype=torch.long)
 
     def write(self, layer: int, rows: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
