@@ -10,7 +10,8 @@ speculation off, auth off, 127.0.0.1), streams ``--requests`` greedy chat comple
   daemons and workers among them), the CPU time it took (``utime + stime`` in
   ``/proc/PID/stat``), in milliseconds a token, by role: the unit's replica (the coordinator,
   and at TP = 1 on a CPU the forward), a target rank actor where there is one, the ingress
-  replica, Serve's proxy and controller, Ray's daemons, the server;
+  replica, Serve's proxy and controller, Ray's daemons, the server; and in the ingress
+  replica, thread by thread (``/proc/PID/task``: the forward's two threads, the event loop's);
 - then, with the server stopped, the same model's decode in this process
   (``load/decode_ms.py``: batch 1, 2 threads, 128 tokens), the forward's own time.
 
@@ -75,6 +76,16 @@ def cpu_s(pid: int) -> float:
     """The CPU seconds ``pid`` has used (user + system); 0 once it is gone."""
     stat = proc_stat(pid)
     return stat.cpu_ticks * TICK_S if stat is not None else 0.0
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of ``pid``: its name and the CPU seconds it has used (``/proc/PID/task``)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        stat = proc_stat(pid, int(task.name))
+        if stat is not None:
+            out[int(task.name)] = (stat.comm, stat.cpu_ticks * TICK_S)
+    return out
 
 
 def cmdline(pid: int) -> str:
@@ -151,10 +162,13 @@ def measure_server(args, log: Path) -> dict:
             asyncio.run(stream_all(url, bodies(model, 2, 16)))  # warm-up
             pids = server_pids(proc.pid)
             spies = py_spy(pids, args.requests * args.tokens * 0.05, Path(args.py_spy)) if args.py_spy else []
+            replica = find(pids, "OpenAIIngress")
             before = {pid: cpu_s(pid) for pid in pids}
+            threads_before = thread_cpu_s(replica) if replica else {}
             t0 = time.perf_counter()
             streams = asyncio.run(stream_all(url, bodies(model, args.requests, args.tokens)))
             wall = time.perf_counter() - t0
+            threads_after = thread_cpu_s(replica) if replica else {}
             after = {pid: cpu_s(pid) for pid in server_pids(proc.pid)}
             roles = {pid: role(pid) for pid in after}  # while they run: their titles go with them
             for spy in spies:
@@ -165,6 +179,8 @@ def measure_server(args, log: Path) -> dict:
     if failed:
         raise SystemExit(f"profile-stream: {len(failed)} requests failed: {failed[:3]}")
     tokens = sum(s.tokens for s in streams)
+    threads = sorted(((name, tid == replica, end - threads_before.get(tid, (name, 0.0))[1])
+                      for tid, (name, end) in threads_after.items()), key=lambda t: -t[2])
     by_role: dict[str, float] = {}
     for pid, end in after.items():
         by_role[roles[pid]] = by_role.get(roles[pid], 0.0) + end - before.get(pid, 0.0)
@@ -172,7 +188,10 @@ def measure_server(args, log: Path) -> dict:
             "gap_ms": round(statistics.median(s.token_gap for s in streams) * 1000, 2),
             "wall_ms_per_token": round(wall / tokens * 1000, 2),
             "cpu_ms_per_token": {name: round(sec / tokens * 1000, 3)
-                                 for name, sec in sorted(by_role.items(), key=lambda kv: -kv[1])}}
+                                 for name, sec in sorted(by_role.items(), key=lambda kv: -kv[1])},
+            "replica_threads_cpu_ms_per_token": [
+                {"thread": name + (" (main)" if main else ""), "ms": round(sec / tokens * 1000, 3)}
+                for name, main, sec in threads if sec > 0]}
 
 
 def report(result: dict) -> None:
@@ -197,6 +216,11 @@ def report(result: dict) -> None:
     print("CPU time a token, by process role, the last round (2 cores: 2 ms of CPU a ms of wall at most):")
     for name, ms in result["server"]["cpu_ms_per_token"].items():
         print(f"  {name:32s} {ms:7.3f} ms")
+    if threads := result["server"].get("replica_threads_cpu_ms_per_token"):
+        print("the ingress replica's threads, CPU time a token (the forward's OpenMP workers are "
+              "unnamed copies of the process's name; the engine thread is one of them):")
+        for t in threads[:8]:
+            print(f"  {t['thread']:32s} {t['ms']:7.3f} ms")
 
 
 def main() -> None:

@@ -186,12 +186,13 @@ class ProcStat(NamedTuple):
     cpu_ticks: int    # utime + stime, in clock ticks (``os.sysconf("SC_CLK_TCK")`` a second)
 
 
-def proc_stat(pid: int) -> ProcStat | None:
-    """``/proc/PID/stat``'s fields that the server and its tools read; None where there is no
-    such process. The file reads ``pid (comm) state ppid ...``, and ``comm`` may hold spaces
-    and parentheses: the fields are split after its last ``)``."""
+def proc_stat(pid: int, thread: int | None = None) -> ProcStat | None:
+    """``/proc/PID/stat``'s fields that the server and its tools read (of one ``thread`` of
+    it: ``/proc/PID/task/TID/stat``); None where there is no such process. The file reads
+    ``pid (comm) state ppid ...``, and ``comm`` may hold spaces and parentheses: the fields
+    are split after its last ``)``."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat") as f:
             text = f.read()
         rest = text[text.rindex(")") + 2:].split()
         return ProcStat(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[49]),
