@@ -5,7 +5,8 @@ stops a server cleanly, our stop line last. A server whose Ray dies or hangs, at
 serving, or whose supervisor dies with it, ends in one line within Ray's own bound, nothing of
 its session left (its guardian, specserve.serve.ray_watch); one whose Ray's agent lost its port
 is started again. Its app is one CPU unit, in the ingress replica, which serves the HTTP port
-itself (Serve's proxy on another): a killed replica is replaced on the same port. Four servers
+itself (Serve's proxy on another): a killed replica is replaced on the same port. Its Ray runs
+no log monitor, and Serve's control loop every 0.5 s. Four servers
 start a Ray: the module's (twice: it loses a port race on
 purpose, then serves until its raylet is killed), a second one beside it, and two that die
 starting.
@@ -307,6 +308,21 @@ def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_sam
         time.sleep(0.1)
     assert now["requests_aborted"] == aborted + 1 and now["running"] == 0, now
     assert now["free_slots"] == now["num_slots"], now
+
+
+def test_the_servers_ray_runs_no_log_monitor_and_serves_control_loop_every_half_second(server):
+    """What Ray and Serve do in the background takes the cores a CPU forward runs on: the
+    server's Ray has no log monitor (nothing here reads what it publishes), and Serve's
+    controller, like every Ray worker of the server, has a control loop of 0.5 s, not 0.1
+    (specserve.serve.local; docs/BENCHMARKS.md, "Ray's background CPU")."""
+    pids = session_pids(server_session(server))
+    lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+             for pid in pids if Path(f"/proc/{pid}/cmdline").exists()}
+    assert any("raylet" in line for line in lines.values()), lines  # the premise: Ray's processes
+    assert not [line for line in lines.values() if "log_monitor" in line], lines
+    [controller] = [pid for pid, line in lines.items() if "ServeController" in line]
+    environ = Path(f"/proc/{controller}/environ").read_bytes().split(b"\0")
+    assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in environ, [e for e in environ if b"SERVE" in e]
 
 
 def test_a_killed_ingress_replica_is_replaced_and_serves_the_port_again(server, tiny_models):

@@ -27,7 +27,7 @@ LOCAL_ENV = {
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     # The raylet exits when its runtime-env agent (a Python process, which every worker's
     # start goes through) does not answer within this; on a busy machine the agent's imports
-    # alone can outlast Ray's default of 30 s. Its ports: _agent_ports_chosen.
+    # alone can outlast Ray's default of 30 s. Its ports: _local_params.
     "RAY_agent_register_timeout_ms": "300000",
     # Ray holds the first driver's registration until the workers it prestarts for it have
     # registered; on a busy machine, behind a late runtime-env agent, they can fail to, and
@@ -35,6 +35,12 @@ LOCAL_ENV = {
     # workers), and a worker gets five minutes to register.
     "RAY_prestart_worker_first_driver": "0",
     "RAY_worker_register_timeout_seconds": "300",
+    # Serve's controller runs its control loop every 0.1 s by default: on a 2-core machine it
+    # and the GCS it calls took 65 ms of CPU a second, idle or not, from the cores the forward
+    # runs on, where each millisecond of it delays a token by about one (docs/BENCHMARKS.md,
+    # "Ray's background CPU"). Every 0.5 s: 31 ms a second less; Serve reacts to a replica's
+    # start, death or load within half a second, not a tenth.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 
@@ -61,7 +67,7 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
                            "a non-loopback address")
-    with _agent_ports_chosen():
+    with _local_params():
         ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(),
                  num_gpus=num_gpus, resources=resources, include_dashboard=False,
                  log_to_driver=False, _metrics_export_port=metrics_export_port,
@@ -79,9 +85,16 @@ AGENT_PORTS = ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env
 
 
 @contextlib.contextmanager
-def _agent_ports_chosen():
+def _local_params():
     """``ray.init`` with its agents' ports chosen here, before Ray starts, and given to the
-    raylet, so that it does not wait for the agents to report them.
+    raylet, so that it does not wait for the agents to report them; and without Ray's log
+    monitor.
+
+    The log monitor is a Python process that looks for new lines in every worker's log files
+    ten times a second, to publish them to drivers (``log_to_driver``, off here) and the
+    dashboard (not started here): nothing here reads what it publishes, and it took 13 ms of
+    CPU a second, from the cores the forward runs on (docs/BENCHMARKS.md, "Ray's background
+    CPU"). The workers' log files are written as before (``/tmp/ray/session_latest/logs``).
 
     Left to Ray, each agent binds port 0 (or its default) and writes the port it got to a file
     in the session directory, and the raylet waits for each file for a fixed 15 s
@@ -109,6 +122,7 @@ def _agent_ports_chosen():
             for name, port in zip(AGENT_PORTS, agent_ports(len(AGENT_PORTS))):
                 if name != "metrics_export_port" or self.metrics_export_port is None:
                     setattr(self, name, port)
+            self.include_log_monitor = False
 
     def start_ray_process(command, process_type, *args, **kwargs):
         if process_type == ray_constants.PROCESS_TYPE_RAYLET:
