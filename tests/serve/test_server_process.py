@@ -310,11 +310,11 @@ def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_sam
     assert now["free_slots"] == now["num_slots"], now
 
 
-def test_the_servers_ray_runs_no_log_monitor_and_serves_control_loop_every_half_second(server):
+def test_the_servers_ray_has_no_log_monitor_and_serves_control_loop_runs_every_half_second(server):
     """What Ray and Serve do in the background takes the cores a CPU forward runs on: the
     server's Ray has no log monitor (nothing here reads what it publishes), and Serve's
-    controller, like every Ray worker of the server, has a control loop of 0.5 s, not 0.1
-    (specserve.serve.local; docs/BENCHMARKS.md, "Ray's background CPU")."""
+    controller runs its control loop every 0.5 s, not 0.1 (a serving cluster's environment,
+    specserve.serve.local.SERVING_ENV; docs/BENCHMARKS.md, "Ray's background CPU")."""
     pids = session_pids(server_session(server))
     lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
              for pid in pids if Path(f"/proc/{pid}/cmdline").exists()}

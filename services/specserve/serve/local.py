@@ -35,13 +35,16 @@ LOCAL_ENV = {
     # workers), and a worker gets five minutes to register.
     "RAY_prestart_worker_first_driver": "0",
     "RAY_worker_register_timeout_seconds": "300",
-    # Serve's controller runs its control loop every 0.1 s by default: on a 2-core machine it
-    # and the GCS it calls took 65 ms of CPU a second, idle or not, from the cores the forward
-    # runs on, where each millisecond of it delays a token by about one (docs/BENCHMARKS.md,
-    # "Ray's background CPU"). Every 0.5 s: 31 ms a second less; Serve reacts to a replica's
-    # start, death or load within half a second, not a tenth.
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
+
+# What a serving cluster (`specserve serve`) adds. Serve's controller runs its control loop
+# every 0.1 s by default: on a 2-core machine it and the GCS it calls took 65 ms of CPU a
+# second, idle or not, from the cores the forward runs on, where each millisecond of it delays
+# a token by about one (docs/BENCHMARKS.md, "Ray's background CPU"). Every 0.5 s: 31 ms a
+# second less, and Serve reacts to a replica's start, death or load within half a second, not
+# a tenth. Not for the tests' shared cluster, which deploys and deletes dozens of apps: each
+# waits on the controller's loop (session 49 measured 1-1.5 s more a start, 1-2 s a stop).
+SERVING_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
 
 for _key, _value in LOCAL_ENV.items():
@@ -55,8 +58,10 @@ DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (deploy/prometheus/prom
 
 def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
                     metrics_export_port: int | None = DEFAULT_METRICS_PORT,
-                    resources: dict[str, float] | None = None) -> None:
-    """``ray.init`` on 127.0.0.1 with this process's environment passed to the workers.
+                    resources: dict[str, float] | None = None,
+                    env: dict[str, str] | None = None) -> None:
+    """``ray.init`` on 127.0.0.1 with this process's environment passed to the workers, and
+    ``env`` (:data:`SERVING_ENV`, say) where this process does not set those already.
     Ray's metrics (and the units' ``ray_specserve_*`` mirror) are served on
     ``metrics_export_port`` (None: Ray picks one)."""
     import ray
@@ -67,11 +72,13 @@ def start_local_ray(*, num_cpus: int | None = None, num_gpus: int = 0,
     if ray_constants.ENABLE_RAY_CLUSTER:
         raise RuntimeError("ray was imported before specserve.serve.local; it would advertise "
                            "a non-loopback address")
+    for key, value in (env or {}).items():
+        os.environ.setdefault(key, value)  # the raylet, and the workers it starts, inherit it
     with _local_params():
         ray.init(_node_ip_address=NODE_IP, num_cpus=num_cpus or os.cpu_count(),
                  num_gpus=num_gpus, resources=resources, include_dashboard=False,
                  log_to_driver=False, _metrics_export_port=metrics_export_port,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in LOCAL_ENV}})
+                 runtime_env={"env_vars": {k: os.environ[k] for k in [*LOCAL_ENV, *(env or {})]}})
 
 
 # The ports Ray's agents would pick themselves and report through a file in the session

@@ -24,6 +24,7 @@ from specserve.errors import SpecServeError
 from specserve.serve.local import (
     DEFAULT_METRICS_PORT,
     NODE_IP,
+    SERVING_ENV,
     free_ports,
     start_local_ray,
     start_serve,
@@ -109,7 +110,7 @@ def _start(app, args, proxy: tuple, metrics_port: int, stop: threading.Event,
     from ray import serve
 
     try:
-        start_local_ray(metrics_export_port=metrics_port)
+        start_local_ray(metrics_export_port=metrics_port, env=SERVING_ENV)
         lifeline.ray_up()
         _stop_on_signal(stop)  # ray.init put its own SIGTERM handler (it exits) in place
         start_serve(*proxy)
