@@ -123,7 +123,7 @@ def _local_params():
 
     original_params, original_start = parameter.RayParams, services.start_ray_process
 
-    class WithAgentPorts(original_params):
+    class LocalParams(original_params):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             for name, port in zip(AGENT_PORTS, agent_ports(len(AGENT_PORTS))):
@@ -136,7 +136,7 @@ def _local_params():
             command = [*command, *_listen_port_flag(command)]
         return original_start(command, process_type, *args, **kwargs)
 
-    parameter.RayParams, services.start_ray_process = WithAgentPorts, start_ray_process
+    parameter.RayParams, services.start_ray_process = LocalParams, start_ray_process
     try:
         yield
     finally:
