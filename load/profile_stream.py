@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "services"))
 
 from specserve.machine import cpu_flags, machine_label  # noqa: E402
-from specserve.serve.ports import proc_stat  # noqa: E402
+from specserve.serve.ports import cmdline, proc_stat  # noqa: E402
 from specserve.serve.ray_watch import children, session_pids  # noqa: E402
 
 from load import bench_vs_llama_server as vs  # noqa: E402
@@ -86,13 +86,6 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
         if stat is not None:
             out[int(task.name)] = (stat.comm, stat.cpu_ticks * TICK_S)
     return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def role(pid: int) -> str:

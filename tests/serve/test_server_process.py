@@ -36,7 +36,7 @@ import httpx
 import pytest
 import yaml
 from specserve.serve.local import DEFAULT_METRICS_PORT, NODE_IP, agent_ports
-from specserve.serve.ports import bind_error, holder_words, parent
+from specserve.serve.ports import bind_error, cmdline, holder_words, parent
 from specserve.serve.ray_watch import POLL_S, children, node_death_bound_s, ray_setting, session_pids
 
 from tests.net import free_port
@@ -310,14 +310,12 @@ def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_sam
     assert now["free_slots"] == now["num_slots"], now
 
 
-def test_the_servers_ray_has_no_log_monitor_and_serves_control_loop_runs_every_half_second(server):
+def test_the_servers_ray_has_no_log_monitor_and_its_serve_controller_loops_every_half_second(server):
     """What Ray and Serve do in the background takes the cores a CPU forward runs on: the
     server's Ray has no log monitor (nothing here reads what it publishes), and Serve's
     controller runs its control loop every 0.5 s, not 0.1 (a serving cluster's environment,
     specserve.serve.local.SERVING_ENV; docs/BENCHMARKS.md, "Ray's background CPU")."""
-    pids = session_pids(server_session(server))
-    lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-             for pid in pids if Path(f"/proc/{pid}/cmdline").exists()}
+    lines = {pid: cmdline(pid) for pid in session_pids(server_session(server))}
     assert any("raylet" in line for line in lines.values()), lines  # the premise: Ray's processes
     assert not [line for line in lines.values() if "log_monitor" in line], lines
     [controller] = [pid for pid, line in lines.items() if "ServeController" in line]

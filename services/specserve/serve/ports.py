@@ -139,12 +139,17 @@ def command(pid: int, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _argv(pid: int) -> list[str]:
+def cmdline(pid: int) -> str:
+    """Process ``pid``'s command line, its arguments joined by spaces ("" where it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace").replace("\0", " ").split()
+            return f.read().decode(errors="replace").replace("\0", " ")
     except OSError:
-        return []
+        return ""
+
+
+def _argv(pid: int) -> list[str]:
+    return cmdline(pid).split()
 
 
 def cluster_starter(pid: int) -> int | None:
