@@ -75,6 +75,28 @@ def test_greedy_output_is_the_targets_and_the_cache_learns_what_it_served(
     assert set(drafted) == {"suffix"} and drafted["suffix"] > 0
 
 
+def test_a_unit_in_the_ingress_is_scraped_where_it_runs_with_no_metrics_hub(suffix_app, model_name):
+    """The app's one unit runs in its ingress (the default for one CPU unit, as ``make serve``
+    runs it): no metrics hub actor is started for it, a Ray worker process whose wake-ups
+    would be taken from the forward's cores, and a scrape reads the unit's numbers as they
+    are at that moment, so they equal the unit's stats right after a request, with no
+    report to wait for."""
+    import ray
+    from ray import serve
+    from specserve.serve.metrics import HUB_NAMESPACE, hub_name
+
+    assert "SpeculationUnit" not in serve.status().applications["suffix"].deployments
+    with pytest.raises(ValueError):
+        ray.get_actor(hub_name("suffix"), namespace=HUB_NAMESPACE)
+    body = {"model": model_name, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    assert httpx.post(suffix_app + "/v1/completions", json=body, timeout=120).status_code == 200
+    stats = httpx.get(suffix_app + "/v1/units/stats", timeout=60).json()
+    text = httpx.get(suffix_app + "/metrics", timeout=60).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    admitted = [s.value for s in families["specserve:requests_admitted"].samples
+                if s.name.endswith("_total")]
+    assert admitted == [stats["requests_admitted"]] and admitted[0] >= 1
+
 def test_token_trees_through_the_target_group(suffix_tree_app, tiny_models, model_name):
     """suffix.tree: true over the Serve path (issue 20): trees are verified by the target
     ranks, each accepted path compacted with the slot's next forward; the text is the

@@ -103,9 +103,10 @@ class OpenAIIngress(HostsUnit):
         self.cfg = AppConfig.model_validate(config)
         # The metrics hub first: its actor's process starts while the model loads. Asked for
         # after, it would still be starting as the first requests arrive, its imports taking
-        # the CPU from their forwards on a small machine (a second of CPU on 2 cores).
+        # the CPU from their forwards on a small machine (a second of CPU on 2 cores). A unit
+        # here needs none: a scrape reads it (serve/metrics.py).
         self.app_name = serve.get_replica_context().app_name
-        self.hub = get_hub(self.app_name)
+        self.hub = None if unit is None else get_hub(self.app_name)
         self.local = None
         if unit is None:
             self.local = unit = LocalUnit(self.cfg.unit.model_dump())
@@ -162,6 +163,8 @@ class OpenAIIngress(HostsUnit):
 
         if self.cfg.auth.protect_metrics:
             self._authenticate(request)
+        if self.local is not None:
+            return PlainTextResponse(exposition(self.local.metrics()), media_type=CONTENT_TYPE_LATEST)
         try:
             units = unpacked(await self.hub.snapshot.remote())
         except Exception:  # noqa: BLE001  the hub was lost: start a new one, units re-report

@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from specserve.serve.direct_http import DirectHTTP
+from specserve.serve.unit_messages import UnitSnapshot
 
 
 class LocalStream:
@@ -59,12 +60,16 @@ class LocalUnit:
     def __init__(self, config: dict) -> None:
         from specserve.serve.unit import SpeculationUnit
 
-        self.unit = SpeculationUnit(config)
+        self.unit = SpeculationUnit(config, in_ingress=True)
         self.generate = _Call(lambda asked: LocalStream(self.unit.generate(asked)))
         self.stats = _Call(self._stats)
 
     async def _stats(self) -> dict:
         return self.unit.stats()
+
+    def metrics(self) -> dict[str, UnitSnapshot]:
+        """The unit's numbers now, by its id, as a metrics hub answers for its units."""
+        return {self.unit.unit_id: self.unit.metrics_snapshot()}
 
     def check_health(self) -> None:
         self.unit.check_health()

@@ -12,7 +12,11 @@ Two sources, one ``/metrics`` (the ingress's):
   of ``/metrics`` reads the hub and exposes one series per unit (label ``unit``). Counters are
   the unit's own running totals, exact per step (in-flight requests included); a restarted
   unit starts again from 0, which ``rate()`` treats as a counter reset. A unit silent for
-  ``STALE_AFTER_S`` is dropped.
+  ``STALE_AFTER_S`` is dropped. The one unit that runs in the ingress's own process
+  (``unit_in_ingress``) has no hub: a scrape reads its numbers there and then. A hub is one
+  Ray worker process more, whose core worker wakes every 10 ms: on a 2-core machine its CPU
+  is taken from the forward's threads at one stream (docs/BENCHMARKS.md, "Ray's background
+  CPU").
 
 The same unit numbers also go through Ray's metrics port (``ray.util.metrics``; Ray names
 them ``ray_specserve_...``, with ``_`` for ``:``), for clusters that scrape Ray's pods.
@@ -141,12 +145,14 @@ def get_hub(app: str):
 
 
 class UnitReporter:
-    """A thread in the unit that sends ``snapshot()`` to the hub every ``interval_s`` and
-    mirrors the numbers into Ray's metrics. Failures are logged once and retried."""
+    """A thread in the unit that sends ``snapshot()`` to the hub every ``interval_s`` (not
+    ``to_hub``: a unit in the ingress, which has none) and mirrors the numbers into Ray's
+    metrics. Failures are logged once and retried."""
 
     def __init__(self, app: str, unit: str, snapshot: Callable[[], UnitSnapshot],
-                 interval_s: float = REPORT_INTERVAL_S) -> None:
+                 interval_s: float = REPORT_INTERVAL_S, *, to_hub: bool = True) -> None:
         self.app, self.unit, self.snapshot, self.interval_s = app, unit, snapshot, interval_s
+        self.to_hub = to_hub
         self._stop = threading.Event()
         self._ray = RayMirror(unit)
         self._thread = threading.Thread(target=self._run, name="metrics-reporter", daemon=True)
@@ -157,8 +163,9 @@ class UnitReporter:
         while not self._stop.wait(self.interval_s):
             try:
                 snap = self.snapshot()
-                hub = hub or get_hub(self.app)
-                hub.report.remote(self.unit, packed(snap))
+                if self.to_hub:
+                    hub = hub or get_hub(self.app)
+                    hub.report.remote(self.unit, packed(snap))
                 self._ray.update(snap)
                 failed = False
             except Exception:  # noqa: BLE001  metrics must never take the unit down

@@ -51,7 +51,9 @@ class SpeculationUnit:
     """Serve deployment class (options are set by ``deploy/app.py``: the deployment class
     itself stays free of wiring)."""
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, *, in_ingress: bool = False) -> None:
+        """``in_ingress``: built by the ingress in its own process (``LocalUnit``), which
+        reads :meth:`metrics_snapshot` at each scrape: no metrics hub."""
         cfg = UnitConfig.model_validate(config)
         self.cfg = cfg
         pg = ray.util.get_current_placement_group()
@@ -87,7 +89,8 @@ class SpeculationUnit:
                                         adaptive=self.engine.controller is not None,
                                         max_num_seqs=cfg.engine.max_num_seqs)
         self.decisions: dict[tuple[str, str], int] = {}  # Decision.key -> requests, since start
-        self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot)
+        self.reporter = UnitReporter(context.app_name, self.unit_id, self.metrics_snapshot,
+                                     to_hub=not in_ingress)
         self.loop = EngineLoop(self.engine, max_queue_len=cfg.max_queue_len,
                                draft_probe=self.draft_group.probe if self.draft_group else None,
                                draft_retry_s=cfg.draft_retry_s,
