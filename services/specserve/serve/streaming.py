@@ -25,18 +25,44 @@ class RequestTimeout(Exception):
 
 
 async def until_deadline(stream, deadline: float) -> AsyncIterator[StreamStart | StreamDelta]:
-    """``stream``'s chunks, raising :class:`RequestTimeout` once ``deadline`` (monotonic) passes."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RequestTimeout
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), left)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError as exc:
-            raise RequestTimeout from exc
-        yield chunk
+    """``stream``'s chunks, raising :class:`RequestTimeout` once ``deadline`` (monotonic)
+    passes while a chunk is awaited, or at the next chunk asked for after it passed.
+
+    One timer for the whole request, not ``asyncio.wait_for`` a chunk: that wraps each
+    chunk's wait in a task of its own (a task, a future, a timer and an extra turn of the
+    event loop for every token, on the thread that shares the forward's cores). The timer
+    cancels the task reading the stream only while it waits here for a chunk; the
+    cancellation is then taken back and raised as :class:`RequestTimeout`. Any other
+    cancellation (the client went away) goes on as it came."""
+    loop = asyncio.get_running_loop()
+    waiting: asyncio.Task | None = None  # the task awaiting a chunk here, while it does
+    expired = cancelled = False
+
+    def expire() -> None:
+        nonlocal expired, cancelled
+        expired = True
+        if waiting is not None:
+            cancelled = waiting.cancel()
+
+    timer = loop.call_at(loop.time() + (deadline - time.monotonic()), expire)
+    try:
+        while True:
+            if expired or time.monotonic() >= deadline:
+                raise RequestTimeout
+            waiting = asyncio.current_task()
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if cancelled and waiting.uncancel() == 0:  # ours alone: the deadline
+                    raise RequestTimeout from None
+                raise
+            finally:
+                waiting = None
+            yield chunk
+    finally:
+        timer.cancel()
 
 
 def cancel_stream(stream) -> None:
