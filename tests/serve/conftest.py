@@ -105,6 +105,20 @@ def deployed(apps: dict[str, tuple[str, dict]]):
     finally:
         for name in urls:
             serve.delete(name)
+            end_hub(name)
+
+
+def end_hub(app: str) -> None:
+    """Kill a deleted app's metrics hub, where its units had replicas of their own: the hub is
+    detached (it outlives a replica, so a new one finds the units' reports), so it would idle
+    on the shared machine, a Ray worker's 10 ms wake-ups, until the session's end."""
+    import ray
+    from specserve.serve.metrics import HUB_NAMESPACE, hub_name
+
+    try:
+        ray.kill(ray.get_actor(hub_name(app), namespace=HUB_NAMESPACE))
+    except ValueError:  # none: its unit ran in the ingress
+        pass
 
 
 def deployed_one(name: str, args: dict):
