@@ -242,18 +242,24 @@ class LlamaRuntime(nn.Module):
         x, captured = self._layers(x, ctx, cache, batch.hidden and self.feature_layers is not None)
         for slot, ids in zip(slots, token_ids):
             cache.lengths[slot] += len(ids)
-        rows, cols = upload[asked]
         head = self._head_shape(ctx, *x.shape[:2])
         own = self._own_features(batch.hidden)
         if head is not None:
-            logits, hidden = self._padded_head(x, head, rows, cols, ctx.real, batch.hidden and not own)
+            logits, hidden = self._padded_head(x, head, *upload[asked], ctx.real, batch.hidden and not own)
             return logits, (self._features(x, captured).flatten(0, 1)[ctx.real] if own else hidden), None
+        # Every row asks for all its tokens, none padded (decodes; a verify of one row): the
+        # positions asked for are x's own, in order, so x is read as it is, not copied.
+        t = x.shape[1]
+        every = all(n == len(ids) == t for ids, n in zip(token_ids, num_logits))
+        rows, cols = (None, None) if every else upload[asked]
         if not batch.hidden:
-            return self.logits(self.final_norm(x[rows, cols])), None, None
+            return self.logits(self.final_norm(x.flatten(0, 1) if every else x[rows, cols])), None, None
         if own:
-            return (self.logits(self.final_norm(x[rows, cols])),
+            return (self.logits(self.final_norm(x.flatten(0, 1) if every else x[rows, cols])),
                     self._features(x, captured).flatten(0, 1)[ctx.real], None)
         hidden = self.final_norm(x.flatten(0, 1)[ctx.real])  # [sum(len), hidden]
+        if every:
+            return self.logits(hidden), hidden, None
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index.view(-1)[ctx.real] = torch.arange(hidden.shape[0], device=x.device)
         return self.logits(hidden[index[rows, cols]]), hidden, None

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from specserve.config import SamplingParams
 from specserve.engine.grammar import masked
@@ -276,6 +277,8 @@ def verify_greedy(rows: list[VerifyRow], logits: list[torch.Tensor],
     if inputs is None:
         inputs = _on_device("greedy", rows, logits[0].device, None)
     drafts = inputs.get("drafts")  # none staged where no row has a draft: K = 0
+    if drafts is None and all(x.ndim == 1 for x in logits):  # decodes' argmax ids: each row emits
+        return RejectionOutput.unpack(F.pad(torch.stack(logits), (1, 0)))  # its own, 0 accepted
     max_spec_len = 0 if drafts is None else drafts.shape[1] - 1
     argmax = torch.stack([pad_rows(x if x.ndim == 1 else row_argmax(x), max_spec_len + 1, 0)
                           for x in logits])  # [B, K + 1]
