@@ -247,19 +247,12 @@ class LlamaRuntime(nn.Module):
         if head is not None:
             logits, hidden = self._padded_head(x, head, *upload[asked], ctx.real, batch.hidden and not own)
             return logits, (self._features(x, captured).flatten(0, 1)[ctx.real] if own else hidden), None
-        # Every row asks for all its tokens, none padded (decodes; a verify of one row): the
-        # positions asked for are x's own, in order, so x is read as it is, not copied.
-        t = x.shape[1]
-        every = all(n == len(ids) == t for ids, n in zip(token_ids, num_logits))
-        rows, cols = (None, None) if every else upload[asked]
-        if not batch.hidden:
-            return self.logits(self.final_norm(x.flatten(0, 1) if every else x[rows, cols])), None, None
-        if own:
-            return (self.logits(self.final_norm(x.flatten(0, 1) if every else x[rows, cols])),
-                    self._features(x, captured).flatten(0, 1)[ctx.real], None)
+        if not batch.hidden or own:
+            states = asked_states(x, token_ids, num_logits, upload[asked])
+            return (self.logits(self.final_norm(states)),
+                    self._features(x, captured).flatten(0, 1)[ctx.real] if own else None, None)
+        rows, cols = upload[asked]
         hidden = self.final_norm(x.flatten(0, 1)[ctx.real])  # [sum(len), hidden]
-        if every:
-            return self.logits(hidden), hidden, None
         index = torch.zeros_like(ctx.valid, dtype=torch.long)
         index.view(-1)[ctx.real] = torch.arange(hidden.shape[0], device=x.device)
         return self.logits(hidden[index[rows, cols]]), hidden, None
@@ -356,6 +349,19 @@ class LlamaRuntime(nn.Module):
         return prepare(cache, slots, token_ids, trees, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
                        sliding_windows=self.arch.sliding_windows, decode_width=self.decode_width,
                        device=self.embed.weight.device, upload=upload)
+
+
+def asked_states(x: torch.Tensor, token_ids: list[list[int]], num_logits: list[int],
+                 positions: torch.Tensor) -> torch.Tensor:
+    """``x[rows, cols]`` at ``positions`` (``[2, N]``, :func:`logit_positions`'), or ``x``
+    itself, flattened, where every row asks for all its tokens and none is padded (decodes; a
+    verify of one row): those are x's own positions in order, read as they are, not copied
+    (at batch 1 the copy was a decode's one indexing operation)."""
+    t = x.shape[1]
+    if all(n == len(ids) == t for ids, n in zip(token_ids, num_logits)):
+        return x.flatten(0, 1)
+    rows, cols = positions
+    return x[rows, cols]
 
 
 def default_kernels(device: torch.device, draft: bool = False) -> str:
