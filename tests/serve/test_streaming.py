@@ -11,6 +11,9 @@ import pytest
 from specserve.serve.streaming import RequestTimeout, until_deadline
 
 BOUND_S = 60  # generous: how long a test waits for what must happen at all
+# A request's deadline: long enough that the chunks ready at once are read before it on a
+# busy machine (what happens after it is timed from the deadline itself)
+DEADLINE_S = 3.0
 
 
 class Stream:
@@ -42,7 +45,7 @@ def test_a_wait_past_the_deadline_is_a_timeout_and_the_task_is_not_left_cancelli
         stream = Stream(ready=2)
         chunks = []
         with pytest.raises(RequestTimeout):
-            async for chunk in until_deadline(stream, time.monotonic() + 0.2):
+            async for chunk in until_deadline(stream, time.monotonic() + DEADLINE_S):
                 chunks.append(chunk)
         assert chunks == [1, 0] and stream.closed_by is asyncio.CancelledError
         assert asyncio.current_task().cancelling() == 0  # taken back: nothing else is cancelled
@@ -55,9 +58,10 @@ def test_the_deadline_passing_while_the_reader_works_cancels_nothing_there():
     """The reader is busy with a chunk (a slow client's write, say) when the deadline passes:
     its own await goes on untouched, and the next chunk it asks for is the timeout."""
     async def read():
-        chunks = until_deadline(Stream(ready=3), time.monotonic() + 0.1)
+        deadline = time.monotonic() + DEADLINE_S
+        chunks = until_deadline(Stream(ready=3), deadline)
         assert await chunks.__anext__() == 2
-        await asyncio.sleep(0.3)  # past the deadline, and not cancelled
+        await asyncio.sleep(deadline - time.monotonic() + 0.1)  # past the deadline, not cancelled
         with pytest.raises(RequestTimeout):
             await chunks.__anext__()
 
