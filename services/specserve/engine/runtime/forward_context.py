@@ -4,6 +4,7 @@ in one pass) and their preparation from a batch (:func:`prepare`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,36 +28,81 @@ class ForwardContext:
     kv_len: int                    # S: longest (start + num_new) in the batch, in whole KV blocks
     cos: torch.Tensor              # [B, T, 1, D]
     sin: torch.Tensor              # [B, T, 1, D]
-    valid: torch.Tensor            # [B, T] bool: real tokens, not padding
-    # [N] int64: each real token's index in [B * T] (``x.flatten(0, 1)[real]``: valid as an
-    # index without a boolean mask, which reads its count back from the device: a wait)
-    real: torch.Tensor
-    write_slots: torch.Tensor      # [N] storage row of each real token (its slot, or block)
-    write_positions: torch.Tensor  # [N] its offset there (its position, or in the block)
     kv_used: int                   # the longest (start + num_new) in the batch
-    positions: torch.Tensor        # [B, T] int64 position of each query (padding included)
     window: int | None             # the sliding window of the layers that have one
+    shape: tuple[int, int]         # (B, T): rows, and tokens a row (padding included)
     # Token trees (``LlamaRuntime.forward(trees=...)``): [B, T] int64, bit i of query (b, t) set
     # where it sees the i-th token from its row's base (its ancestors and itself), and [B]
     # int32, each tree row's base position (-1: a chain row; ``_trees``).
     # None: every row is a chain.
     tree: torch.Tensor | None = None
     tree_starts: torch.Tensor | None = None
-    lens: torch.Tensor | None = None  # [B] int64 on the CPU: each row's real new tokens
     table: torch.Tensor | None = None  # [B, W] int32: each row's block table (the C kernels)
-    # positions, tree and tree_starts on the forward's device (the library's mask is made
-    # there from them)
-    on_device: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
     # each row's start and number of new tokens as the host's lists: what the C kernels'
     # int32 inputs are made from, without torch operations (a decode's Python, issue 71)
     rows: tuple[list[int], list[int]] = ((), ())
+    # The per-token tensors (the properties below), made where the forward was prepared for a
+    # device (they go in its one copy); on the host, each on first use: the C kernels read
+    # none of them, and a decode's Python made six tensors a token that nothing read.
+    made: dict = field(default_factory=dict)
+    locate: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None  # the cache's locate_new
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, T]`` bool: real tokens, not padding."""
+        return self._made("valid")
+
+    @property
+    def real(self) -> torch.Tensor:
+        """``[N]`` int64: each real token's index in ``[B * T]`` (``x.flatten(0, 1)[real]``:
+        valid as an index without a boolean mask, which reads its count back from the device:
+        a wait)."""
+        return self._made("real")
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """``[N]``: the storage row of each real token (its slot, or block)."""
+        return self._made("write_slots")
+
+    @property
+    def write_positions(self) -> torch.Tensor:
+        """``[N]``: each real token's offset in its storage row (its position, or in the block)."""
+        return self._made("write_positions")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[B, T]`` int64 on the host: each query's position (padding included)."""
+        return self._made("positions")
+
+    @property
+    def lens(self) -> torch.Tensor:
+        """``[B]`` int64 on the host: each row's real new tokens."""
+        return self._made("lens")
+
+    @property
+    def on_device(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """:attr:`positions`, :attr:`tree` and :attr:`tree_starts` on the forward's device (the
+        library's mask is made there from them)."""
+        return self._made("on_device")
+
+    def _made(self, name: str) -> torch.Tensor:
+        if name not in self.made:  # a host forward's, on first use
+            starts, lens = self.rows
+            t = self.shape[1]
+            if name in ("write_slots", "write_positions"):
+                self.made["write_slots"], self.made["write_positions"] = self.locate()
+            elif name == "on_device":
+                self.made[name] = (self.positions, self.tree, self.tree_starts)
+            else:
+                self.made[name] = _row_tensors[name](starts, lens, t)
+        return self.made[name]
 
     def _per_query(self, value) -> torch.Tensor:
         """``[B, T]`` int32 of ``value(p, last)`` for each query: ``p`` its position, ``last``
         its row's last real position (from :attr:`rows`, on the host)."""
-        t = self.valid.shape[1]
+        t = self.shape[1]
         return torch.tensor([[value(s + j, s + n - 1) for j in range(t)] for s, n in zip(*self.rows)],
                             dtype=torch.int32)
 
@@ -125,14 +171,14 @@ class ForwardContext:
         if key not in self._ranges:
             w = self.window if window else None
             self._ranges[key] = (self._per_query(lambda p, last: max(min(p, last) - w + 1, 0)) if w
-                                 else torch.zeros(self.valid.shape, dtype=torch.int32))
+                                 else torch.zeros(self.shape, dtype=torch.int32))
         return self._ranges[key]
 
     def native_forward(self, cache: SlotKVCache, layer: native.LayerRef) -> native.ForwardRef:
         """What :func:`native.decoder_layer` reads of this forward (made once; its tensors
         held here), with scratch for ``layer``. The C kernels trust the block table, so the
         bounds are checked here, once for every layer."""
-        b, t = self.valid.shape
+        b, t = self.shape
         floats = native.layer_scratch(layer, b * t)
         held = self._ranges.get("native")
         if held is None:
@@ -207,32 +253,63 @@ def prepare(cache: SlotKVCache, slots: list[int], token_ids: list[list[int]],
         t = decode_width  # a decode's GEMMs take a verify's shape (use_kernels)
     # [B, T] each from the host's lists in one tensor, not a handful of small operations
     tokens = torch.tensor([[*ids, *[0] * (t - len(ids))] for ids in token_ids], dtype=torch.long)
-    positions = torch.tensor([list(range(s, s + t)) for s in starts], dtype=torch.long)
-    valid = torch.tensor([[j < n for j in range(t)] for n in lens], dtype=torch.bool)
-    real = torch.tensor([i * t + j for i, n in enumerate(lens) for j in range(n)], dtype=torch.long)
     window = one_window(sliding_windows)
-    rope_positions, tree, tree_starts = positions, None, None
+    tree, tree_starts = None, None
     if trees is not None and any(parents is not None for parents in trees):
         rope_positions, tree, tree_starts = _trees(trees, starts, lens, t, window)
-    table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
+        table_pos = rope_positions.clamp(max=rope_cos.shape[0] - 1)
+    else:
+        table_pos = _table_positions(starts, t, rope_cos.shape[0])
+    fields = dict(slots=slots, kv_len=kv_len, kv_used=kv_used, window=window, shape=(len(slots), t),
+                  tree=tree, tree_starts=tree_starts, table=cache.block_table(slots), rows=(starts, lens))
+    upload = upload or Upload()
+    if torch.device(device).type == "cpu":  # read as they are: the per-token tensors on first use
+        upload.send(device)
+        return ForwardContext(cos=_rope_rows(rope_cos, table_pos), sin=_rope_rows(rope_sin, table_pos),
+                              locate=lambda: cache.locate_new(slots, starts, lens), **fields), tokens
     # What the device needs of the batch: [B, T] token ids, RoPE rows, validity and positions,
     # where each real token's key goes ([N] each: cache.locate), a tree's masks and bases.
-    upload, table = upload or Upload(), cache.block_table(slots)
-    parts = [upload.add(x) for x in (tokens, table_pos, valid, real,
-                                     *cache.locate_new(slots, starts, lens),
+    positions, valid, real = (_row_tensors[name](starts, lens, t) for name in ("positions", "valid", "real"))
+    if isinstance(table_pos, slice):
+        table_pos = positions
+    parts = [upload.add(x) for x in (tokens, table_pos, valid, real, *cache.locate_new(slots, starts, lens),
                                      positions, *(() if tree is None else (tree, tree_starts)))]
     upload.send(device)
-    tokens_d, table_pos_d, valid_d, real, write_slots, write_positions, positions_d, *tree_d = (
+    tokens_d, table_pos_d, valid_d, real_d, write_slots, write_positions, positions_d, *tree_d = (
         upload[i] for i in parts)
-    cos = rope_cos[table_pos_d].unsqueeze(2)        # [B, T, 1, D]
-    sin = rope_sin[table_pos_d].unsqueeze(2)
-    ctx = ForwardContext(
-        slots=slots, kv_len=kv_len, cos=cos, sin=sin, valid=valid_d, real=real,
-        write_slots=write_slots, write_positions=write_positions,
-        kv_used=kv_used, positions=positions, window=window, tree=tree,
-        tree_starts=tree_starts, lens=torch.tensor(lens), table=table,
-        on_device=(positions_d, *(tree_d or (None, None))), rows=(starts, lens))
-    return ctx, tokens_d
+    made = {"valid": valid_d, "real": real_d, "write_slots": write_slots, "write_positions": write_positions,
+            "positions": positions, "on_device": (positions_d, *(tree_d or (None, None)))}
+    return ForwardContext(cos=rope_cos[table_pos_d].unsqueeze(2), sin=rope_sin[table_pos_d].unsqueeze(2),
+                          made=made, **fields), tokens_d
+
+
+def _table_positions(starts: list[int], t: int, table_len: int) -> torch.Tensor | slice:
+    """The RoPE table's row of each query of chain rows, its position capped at the table's
+    last row (padding past the context): ``[B, T]``; for one row that needs no cap, the
+    slice of its rows (:func:`_rope_rows` then takes a view, not a copy)."""
+    if len(starts) == 1 and starts[0] + t <= table_len:
+        return slice(starts[0], starts[0] + t)
+    return torch.tensor([[min(s + j, table_len - 1) for j in range(t)] for s in starts], dtype=torch.long)
+
+
+def _rope_rows(table: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """``[B, T, 1, D]``: ``table``'s rows at ``rows`` (:func:`_table_positions`'); contiguous
+    either way."""
+    if isinstance(rows, slice):
+        return table[rows][None, :, None]
+    return table[rows].unsqueeze(2)
+
+
+_row_tensors: dict[str, Callable[[list[int], list[int], int], torch.Tensor]] = {
+    # a host forward's per-token tensors, from its rows' starts and lengths and its width T
+    "positions": lambda starts, lens, t: torch.tensor([list(range(s, s + t)) for s in starts],
+                                                      dtype=torch.long),
+    "valid": lambda starts, lens, t: torch.tensor([[j < n for j in range(t)] for n in lens],
+                                                  dtype=torch.bool),
+    "real": lambda starts, lens, t: torch.tensor([i * t + j for i, n in enumerate(lens)
+                                                  for j in range(n)], dtype=torch.long),
+    "lens": lambda starts, lens, t: torch.tensor(lens),
+}
 
 
 def chains(trees: list[list[int] | None] | None) -> bool:

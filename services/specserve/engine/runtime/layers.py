@@ -17,7 +17,11 @@ from specserve.engine.runtime.kernels import Linear, RefsWatched, attention, nat
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as ``transformers`` does, then cast back."""
+    """RMSNorm computed in fp32, as ``transformers`` does, then cast back. On float32 CPU
+    tensors, torch's own ``rms_norm``: the same six operations in the same order (torch
+    composes it from them there), dispatched once from Python, not six times."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
