@@ -177,21 +177,31 @@ class ForwardContext:
     def native_forward(self, cache: SlotKVCache, layer: native.LayerRef) -> native.ForwardRef:
         """What :func:`native.decoder_layer` reads of this forward (made once; its tensors
         held here), with scratch for ``layer``. The C kernels trust the block table, so the
-        bounds are checked here, once for every layer."""
+        bounds are checked here, once for every layer. Its int32 inputs (each row's start and
+        new tokens, each query's key range: :attr:`row_starts`, :attr:`row_lens`,
+        :meth:`key_start`, :attr:`key_end`) are one tensor made from :attr:`rows`, the C
+        kernels pointed into it: one operation a forward, not four."""
         b, t = self.shape
         floats = native.layer_scratch(layer, b * t)
         held = self._ranges.get("native")
         if held is None:
-            table, starts, lens, hi = self.table, self.row_starts, self.row_lens, self.key_end
+            table = self.table
             native.check_table(table, b, cache.k[0].shape[2], self.kv_used)  # every query's end
-            lo = self.key_start(False)
-            lo_window = self.key_start(True) if self.window is not None else lo
-            tensors = [self.cos, self.sin, table, starts, lens, lo, lo_window, hi, self.tree_starts,
-                       self.tree]
+            starts, lens = self.rows
+            ends = [min(s + j, s + n - 1) + 1 for s, n in zip(starts, lens) for j in range(t)]
+            windowed = [max(e - self.window, 0) for e in ends] if self.window is not None else []
+            ints = torch.tensor([*starts, *lens, *ends, *[0] * (b * t), *windowed], dtype=torch.int32)
+            at = ints.data_ptr()  # int32 is 4 bytes: starts, lens, hi, lo, then the window's lo
+            hi, lo = at + 8 * b, at + 4 * (2 * b + b * t)
+            lo_window = lo + 4 * b * t if windowed else lo
             ref = native.ForwardRef(b, t, cache.k[0].shape[2], table.shape[1], torch.get_num_threads(),
-                                    *(None if x is None else x.data_ptr() for x in tensors), None)
-            held = self._ranges["native"] = [ref, torch.empty(0), tensors]
-        if held[1].numel() < floats:
+                                    self.cos.data_ptr(), self.sin.data_ptr(), table.data_ptr(), at,
+                                    at + 4 * b, lo, lo_window, hi, *(None if x is None else x.data_ptr()
+                                                                     for x in (self.tree_starts, self.tree)),
+                                    None)
+            held = self._ranges["native"] = [ref, None, (self.cos, self.sin, table, ints, self.tree_starts,
+                                                         self.tree)]
+        if held[1] is None or held[1].numel() < floats:
             held[1] = torch.empty(floats, dtype=torch.float32)
             held[0].scratch = held[1].data_ptr()
         return held[0]
