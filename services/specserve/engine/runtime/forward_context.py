@@ -20,6 +20,11 @@ from specserve.engine.runtime.token_tree import validate_tree
 from specserve.errors import InvalidRequestError
 
 
+def _on_first_use(name: str, doc: str) -> property:
+    """A :class:`ForwardContext` tensor read from :attr:`ForwardContext.made` (``_made``)."""
+    return property(lambda self: self._made(name), doc=doc)
+
+
 @dataclass
 class ForwardContext:
     """Everything one ragged forward shares across layers (computed once per call)."""
@@ -49,43 +54,19 @@ class ForwardContext:
     _hidden: dict = field(default_factory=dict)
     _ranges: dict = field(default_factory=dict)
 
-    @property
-    def valid(self) -> torch.Tensor:
-        """``[B, T]`` bool: real tokens, not padding."""
-        return self._made("valid")
-
-    @property
-    def real(self) -> torch.Tensor:
-        """``[N]`` int64: each real token's index in ``[B * T]`` (``x.flatten(0, 1)[real]``:
-        valid as an index without a boolean mask, which reads its count back from the device:
-        a wait)."""
-        return self._made("real")
-
-    @property
-    def write_slots(self) -> torch.Tensor:
-        """``[N]``: the storage row of each real token (its slot, or block)."""
-        return self._made("write_slots")
-
-    @property
-    def write_positions(self) -> torch.Tensor:
-        """``[N]``: each real token's offset in its storage row (its position, or in the block)."""
-        return self._made("write_positions")
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """``[B, T]`` int64 on the host: each query's position (padding included)."""
-        return self._made("positions")
-
-    @property
-    def lens(self) -> torch.Tensor:
-        """``[B]`` int64 on the host: each row's real new tokens."""
-        return self._made("lens")
-
-    @property
-    def on_device(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """:attr:`positions`, :attr:`tree` and :attr:`tree_starts` on the forward's device (the
-        library's mask is made there from them)."""
-        return self._made("on_device")
+    valid = _on_first_use("valid", "``[B, T]`` bool: real tokens, not padding.")
+    real = _on_first_use("real", "``[N]`` int64: each real token's index in ``[B * T]`` "
+                         "(``x.flatten(0, 1)[real]``: valid as an index without a boolean mask, "
+                         "which reads its count back from the device: a wait).")
+    write_slots = _on_first_use("write_slots", "``[N]``: each real token's storage row (its slot, "
+                                "or block).")
+    write_positions = _on_first_use("write_positions", "``[N]``: each real token's offset in its "
+                                    "storage row (its position, or in the block).")
+    positions = _on_first_use("positions", "``[B, T]`` int64 on the host: each query's position "
+                              "(padding included).")
+    lens = _on_first_use("lens", "``[B]`` int64 on the host: each row's real new tokens.")
+    on_device = _on_first_use("on_device", ":attr:`positions`, :attr:`tree` and :attr:`tree_starts` "
+                              "on the forward's device (the library's mask is made there from them).")
 
     def _made(self, name: str) -> torch.Tensor:
         if name not in self.made:  # a host forward's, on first use
