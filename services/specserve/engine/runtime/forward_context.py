@@ -80,20 +80,23 @@ class ForwardContext:
                 self.made[name] = _row_tensors[name](starts, lens, t)
         return self.made[name]
 
-    def _per_query(self, value) -> torch.Tensor:
-        """``[B, T]`` int32 of ``value(p, last)`` for each query: ``p`` its position, ``last``
-        its row's last real position (from :attr:`rows`, on the host)."""
+    def _key_ends(self) -> list[int]:
+        """Each query's key end, ``[B * T]`` in row order on the host (from :attr:`rows`): it
+        reads keys before ``position + 1``, a padding query's position capped at its row's last
+        real token (its output is never read, and a paged row holds blocks for its real tokens
+        only: nothing past them may be read)."""
         t = self.shape[1]
-        return torch.tensor([[value(s + j, s + n - 1) for j in range(t)] for s, n in zip(*self.rows)],
-                            dtype=torch.int32)
+        return [min(s + j, s + n - 1) + 1 for s, n in zip(*self.rows) for j in range(t)]
+
+    def _window_starts(self, ends: list[int]) -> list[int]:
+        """The first key each query reads within the sliding window, from its :meth:`_key_ends`."""
+        return [max(e - self.window, 0) for e in ends]
 
     @property
     def key_end(self) -> torch.Tensor:
-        """``[B, T]`` int32: each query reads keys before ``position + 1``, a padding query's
-        position capped at its row's last real token (its output is never read, and a paged
-        row holds blocks for its real tokens only: nothing past them may be read)."""
+        """``[B, T]`` int32: each query's key end (:meth:`_key_ends`)."""
         if "end" not in self._ranges:
-            self._ranges["end"] = self._per_query(lambda p, last: min(p, last) + 1)
+            self._ranges["end"] = torch.tensor(self._key_ends(), dtype=torch.int32).view(self.shape)
         return self._ranges["end"]
 
     @property
@@ -150,9 +153,9 @@ class ForwardContext:
         """``[B, T]`` int32: the first key each query reads (0, or the window's start)."""
         key = ("start", window)
         if key not in self._ranges:
-            w = self.window if window else None
-            self._ranges[key] = (self._per_query(lambda p, last: max(min(p, last) - w + 1, 0)) if w
-                                 else torch.zeros(self.shape, dtype=torch.int32))
+            self._ranges[key] = (torch.tensor(self._window_starts(self._key_ends()), dtype=torch.int32)
+                                 .view(self.shape) if window and self.window else
+                                 torch.zeros(self.shape, dtype=torch.int32))
         return self._ranges[key]
 
     def native_forward(self, cache: SlotKVCache, layer: native.LayerRef) -> native.ForwardRef:
@@ -169,8 +172,8 @@ class ForwardContext:
             table = self.table
             native.check_table(table, b, cache.k[0].shape[2], self.kv_used)  # every query's end
             starts, lens = self.rows
-            ends = [min(s + j, s + n - 1) + 1 for s, n in zip(starts, lens) for j in range(t)]
-            windowed = [max(e - self.window, 0) for e in ends] if self.window is not None else []
+            ends = self._key_ends()
+            windowed = self._window_starts(ends) if self.window is not None else []
             ints = torch.tensor([*starts, *lens, *ends, *[0] * (b * t), *windowed], dtype=torch.int32)
             at = ints.data_ptr()  # int32 is 4 bytes: starts, lens, hi, lo, then the window's lo
             hi, lo = at + 8 * b, at + 4 * (2 * b + b * t)
