@@ -34,11 +34,14 @@ if str(ROOT) not in sys.path:
 from load.decode_ms import PROMPT, timed_forwards  # noqa: E402
 
 
-def stub_kernels(read_mb: int, token: int) -> None:
-    """Put the stubs in ``native``'s place (where the layers and the head call them)."""
+def stub_kernels(read_mb: int, token: int) -> list[int]:
+    """Put the stubs in ``native``'s place (where the layers and the head call them); the
+    returned list's one item counts the layer stack's calls."""
     stream = np.ones(read_mb * 2**18 + 1, dtype=np.float32)  # read_mb MB of float32
+    calls = [0]
 
     def decoder_layers(x, stack, forward):
+        calls[0] += 1
         stream.sum()  # every byte read, as the layers' weights are
         return torch.zeros_like(x)
 
@@ -47,7 +50,11 @@ def stub_kernels(read_mb: int, token: int) -> None:
         out[..., token] = 1.0
         return out
 
+    for name in ("decoder_layers", "linear_quantized"):  # a renamed kernel: an error, not a real forward
+        if not callable(getattr(native, name, None)):
+            raise SystemExit(f"step_python: native.{name} is gone; stub what the forward calls now")
     native.decoder_layers, native.linear_quantized = decoder_layers, linear_quantized
+    return calls
 
 
 def main(read_mb: int, tokens: int, rounds: int) -> dict:
@@ -56,7 +63,7 @@ def main(read_mb: int, tokens: int, rounds: int) -> dict:
                                        "kv_cache": {"prefix_caching": False}})
     engine, target = build_engine(cfg)
     ids = encode_chat(target.tokenizer, PROMPT)
-    stub_kernels(read_mb, target.tokenizer.encode(" the", add_special_tokens=False)[0])
+    calls = stub_kernels(read_mb, target.tokenizer.encode(" the", add_special_tokens=False)[0])
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     spent = timed_forwards(target.runtime)
     outside, forward = [], []
@@ -69,6 +76,8 @@ def main(read_mb: int, tokens: int, rounds: int) -> dict:
         in_forward = spent[0] - first_forwards
         outside.append(round((whole - in_forward) / (tokens - 1) * 1e6, 1))
         forward.append(round(in_forward / (tokens - 1) * 1e6, 1))
+    if calls[0] < rounds * tokens:  # the forward went around the stubs: these are not its Python
+        raise SystemExit(f"step_python: the stubs ran {calls[0]} times for {rounds * tokens} tokens")
     return {"read_mb": read_mb, "tokens": tokens, "step_outside_forward_us": outside,
             "forward_us": forward}
 
