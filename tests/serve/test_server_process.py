@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -279,11 +280,71 @@ def test_a_second_server_chooses_a_free_metrics_port_and_sigterm_to_its_group_st
     assert_stopped_cleanly(code, lines)
 
 
-def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_same_api(server, tiny_models):
+# A Ray driver in a server's cluster, in a process of its own (this test's may be a driver of
+# the suite's cluster): the ingress's handle-only calls, one a line on stdin, each answered
+# with a line. "stall RELEASE": the engine sleeps at its next turn until the file RELEASE
+# exists (600 s at most, the unit's bound); "in_flight": the requests the ingress holds.
+DRIVER = """
+import sys
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+ingress = serve.get_deployment_handle("OpenAIIngress", app_name="specserve")
+print("ready", flush=True)
+for line in sys.stdin:
+    word, *rest = line.split()
+    if word == "stall":
+        ingress.stall.remote(600, rest[0]).result()
+        print("stalled", flush=True)
+    else:
+        print(ingress.drain_status.remote().result()["in_flight"], flush=True)
+"""
+
+
+class IngressDriver:
+    """:data:`DRIVER` run on ``server``'s cluster (its GCS's address from its raylet's
+    command line); stopped by PID on leaving."""
+
+    def __init__(self, server: Server) -> None:
+        raylet = cmdline(ray_process(server_session(server), "raylet"))
+        address = re.search(r"--gcs-address=(\S+)", raylet)[1]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, address], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def __enter__(self) -> IngressDriver:
+        assert self._line() == "ready"
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def ask(self, words: str) -> str:
+        self.proc.stdin.write(words + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def _line(self) -> str:
+        """The driver's next line ("" where it exited: a call that raised), within a bound
+        against a hang (a driver given a wrong address retries for minutes)."""
+        if not select.select([self.proc.stdout], [], [], START_BOUND_S)[0]:
+            pytest.fail(f"no answer from the driver in {START_BOUND_S} s")
+        return self.proc.stdout.readline().strip()
+
+
+def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_same_api(server, tiny_models,
+                                                                                      tmp_path):
     """The module's server is one CPU unit, in the ingress replica: that replica serves
     ``--port`` itself (a Ray worker of the server's cluster holds it) and Serve's proxy the
-    same API on the port one line names. Both give the same greedy tokens. A stream the client
-    leaves half-read on the replica's port is aborted: the unit's slots come back."""
+    same API on the port one line names. Both give the same greedy tokens. A client that
+    leaves a stream on the replica's port is aborted in the engine (counted, not a request that
+    ran to its end), and the unit's slots come back.
+
+    However fast the machine: the engine is held (the unit's stall, through a Ray driver of
+    the server's cluster) while the stream says 200 and the client goes, until the ingress has
+    let the request go. A stream the client left after its first token once ran its 200 tokens
+    (ngram, 5 a step) before the disconnect reached the unit (a fresh clone's CI)."""
     said = server.line("Serve's proxy serves the same API on")
     assert said and f"the ingress replica serves 127.0.0.1:{server.port} itself" in said, server.lines
     proxy = int(re.search(r"on 127\.0\.0\.1:(\d+)$", said)[1])
@@ -296,10 +357,20 @@ def test_the_ingress_replica_serves_the_port_itself_and_the_proxy_serves_the_sam
     assert texts[0] == texts[1] and texts[0], texts
     stats = f"http://127.0.0.1:{server.port}/v1/units/stats"
     aborted = httpx.get(stats, timeout=WAIT_S).json()["requests_aborted"]
-    with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/completions", timeout=WAIT_S,
-                      json=body | {"max_tokens": 200, "stream": True, "ignore_eos": True}) as reply:
-        assert reply.status_code == 200
-        next(reply.iter_lines())  # the first chunk, then the connection is closed
+    release = tmp_path / "release"
+    with IngressDriver(server) as ingress:
+        assert ingress.ask(f"stall {release}") == "stalled"  # the engine sleeps at its next turn
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/completions",
+                              timeout=WAIT_S, json=body | {"max_tokens": 200, "stream": True,
+                                                           "ignore_eos": True}) as reply:
+                assert reply.status_code == 200  # the unit took it: then the client goes
+            deadline = time.monotonic() + WAIT_S
+            while ingress.ask("in_flight") != "0" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert ingress.ask("in_flight") == "0"  # the ingress saw the client go
+        finally:
+            release.touch()  # the engine takes the request, and its abort
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         now = httpx.get(stats, timeout=WAIT_S).json()
