@@ -494,3 +494,20 @@ def test_bench_suffix_runs_end_to_end_on_the_embedded_model(tmp_path):
     assert report["cache"]["suffix-warm"]["responses"] == 3  # 2 warm answers + the one served
     assert len(warm.read_text().splitlines()) == 2
     assert {r["responses"] for r in report["proposer_cost"]} == {0, 256, 4096}
+
+
+def test_kernel_times_wraps_every_call_of_the_layer_and_refuses_a_layer_it_cannot_read():
+    """``load/kernel_times.py``'s copy of kernels.c: each of decoder_layer's calls timed once,
+    the rest of the source as it was; a call renamed in the kernels is one line, not a table
+    of the calls it could still find."""
+    from load.kernel_times import CALLS, timed_source
+    from specserve.engine.runtime import native
+
+    source = native.SOURCE.read_text()
+    timed = timed_source(source)
+    assert [timed.count(f"KT({i}, M == 1, ") for i in range(len(CALLS))] == [1] * len(CALLS)
+    assert timed.count("decoder_layer_timed(") == 2  # defined, and called by decoder_layer
+    head, tail = source.split("void decoder_layer(", 1)
+    assert timed.startswith(head) and timed.endswith(tail.split("\n}\n", 1)[1])
+    with pytest.raises(SystemExit, match=r"no longer makes these calls: \['silu_mul'\]"):
+        timed_source(source.replace("silu_mul_rows(gate_up", "swiglu_rows(gate_up"))
