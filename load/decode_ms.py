@@ -29,12 +29,18 @@ from load.roofline import forward_costs  # noqa: E402
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
-def main(runs: int, kernels: str = "auto") -> dict:
+def decode_engine(kernels: str = "auto"):
+    """``(engine, target)``: the embedded model, target-only, on 2 threads, no prefix cache
+    (every run prefills): the engine this script, ``step_python`` and ``kernel_times`` decode on."""
     torch.set_num_threads(2)
     cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 2,
                                        "kv_cache": {"prefix_caching": False},
                                        "target": {"kernels": kernels}})
-    engine, target = build_engine(cfg)
+    return build_engine(cfg)
+
+
+def main(runs: int, kernels: str = "auto") -> dict:
+    engine, target = decode_engine(kernels)
     ids = encode_chat(target.tokenizer, PROMPT)
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     spent = timed_forwards(target.runtime)

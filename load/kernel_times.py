@@ -13,8 +13,8 @@ calls (one row) are counted: a prefill's calls are left out. The patched copy ti
 no arithmetic, and the runtime's own source is untouched.
 
 On a 2-core Zen 3 at 40-170 keys (docs/BENCHMARKS.md, "A decode's layers, call by call"): the
-linears 3.6 of the layers' 4.4 ms, the attention 0.54-0.69 ms (18-23 us a layer), the norms,
-RoPE, adds and SiLU 0.25."""
+linears 3.9-4.2 of the layers' 4.6-4.9 ms, the attention 0.45-0.47 ms (15 us a layer), the
+norms, RoPE, adds and SiLU about 0.2; at 1,490 keys the attention 4.7-5.1 of 8.6-9.5 ms."""
 
 from __future__ import annotations
 
@@ -27,9 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from specserve.config import EngineConfig, SamplingParams
-from specserve.engine.builder import build_engine
+from specserve.config import SamplingParams
 from specserve.engine.runtime import native
 from specserve.engine.tokenizer import encode_chat
 
@@ -37,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
 
-from load.decode_ms import PROMPT  # noqa: E402
+from load.decode_ms import PROMPT, decode_engine  # noqa: E402
 
 # decoder_layer's calls in its order: how each statement begins -> its name here.
 CALLS = [("rms_norm_rows(x,", "input_norm"), ("linear_any(normed, &l->qkv,", "qkv"),
@@ -90,14 +88,11 @@ def timed_source(source: str) -> str:
 
 
 def main(prompt_words: int | None, tokens: int, rounds: int) -> list[dict]:
-    torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         patched = Path(tmp) / "kernels.c"
         patched.write_text(timed_source(native.SOURCE.read_text()))
         native.SOURCE = patched  # built (and cached) apart from the runtime's own
-        cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 2,
-                                           "kv_cache": {"prefix_caching": False}})
-        engine, target = build_engine(cfg)
+        engine, target = decode_engine()
         lib = native.library()
     if lib is None or not hasattr(lib, "kt_read"):
         raise SystemExit("kernel_times: the native kernels did not build here")

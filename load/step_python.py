@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from specserve.config import EngineConfig, SamplingParams
-from specserve.engine.builder import build_engine
+from specserve.config import SamplingParams
 from specserve.engine.runtime import native
 from specserve.engine.tokenizer import encode_chat
 
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `load` as a namespace package, run as a script or imported
 
-from load.decode_ms import PROMPT, timed_forwards  # noqa: E402
+from load.decode_ms import PROMPT, decode_engine, timed_forwards  # noqa: E402
 
 
 def stub_kernels(read_mb: int, token: int) -> list[int]:
@@ -58,10 +57,7 @@ def stub_kernels(read_mb: int, token: int) -> list[int]:
 
 
 def main(read_mb: int, tokens: int, rounds: int) -> dict:
-    torch.set_num_threads(2)
-    cfg = EngineConfig.model_validate({"speculative": {"method": None}, "max_num_seqs": 2,
-                                       "kv_cache": {"prefix_caching": False}})
-    engine, target = build_engine(cfg)
+    engine, target = decode_engine()
     ids = encode_chat(target.tokenizer, PROMPT)
     calls = stub_kernels(read_mb, target.tokenizer.encode(" the", add_special_tokens=False)[0])
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=8))  # warm-up

@@ -500,8 +500,9 @@ def test_kernel_times_wraps_every_call_of_the_layer_and_refuses_a_layer_it_canno
     """``load/kernel_times.py``'s copy of kernels.c: each of decoder_layer's calls timed once,
     the rest of the source as it was; a call renamed in the kernels is one line, not a table
     of the calls it could still find."""
-    from load.kernel_times import CALLS, timed_source
     from specserve.engine.runtime import native
+
+    from load.kernel_times import CALLS, timed_source
 
     source = native.SOURCE.read_text()
     timed = timed_source(source)
