@@ -47,7 +47,8 @@ the forward-cost fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import operator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,47 +62,80 @@ PROBE_MIN_K = 4  # the smallest K an exploration probe drafts (module docstring)
 
 class DecayedLeastSquares:
     """Online ``y ≈ θ·x`` with exponentially decayed weights and θ ≥ 0 (costs never shrink as
-    work grows). Features are divided by ``scale`` so the normal equations stay conditioned."""
+    work grows). Features are divided by ``scale`` so the normal equations stay conditioned.
+
+    Every step observes and predicts, with three or four features: in Python floats, since a
+    numpy call's own cost is microseconds (on a 2-core Zen 3 the controller took 0.46 ms a step
+    at batch 1 with these in numpy, 0.15-0.18 ms now: ``load/bench_adaptive.py
+    --controller-steps``). θ is solved when first asked after an observation."""
 
     def __init__(self, scale: tuple[float, ...], decay: float) -> None:
-        self.scale = np.asarray(scale, dtype=np.float64)
+        self.scale = tuple(float(v) for v in scale)
         self.decay = decay
         n = len(scale)
-        self.xtx = np.zeros((n, n))
-        self.xty = np.zeros(n)
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
         self.num_observations = 0
-        self._theta: np.ndarray | None = None
+        self._per_unit: tuple[float, ...] | None = None  # θ / scale, for predict
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
-        v = np.asarray(x, dtype=np.float64) / self.scale
-        self.xtx = self.decay * self.xtx + np.outer(v, v)
-        self.xty = self.decay * self.xty + v * y
+        v = [float(f) / s for f, s in zip(x, self.scale)]
+        d = self.decay
+        for row, vi in zip(self.xtx, v):
+            for j, vj in enumerate(v):
+                row[j] = d * row[j] + vi * vj
+        self.xty = [d * t + vi * y for t, vi in zip(self.xty, v)]
         self.num_observations += 1
-        self._theta = None
+        self._per_unit = None
 
     def predict(self, x: tuple[float, ...]) -> float:
-        return float(self.theta @ (np.asarray(x, dtype=np.float64) / self.scale))
+        return sum(map(operator.mul, self.per_unit, x))
+
+    @property
+    def per_unit(self) -> tuple[float, ...]:
+        """θ / scale: the seconds each unit of each feature costs."""
+        if self._per_unit is None:
+            self._per_unit = tuple(t / s for t, s in zip(self._solve(), self.scale))
+        return self._per_unit
 
     @property
     def theta(self) -> np.ndarray:
-        if self._theta is None:
-            self._theta = self._solve()
-        return self._theta
+        return np.array([c * s for c, s in zip(self.per_unit, self.scale)])
 
-    def _solve(self) -> np.ndarray:
+    def _solve(self) -> list[float]:
         """Active-set non-negative solve: drop the most negative coefficient and re-solve."""
         n = len(self.xty)
-        ridge = 1e-6 * (np.trace(self.xtx) / n + 1e-12)
-        a = self.xtx + ridge * np.eye(n)
+        ridge = 1e-6 * (sum(self.xtx[i][i] for i in range(n)) / n + 1e-12)
         active = list(range(n))
-        theta = np.zeros(n)
+        theta = [0.0] * n
         while active:
-            sub = np.linalg.solve(a[np.ix_(active, active)], self.xty[active])
-            if (sub >= 0).all():
-                theta[active] = sub
+            sub = _solve_spd([[self.xtx[i][j] + (ridge if i == j else 0.0) for j in active] for i in active],
+                             [self.xty[i] for i in active])
+            if min(sub) >= 0:
+                for i, t in zip(active, sub):
+                    theta[i] = t
                 return theta
-            active.pop(int(np.argmin(sub)))
+            active.pop(sub.index(min(sub)))
         return theta
+
+
+def _solve_spd(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b, for a small symmetric positive definite ``a`` (a ridge keeps the normal
+    equations so): Gaussian elimination, whose pivots are then positive, no swaps needed."""
+    n = len(b)
+    a, b = [row[:] for row in a], b[:]
+    for i in range(n):
+        ai = a[i]
+        for r in range(i + 1, n):
+            ar = a[r]
+            f = ar[i] / ai[i]
+            for c in range(i, n):
+                ar[c] -= f * ai[c]
+            b[r] -= f * b[i]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (b[i] - sum(a[i][c] * x[c] for c in range(i + 1, n))) / a[i][i]
+    return x
 
 
 class SizeCosts:
@@ -155,17 +189,19 @@ class PositionAcceptance:
         P(got ≥ j + 1 drafts | asked ≥ j + 1). Sparse positions extrapolate from the last
         measured ones (acceptance keeps its last conditional ratio, the yield stays flat)."""
         k = len(self.asked)
-        acc, got = np.zeros(k), np.ones(k)
+        asked, drafted, accepted = self.asked.tolist(), self.drafted.tolist(), self.accepted.tolist()
+        acc, got = [0.0] * k, [1.0] * k  # (Python floats: every step asks, numpy calls cost)
         for j in range(k):
-            if self.asked[j] >= _MIN_WEIGHT:
-                acc[j] = self.accepted[j] / self.asked[j]
-                got[j] = self.drafted[j] / self.asked[j]
+            if asked[j] >= _MIN_WEIGHT:
+                acc[j] = accepted[j] / asked[j]
+                got[j] = drafted[j] / asked[j]
             elif j == 0:
                 acc[j], got[j] = 0.5, 1.0
             else:
                 ratio = acc[j - 1] / acc[j - 2] if j >= 2 and acc[j - 2] > 0 else acc[0]
                 acc[j] = acc[j - 1] * min(1.0, ratio)
                 got[j] = got[j - 1]
+        acc, got = np.array(acc), np.array(got)
         return np.clip(acc, 0.0, 1.0), np.clip(got, 0.0, 1.0)
 
 
@@ -184,7 +220,7 @@ class Row:
         """The row as K is chosen for it: a request's last steps, capped by its max_tokens,
         must not move the K of the steps that follow (a batch-1 request's last step, capped
         at 1, would find K = 0 better than K = 1 and hold the next request at 0)."""
-        return self if self.limit is None else replace(self, cap=self.limit, limit=None)
+        return self if self.limit is None else Row(self.context, self.limit, self.adaptive, self.sampled)
 
 
 class SpecLengthController:
@@ -270,19 +306,28 @@ class SpecLengthController:
         return ks
 
     def _update_k(self, rows: list[Row]) -> None:
-        rates = self.acceptance.rates()
-        throughput = [self.throughput(rows, k, rates) for k in range(self.max_k + 1)]
-        best = int(np.argmax(throughput))
+        throughput = self.throughputs(rows)
+        best = max(range(len(throughput)), key=throughput.__getitem__)  # the first best, as argmax
         if (best != self.k and self.steps - self._last_switch >= self.cfg.min_dwell_steps
                 and throughput[best] > throughput[self.k] * (1.0 + self.cfg.hysteresis)):
             self.k, self._last_switch = best, self.steps
         self.estimated_speedup = float(throughput[self.k] / throughput[0])
 
+    def throughputs(self, rows: list[Row], rates=None) -> list[float]:
+        """:meth:`throughput` at every K from 0 to ``max_k``, the acceptance sums taken once."""
+        sums = self._sums(rates)
+        return [self._throughput(rows, k, *sums) for k in range(self.max_k + 1)]
+
     def throughput(self, rows: list[Row], k: int, rates=None) -> float:
         """Predicted emitted tokens per second of a step where adaptive rows draft ``k``."""
+        return self._throughput(rows, k, *self._sums(rates))
+
+    def _sums(self, rates) -> tuple[list[float], list[float]]:
+        """Expected accepted and drafted tokens within the first j drafts, j = 0 .. max_k."""
         acc, got = rates if rates is not None else self.acceptance.rates()
-        acc_sum = np.concatenate([[0.0], np.cumsum(acc)])
-        got_sum = np.concatenate([[0.0], np.cumsum(got)])
+        return [0.0, *np.cumsum(acc).tolist()], [0.0, *np.cumsum(got).tolist()]
+
+    def _throughput(self, rows: list[Row], k: int, acc_sum: list[float], got_sum: list[float]) -> float:
         emitted = attention = sampled = 0.0
         drafting, k_step = 0, 0
         for r in rows:
