@@ -29,8 +29,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def controller_step_us(steps: int, batch: int, seed: int = 0) -> tuple[float, int]:
-    """Microseconds a step of the default's controller (module docstring), and its K after."""
+def controller_step_us(steps: int, batch: int, seed: int = 0):
+    """Microseconds a step of the default's controller (module docstring), and the controller."""
     import random
 
     import yaml
@@ -61,7 +61,7 @@ def controller_step_us(steps: int, batch: int, seed: int = 0) -> tuple[float, in
     t0 = time.perf_counter()
     for i in range(steps):
         step(i)
-    return 1e6 * (time.perf_counter() - t0) / steps, ctl.k
+    return 1e6 * (time.perf_counter() - t0) / steps, ctl
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="time the controller alone for this many steps (module docstring)")
     args = p.parse_args(argv)
     if args.controller_steps > 0:
-        us, k = controller_step_us(args.controller_steps, args.batch)
-        print(f"controller: {us:.1f} us a step at batch {args.batch} (K after: {k})")
+        us, ctl = controller_step_us(args.controller_steps, args.batch)
+        print(f"controller: {us:.1f} us a step at batch {args.batch} (K after: {ctl.k})")
         return 0
     if not (1 <= args.batch <= 256 and 1 <= args.k <= 16 and args.rounds >= 1):
         p.error("--batch in [1, 256], --k in [1, 16], --rounds >= 1")

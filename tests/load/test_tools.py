@@ -512,3 +512,14 @@ def test_kernel_times_wraps_every_call_of_the_layer_and_refuses_a_layer_it_canno
     assert timed.startswith(head) and timed.endswith(tail.split("\n}\n", 1)[1])
     with pytest.raises(SystemExit, match=r"no longer makes these calls: \['silu_mul'\]"):
         timed_source(source.replace("silu_mul_rows(gate_up", "swiglu_rows(gate_up"))
+
+
+def test_bench_adaptive_times_the_default_controller_alone():
+    """``load/bench_adaptive.py --controller-steps``: the shipped default's controller (K up to
+    8) planned and told a step's costs, past its warm-up: calibrated, with a K it chose."""
+    from load.bench_adaptive import controller_step_us
+
+    for batch in (1, 3):
+        us, ctl = controller_step_us(40, batch)
+        assert math.isfinite(us) and us > 0
+        assert ctl.steps == 80 and ctl.calibrated and ctl.max_k == 8 and 0 <= ctl.k <= 8
