@@ -234,6 +234,33 @@ def test_greedy_equals_target_only_with_the_real_controller(target_hf, close_dra
         assert spec.counters.num_tree_drafts > 0 and ctl.acceptance.accepted[1:].sum() > 0
 
 
+def test_the_cost_fit_reads_each_forward_as_it_ran(target_hf, monkeypatch):
+    """The controller's forward observations carry the tokens each verify forward computed,
+    drafts included. Read after the rows advanced, a row's pending tokens held what it had
+    just emitted too: a decode row that drafted nothing counted 2 tokens, and the attention
+    feature grew with the acceptance, which the fit then priced as attention."""
+    from specserve.engine.step.step_batch import StepBatch
+
+    ran, seen = [], []
+    to_verify = StepBatch.to_verify
+
+    def recorded(batch):
+        verify = to_verify(batch)
+        ran.append(sum(len(r.token_ids) for r in verify.rows) + sum(len(ids) for _, ids in verify.chunks))
+        return verify
+
+    class Recording(SpecLengthController):
+        def observe_forward(self, rows, tokens, attention, seconds, padded=None):
+            seen.append(tokens)
+            super().observe_forward(rows, tokens, attention, seconds, padded)
+
+    monkeypatch.setattr(StepBatch, "to_verify", recorded)
+    ctl = Recording(4, AdaptiveConfig(warmup_steps=1, min_dwell_steps=1, probe_interval_steps=2))
+    spec = make_engine(target_hf, "ngram", 4, controller=ctl)
+    spec.generate(prompts(3, seed=5), GREEDY, adaptive=True)
+    assert seen == ran and spec.counters.spec.num_draft_tokens > 0
+
+
 def test_a_hybrid_measures_its_parts_apart_and_k_follows_the_model(target_hf):
     """Suffix decoding in front of the EAGLE head under the real controller: outputs equal
     target-only; the stats per drafting proposer add up to the totals, both parts drafted, and

@@ -124,6 +124,7 @@ class StepBatch:
     chunks: list[ChunkRow]               # [chunks] prompt chunks, after the rows in the forward
     groups: list[int] = field(default_factory=list)  # the forward's row groups: sizes over rows, then chunks
     padded: int = 0                      # token rows the forward computes (each group x its longest row)
+    shape: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # forward_shape(), arranged
     hidden: bool = False                 # the verify returns target features (a proposer reads them)
     preempted: list[Sequence] = field(default_factory=list)  # gave their KV back to make room
     clock: StepClock = field(default_factory=StepClock)
@@ -139,6 +140,7 @@ class StepBatch:
         self.rows = [self.rows[i] for i in layout.rows]
         self.chunks = [self.chunks[j] for j in layout.chunks]
         self.groups, self.padded = layout.groups, layout.padded
+        self.shape = self.forward_shape()
 
     def to_verify(self) -> VerifyBatch:
         """What the target's verify takes: the rows as plain data, in forward order."""
@@ -152,7 +154,9 @@ class StepBatch:
 
     def forward_shape(self) -> tuple[list[int], list[int]]:
         """The verify forward's new tokens per row and chunk, and the context each attends to
-        (its new tokens included): what the K controller's cost fit reads."""
+        (its new tokens included): what the K controller's cost fit reads, as :attr:`shape`,
+        kept when the rows are arranged for the forward. Read after the rows advance, a row's
+        pending tokens would include what it emitted (a K = 0 decode row counted 2 tokens)."""
         rows = [(len(r.input_ids), r.start + len(r.input_ids)) for r in self.rows]
         chunks = [(c.num_tokens, c.start + c.num_tokens) for c in self.chunks]
         return [n for n, _ in rows + chunks], [c for _, c in rows + chunks]
