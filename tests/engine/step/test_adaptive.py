@@ -51,6 +51,24 @@ def test_position_acceptance_counts_and_extrapolates():
     assert got[2] == got[1] == got[3]
 
 
+def test_a_chains_deep_positions_speak_only_for_the_rows_that_reached_them():
+    """K = 1 for a long while (first drafts kept 3 times in 10), then two probes of 8 drafts
+    that were kept whole. Positions 1 to 7 were met only by those two rows, after their first
+    draft was kept: the chance of keeping the first j + 1 cannot exceed that of keeping the
+    first, and K = 8 must not be priced at 7 tokens a step. The plain ratio of accepted to
+    asked at each position called positions 1 to 7 certain."""
+    acc = PositionAcceptance(max_k=8, decay=1.0)
+    for i in range(50):
+        acc.observe(asked=1, drafted=1, accepted=int(i % 10 < 3))
+    for _ in range(2):
+        acc.observe(asked=8, drafted=8, accepted=8)
+    rates, got = acc.rates()
+    assert rates[0] == pytest.approx(17 / 52)
+    assert rates[1:] == pytest.approx([17 / 52] * 7)  # each later position: 2 kept of the 2 there
+    assert (np.diff(rates) <= 0).all() and (got == 1).all()
+    assert 1 + rates.sum() < 4  # expected tokens a step of K = 8; the plain ratio said 7.3
+
+
 def test_k_follows_the_acceptance_of_the_proposer_it_governs():
     """In a hybrid, the model-free part's long accepted runs (suffix decoding drafts to the
     row's cap) must not raise the model's K, nor count as its acceptance: each source is

@@ -159,25 +159,35 @@ class SizeCosts:
 
 
 class PositionAcceptance:
-    """Decayed per-position counts: asked / drafted / accepted (see the module docstring)."""
+    """Decayed per-position counts: asked / drafted / accepted (see the module docstring), and
+    for a chain's product-limit estimate (:meth:`rates`) the rows that reached each position:
+    ``reached[j]``, asked for at least j + 1 drafts with the first j kept; ``offered[j]``,
+    asked for at least j + 1 with at least j drafted."""
 
     def __init__(self, max_k: int, decay: float) -> None:
         self.decay = decay
         self.asked = np.zeros(max_k)
         self.drafted = np.zeros(max_k)
         self.accepted = np.zeros(max_k)
+        self.reached = np.zeros(max_k)
+        self.offered = np.zeros(max_k)
+        self.trees = False  # a token tree was counted: nodes, not a chain's positions
 
     def observe(self, asked: int, drafted: int, accepted: int | list[int]) -> None:
         """``accepted``: how many of a chain's first drafts were kept, or a tree's kept nodes."""
         if asked <= 0:
             return
-        for counts, n in ((self.asked, asked), (self.drafted, drafted)):
+        chain = isinstance(accepted, int)
+        for counts, n in ((self.asked, asked), (self.drafted, drafted),
+                          (self.offered, min(asked, drafted + 1)),
+                          (self.reached, min(asked, accepted + 1) if chain else 0)):
             counts *= self.decay
             counts[: min(n, len(counts))] += 1.0
         self.accepted *= self.decay
-        if isinstance(accepted, int):
+        if chain:
             self.accepted[: min(accepted, len(self.accepted))] += 1.0
         else:
+            self.trees = True
             self.accepted[[j for j in accepted if j < len(self.accepted)]] += 1.0
 
     @property
@@ -186,11 +196,37 @@ class PositionAcceptance:
 
     def rates(self) -> tuple[np.ndarray, np.ndarray]:
         """``(acc, drafted)`` per position: P(first j + 1 accepted | asked ≥ j + 1) and
-        P(got ≥ j + 1 drafts | asked ≥ j + 1). Sparse positions extrapolate from the last
-        measured ones (acceptance keeps its last conditional ratio, the yield stays flat)."""
+        P(got ≥ j + 1 drafts | asked ≥ j + 1).
+
+        A chain's are products over the positions up to j of each position's own ratio among
+        the rows that reached it (a product-limit estimate, as survival curves are: a row asked
+        for fewer drafts is censored there). Each position then speaks for the rows that met it,
+        and the result cannot rise with j. The plain ratio accepted[j] / asked[j] mixed
+        populations: deep positions are asked only while K is high or in a probe, and two
+        probes that went well measured positions 4 to 7 at 1.0 behind a first position at 0.46,
+        which priced K = 8 at 7 tokens a step. A tree's nodes keep the plain ratio (node j may
+        be a sibling of node j - 1). Sparse positions extrapolate from the last measured ones
+        (acceptance keeps its last conditional ratio, the yield stays flat)."""
+        k = len(self.asked)
+        if self.trees:
+            return self._node_rates()
+        accepted, reached = self.accepted.tolist(), self.reached.tolist()
+        drafted, offered = self.drafted.tolist(), self.offered.tolist()
+        acc, got = [0.0] * k, [1.0] * k  # (Python floats: every step asks, numpy calls cost)
+        ratio, acc_before, got_before = 0.5, 1.0, 1.0
+        for j in range(k):
+            if reached[j] >= _MIN_WEIGHT:
+                ratio = accepted[j] / reached[j]
+            acc[j] = acc_before * min(1.0, ratio)  # unmeasured: the last ratio (0.5 at first)
+            got[j] = got_before * (min(1.0, drafted[j] / offered[j]) if offered[j] >= _MIN_WEIGHT else 1.0)
+            acc_before, got_before = acc[j], got[j]
+        return np.array(acc), np.array(got)
+
+    def _node_rates(self) -> tuple[np.ndarray, np.ndarray]:
+        """A tree's: each node's plain ratio among the rows asked for it."""
         k = len(self.asked)
         asked, drafted, accepted = self.asked.tolist(), self.drafted.tolist(), self.accepted.tolist()
-        acc, got = [0.0] * k, [1.0] * k  # (Python floats: every step asks, numpy calls cost)
+        acc, got = [0.0] * k, [1.0] * k
         for j in range(k):
             if asked[j] >= _MIN_WEIGHT:
                 acc[j] = accepted[j] / asked[j]
