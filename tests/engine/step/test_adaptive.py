@@ -36,6 +36,26 @@ def test_least_squares_keeps_costs_non_negative():
     assert fit.predict((1.0, 100)) >= fit.predict((1.0, 1))
 
 
+def test_least_squares_solves_collinear_and_empty_features_as_numpy_does():
+    """The fit's own elimination (Python floats, no numpy call a step) against numpy's solve of
+    the same ridge system: at batch 1 with nothing drafted, rows and padded rows are the same
+    feature, and a feature never seen (no sampled rows) is all zeros."""
+    fit = DecayedLeastSquares((1.0, 8.0, 64.0, 65536.0), decay=0.98)
+    rng = random.Random(2)
+    for _ in range(100):
+        context = rng.randint(10, 500)
+        fit.observe((1.0, 1, 1, context), 0.006 + 2e-7 * context + rng.uniform(-1e-4, 1e-4))
+    xtx, xty = np.array(fit.xtx), np.array(fit.xty)
+    ridge = 1e-6 * (np.trace(xtx) / 4 + 1e-12)
+    expected = np.linalg.solve(xtx + ridge * np.eye(4), xty)
+    assert (expected >= 0).all() and fit.theta == pytest.approx(expected, rel=1e-6)
+    assert fit.predict((1.0, 1, 1, 300)) == pytest.approx(0.006 + 6e-5, rel=0.05)
+    empty = DecayedLeastSquares((1.0, 8.0, 64.0), decay=0.98)
+    for rows in range(1, 9):
+        empty.observe((1.0, rows, 0.0), 0.001 * rows)
+    assert empty.theta[2] == 0 and empty.predict((1.0, 4, 0.0)) == pytest.approx(0.004, rel=1e-3)
+
+
 def test_position_acceptance_counts_and_extrapolates():
     acc = PositionAcceptance(max_k=4, decay=1.0)
     for _ in range(10):

@@ -7,9 +7,12 @@ most tokens per second. Both sides of that ratio are measured on this unit, not 
 - **acceptance**, per proposer and draft position j, as decayed counts of rows *asked* for at least j + 1
   drafts, rows that *got* at least j + 1 (an n-gram proposer often finds fewer, or none), and
   rows whose draft j was *accepted* (for a chain: whose first j + 1 were). Then
-  E[emitted | K] = 1 + Σ_{j<K} acc_j / asked_j
+  E[emitted | K] = 1 + Σ_{j<K} P(first j + 1 accepted | asked ≥ j + 1)
   with no independence assumption: n-gram acceptance is strongly correlated across positions,
-  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it. **Token trees** are counted
+  and the closed form (1 − α^(K+1)) / (1 − α) under-predicts it. For a chain each term is a
+  product-limit estimate (``PositionAcceptance.rates``): a position's own ratio among the rows
+  that reached it, multiplied up, so a deep position that only probes met speaks for them
+  alone. **Token trees** are counted
   by node: a tree proposer drafts its nodes best first, so the tree of budget K is the first K
   nodes of a larger one, and node j is accepted when it lies on the kept path; the same sum
   then predicts a tree's emitted tokens, and K is the tree's node budget (the acceptance per
