@@ -73,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller-steps", type=int, default=0,
                    help="time the controller alone for this many steps (module docstring)")
     args = p.parse_args(argv)
+    if not (1 <= args.batch <= 256 and 1 <= args.k <= 16 and args.rounds >= 1):
+        p.error("--batch in [1, 256], --k in [1, 16], --rounds >= 1")
     if args.controller_steps > 0:
         us, ctl = controller_step_us(args.controller_steps, args.batch)
         print(f"controller: {us:.1f} us a step at batch {args.batch} (K after: {ctl.k})")
         return 0
-    if not (1 <= args.batch <= 256 and 1 <= args.k <= 16 and args.rounds >= 1):
-        p.error("--batch in [1, 256], --k in [1, 16], --rounds >= 1")
     from specserve.config import EngineConfig, SamplingParams
     from specserve.engine.builder import build_engine
     from specserve.engine.tokenizer import encode_chat
