@@ -40,6 +40,8 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -333,7 +335,31 @@ def memory(b: Shared) -> dict:
             "device_used_gib": {when: gib(n) for when, n in used.items()},
             "peak_allocated_gib": {role: gib(now["peak_allocated"]) for role, now in after.items()},
             "reserved_gib": {role: gib(now["reserved"]) for role, now in after.items()},
+            "processes_gib": device_processes({os.getpid(): "target", b.draft.report.get("pid"): "draft"}),
             "within_estimate": within(est, after, used.values(), both.total)}
+
+
+def device_processes(roles: dict) -> dict[str, float] | None:
+    """Each process's use of the device as the driver counts it (``nvidia-smi``: context,
+    loaded kernels and the allocator's reserve), by role (``roles``: pid -> role; any other
+    process by its pid); None without nvidia-smi, or where it fails. What the device's use
+    holds beyond the two allocators' reserves is found here (the window of 2026-12-04: 4.9
+    GiB beyond them, two contexts' worth expected)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    found = {}
+    for line in proc.stdout.splitlines():
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        role = roles.get(int(pid) if pid.isdigit() else None, pid)
+        found[role] = round(int(mib) / 1024, 3) if mib.isdigit() else mib  # "[N/A]" in some containers
+    return found
 
 
 def estimate_of(shape: str, s: Settings, max_len: int, *, draft: bool, kernels: str) -> MemoryEstimate:

@@ -218,6 +218,20 @@ def test_shared_step_drafts_from_another_process(tmp_path):
     assert memory["estimate_gib"]["target"] > 0 and memory["estimate_gib"]["draft"] > 0
 
 
+def test_the_devices_use_is_told_process_by_process(tmp_path, monkeypatch):
+    """shared.json's ``processes_gib``: what the driver counts for each process, by role. No
+    GPU here: a stand-in ``nvidia-smi`` prints the query's CSV as the driver's does (a
+    container's "[N/A]" kept as said); none on the PATH gives None."""
+    from load.gpu.shared import device_processes
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert device_processes({}) is None
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '101, 4096\\n202, 3072\\n303, [N/A]\\n'\n")
+    smi.chmod(0o755)
+    assert device_processes({101: "target", 202: "draft"}) == {"target": 4.0, "draft": 3.0, "303": "[N/A]"}
+
+
 def test_union_of_intervals_counts_overlaps_once():
     """host_gap's device-busy time: nested and overlapping kernels count once, gaps not."""
     from load.gpu.step import union_us

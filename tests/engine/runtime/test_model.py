@@ -156,3 +156,30 @@ def test_row_groups_in_one_pass_are_the_bits_of_separate_forwards(kind, layout):
                 ref_k, ref_v = ref_cache.gather(layer, [ref_slot], 64)
                 assert torch.equal(k[..., :n, :], ref_k[..., :n, :]), (kernels, slot, layer)
                 assert torch.equal(v[..., :n, :], ref_v[..., :n, :]), (kernels, slot, layer)
+
+
+def test_a_tied_head_built_on_a_device_takes_no_table_of_its_own():
+    """A runtime built straight on a device (random weights, as the GPU harness builds its
+    targets and drafts) with tied embeddings makes one vocab x hidden table: the embedding.
+    A head made and then tied took another, which the allocator kept: 0.49 GiB of a
+    Llama-3.2-1B-shaped draft's peak on an H200 (docs/BENCHMARKS.md, 2026-12-04)."""
+    from load.bench_gpu import SHAPES, random_runtime
+    from torch.overrides import TorchFunctionMode
+
+    class Made(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tables: dict[tuple[int, ...], set[int]] = {}  # shape -> storages made
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.device.type != "meta":
+                self.tables.setdefault(tuple(out.shape), set()).add(out.untyped_storage().data_ptr())
+            return out
+
+    config = SHAPES["tiny-draft"]
+    table = (config["vocab_size"], config["hidden_size"])
+    with Made() as made:
+        runtime = random_runtime("tiny-draft", torch.float32, "cpu", max_len=16)
+    assert runtime.lm_head.weight is runtime.embed.weight
+    assert len(made.tables[table]) == 1

@@ -41,10 +41,11 @@ The design, for a forward of ``B`` rows of ``T`` queries each:
   views the same way, as a slot cache of ``BS``-long slots: a row's blocks are listed
   through its block table (:func:`table_storage`; a slot cache's table is the row's slot, one
   block of the whole slot), and the mask_mod maps a key to its row's position through a
-  physical-to-logical map, ``[B, blocks]``, made from the tables where the mask is made
-  (inside the compiled graph: only the tables travel), as vLLM's FlexAttention backend does
-  (:func:`logical_blocks`). Tables are padded with the pool's spare block, which a real row
-  never sees and a padding row reads as its position 0 (where it wrote).
+  physical-to-logical map, ``[B, blocks]``, made from the tables once a forward on the
+  device (inside the compiled graph, as one opaque op: only the tables travel), as vLLM's
+  FlexAttention backend does (:func:`logical_blocks`). Tables are padded with the pool's
+  spare block, which a real row never sees and a padding row reads as its position 0 (where
+  it wrote).
 
 On a GPU FlexAttention must be compiled (eagerly it materializes the scores over the whole
 view): the compiled layer stack traces it with the rest, and the library path calls it
@@ -88,6 +89,7 @@ class KeyBlocks:
     tree: torch.Tensor | None = None         # [B, T] int64 bitmasks (ForwardContext.tree)
     tree_starts: torch.Tensor | None = None  # [B] int64: each tree row's base (-1: a chain)
     table: torch.Tensor | None = None  # paged: [B, W] int64 each row's blocks (base is None)
+    logical: torch.Tensor | None = None  # paged: [B, blocks] the map from table (with_map)
 
     def to(self, device: torch.device) -> KeyBlocks:
         """On ``device``, made on the host: in one queued copy (an :class:`Upload`; one
@@ -99,6 +101,13 @@ class KeyBlocks:
         index = {name: upload.add(getattr(self, name)) for name in names}
         upload.send(device)
         return dataclasses.replace(self, **{name: upload[i] for name, i in index.items()})
+
+    def with_map(self, num_blocks: int) -> KeyBlocks:
+        """Paged, on the device: with the physical-to-logical map of a pool of ``num_blocks``
+        blocks (:func:`logical_blocks`), made once for every layer that reads these blocks."""
+        if self.table is None or self.logical is not None:
+            return self
+        return dataclasses.replace(self, logical=logical_blocks(self.table, num_blocks))
 
 
 def storage_view(storage: torch.Tensor) -> torch.Tensor:
@@ -156,12 +165,20 @@ def key_blocks(positions: torch.Tensor, last: torch.Tensor, table: torch.Tensor,
                      table=table.long() if paged else None)
 
 
+@torch.library.custom_op("specserve::logical_blocks", mutates_args=())
 def logical_blocks(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """``[B, num_blocks]`` int64: each storage block's index in row ``b``'s block table
     ``table`` ``[B, W]``, -1 where the row does not hold it. The tables' padding is the
     spare block (the last): position 0 of a row that holds nothing else (a padding row
     reads what it wrote there), of no other row. Made on the tables' device, inside the
     compiled graph (the map is ``num_blocks`` wide; the tables are what travel).
+
+    One opaque op, so the compiled graph holds its result in a buffer of its own. The
+    mask_mod reads the map, and inductor inlines what a mask_mod reads into FlexAttention's
+    Triton template: the map's own ops inlined failed its code generation on an H200 twice,
+    a ``cat``'s masked loads first (2026-11-28), then a ``scatter``'s buffer not yet laid out
+    ("convert FlexibleLayout to FixedLayout first", 2026-12-04; docs/BENCHMARKS.md). A
+    custom op's output is laid out when it is made, and the template only loads from it.
 
     >>> logical_blocks(torch.tensor([[2, 0, 3], [3, 3, 3]]), 4).tolist()
     [[1, -1, 0, -1], [-1, -1, -1, 0]]
@@ -172,10 +189,12 @@ def logical_blocks(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
     logical = logical.scatter(1, table, columns)  # the spare block's duplicates: set below
     spare = torch.where(table[:, 0] == num_blocks - 1, 0, -1)               # [B]
     is_spare = torch.arange(num_blocks, device=table.device) == num_blocks - 1  # [num_blocks]
-    # A where, not a cat: the mask_mod reads this map, and inductor inlines what it reads
-    # into FlexAttention's Triton template, whose codegen cannot take a cat's masked loads
-    # ("'function' object has no attribute 'graph'", the decoding kernel on an H200).
     return torch.where(is_spare, spare[:, None], logical)
+
+
+@logical_blocks.register_fake
+def _(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    return table.new_empty((table.shape[0], num_blocks), dtype=torch.long)
 
 
 def block_visibility(query_last: torch.Tensor, num_blocks: int, window: int | None,
@@ -219,7 +238,7 @@ def block_mask(blocks: KeyBlocks, num_queries: int, storage: torch.Size) -> Bloc
     rows, heads, block_len = storage[0], storage[1], storage[2]
     num_keys = ((rows - 1) * heads + 1) * block_len
     span = heads * block_len  # keys from one storage block to the next in the view
-    logical = None if blocks.table is None else logical_blocks(blocks.table, rows)
+    logical = blocks.with_map(rows).logical  # made once a forward where the layers share blocks
 
     def position(b: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Key ``kv``'s position in row ``b`` (< 0: not the row's)."""

@@ -337,7 +337,7 @@ def static_inputs(runtime, inputs: dict[str, torch.Tensor], cache) -> StaticInpu
     if runtime.attention == "flex":
         attend = {name: None if f"{name}.last" not in inputs else KeyBlocks(
             window=w, **{"base": None, **{k.split(".", 1)[1]: v for k, v in inputs.items()
-                                          if k.startswith(f"{name}.")}})
+                                          if k.startswith(f"{name}.")}}).with_map(cache.k[0].shape[0])
                   for name, w in (("keys", None), ("window_keys", window))}
     else:
         attend = _slot_masks(inputs["positions"], cache, window)

@@ -208,7 +208,7 @@ class ForwardContext:
                 self.positions[rows], last[rows], table[rows], num_kv_heads=cache.k[0].shape[1],
                 block_len=cache.k[0].shape[2], paged=cache.paged,
                 window=self.window if window else None, tree=tree, tree_starts=starts)
-            self._ranges[key] = blocks.to(self.valid.device)
+            self._ranges[key] = blocks.to(self.valid.device).with_map(cache.k[0].shape[0])
         return self._ranges[key]
 
     def hidden_keys(self, group: int, window: bool) -> torch.Tensor:

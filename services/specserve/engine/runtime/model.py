@@ -59,9 +59,12 @@ class LlamaRuntime(nn.Module):
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # A tied head's weight is the embedding: made on no device, never allocated (built on
+        # a GPU, a head made and then tied left a vocab x hidden table in the allocator's cache).
+        tied = arch.tie_word_embeddings
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta" if tied else None)
         self.native_stack = NativeStack()  # the layers in one C call where each runs in one
-        if arch.tie_word_embeddings:
+        if tied:
             self.lm_head.weight = self.embed.weight
         # [max_len, D] tables; buffers so .to(device/dtype) carries them.
         self.register_buffer("rope_cos", rope_cos, persistent=False)
