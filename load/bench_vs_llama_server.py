@@ -28,7 +28,11 @@ level's requests (every prompt at least once, at least 3 per client) one after a
 (``/v1/chat/completions``, greedy, ``max_tokens`` 128, ``stream_options.include_usage``). Per
 (server, config, c): output tokens/s over the level's wall time, time to first token p50 / p95,
 the mean gap between tokens (a stream's first-to-last content chunk over its tokens - 1; tokens
-from the final ``usage.completion_tokens``, else the content chunks), and requests ok. At c = 1
+from the final ``usage.completion_tokens``, else the content chunks), and requests ok. Beside
+specserve's gap, its forward as it ran in the same level (``fwd ms``): the unit's verify phase a
+step over the steps that held no prompt, from ``/v1/units/stats`` (``times``) read before and
+after the level; one token a step without speculation, so ``gap - fwd`` is what serving added
+to those very tokens, not to a forward measured at another moment. At c = 1
 also per prompt kind and for the repeating kinds together against chat. The clients run in
 this process (asyncio, one thread) on the same cores, alike for both servers. Prints the tables, the
 CPU flags and the ratios specserve / llama-server; writes ``results/bench_vs_llama_server.json``
@@ -505,6 +509,28 @@ async def run_level(url: str, jobs: list[tuple[str, dict]], concurrency: int,
         return streams, await client_pool(jobs, concurrency, time_limit_s, send)
 
 
+def unit_times(port: int) -> dict | None:
+    """specserve's unit's step times so far (``/v1/units/stats``' ``times``); None from a
+    server without them (llama-server) or that does not answer."""
+    import httpx
+
+    try:
+        r = httpx.get(f"http://{HOST}:{port}/v1/units/stats", timeout=30, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return r.json().get("times") if r.status_code == 200 else None
+
+
+def served_forward_ms(before: dict | None, after: dict | None) -> float:
+    """The unit's forward a step between two :func:`unit_times` readings: its verify phase
+    (the forward as the engine waited for it, less the sampler) over the steps that held no
+    prompt; NaN without both readings or such a step."""
+    if not before or not after or "decode_steps" not in before:
+        return math.nan
+    steps = after["decode_steps"] - before["decode_steps"]
+    return 1e3 * (after["decode_verify_s"] - before["decode_verify_s"]) / steps if steps > 0 else math.nan
+
+
 def model_id(port: int) -> str:
     import httpx
 
@@ -589,8 +615,11 @@ def run_levels(spec: ServerSpec, workload: dict[str, list[Request]], args) -> tu
     labels = {"server": spec.server, "config": spec.config}
     for level, level_jobs in jobs.items():
         c = int(level)
+        before = unit_times(spec.port) if spec.server == "specserve" else None
         streams, wall = asyncio.run(run_level(url, level_jobs, c, args.level_timeout))
-        rows.append(labels | {"concurrency": c} | summarize(streams, wall, len(level_jobs)))
+        after = unit_times(spec.port) if before else None
+        rows.append(labels | {"concurrency": c} | summarize(streams, wall, len(level_jobs))
+                    | {"forward_ms": served_forward_ms(before, after)})
         print(format_table(rows[-1:], LEVEL_TABLE), flush=True)
         if c == 1:
             kinds += [labels | row for row in kind_rows(streams)]
@@ -601,7 +630,7 @@ def run_levels(spec: ServerSpec, workload: dict[str, list[Request]], args) -> tu
 LEVEL_TABLE = (("server", "server", 12, 0), ("config", "config", 7, 0), ("c", "concurrency", 3, 0),
                ("ok", "ok", 4, 0), ("of", "requests", 4, 0), ("tok/s", "tokens_per_s", 8, 1),
                ("TTFT p50", "ttft_p50_ms", 9, 0), ("TTFT p95", "ttft_p95_ms", 9, 0),
-               ("gap ms", "gap_ms", 7, 1), ("usage", "usage_share", 6, 2))
+               ("gap ms", "gap_ms", 7, 1), ("fwd ms", "forward_ms", 7, 1), ("usage", "usage_share", 6, 2))
 KIND_TABLE = (("server", "server", 12, 0), ("config", "config", 7, 0), ("kind", "group", 10, 0),
               ("ok", "ok", 4, 0), ("tok/s", "tokens_per_s", 8, 1), ("TTFT p50", "ttft_p50_ms", 9, 0),
               ("gap ms", "gap_ms", 7, 1))
@@ -610,8 +639,8 @@ RATIO_TABLE = (("config", "config", 7, 0), ("c", "concurrency", 3, 0),
 KIND_RATIO_TABLE = (("config", "config", 7, 0), ("kind", "group", 10, 0),
                     ("tok/s x", "tokens_per_s", 8, 2), ("TTFT x", "ttft_p50", 7, 2), ("gap x", "gap", 6, 2))
 CSV_COLUMNS = ["server", "config", "concurrency", "requests", "ok", "tokens", "wall_s",
-               "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "gap_ms", "usage_share", "server_decode_ms",
-               "error"]
+               "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "gap_ms", "forward_ms", "usage_share",
+               "server_decode_ms", "error"]
 
 
 KERNEL_TABLE = (("server", "server", 12, 0), ("decode ms", "decode_ms", 9, 2), ("MB read", "mb_read", 8, 1),

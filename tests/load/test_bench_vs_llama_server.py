@@ -116,6 +116,15 @@ def test_ratio_rows_are_specserve_over_llama_server_per_level():
                      "gap": 0.5}
 
 
+def test_the_served_forward_is_the_decode_steps_verify_time_between_two_readings():
+    before = {"steps": 10, "verify_s": 1.0, "decode_steps": 8, "decode_verify_s": 0.04}
+    after = {"steps": 140, "verify_s": 2.5, "decode_steps": 135, "decode_verify_s": 0.675}
+    assert vs.served_forward_ms(before, after) == pytest.approx(5.0)  # 0.635 s over 127 steps
+    assert math.isnan(vs.served_forward_ms(None, after))  # llama-server: nothing to read
+    assert math.isnan(vs.served_forward_ms({"steps": 1, "verify_s": 0.1}, after))  # an older unit
+    assert math.isnan(vs.served_forward_ms(after, after))  # no step between them
+
+
 def test_kernel_rows_put_a_decode_against_the_bandwidth_and_a_verify_in_decodes():
     figures = {"read_bandwidth_gbs": 40.0, "decode_bytes": 100_000_000,
                "forward_ms": {"1": 5.0, "8": 10.0, "9": 12.5}}

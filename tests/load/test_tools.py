@@ -6,6 +6,7 @@ No Ray and no SmolLM2: synthetic results and a tiny random Llama built from a co
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -403,10 +404,15 @@ def test_measure_splits_prefill_from_decode_on_a_tiny_engine():
     prompt = prompts(1)[0]
     [reference] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20),
                                   num_speculative_tokens=3)
-    steps_before = engine.counters.times.steps
+    times = engine.counters.times
+    before = dataclasses.replace(times)
     tally = bs.measure(engine, prompt, 20, num_speculative_tokens=3)
     assert tally.tokens == len(reference.output_token_ids) and tally.runs == 1
-    assert tally.steps == engine.counters.times.steps - steps_before - 1  # the prefill step is left out
+    assert tally.steps == times.steps - before.steps - 1  # the prefill step is left out
+    # the engine's own count agrees: every step but the prefill decodes (verifies that kept
+    # drafts included: told before the rows advance), and its forwards are part of the verify time
+    assert times.decode_steps - before.decode_steps == tally.steps
+    assert 0 < times.decode_verify_s - before.decode_verify_s < times.verify_s - before.verify_s
     assert 0 < tally.decode_tokens < tally.tokens and 0 < tally.decode_seconds < tally.seconds
     assert tally.draft_tokens == reference.stats.num_draft_tokens
     assert tally.accepted_tokens == reference.stats.num_accepted_tokens

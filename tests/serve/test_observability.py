@@ -245,6 +245,8 @@ def test_metrics_values_agree_with_the_units(scraped, obs_app):
     assert by_proposer == {name: float(part["num_draft_tokens"])
                            for name, part in stats["spec_by_proposer"].items()}
     assert sum(by_proposer.values()) == stats["spec"]["num_draft_tokens"]
+    times = stats["times"]  # the steps without a prompt, apart (bench-vs-llama-server's fwd ms)
+    assert 0 < times["decode_steps"] < times["steps"] and 0 < times["decode_verify_s"] < times["verify_s"]
     for family in families.values():  # low cardinality: no request ids, prompts, tenants
         if not family.name.startswith("specserve:"):
             continue

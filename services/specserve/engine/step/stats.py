@@ -122,16 +122,24 @@ class StepTimes:
     propose_s: float = 0.0
     verify_s: float = 0.0
     accept_s: float = 0.0
+    # steps with no prompt tokens in them, and their verify phase: a decode's or a verify's
+    # forward as it ran while serving, apart from prefills that would swamp its mean
+    decode_steps: int = 0
+    decode_verify_s: float = 0.0
 
-    def add(self, propose_s: float, verify_s: float, accept_s: float) -> None:
+    def add(self, propose_s: float, verify_s: float, accept_s: float, *, decoding: bool = False) -> None:
         self.steps += 1
         self.propose_s += propose_s
         self.verify_s += verify_s
         self.accept_s += accept_s
+        if decoding:
+            self.decode_steps += 1
+            self.decode_verify_s += verify_s
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "propose_s": round(self.propose_s, 4),
-                "verify_s": round(self.verify_s, 4), "accept_s": round(self.accept_s, 4)}
+                "verify_s": round(self.verify_s, 4), "accept_s": round(self.accept_s, 4),
+                "decode_steps": self.decode_steps, "decode_verify_s": round(self.decode_verify_s, 4)}
 
 
 @dataclass
