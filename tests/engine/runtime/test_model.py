@@ -161,10 +161,11 @@ def test_row_groups_in_one_pass_are_the_bits_of_separate_forwards(kind, layout):
 def test_a_tied_head_built_on_a_device_takes_no_table_of_its_own():
     """A runtime built straight on a device (random weights, as the GPU harness builds its
     targets and drafts) with tied embeddings makes one vocab x hidden table: the embedding.
-    A head made and then tied took another, which the allocator kept: 0.49 GiB of a
+    A head made and then tied took another, which the allocator kept: about 0.47 GiB of a
     Llama-3.2-1B-shaped draft's peak on an H200 (docs/BENCHMARKS.md, 2026-12-04)."""
-    from load.bench_gpu import SHAPES, random_runtime
     from torch.overrides import TorchFunctionMode
+
+    from load.bench_gpu import SHAPES, random_runtime
 
     class Made(TorchFunctionMode):
         def __init__(self) -> None:
