@@ -59,9 +59,7 @@ class LlamaRuntime(nn.Module):
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
-        # A tied head's weight is the embedding: made on no device, never allocated (built on
-        # a GPU, a head made and then tied left a vocab x hidden table in the allocator's cache).
-        tied = arch.tie_word_embeddings
+        tied = arch.tie_word_embeddings  # a tied head is the embedding: never allocated apart
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta" if tied else None)
         self.native_stack = NativeStack()  # the layers in one C call where each runs in one
         if tied:
