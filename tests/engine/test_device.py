@@ -298,6 +298,31 @@ def test_the_engine_launches_each_decode_step_before_it_reads_the_last(target_hf
     assert "length" in ends.values() and len(tokens) == 5 and all(tokens.values())
 
 
+def test_a_step_launched_ahead_is_observed_as_the_forward_it_ran(target_hf):
+    """An engine with a proposer and the K controller serving requests that do not speculate
+    (the router's high-concurrency gate) launches their decodes ahead: each such step is
+    never arranged, yet the cost fit and the step times must read it as the forward it ran,
+    one token a row (it was read as a forward of no rows, whose time then priced nothing)."""
+    from specserve.config import AdaptiveConfig
+    from specserve.engine.step.adaptive import SpecLengthController
+
+    engine = SpecDecodeEngine(ModelWorker(runtime_of(target_hf), num_slots=4, max_seq_len=256),
+                              make_tiny_tokenizer(), eos_token_ids=frozenset(), proposer=NgramProposer(),
+                              controller=SpecLengthController(4, AdaptiveConfig()), launch_ahead=True)
+    seen, observe = [], engine.k.controller.observe_forward
+    engine.k.controller.observe_forward = lambda rows, tokens, *rest: (
+        seen.append((rows, tokens)) or observe(rows, tokens, *rest))
+    ahead, launch = [], engine.target.launch
+    engine.target.launch = lambda batch, after=None: (
+        ahead.append(bool(batch.followers)) or launch(batch, after))
+    outs = engine.generate(prompts(2, seed=3), SamplingParams(temperature=0, max_tokens=12),
+                           num_speculative_tokens=0)
+    assert sum(ahead) >= 5 and all(len(o.output_token_ids) == 12 for o in outs)
+    assert all(rows >= 1 and tokens >= rows for rows, tokens in seen), seen
+    times = engine.counters.times
+    assert times.decode_steps == times.steps - 1 == len(seen) - 1  # all but the prefill (both prompts)
+
+
 def test_penalties_and_a_drafts_q_go_to_the_device_without_a_wait(target_hf):
     """A verify of an unseeded row with a model draft's q (its top-k ids and probabilities)
     and a seeded one, both under penalties: their token ids, prompt and q go up queued, and

@@ -207,7 +207,6 @@ class SpecDecodeEngine:
         _inject_fault(self.fault_token, batch)
         clock = batch.clock
         clock.lap()
-        decoding = not batch.chunks and all(row.decoding for row in batch.rows)  # (before they advance)
         if launched is None:
             self.k.plan(batch.rows)
             self.draft.propose(batch.rows)
@@ -231,7 +230,7 @@ class SpecDecodeEngine:
         try:  # bookkeeping of the unit, not of a request: it must not fail the outputs above
             if batch.hidden:
                 self.draft.keep_features(batch)
-            self.counters.times.add(clock.propose_s, clock.verify_s, clock.accept_s, decoding=decoding)
+            self.counters.times.add(clock.propose_s, clock.verify_s, clock.accept_s, decoding=batch.decoding)
             self.k.observe(batch, drafted=self.draft.available)
         except Exception:  # noqa: BLE001
             log.exception("step bookkeeping failed; the draft starts afresh")

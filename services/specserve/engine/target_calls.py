@@ -133,7 +133,10 @@ def decode_ahead(batch: StepBatch, running: dict[int, Sequence], max_model_len: 
     if not rows:
         return None
     ahead = [StepRow(row.seq, row.start + 1) for row in rows]
-    return (StepBatch(ahead, []),
+    # launched, never arranged: the forward it runs, one new token a row (what the K controller's
+    # cost fit and the step times read; its rows' tokens are not in their sequences yet)
+    shape = ([1] * len(ahead), [r.start + 1 for r in ahead])
+    return (StepBatch(ahead, [], groups=[len(ahead)], padded=len(ahead), shape=shape, decoding=True),
             VerifyBatch([VerifyRow(r.seq.slot, r.start, [0], Proposal([]),
                                    (r.seq.params, r.seq.sample_seed), follows=j)
                          for r, j in zip(ahead, follows)]))

@@ -125,6 +125,7 @@ class StepBatch:
     groups: list[int] = field(default_factory=list)  # the forward's row groups: sizes over rows, then chunks
     padded: int = 0                      # token rows the forward computes (each group x its longest row)
     shape: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # forward_shape(), arranged
+    decoding: bool = False               # no prompt token in the forward: every row decodes, arranged
     hidden: bool = False                 # the verify returns target features (a proposer reads them)
     preempted: list[Sequence] = field(default_factory=list)  # gave their KV back to make room
     clock: StepClock = field(default_factory=StepClock)
@@ -135,8 +136,10 @@ class StepBatch:
 
     def arrange(self) -> None:
         """Rows and chunks into forward order, and the forward's groups (:func:`layout_forward`)."""
-        layout = layout_forward([r.decoding for r in self.rows], [len(r.input_ids) for r in self.rows],
+        decoding = [r.decoding for r in self.rows]
+        layout = layout_forward(decoding, [len(r.input_ids) for r in self.rows],
                                 [c.num_tokens for c in self.chunks])
+        self.decoding = not self.chunks and all(decoding)
         self.rows = [self.rows[i] for i in layout.rows]
         self.chunks = [self.chunks[j] for j in layout.chunks]
         self.groups, self.padded = layout.groups, layout.padded
