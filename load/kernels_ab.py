@@ -8,7 +8,8 @@ take the same inputs (random blocks, a scale of 0.01; random normal activations)
 8 and 9 input rows (a decode, and verifies of 3, 7 and 8 drafts), each build runs the shapes'
 linears 30 times a round, six rounds in turn, and the best round is kept. The outputs of the
 two builds are then compared bit for bit. ``--shapes layer``: one decoder layer of the embedded
-SmolLM2-135M (qkv, o, gate_up, down: about 2 MB, from the caches); ``quantize``: one group of 8
+SmolLM2-135M (qkv, o, gate_up, down: about 1.7 MB, from the caches; until session 60 its qkv
+was 1,728 rows, not the model's 960); ``quantize``: one group of 16
 weight rows against inputs of 576 and 1,536 (the inputs' quantization, most of the time);
 ``head``: the LM head (49,152 x 576; with ``--kind q8_0``, the embedded model's, 28 MB read
 from memory); ``stack``: the 30 layers' linears, each its own weights (80 MB in Q4_1: from
@@ -30,12 +31,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
 from specserve.engine.runtime.native import FLAGS  # noqa: E402
 
-SHAPES = {"layer": [(1728, 576), (576, 576), (3072, 576), (576, 1536)],
+SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
           "head": [(49152, 576)],
-          "stack": [(1728, 576), (576, 576), (3072, 576), (576, 1536)] * 30,
-          "quantize": [(8, 576), (8, 1536)]}
-SCALES = {"q4_0": 1, "q4_1": 2, "q8_0": 1}     # 32-byte rows of scales a group's block opens with
-QUANTS = {"q4_0": 128, "q4_1": 128, "q8_0": 256}  # bytes of 8 rows' quants a block
+          "stack": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30,
+          "quantize": [(16, 576), (16, 1536)]}
+SCALES = {"q4_0": 1, "q4_1": 2, "q8_0": 1}     # 64-byte rows of scales a group's block opens with
+QUANTS = {"q4_0": 256, "q4_1": 256, "q8_0": 512}  # bytes of 16 rows' quants a block
+GROUP_ROWS = 16  # native.GROUP_ROWS
 ROWS = (1, 4, 8, 9)
 
 
@@ -55,13 +57,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sources = {"old": args.old, "new": args.new}
         libs = {name: build(src, Path(tmp) / f"{name}.so") for name, src in sources.items()}
-        group = SCALES[args.kind] * 32 + QUANTS[args.kind]
+        group = SCALES[args.kind] * 64 + QUANTS[args.kind]
         rng = np.random.default_rng(0)
         weights = []
         for n, k in SHAPES[args.shapes]:
-            w = rng.integers(0, 256, size=((n + 7) // 8 * (k // 32), group), dtype=np.uint8)
-            w[:, :SCALES[args.kind] * 32] = np.frombuffer(
-                np.full(SCALES[args.kind] * 8, 0.01, np.float32).tobytes(), np.uint8)
+            groups = (n + GROUP_ROWS - 1) // GROUP_ROWS
+            w = rng.integers(0, 256, size=(groups * (k // 32), group), dtype=np.uint8)
+            w[:, :SCALES[args.kind] * 64] = np.frombuffer(
+                np.full(SCALES[args.kind] * GROUP_ROWS, 0.01, np.float32).tobytes(), np.uint8)
             weights.append((n, k, w))
         inputs = {(m, k): rng.standard_normal((m, k)).astype(np.float32) for m in ROWS for _, k, _ in weights}
         outputs = {name: {(m, i): np.zeros((m, n), np.float32)

@@ -68,9 +68,9 @@ def test_quantized_linears_are_the_dequantized_float32_linears_bit_for_bit(kind,
 @pytest.mark.parametrize("kind", list(native.QUANT_BLOCKS))
 def test_an_embeddings_rows_in_c_are_the_dequantizers_bits(kind):
     """``dequantized_rows`` (an embedding's lookup, C) against the float32 table: every row of a
-    table in both layouts (rows in order, and interleaved in groups of 8 with the last padded),
+    table in both layouts (rows in order, and interleaved in groups of 16 with the last padded),
     a repeated row, and an index off the table refused, not read."""
-    n, k = 13, 96
+    n, k = 21, 96
     raw = random_blocks(kind, n, k, seed=5)
     table = dequantized(kind, raw, n, k)
     rows = torch.tensor([*range(n), 3, n - 1])

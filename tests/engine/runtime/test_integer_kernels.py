@@ -23,7 +23,7 @@ from specserve.engine.runtime import native
 
 from tests.engine.test_quantized import dequantized, random_blocks
 
-SHAPES = [(576, 576), (960, 576), (576, 1536), (13, 96), (7, 64)]  # and rows off the groups of 8
+SHAPES = [(576, 576), (960, 576), (576, 1536), (13, 96), (7, 64), (40, 96)]  # and rows off the groups of 16
 ROWS = [*range(1, 10), 24, 50]
 
 
@@ -128,10 +128,10 @@ def test_a_build_that_rounds_an_outliers_block_to_8_bits_is_caught(outputs, tmp_
 
 def test_the_interleaved_rows_are_the_blocks_moved():
     for kind in native.QUANT_BLOCKS:
-        for n, k in [(13, 96), (576, 576)]:
+        for n, k in [(13, 96), (40, 96), (576, 576)]:
             raw = random_blocks(kind, n, k, seed=1)
             plain, moved = (native.pack_blocks(kind, raw, n, k, x8_inputs=x8) for x8 in (False, True))
-            assert moved.data.shape == ((n + 7) // 8, k // 32 * 8 * native.QUANT_BLOCKS[kind][1])
+            assert moved.data.shape == ((n + 15) // 16, k // 32 * 16 * native.QUANT_BLOCKS[kind][1])
             assert torch.equal(native.standard_rows(moved), plain.data)
             assert torch.equal(native.dequantize_blocks(moved), native.dequantize_blocks(plain))
             rows = torch.tensor([0, n - 1, n // 2])

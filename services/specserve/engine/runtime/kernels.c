@@ -1053,12 +1053,16 @@ void exponential_noise_rows(const int64_t *keys, int N, int V, float *out, int t
    IEEE-defined (fmaf where there is no FMA instruction), the same bits on every build. They
    are not the float32 path's bits: the inputs are rounded (tests/engine/test_integer_kernels.py).
 
-   The weights are packed in groups of 8 rows (native.interleave_rows): per block, the 8 rows'
-   d, then their m (Q4_1), then their quants in chunks of 4 (chunk c of rows 0..7, then chunk
-   c + 1): one 32-byte load holds 4 quants of each of 8 rows, so a broadcast of 4 input bytes
-   and one multiply-add instruction give 8 rows' partial sums in 8 lanes, and a lane ends the
-   block holding its row's whole sum: no horizontal adds, and a vector of 8 pairs' scales.
-   A group's blocks are read once for the up to 4 input rows of a pass. */
+   The weights are packed in groups of 16 rows (native.interleave_rows): per block, the 16
+   rows' d, then their m (Q4_1), then their quants in chunks of 4 (chunk c of rows 0..15, then
+   chunk c + 1): one 64-byte load holds 4 quants of each of 16 rows, so a broadcast of 4 input
+   bytes and one multiply-add instruction give 16 rows' partial sums in 16 lanes (AVX512; two
+   halves of 8 lanes with AVX2), and a lane ends the block holding its row's whole sum: no
+   horizontal adds, and a vector of the pairs' scales. A group's blocks are read once for the
+   input rows of a pass: up to 9 with AVX512 (a verify of 8 drafts), 4 elsewhere. Until
+   session 60 the groups were of 8 rows, in 8 lanes everywhere: AVX512's 16 lanes halve the
+   broadcasts a product, and two groups of 8 read side by side were two streams the memory
+   served slower (docs/BENCHMARKS.md). */
 typedef struct {
   float d, s;          /* s = d * sum */
   int32_t sum, wide;   /* sum of q; wide: q = 254 * qs + lo, else q = qs */
@@ -1068,9 +1072,11 @@ typedef struct {
 #define X8_OUTLIER 8  /* max |x| over mean |x| that makes a block wide (docs/BENCHMARKS.md) */
 #endif
 #ifndef X8_PF
-/* bytes a group's blocks are prefetched ahead: on a Zen 3, 1 KB was 6% slower at one row
-   from memory than 2 to 4 KB (alike), none 10%; on a Zen 4, 0 to 8 KB were alike */
-#define X8_PF 2048
+/* bytes a group's blocks are prefetched ahead: with groups of 8 rows, on a Zen 3, 1 KB was 6%
+   slower at one row from memory than 2 to 4 KB (alike), none 10%; on a Zen 4, 0 to 8 KB
+   alike. With groups of 16 (blocks twice as long), on a Zen 4's 16-lane kernels, 4 KB was
+   2-10% quicker than 2 KB at 1 to 4 rows and 8 KB like 4 */
+#define X8_PF 4096
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1159,14 +1165,16 @@ static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads
 static __thread void *x8_buf;  /* the calling thread's quantized inputs, apart from task_buf */
 static __thread size_t x8_cap;
 
-/* Bytes of one block of 8 interleaved rows, and where its parts start. */
+/* A group's rows, and the bytes of one of its blocks: X8_SCALES 64-byte vectors of the 16 rows'
+   scales (d, then m for Q4_1), then X8_CHUNKS chunks of 64 bytes, each 4 bytes of every row. */
+#define X8_ROWS 16
 #define X8_SCALES_q4_0 1
 #define X8_SCALES_q4_1 2
 #define X8_SCALES_q8_0 1
-#define X8_QUANTS_q4_0 128
-#define X8_QUANTS_q4_1 128
-#define X8_QUANTS_q8_0 256
-#define X8_GROUP(T) (X8_SCALES_##T * 32 + X8_QUANTS_##T)
+#define X8_CHUNKS_q4_0 4  /* a 4-bit chunk c: quants 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the high */
+#define X8_CHUNKS_q4_1 4
+#define X8_CHUNKS_q8_0 8
+#define X8_GROUP(T) (64 * (X8_SCALES_##T + X8_CHUNKS_##T))
 #define X8_ZERO_q4_0 8  /* Q4_0's quants are w_q - 8 */
 #define X8_ZERO_q4_1 0
 #if defined(__AVX2__) && defined(__FMA__) && \
@@ -1176,15 +1184,138 @@ static __thread size_t x8_cap;
 #define X8_ZERO_q8_0 0
 #endif
 
-/* Row r's quant k of an interleaved group's block (q: its quants; T_bits 4 or 8): the portable
-   kernels and an embedding's lookup read the layout through this. */
+/* Row r's quant k of a group's block (q: its quants; T_bits 4 or 8): the portable kernels and
+   an embedding's lookup read the layout through this. */
 static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row r's quant k */
-  if (T_bits == 8) return ((const int8_t *)q)[32 * (k / 4) + 4 * r + k % 4];
-  int c = k % 16 / 4, byte = q[32 * c + 4 * r + k % 4];
+  if (T_bits == 8) return ((const int8_t *)q)[64 * (k / 4) + 4 * r + k % 4];
+  int c = k % 16 / 4, byte = q[64 * c + 4 * r + k % 4];
   return k < 16 ? byte & 15 : byte >> 4;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* With AVX512-VNNI a group's 16 rows in the 16 lanes of 512-bit vectors: each chunk one load,
+   each 4-byte broadcast of the inputs met by 16 rows' quants in one multiply-add. The 8-lane
+   kernels below are bound by their broadcasts (half as many products each); these by the
+   multiply-adds and the float epilogue, which share two pipes on a Zen 4 (docs/BENCHMARKS.md).
+   A lane's operations are the 8-lane kernels', in the same order: the same bits. */
+#define X16 1
+static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .. 4c + 3, 16 times */
+  int32_t v;
+  __builtin_memcpy(&v, qs + 4 * c, 4);
+  return _mm512_set1_epi32(v);
+}
+/* S partial sums a row, so that at least 5 chains of multiply-adds are in flight (their
+   latency is 4 to 5 cycles): 4 at one input row, 2 at up to 4, 1 beyond. */
+#define X16_PARTS(MR) ((MR) == 1 ? 4 : (MR) <= 4 ? 2 : 1)
+#define X16_DOTS_q4(q, qs, MR, sums)                                                          \
+  do {                                                                                        \
+    enum { S = X16_PARTS(MR) };                                                               \
+    __m512i part[S][MR];                                                                      \
+    for (int s = 0; s < S; s++)                                                               \
+      for (int j = 0; j < MR; j++) part[s][j] = _mm512_setzero_si512();                       \
+    for (int c = 0; c < 4; c++) {                                                             \
+      __m512i raw = _mm512_loadu_si512((const void *)(q + 64 * c));                           \
+      __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(15));                               \
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(15));         \
+      int sl = S == 4 ? 2 * (c % 2) : 0, sh = S == 1 ? 0 : sl + 1;                            \
+      for (int j = 0; j < MR; j++) {                                                          \
+        part[sl][j] = _mm512_dpbusd_epi32(part[sl][j], lo, x16_chunk(qs[j], c));              \
+        part[sh][j] = _mm512_dpbusd_epi32(part[sh][j], hi, x16_chunk(qs[j], c + 4));          \
+      }                                                                                       \
+    }                                                                                         \
+    for (int j = 0; j < MR; j++) {                                                            \
+      sums[j] = part[0][j];                                                                   \
+      for (int s = 1; s < S; s++) sums[j] = _mm512_add_epi32(sums[j], part[s][j]);           \
+    }                                                                                         \
+  } while (0)
+#define X16_DOTS_q8_0(q, qs, MR, sums)                                                        \
+  do {                                                                                        \
+    enum { S = X16_PARTS(MR) };                                                               \
+    __m512i part[S][MR];                                                                      \
+    for (int s = 0; s < S; s++)                                                               \
+      for (int j = 0; j < MR; j++) part[s][j] = _mm512_setzero_si512();                       \
+    for (int c = 0; c < 8; c++) {                                                             \
+      __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * c)),            \
+                                   _mm512_set1_epi8((char)0x80));                             \
+      for (int j = 0; j < MR; j++)                                                            \
+        part[c % S][j] = _mm512_dpbusd_epi32(part[c % S][j], u, x16_chunk(qs[j], c));        \
+    }                                                                                         \
+    for (int j = 0; j < MR; j++) {                                                            \
+      sums[j] = part[0][j];                                                                   \
+      for (int s = 1; s < S; s++) sums[j] = _mm512_add_epi32(sums[j], part[s][j]);           \
+    }                                                                                         \
+  } while (0)
+#define X16_DOTS_q4_0 X16_DOTS_q4
+#define X16_DOTS_q4_1 X16_DOTS_q4
+/* X8_SUMS for the 16 lanes */
+#define X16_SUMS(T, q, a, MR, sums)                                                           \
+  do {                                                                                        \
+    const int8_t *qs[MR];                                                                     \
+    for (int j = 0; j < MR; j++) qs[j] = a[j]->qs;                                            \
+    X16_DOTS_##T(q, qs, MR, sums);                                                            \
+    for (int j = 0; j < MR; j++)                                                              \
+      if (a[j]->wide) {                                                                       \
+        __m512i lows[1];                                                                      \
+        const int8_t *lo_qs[1] = {a[j]->lo};                                                  \
+        X16_DOTS_##T(q, lo_qs, 1, lows);                                                      \
+        sums[j] = _mm512_add_epi32(_mm512_mullo_epi32(sums[j], _mm512_set1_epi32(254)), lows[0]); \
+      }                                                                                       \
+    if (X8_ZERO_##T)                                                                          \
+      for (int j = 0; j < MR; j++)                                                            \
+        sums[j] = _mm512_sub_epi32(sums[j], _mm512_set1_epi32(X8_ZERO_##T * a[j]->sum));      \
+  } while (0)
+/* A pass: MR input rows (from m) against the group of 16 weight rows from n. */
+#define XGROUP(T, MR)                                                                         \
+  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
+                                       float *y, int N, int nb, int n, int m) {              \
+    __m512 acc[MR];                                                                           \
+    for (int j = 0; j < MR; j++) acc[j] = _mm512_setzero_ps();                                \
+    for (int b = 0; b < nb; b++) {                                                            \
+      const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
+      for (int l = 0; l < X8_GROUP(T); l += 64) __builtin_prefetch(blk + X8_PF + l);          \
+      const x8_block *a[MR];                                                                  \
+      for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
+      __m512i sums[MR];                                                                       \
+      X16_SUMS(T, blk + X8_SCALES_##T * 64, a, MR, sums);                                     \
+      __m512 d = _mm512_loadu_ps((const float *)blk);                                         \
+      for (int j = 0; j < MR; j++) {                                                          \
+        acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[j]->d)),                   \
+                                 _mm512_cvtepi32_ps(sums[j]), acc[j]);                        \
+        if (X8_SCALES_##T == 2)                                                               \
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)blk + 16),                  \
+                                   _mm512_set1_ps(a[j]->s), acc[j]);                          \
+      }                                                                                       \
+    }                                                                                         \
+    int rows = N - n < 16 ? N - n : 16;                                                       \
+    for (int j = 0; j < MR; j++) {                                                            \
+      float out[16];                                                                          \
+      _mm512_storeu_ps(out, acc[j]);                                                          \
+      for (int r = 0; r < rows; r++)                                                          \
+        y[(size_t)(m + j) * N + n + r] = bias ? out[r] + bias[n + r] : out[r];                \
+    }                                                                                         \
+  }
+/* Up to 9 input rows a pass (a verify of 8 drafts reads its weights once); more split evenly. */
+#define X8_PASS_q4_0 9
+#define X8_PASS_q4_1 9
+#define X8_PASS_q8_0 9
+#define X8_PASSES(T)                                                                          \
+  XGROUP(T, 1) XGROUP(T, 2) XGROUP(T, 3) XGROUP(T, 4) XGROUP(T, 5) XGROUP(T, 6) XGROUP(T, 7)  \
+  XGROUP(T, 8) XGROUP(T, 9)                                                                   \
+  static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
+                               float *y, int N, int nb, int n, int m, int rows) {            \
+    switch (rows) {                                                                           \
+      case 1: xgroup_##T##_1(x, g, bias, y, N, nb, n, m); break;                              \
+      case 2: xgroup_##T##_2(x, g, bias, y, N, nb, n, m); break;                              \
+      case 3: xgroup_##T##_3(x, g, bias, y, N, nb, n, m); break;                              \
+      case 4: xgroup_##T##_4(x, g, bias, y, N, nb, n, m); break;                              \
+      case 5: xgroup_##T##_5(x, g, bias, y, N, nb, n, m); break;                              \
+      case 6: xgroup_##T##_6(x, g, bias, y, N, nb, n, m); break;                              \
+      case 7: xgroup_##T##_7(x, g, bias, y, N, nb, n, m); break;                              \
+      case 8: xgroup_##T##_8(x, g, bias, y, N, nb, n, m); break;                              \
+      default: xgroup_##T##_9(x, g, bias, y, N, nb, n, m);                                    \
+    }                                                                                         \
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
 /* acc + u . s in int32 lanes, 4 byte products a lane (u unsigned, s signed) */
 static inline __m256i x8_madd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
@@ -1200,16 +1331,16 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
   __builtin_memcpy(&v, qs + 4 * c, 4);
   return _mm256_set1_epi32(v);
 }
-/* The 8 rows' sums against MR input blocks' bytes qs[j]. A 4-bit group's 32-byte load c holds
-   quants 4c .. 4c + 3 of each row in its low nibbles and 16 + 4c .. 16 + 4c + 3 in its high
-   ones. Q8_0: below. */
+/* The 8 rows' sums of half a group (q: its first chunk's half, 32 of each 64 bytes) against MR
+   input blocks' bytes qs[j]. A 4-bit chunk c holds quants 4c .. 4c + 3 of each row in its low
+   nibbles and 16 + 4c .. 16 + 4c + 3 in its high ones. Q8_0: below. */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define X8_DOTS_q4(q, qs, MR, sums)                                                           \
   do {                                                                                        \
     __m256i his[MR];  /* the high nibbles' sums apart: two chains of adds a row, not one */   \
     for (int j = 0; j < MR; j++) sums[j] = his[j] = _mm256_setzero_si256();                   \
     for (int c = 0; c < 4; c++) {                                                             \
-      __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * c));                        \
+      __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * c));                        \
       __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
       for (int j = 0; j < MR; j++) {                                                          \
@@ -1229,7 +1360,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
     __m256i s16[MR];                                                                          \
     for (int j = 0; j < MR; j++) s16[j] = _mm256_setzero_si256();                             \
     for (int c = 0; c < 4; c++) {                                                             \
-      __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 32 * c));                        \
+      __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * c));                        \
       __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(15));                               \
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
       for (int j = 0; j < MR; j++) {                                                          \
@@ -1249,7 +1380,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
   do {                                                                                        \
     for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
     for (int c = 0; c < 8; c++) {                                                             \
-      __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 32 * c)),        \
+      __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * c)),        \
                                    _mm256_set1_epi8((char)0x80));                             \
       for (int j = 0; j < MR; j++) sums[j] = x8_madd(sums[j], u, x8_chunk(qs[j], c));        \
     }                                                                                         \
@@ -1260,7 +1391,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
   do {                                                                                        \
     for (int j = 0; j < MR; j++) sums[j] = _mm256_setzero_si256();                            \
     for (int c = 0; c < 8; c++) {                                                             \
-      __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * c)), u = _mm256_sign_epi8(w, w); \
+      __m256i w = _mm256_loadu_si256((const __m256i *)(q + 64 * c)), u = _mm256_sign_epi8(w, w); \
       for (int j = 0; j < MR; j++)                                                            \
         sums[j] = x8_madd(sums[j], u, _mm256_sign_epi8(x8_chunk(qs[j], c), w));               \
     }                                                                                         \
@@ -1275,6 +1406,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
     const int8_t *qs[MR];                                                                     \
     for (int j = 0; j < MR; j++) qs[j] = a[j]->qs;                                            \
     X8_DOTS_##T(q, qs, MR, sums);                                                             \
+    __asm__ volatile("" ::: "memory"); /* a wide block's pass loads its weights again */      \
     for (int j = 0; j < MR; j++)                                                              \
       if (a[j]->wide) {                                                                       \
         __m256i lows[1];                                                                      \
@@ -1287,34 +1419,60 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
         sums[j] = _mm256_sub_epi32(sums[j], _mm256_set1_epi32(X8_ZERO_##T * a[j]->sum));      \
   } while (0)
 
-/* A pass: MR input rows (from m) against the group of 8 weight rows from n. */
-#define XGROUP(T, MR)                                                                         \
-  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
-                                       float *y, int N, int nb, int n, int m) {              \
-    __m256 acc[MR];                                                                           \
-    for (int j = 0; j < MR; j++) acc[j] = _mm256_setzero_ps();                                \
+/* Half h of a group's block b against the pass's MR input rows, into acc (8 lanes a row). */
+#define X8_HALF(T, MR, blk, a, h, acc)                                                        \
+  do {                                                                                        \
+    __m256i sums[MR];                                                                         \
+    X8_SUMS(T, blk + X8_SCALES_##T * 64 + 32 * h, a, MR, sums);                               \
+    __m256 d = _mm256_loadu_ps((const float *)blk + 8 * h);                                   \
+    for (int j = 0; j < MR; j++) {                                                            \
+      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[j]->d)),                     \
+                               _mm256_cvtepi32_ps(sums[j]), acc[j]);                          \
+      if (X8_SCALES_##T == 2)                                                                 \
+        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)blk + 16 + 8 * h),            \
+                                 _mm256_set1_ps(a[j]->s), acc[j]);                            \
+    }                                                                                         \
+  } while (0)
+/* A pass: MR input rows (from m) against the group of 16 weight rows from n, as two halves of
+   8 rows in 8 lanes, block by block (the group's bytes read as one stream; a last group's
+   padding rows are zero blocks). */
+#define XHALVES(T, MR)                                                                        \
+  static inline void xhalves_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
+                                        float *y, int N, int nb, int n, int m) {             \
+    __m256 acc0[MR], acc1[MR];                                                                \
+    for (int j = 0; j < MR; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();                     \
     for (int b = 0; b < nb; b++) {                                                            \
       const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
       for (int l = 0; l < X8_GROUP(T); l += 64) __builtin_prefetch(blk + X8_PF + l);          \
       const x8_block *a[MR];                                                                  \
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
-      __m256i sums[MR];                                                                       \
-      X8_SUMS(T, blk + X8_SCALES_##T * 32, a, MR, sums);                                      \
-      __m256 d = _mm256_loadu_ps((const float *)blk);                                         \
-      for (int j = 0; j < MR; j++) {                                                          \
-        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[j]->d)),                   \
-                                 _mm256_cvtepi32_ps(sums[j]), acc[j]);                        \
-        if (X8_SCALES_##T == 2)                                                               \
-          acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)blk + 8),                   \
-                                   _mm256_set1_ps(a[j]->s), acc[j]);                          \
-      }                                                                                       \
+      X8_HALF(T, MR, blk, a, 0, acc0);                                                        \
+      __asm__ volatile("" ::: "memory"); /* the inputs' broadcasts loaded again, not held */  \
+      X8_HALF(T, MR, blk, a, 1, acc1);                                                        \
     }                                                                                         \
-    int rows = N - n < 8 ? N - n : 8;                                                         \
+    int rows = N - n < 16 ? N - n : 16;                                                       \
     for (int j = 0; j < MR; j++) {                                                            \
-      float out[8];                                                                           \
-      _mm256_storeu_ps(out, acc[j]);                                                          \
+      float out[16];                                                                          \
+      _mm256_storeu_ps(out, acc0[j]);                                                         \
+      _mm256_storeu_ps(out + 8, acc1[j]);                                                     \
       for (int r = 0; r < rows; r++)                                                          \
         y[(size_t)(m + j) * N + n + r] = bias ? out[r] + bias[n + r] : out[r];                \
+    }                                                                                         \
+  }
+#define X8_PASS_q4_0 4
+#define X8_PASS_q4_1 4
+#ifndef X8_PASS_q8_0
+#define X8_PASS_q8_0 4
+#endif
+#define X8_PASSES(T)                                                                          \
+  XHALVES(T, 1) XHALVES(T, 2) XHALVES(T, 3) XHALVES(T, 4)                                     \
+  static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
+                               float *y, int N, int nb, int n, int m, int rows) {            \
+    switch (rows) {                                                                           \
+      case 1: xhalves_##T##_1(x, g, bias, y, N, nb, n, m); break;                             \
+      case 2: xhalves_##T##_2(x, g, bias, y, N, nb, n, m); break;                             \
+      case 3: xhalves_##T##_3(x, g, bias, y, N, nb, n, m); break;                             \
+      default: xhalves_##T##_4(x, g, bias, y, N, nb, n, m);                                   \
     }                                                                                         \
   }
 #else
@@ -1322,61 +1480,64 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 #define X8_BITS_q4_0 4
 #define X8_BITS_q4_1 4
 #define X8_BITS_q8_0 8
-#define XGROUP(T, MR)                                                                         \
-  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
-                                       float *y, int N, int nb, int n, int m) {              \
-    int rows = N - n < 8 ? N - n : 8;                                                         \
-    for (int j = 0; j < MR; j++)                                                              \
-      for (int r = 0; r < rows; r++) {                                                        \
+#define X8_PASS_q4_0 4
+#define X8_PASS_q4_1 4
+#define X8_PASS_q8_0 4
+#define X8_PASSES(T)                                                                          \
+  static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
+                               float *y, int N, int nb, int n, int m, int rows) {            \
+    int group_rows = N - n < X8_ROWS ? N - n : X8_ROWS;                                       \
+    for (int j = 0; j < rows; j++)                                                            \
+      for (int r = 0; r < group_rows; r++) {                                                  \
         float acc = 0.0f;                                                                     \
         for (int b = 0; b < nb; b++) {                                                        \
           const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                   \
           const x8_block *a = x + (size_t)(m + j) * nb + b;                                   \
-          const uint8_t *q = blk + X8_SCALES_##T * 32;                                        \
+          const uint8_t *q = blk + X8_SCALES_##T * 64;                                        \
           int sum = 0;                                                                        \
           for (int k = 0; k < 32; k++)                                                      \
             sum += x8_quant(q, X8_BITS_##T, r, k) * (a->wide ? 254 * a->qs[k] + a->lo[k] : a->qs[k]); \
           sum -= X8_ZERO_##T * a->sum;                                                        \
           acc = fmaf(((const float *)blk)[r] * a->d, (float)sum, acc);                        \
-          if (X8_SCALES_##T == 2) acc = fmaf(((const float *)blk)[8 + r], a->s, acc);         \
+          if (X8_SCALES_##T == 2) acc = fmaf(((const float *)blk)[16 + r], a->s, acc);        \
         }                                                                                     \
         y[(size_t)(m + j) * N + n + r] = bias ? acc + bias[n + r] : acc;                      \
       }                                                                                       \
   }
 #endif
 
-/* linear_rows_T_x8: the inputs quantized once (quantize_x8), then the groups of 8 weight rows
-   split into tasks over the threads, each group against the input rows 4 at a time. */
+/* linear_rows_T_x8: the inputs quantized once (quantize_x8), then the groups of 16 weight rows
+   split into a multiple of `threads` tasks (36 groups on 2 threads: 18 each, not 20 and 16),
+   each group against the input rows X8_PASS_T at a time (more split evenly: 13 rows as 7 and
+   6, not 9 and 4). */
 #define LINEAR_X8(T)                                                                          \
-  XGROUP(T, 1) XGROUP(T, 2) XGROUP(T, 3) XGROUP(T, 4)                                         \
+  X8_PASSES(T)                                                                                \
   void linear_rows_##T##_x8(const float *x, const uint8_t *w, const float *bias, float *y,    \
                             int M, int N, int K, int threads) {                               \
-    int nb = K / 32, groups = (N + 7) / 8;                                                    \
+    int nb = K / 32, groups = (N + X8_ROWS - 1) / X8_ROWS;                                    \
     x8_block *xq = grown(&x8_buf, &x8_cap, (size_t)M * nb * sizeof(x8_block));                \
     if (!xq) abort();                                                                         \
     quantize_x8(x, xq, M, K, threads);                                                        \
-    int per_task = WEIGHT_ROWS_PER_TASK / 8;                                                  \
+    int per_task = WEIGHT_ROWS_PER_TASK / X8_ROWS;                                            \
     int tasks = (groups + per_task - 1) / per_task;                                           \
-    if (tasks < threads) tasks = groups < threads ? groups : threads;                         \
+    tasks = (tasks + threads - 1) / threads * threads; /* each thread as many groups, +-1 */  \
+    if (tasks > groups) tasks = groups;                                                       \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if ((long)M * N * K >= PARALLEL_MIN_WORK)") \
     for (int t = 0; t < tasks; t++) {                                                         \
       int g0 = (int)((long)groups * t / tasks), g1 = (int)((long)groups * (t + 1) / tasks);   \
-      for (int m = 0; m < M; m += 4)                                                          \
-        for (int gi = g0; gi < g1; gi++) {                                                    \
-          const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                               \
-          switch (M - m < 4 ? M - m : 4) {                                                    \
-            case 1: xgroup_##T##_1(xq, g, bias, y, N, nb, gi * 8, m); break;                  \
-            case 2: xgroup_##T##_2(xq, g, bias, y, N, nb, gi * 8, m); break;                  \
-            case 3: xgroup_##T##_3(xq, g, bias, y, N, nb, gi * 8, m); break;                  \
-            default: xgroup_##T##_4(xq, g, bias, y, N, nb, gi * 8, m);                        \
-          }                                                                                   \
-        }                                                                                     \
+      for (int m = 0; m < M;) {                                                               \
+        int left = M - m, passes = (left + X8_PASS_##T - 1) / X8_PASS_##T;                            \
+        int rows = (left + passes - 1) / passes;                                              \
+        for (int gi = g0; gi < g1; gi++)                                                      \
+          xpass_##T(xq, w + (size_t)gi * nb * X8_GROUP(T), bias, y, N, nb, gi * X8_ROWS, m, rows); \
+        m += rows;                                                                            \
+      }                                                                                       \
     }                                                                                         \
   }
 LINEAR_X8(q4_0) LINEAR_X8(q4_1) LINEAR_X8(q8_0)
 
 /* Rows rows[0 .. R) of a packed weight of `kind` (W_Q4_0, W_Q4_1, W_Q8_0; + W_X8 where its rows
-   are interleaved in groups of 8) with K inputs a row, dequantized into out[R, K]: an
+   are interleaved in groups of 16) with K inputs a row, dequantized into out[R, K]: an
    embedding's lookup. The dequantizer's arithmetic, each operation rounded to float32 (fp
    contraction off): d * (q - 8), d * q + m, q * d: the float32 table's bits
    (native.dequantize_blocks, which the tests hold it to). Returns 1, writing nothing, where
@@ -1393,12 +1554,12 @@ int dequantize_rows(int kind, const uint8_t *w, int N, const int64_t *rows, int 
     for (int b = 0; b < nb; b++, o += 32) {
       float d, m = 0.0f;
       int q[32];
-      if (x8) {  /* group r / 8, lane r % 8: its scales, then its 4 bytes of each chunk */
-        const uint8_t *g = w + ((size_t)(r / 8) * nb + b) * (size_t)(scales * 32 + 8 * quants);
-        int lane = (int)(r % 8);
+      if (x8) {  /* group r / 16, lane r % 16: its scales, then its 4 bytes of each chunk */
+        const uint8_t *g = w + ((size_t)(r / X8_ROWS) * nb + b) * (size_t)(64 * scales + X8_ROWS * quants);
+        int lane = (int)(r % X8_ROWS);
         __builtin_memcpy(&d, g + 4 * lane, 4);
-        if (scales == 2) __builtin_memcpy(&m, g + 32 + 4 * lane, 4);
-        for (int k = 0; k < 32; k++) q[k] = x8_quant(g + scales * 32, type == W_Q8_0 ? 8 : 4, lane, k);
+        if (scales == 2) __builtin_memcpy(&m, g + 64 + 4 * lane, 4);
+        for (int k = 0; k < 32; k++) q[k] = x8_quant(g + scales * 64, type == W_Q8_0 ? 8 : 4, lane, k);
       } else {   /* row r's blocks in order: d (and m), then the quants as the file has them */
         const uint8_t *p = w + ((size_t)r * nb + b) * block;
         __builtin_memcpy(&d, p, 4);

@@ -206,6 +206,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 # -- quantized weights -------------------------------------------------------------------------
 QUANT_BLOCK = 32  # weights per block, in every type here
+GROUP_ROWS = 16   # rows a group of the integer kernels' layout interleaves (kernels.c's X8_ROWS)
 # GGUF block types the kernels read (kernels.c, "Quantized linears"): the bytes of a block in
 # the file and as packed here (its scales as float32, then its quants).
 QUANT_BLOCKS = {"Q4_0": (18, 20), "Q4_1": (20, 24), "Q8_0": (34, 36)}
@@ -215,7 +216,7 @@ QUANT_BLOCKS = {"Q4_0": (18, 20), "Q4_1": (20, 24), "Q8_0": (34, 36)}
 class QuantizedWeight:
     """A linear's weight ``[out_features, in_features]`` as packed blocks (:func:`pack_blocks`):
     ``data`` ``[out_features, in_features / 32 * packed bytes]`` uint8, a row's blocks in
-    order; with ``x8_inputs``, ``[groups of 8 rows, the same bytes x 8]``, the rows
+    order; with ``x8_inputs``, ``[groups of 16 rows, the same bytes x 16]``, the rows
     interleaved (:func:`interleave_rows`)."""
 
     kind: str  # a key of QUANT_BLOCKS
@@ -252,14 +253,14 @@ def pack_blocks(kind: str, raw: torch.Tensor, out_features: int, in_features: in
 
 def interleave_rows(kind: str, packed: torch.Tensor) -> torch.Tensor:
     """Packed rows ``[N, blocks x bytes]`` in the integer kernels' layout (kernels.c, "Integer
-    dot products"): rows in groups of 8 (the last padded with zero blocks), and per group and
-    block the 8 rows' ``d``, their ``m`` (Q4_1), then their quants in chunks of 4 bytes, chunk
-    by chunk. ``[groups, blocks x 8 x bytes]``: the same bytes, moved."""
+    dot products"): rows in groups of :data:`GROUP_ROWS` (the last padded with zero blocks), and
+    per group and block the rows' ``d``, their ``m`` (Q4_1), then their quants in chunks of 4
+    bytes, chunk by chunk. ``[groups, blocks x 16 x bytes]``: the same bytes, moved."""
     n, scales, block = packed.shape[0], _scales(kind), QUANT_BLOCKS[kind][1]
-    padded = torch.cat([packed, packed.new_zeros((-n % 8, packed.shape[1]))])
-    blocks = padded.view(-1, 8, packed.shape[1] // block, block).transpose(1, 2)  # [groups, nb, 8, bytes]
+    padded = torch.cat([packed, packed.new_zeros((-n % GROUP_ROWS, packed.shape[1]))])
+    blocks = padded.view(-1, GROUP_ROWS, packed.shape[1] // block, block).transpose(1, 2)  # [g, nb, 16, B]
     groups = blocks.shape[0]
-    parts = [blocks[..., 4 * i:4 * i + 4] for i in range(scales)]     # each [groups, nb, 8, 4]
+    parts = [blocks[..., 4 * i:4 * i + 4] for i in range(scales)]     # each [groups, nb, 16, 4]
     quants = blocks[..., 4 * scales:].unflatten(-1, (-1, 4)).transpose(2, 3)  # [.., chunk, row, 4]
     return torch.cat([p.flatten(2) for p in (*parts, quants)], dim=-1).reshape(groups, -1)
 
@@ -271,26 +272,26 @@ def standard_rows(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> 
         return weight.data if rows is None else weight.data[rows]
     if rows is not None:  # an embedding's lookup, each token: one gather
         where = _group_offsets(weight.kind, weight.in_features)
-        return weight.data[(rows // 8)[:, None], where[rows % 8]]
-    scales, block = _scales(weight.kind), QUANT_BLOCKS[weight.kind][1]
+        return weight.data[(rows // GROUP_ROWS)[:, None], where[rows % GROUP_ROWS]]
+    scales, block, g = _scales(weight.kind), QUANT_BLOCKS[weight.kind][1], GROUP_ROWS
     nb = weight.in_features // QUANT_BLOCK
-    groups = weight.data.view(-1, nb, 8 * block)                      # [groups, nb, 8 x bytes]
-    parts = [groups[..., 32 * i:32 * i + 32].unflatten(-1, (8, 4)) for i in range(scales)]
-    quants = groups[..., 32 * scales:].unflatten(-1, (-1, 8, 4)).transpose(2, 3).flatten(3)
-    unpacked = torch.cat([*parts, quants], dim=-1).transpose(1, 2)    # [groups, 8, nb, bytes]
+    groups = weight.data.view(-1, nb, g * block)                      # [groups, nb, 16 x bytes]
+    parts = [groups[..., 4 * g * i:4 * g * (i + 1)].unflatten(-1, (g, 4)) for i in range(scales)]
+    quants = groups[..., 4 * g * scales:].unflatten(-1, (-1, g, 4)).transpose(2, 3).flatten(3)
+    unpacked = torch.cat([*parts, quants], dim=-1).transpose(1, 2)    # [groups, 16, nb, bytes]
     return unpacked.reshape(-1, nb * block)[:weight.out_features]
 
 
 @functools.cache
 def _group_offsets(kind: str, in_features: int) -> torch.Tensor:
-    """``[8, row bytes]``: where each byte of a group's 8th row ``r`` lies in the group's
+    """``[16, row bytes]``: where each byte of a group's row ``r`` lies in the group's
     interleaved bytes (row ``r``'s byte ``j`` is at ``[r, j]``), found by interleaving the
     bytes' own indices."""
     width = in_features // QUANT_BLOCK * QUANT_BLOCKS[kind][1]
-    moved = interleave_rows(kind, torch.arange(8 * width).view(8, width)).flatten()
+    moved = interleave_rows(kind, torch.arange(GROUP_ROWS * width).view(GROUP_ROWS, width)).flatten()
     where = torch.empty_like(moved)
     where[moved] = torch.arange(moved.numel())
-    return where.view(8, width)
+    return where.view(GROUP_ROWS, width)
 
 
 def _scales(kind: str) -> int:
