@@ -1072,12 +1072,15 @@ typedef struct {
 #define X8_OUTLIER 8  /* max |x| over mean |x| that makes a block wide (docs/BENCHMARKS.md) */
 #endif
 #ifndef X8_PF
-/* bytes a group's blocks are prefetched ahead: with groups of 8 rows, on a Zen 3, 1 KB was 6%
-   slower at one row from memory than 2 to 4 KB (alike), none 10%; on a Zen 4, 0 to 8 KB
-   alike. With groups of 16 (blocks twice as long), on a Zen 4's 16-lane kernels, 4 KB was
-   2-10% quicker than 2 KB at 1 to 4 rows and 8 KB like 4 */
-#define X8_PF 4096
+/* bytes a group's blocks are prefetched ahead, into L2 (prefetcht1): with groups of 8 rows
+   into L1, on a Zen 3, 1 KB was 6% slower at one row from memory than 2 to 4 KB (alike),
+   none 10%; on a Zen 4, 0 to 8 KB alike. With groups of 16 on a Zen 4, 8 KB into L2 against
+   4 KB into L1: the LM head from memory (Q8_0, 28 MB) at 9 rows 0.63x the time, where its
+   reads had not overlapped its multiply-adds at all; the layers' linears at 1 to 9 rows
+   0.9-1.07x (within the machine's noise); 4 KB into L2 1.1x slower than 8, 16 KB like 8 */
+#define X8_PF 8192
 #endif
+#define X8_PREFETCH(p) __builtin_prefetch(p, 0, 2)
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* quantize_x8's block in 8-lane vectors, the same operations in the same order (lane i holds
@@ -1272,7 +1275,7 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
     for (int j = 0; j < MR; j++) acc[j] = _mm512_setzero_ps();                                \
     for (int b = 0; b < nb; b++) {                                                            \
       const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
-      for (int l = 0; l < X8_GROUP(T); l += 64) __builtin_prefetch(blk + X8_PF + l);          \
+      for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);                 \
       const x8_block *a[MR];                                                                  \
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
       __m512i sums[MR];                                                                       \
@@ -1443,7 +1446,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
     for (int j = 0; j < MR; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();                     \
     for (int b = 0; b < nb; b++) {                                                            \
       const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
-      for (int l = 0; l < X8_GROUP(T); l += 64) __builtin_prefetch(blk + X8_PF + l);          \
+      for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);                 \
       const x8_block *a[MR];                                                                  \
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
       X8_HALF(T, MR, blk, a, 0, acc0);                                                        \
