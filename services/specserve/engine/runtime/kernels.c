@@ -1195,6 +1195,39 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
   return k < 16 ? byte & 15 : byte >> 4;
 }
 
+/* One block of a group against a pass's MR input rows a[j], in W-bit vectors (256 or 512):
+   the rows' integer sums (DOTS: the weight type's multiply-adds, from its quants q), a wide
+   block's second pass (its lo bytes) joined to the first as 254 * hi + lo, exact in int32,
+   Q4_0's 8 (and VNNI Q8_0's 128) times the inputs' sum taken off, then the float epilogue into
+   acc: the lanes' d and m are `lane` floats into the block's vectors of them. FENCE between
+   the sums and a wide block's pass. */
+#define X8_BLOCK(T, W, DOTS, FENCE, blk, q, lane, a, MR, acc)                                 \
+  do {                                                                                        \
+    const int8_t *qs[MR];                                                                     \
+    __m##W##i sums[MR];                                                                       \
+    for (int j = 0; j < MR; j++) qs[j] = a[j]->qs;                                            \
+    DOTS(q, qs, MR, sums);                                                                    \
+    FENCE;                                                                                    \
+    for (int j = 0; j < MR; j++)                                                              \
+      if (a[j]->wide) {                                                                       \
+        __m##W##i lows[1];                                                                    \
+        const int8_t *lo_qs[1] = {a[j]->lo};                                                  \
+        DOTS(q, lo_qs, 1, lows);                                                              \
+        sums[j] = _mm##W##_add_epi32(_mm##W##_mullo_epi32(sums[j], _mm##W##_set1_epi32(254)), lows[0]); \
+      }                                                                                       \
+    if (X8_ZERO_##T)                                                                          \
+      for (int j = 0; j < MR; j++)                                                            \
+        sums[j] = _mm##W##_sub_epi32(sums[j], _mm##W##_set1_epi32(X8_ZERO_##T * a[j]->sum));  \
+    __m##W d = _mm##W##_loadu_ps((const float *)(blk) + (lane));                              \
+    for (int j = 0; j < MR; j++) {                                                            \
+      acc[j] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps(a[j]->d)),               \
+                                 _mm##W##_cvtepi32_ps(sums[j]), acc[j]);                      \
+      if (X8_SCALES_##T == 2)                                                                 \
+        acc[j] = _mm##W##_fmadd_ps(_mm##W##_loadu_ps((const float *)(blk) + 16 + (lane)),     \
+                                   _mm##W##_set1_ps(a[j]->s), acc[j]);                        \
+    }                                                                                         \
+  } while (0)
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* With AVX512-VNNI a group's 16 rows in the 16 lanes of 512-bit vectors: each chunk one load,
    each 4-byte broadcast of the inputs met by 16 rows' quants in one multiply-add. The 8-lane
@@ -1210,12 +1243,19 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
 /* S partial sums a row, so that at least 5 chains of multiply-adds are in flight (their
    latency is 4 to 5 cycles): 4 at one input row, 2 at up to 4, 1 beyond. */
 #define X16_PARTS(MR) ((MR) == 1 ? 4 : (MR) <= 4 ? 2 : 1)
+#define X16_PARTS_OPEN(MR)  /* part[S][MR], zeros */                                          \
+  enum { S = X16_PARTS(MR) };                                                                 \
+  __m512i part[S][MR];                                                                        \
+  for (int s = 0; s < S; s++)                                                                 \
+    for (int j = 0; j < MR; j++) part[s][j] = _mm512_setzero_si512()
+#define X16_PARTS_CLOSE(MR, sums)  /* sums[j]: row j's parts added */                         \
+  for (int j = 0; j < MR; j++) {                                                              \
+    sums[j] = part[0][j];                                                                     \
+    for (int s = 1; s < S; s++) sums[j] = _mm512_add_epi32(sums[j], part[s][j]);             \
+  }
 #define X16_DOTS_q4(q, qs, MR, sums)                                                          \
   do {                                                                                        \
-    enum { S = X16_PARTS(MR) };                                                               \
-    __m512i part[S][MR];                                                                      \
-    for (int s = 0; s < S; s++)                                                               \
-      for (int j = 0; j < MR; j++) part[s][j] = _mm512_setzero_si512();                       \
+    X16_PARTS_OPEN(MR);                                                                       \
     for (int c = 0; c < 4; c++) {                                                             \
       __m512i raw = _mm512_loadu_si512((const void *)(q + 64 * c));                           \
       __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(15));                               \
@@ -1226,47 +1266,21 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
         part[sh][j] = _mm512_dpbusd_epi32(part[sh][j], hi, x16_chunk(qs[j], c + 4));          \
       }                                                                                       \
     }                                                                                         \
-    for (int j = 0; j < MR; j++) {                                                            \
-      sums[j] = part[0][j];                                                                   \
-      for (int s = 1; s < S; s++) sums[j] = _mm512_add_epi32(sums[j], part[s][j]);           \
-    }                                                                                         \
+    X16_PARTS_CLOSE(MR, sums);                                                                \
   } while (0)
 #define X16_DOTS_q8_0(q, qs, MR, sums)                                                        \
   do {                                                                                        \
-    enum { S = X16_PARTS(MR) };                                                               \
-    __m512i part[S][MR];                                                                      \
-    for (int s = 0; s < S; s++)                                                               \
-      for (int j = 0; j < MR; j++) part[s][j] = _mm512_setzero_si512();                       \
+    X16_PARTS_OPEN(MR);                                                                       \
     for (int c = 0; c < 8; c++) {                                                             \
       __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * c)),            \
                                    _mm512_set1_epi8((char)0x80));                             \
       for (int j = 0; j < MR; j++)                                                            \
         part[c % S][j] = _mm512_dpbusd_epi32(part[c % S][j], u, x16_chunk(qs[j], c));        \
     }                                                                                         \
-    for (int j = 0; j < MR; j++) {                                                            \
-      sums[j] = part[0][j];                                                                   \
-      for (int s = 1; s < S; s++) sums[j] = _mm512_add_epi32(sums[j], part[s][j]);           \
-    }                                                                                         \
+    X16_PARTS_CLOSE(MR, sums);                                                                \
   } while (0)
 #define X16_DOTS_q4_0 X16_DOTS_q4
 #define X16_DOTS_q4_1 X16_DOTS_q4
-/* X8_SUMS for the 16 lanes */
-#define X16_SUMS(T, q, a, MR, sums)                                                           \
-  do {                                                                                        \
-    const int8_t *qs[MR];                                                                     \
-    for (int j = 0; j < MR; j++) qs[j] = a[j]->qs;                                            \
-    X16_DOTS_##T(q, qs, MR, sums);                                                            \
-    for (int j = 0; j < MR; j++)                                                              \
-      if (a[j]->wide) {                                                                       \
-        __m512i lows[1];                                                                      \
-        const int8_t *lo_qs[1] = {a[j]->lo};                                                  \
-        X16_DOTS_##T(q, lo_qs, 1, lows);                                                      \
-        sums[j] = _mm512_add_epi32(_mm512_mullo_epi32(sums[j], _mm512_set1_epi32(254)), lows[0]); \
-      }                                                                                       \
-    if (X8_ZERO_##T)                                                                          \
-      for (int j = 0; j < MR; j++)                                                            \
-        sums[j] = _mm512_sub_epi32(sums[j], _mm512_set1_epi32(X8_ZERO_##T * a[j]->sum));      \
-  } while (0)
 /* A pass: MR input rows (from m) against the group of 16 weight rows from n. */
 #define XGROUP(T, MR)                                                                         \
   static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
@@ -1278,16 +1292,7 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
       for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);                 \
       const x8_block *a[MR];                                                                  \
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
-      __m512i sums[MR];                                                                       \
-      X16_SUMS(T, blk + X8_SCALES_##T * 64, a, MR, sums);                                     \
-      __m512 d = _mm512_loadu_ps((const float *)blk);                                         \
-      for (int j = 0; j < MR; j++) {                                                          \
-        acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[j]->d)),                   \
-                                 _mm512_cvtepi32_ps(sums[j]), acc[j]);                        \
-        if (X8_SCALES_##T == 2)                                                               \
-          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)blk + 16),                  \
-                                   _mm512_set1_ps(a[j]->s), acc[j]);                          \
-      }                                                                                       \
+      X8_BLOCK(T, 512, X16_DOTS_##T, (void)0, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc);  \
     }                                                                                         \
     int rows = N - n < 16 ? N - n : 16;                                                       \
     for (int j = 0; j < MR; j++) {                                                            \
@@ -1377,7 +1382,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 #endif
 #if X8_ZERO_q8_0
 /* VNNI's products do not saturate: w + 128 (w xor 0x80) is the unsigned side, once a chunk for
-   every input row, and the 128 * sum q it adds comes off as Q4_0's 8 does (X8_SUMS; a wide
+   every input row, and the 128 * sum q it adds comes off as Q4_0's 8 does (X8_BLOCK; a wide
    block's sums stay under 255 * 127 * 32 * 255 < 2^31). */
 #define X8_DOTS_q8_0(q, qs, MR, sums)                                                         \
   do {                                                                                        \
@@ -1402,40 +1407,10 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 #endif
 #define X8_DOTS_q4_0 X8_DOTS_q4
 #define X8_DOTS_q4_1 X8_DOTS_q4
-/* sums[j]: the 8 rows' sums of w_q * q against input block a[j]; a wide block's second pass
-   (its lo bytes) joins the first as 254 * hi + lo, exact in int32. Q4_0's quants are w_q - 8. */
-#define X8_SUMS(T, q, a, MR, sums)                                                            \
-  do {                                                                                        \
-    const int8_t *qs[MR];                                                                     \
-    for (int j = 0; j < MR; j++) qs[j] = a[j]->qs;                                            \
-    X8_DOTS_##T(q, qs, MR, sums);                                                             \
-    __asm__ volatile("" ::: "memory"); /* a wide block's pass loads its weights again */      \
-    for (int j = 0; j < MR; j++)                                                              \
-      if (a[j]->wide) {                                                                       \
-        __m256i lows[1];                                                                      \
-        const int8_t *lo_qs[1] = {a[j]->lo};                                                  \
-        X8_DOTS_##T(q, lo_qs, 1, lows);                                                       \
-        sums[j] = _mm256_add_epi32(_mm256_mullo_epi32(sums[j], _mm256_set1_epi32(254)), lows[0]); \
-      }                                                                                       \
-    if (X8_ZERO_##T)                                                                          \
-      for (int j = 0; j < MR; j++)                                                            \
-        sums[j] = _mm256_sub_epi32(sums[j], _mm256_set1_epi32(X8_ZERO_##T * a[j]->sum));      \
-  } while (0)
-
-/* Half h of a group's block b against the pass's MR input rows, into acc (8 lanes a row). */
-#define X8_HALF(T, MR, blk, a, h, acc)                                                        \
-  do {                                                                                        \
-    __m256i sums[MR];                                                                         \
-    X8_SUMS(T, blk + X8_SCALES_##T * 64 + 32 * h, a, MR, sums);                               \
-    __m256 d = _mm256_loadu_ps((const float *)blk + 8 * h);                                   \
-    for (int j = 0; j < MR; j++) {                                                            \
-      acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[j]->d)),                     \
-                               _mm256_cvtepi32_ps(sums[j]), acc[j]);                          \
-      if (X8_SCALES_##T == 2)                                                                 \
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)blk + 16 + 8 * h),            \
-                                 _mm256_set1_ps(a[j]->s), acc[j]);                            \
-    }                                                                                         \
-  } while (0)
+/* Between a half's sums and a wide block's second pass: its weights loaded again, not held
+   (GCC held them, with the inputs' broadcasts across the halves, and spilled: the Q8_0 head
+   1.16-1.27x slower on a Zen 4's AVX2 build); not with AVX512 (6-20% slower there). */
+#define X8_FENCE __asm__ volatile("" ::: "memory")
 /* A pass: MR input rows (from m) against the group of 16 weight rows from n, as two halves of
    8 rows in 8 lanes, block by block (the group's bytes read as one stream; a last group's
    padding rows are zero blocks). */
@@ -1449,9 +1424,9 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
       for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);                 \
       const x8_block *a[MR];                                                                  \
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
-      X8_HALF(T, MR, blk, a, 0, acc0);                                                        \
-      __asm__ volatile("" ::: "memory"); /* the inputs' broadcasts loaded again, not held */  \
-      X8_HALF(T, MR, blk, a, 1, acc1);                                                        \
+      X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc0); \
+      X8_FENCE;                                                                               \
+      X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64 + 32, 8, a, MR, acc1); \
     }                                                                                         \
     int rows = N - n < 16 ? N - n : 16;                                                       \
     for (int j = 0; j < MR; j++) {                                                            \
@@ -1462,11 +1437,9 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
         y[(size_t)(m + j) * N + n + r] = bias ? out[r] + bias[n + r] : out[r];                \
     }                                                                                         \
   }
-#define X8_PASS_q4_0 4
+#define X8_PASS_q4_0 4  /* 8 accumulators and 4 sums: AVX2's 16 registers */
 #define X8_PASS_q4_1 4
-#ifndef X8_PASS_q8_0
 #define X8_PASS_q8_0 4
-#endif
 #define X8_PASSES(T)                                                                          \
   XHALVES(T, 1) XHALVES(T, 2) XHALVES(T, 3) XHALVES(T, 4)                                     \
   static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
