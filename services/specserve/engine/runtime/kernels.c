@@ -1124,9 +1124,11 @@ static inline int quantize_narrow(const float *v, x8_block *o) {
 }
 #endif
 
-static void quantize_x8(const float *x, x8_block *out, int M, int K, int threads) {
+/* The M rows' blocks, split over the threads of the team it is called in (a worksharing loop,
+   and its barrier), on the calling thread alone outside one. */
+static void quantize_x8(const float *x, x8_block *out, int M, int K) {
   int nb = K / 32;
-#pragma omp parallel for schedule(static) num_threads(threads) if ((long)M * K >= 8 * PARALLEL_MIN_WORK)
+#pragma omp for schedule(static)
   for (long r = 0; r < (long)M * nb; r++) {
     const float *v = x + r * 32;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(SPECSERVE_PLANTED_SHARED_SCALE)
@@ -1482,6 +1484,11 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
   }
 #endif
 
+/* Input values from which the threads quantize a call's blocks together, in the team that then
+   does its multiply-adds (one fork, a barrier between); fewer, the calling thread before the
+   fork (a decode's 576 or 1,536: the barrier would cost more than the blocks). */
+#define X8_QUANTIZE_TOGETHER 2048
+
 /* linear_rows_T_x8: the inputs quantized once (quantize_x8), then the groups of 16 weight rows
    split into a multiple of `threads` tasks (36 groups on 2 threads: 18 each, not 20 and 16),
    each group against the input rows X8_PASS_T at a time (more split evenly: 13 rows as 7 and
@@ -1493,20 +1500,26 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
     int nb = K / 32, groups = (N + X8_ROWS - 1) / X8_ROWS;                                    \
     x8_block *xq = grown(&x8_buf, &x8_cap, (size_t)M * nb * sizeof(x8_block));                \
     if (!xq) abort();                                                                         \
-    quantize_x8(x, xq, M, K, threads);                                                        \
     int per_task = WEIGHT_ROWS_PER_TASK / X8_ROWS;                                            \
     int tasks = (groups + per_task - 1) / per_task;                                           \
     tasks = (tasks + threads - 1) / threads * threads; /* each thread as many groups, +-1 */  \
     if (tasks > groups) tasks = groups;                                                       \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if ((long)M * N * K >= PARALLEL_MIN_WORK)") \
-    for (int t = 0; t < tasks; t++) {                                                         \
-      int g0 = (int)((long)groups * t / tasks), g1 = (int)((long)groups * (t + 1) / tasks);   \
-      for (int m = 0; m < M;) {                                                               \
-        int left = M - m, passes = (left + X8_PASS_##T - 1) / X8_PASS_##T;                            \
-        int rows = (left + passes - 1) / passes;                                              \
-        for (int gi = g0; gi < g1; gi++)                                                      \
-          xpass_##T(xq, w + (size_t)gi * nb * X8_GROUP(T), bias, y, N, nb, gi * X8_ROWS, m, rows); \
-        m += rows;                                                                            \
+    int team = (long)M * N * K >= PARALLEL_MIN_WORK;                                          \
+    int together = team && (long)M * K >= X8_QUANTIZE_TOGETHER;                               \
+    if (!together) quantize_x8(x, xq, M, K);                                                  \
+    _Pragma("omp parallel num_threads(threads) if (team)")                                    \
+    {                                                                                         \
+      if (together) quantize_x8(x, xq, M, K);                                                 \
+      _Pragma("omp for schedule(static)")                                                     \
+      for (int t = 0; t < tasks; t++) {                                                       \
+        int g0 = (int)((long)groups * t / tasks), g1 = (int)((long)groups * (t + 1) / tasks); \
+        for (int m = 0; m < M;) {                                                             \
+          int left = M - m, passes = (left + X8_PASS_##T - 1) / X8_PASS_##T;                  \
+          int rows = (left + passes - 1) / passes;                                            \
+          for (int gi = g0; gi < g1; gi++)                                                    \
+            xpass_##T(xq, w + (size_t)gi * nb * X8_GROUP(T), bias, y, N, nb, gi * X8_ROWS, m, rows); \
+          m += rows;                                                                          \
+        }                                                                                     \
       }                                                                                       \
     }                                                                                         \
   }
