@@ -9,8 +9,10 @@ and the layers in all; and the attention's microseconds a layer. ::
 
 ``--prompt-words N``: a prompt of N plain words (about 3.7 tokens each), for the attention at a
 longer context; by default the chat prompt of ``load/decode_ms.py`` (39 tokens). Only decode
-calls (one row) are counted: a prefill's calls are left out. The patched copy times; it changes
-no arithmetic, and the runtime's own source is untouched.
+calls (one row) are counted: a prefill's calls are left out. ``--verify 9 [--context 100]``:
+instead, ``load.roofline``'s forward of 9 new tokens (a verify of 8 drafts) after a context,
+its calls at 9 rows timed, and the forward and a decode beside them (in decodes). The patched
+copy times; it changes no arithmetic, and the runtime's own source is untouched.
 
 On a 2-core Zen 3 at 40-170 keys (docs/BENCHMARKS.md, "A decode's layers, call by call"): the
 linears 3.9-4.2 of the layers' 4.6-4.9 ms, the attention 0.45-0.47 ms (15 us a layer), the
@@ -62,9 +64,10 @@ static inline double kt_now(void) {
 LAYER = len(CALLS)  # the whole layer's timer
 
 
-def timed_source(source: str) -> str:
+def timed_source(source: str, rows: int = 1) -> str:
     """``source`` with each of decoder_layer's calls in :data:`CALLS` wrapped in a timer that
-    counts decode calls (M = 1) only; SystemExit where the function no longer reads so."""
+    counts the calls of ``rows`` tokens only (1: a decode's); SystemExit where the function no
+    longer reads so."""
     head = "void decoder_layer(const float *x, float *out, const layer_ref *l, const forward_ref *f) {"
     start = source.find(head)
     end = source.find("\n}\n", start)
@@ -74,14 +77,14 @@ def timed_source(source: str) -> str:
     found = []
     for i, (opening, _) in enumerate(CALLS):
         pattern = re.compile(r"^(\s*)(" + re.escape(opening) + r"[^;]*);", re.M)
-        body, count = pattern.subn(lambda m, i=i: f"{m[1]}KT({i}, M == 1, {m[2]});", body, count=1)
+        body, count = pattern.subn(lambda m, i=i: f"{m[1]}KT({i}, M == {rows}, {m[2]});", body, count=1)
         found.append(count)
     if not all(found):
         missing = [name for (_, name), n in zip(CALLS, found) if not n]
         raise SystemExit(f"kernel_times: decoder_layer no longer makes these calls: {missing}")
     body = body.rstrip() + "\n"
     layer = (f"{head}\n  double kt_layer = kt_now();\n  decoder_layer_timed(x, out, l, f);\n"
-             f"  if (f->B * f->T == 1) {{\n    kt_ns[{LAYER}] += kt_now() - kt_layer;\n"
+             f"  if (f->B * f->T == {rows}) {{\n    kt_ns[{LAYER}] += kt_now() - kt_layer;\n"
              f"    kt_calls[{LAYER}]++;\n  }}\n}}\n")
     timed = head.replace("decoder_layer(", "decoder_layer_timed(").replace("void ", "static void ", 1)
     return source[:start] + TIMERS + timed + body + "}\n" + layer + source[end + 3:]
@@ -118,10 +121,57 @@ def main(prompt_words: int | None, tokens: int, rounds: int) -> list[dict]:
     return results
 
 
+def verify(rows: int, context: int, rounds: int, reps: int = 30) -> list[dict]:
+    """``--verify T``: forwards of T new tokens after ``context`` (``load.roofline``'s, a
+    verify of T - 1 drafts), each call of ``decoder_layer`` at T rows timed, beside the whole
+    forward and a decode's (T = 1) measured in turn in the same process."""
+    import torch
+    from specserve.config import EngineConfig
+    from specserve.engine.builder import build_engine
+
+    from load.roofline import forward_cost, prefilled_cache
+
+    with tempfile.TemporaryDirectory() as tmp:
+        patched = Path(tmp) / "kernels.c"
+        patched.write_text(timed_source(native.SOURCE.read_text(), rows))
+        native.SOURCE = patched
+        torch.set_num_threads(2)
+        _, target = build_engine(EngineConfig.model_validate(  # load.roofline's target
+            {"target": {"source": "embedded"}, "speculative": {"method": None}, "max_num_seqs": 1}))
+        lib = native.library()
+    if lib is None or not hasattr(lib, "kt_read"):
+        raise SystemExit("kernel_times: the native kernels did not build here")
+    runtime = target.runtime
+    ids = [int(t) for t in torch.arange(context) % 1000 + 1000]
+    cache, slots = prefilled_cache(runtime, ids, 1, rows)
+    names = [name for _, name in CALLS] + ["layers"]
+    results = []
+    for _ in range(rounds):
+        forward_cost(runtime, cache, slots, ids, rows, 3, 1)  # warm
+        lib.kt_reset()
+        forward_s, _ = forward_cost(runtime, cache, slots, ids, rows, reps, 0)
+        ns, calls = (ctypes.c_double * 16)(), (ctypes.c_long * 16)()
+        lib.kt_read(ns, calls)
+        decode_s, _ = forward_cost(runtime, cache, slots, ids, 1, reps, 3)
+        forwards = calls[LAYER] / len(runtime.layers)
+        row = {"rows": rows, "context": context, "forward_ms": round(forward_s * 1e3, 2),
+               "decode_ms": round(decode_s * 1e3, 2), "in_decodes": round(forward_s / decode_s, 2),
+               "us_per_forward": {n: round(ns[i] / 1e3 / forwards, 1) for i, n in enumerate(names)}}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompt-words", type=int, default=None)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--verify", type=int, default=None, metavar="T",
+                   help="time a forward of T new tokens (a verify of T - 1 drafts) instead")
+    p.add_argument("--context", type=int, default=100, help="with --verify: the tokens before")
     a = p.parse_args()
-    main(a.prompt_words, a.tokens, a.rounds)
+    if a.verify:
+        verify(a.verify, a.context, a.rounds)
+    else:
+        main(a.prompt_words, a.tokens, a.rounds)

@@ -516,6 +516,9 @@ def test_kernel_times_wraps_every_call_of_the_layer_and_refuses_a_layer_it_canno
     assert timed.count("decoder_layer_timed(") == 2  # defined, and called by decoder_layer
     head, tail = source.split("void decoder_layer(", 1)
     assert timed.startswith(head) and timed.endswith(tail.split("\n}\n", 1)[1])
+    verify = timed_source(source, rows=9)  # --verify 9: the calls of a forward of 9 tokens
+    assert [verify.count(f"KT({i}, M == 9, ") for i in range(len(CALLS))] == [1] * len(CALLS)
+    assert "f->B * f->T == 9" in verify and "M == 1," not in verify
     with pytest.raises(SystemExit, match=r"no longer makes these calls: \['silu_mul'\]"):
         timed_source(source.replace("silu_mul_rows(gate_up", "swiglu_rows(gate_up"))
 
