@@ -1197,6 +1197,13 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
   return k < 16 ? byte & 15 : byte >> 4;
 }
 
+/* A group's outputs for one input row (its y row): the rows from n that the weight has, each
+   with its bias. */
+static inline void x8_store(const float *out, const float *bias, float *y, int N, int n) {
+  int rows = N - n < X8_ROWS ? N - n : X8_ROWS;
+  for (int r = 0; r < rows; r++) y[n + r] = bias ? out[r] + bias[n + r] : out[r];
+}
+
 /* One block of a group against a pass's MR input rows a[j], in W-bit vectors (256 or 512):
    the rows' integer sums (DOTS: the weight type's multiply-adds, from its quants q), a wide
    block's second pass (its lo bytes) joined to the first as 254 * hi + lo, exact in int32,
@@ -1236,7 +1243,6 @@ static inline int x8_quant(const uint8_t *q, int T_bits, int r, int k) {  /* row
    kernels below are bound by their broadcasts (half as many products each); these by the
    multiply-adds and the float epilogue, which share two pipes on a Zen 4 (docs/BENCHMARKS.md).
    A lane's operations are the 8-lane kernels', in the same order: the same bits. */
-#define X16 1
 static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .. 4c + 3, 16 times */
   int32_t v;
   __builtin_memcpy(&v, qs + 4 * c, 4);
@@ -1296,18 +1302,14 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
       for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
       X8_BLOCK(T, 512, X16_DOTS_##T, (void)0, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc);  \
     }                                                                                         \
-    int rows = N - n < 16 ? N - n : 16;                                                       \
     for (int j = 0; j < MR; j++) {                                                            \
-      float out[16];                                                                          \
+      float out[X8_ROWS];                                                                     \
       _mm512_storeu_ps(out, acc[j]);                                                          \
-      for (int r = 0; r < rows; r++)                                                          \
-        y[(size_t)(m + j) * N + n + r] = bias ? out[r] + bias[n + r] : out[r];                \
+      x8_store(out, bias, y + (size_t)(m + j) * N, N, n);                                     \
     }                                                                                         \
   }
 /* Up to 9 input rows a pass (a verify of 8 drafts reads its weights once); more split evenly. */
-#define X8_PASS_q4_0 9
-#define X8_PASS_q4_1 9
-#define X8_PASS_q8_0 9
+#define X8_PASS 9
 #define X8_PASSES(T)                                                                          \
   XGROUP(T, 1) XGROUP(T, 2) XGROUP(T, 3) XGROUP(T, 4) XGROUP(T, 5) XGROUP(T, 6) XGROUP(T, 7)  \
   XGROUP(T, 8) XGROUP(T, 9)                                                                   \
@@ -1430,18 +1432,14 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
       X8_FENCE;                                                                               \
       X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64 + 32, 8, a, MR, acc1); \
     }                                                                                         \
-    int rows = N - n < 16 ? N - n : 16;                                                       \
     for (int j = 0; j < MR; j++) {                                                            \
-      float out[16];                                                                          \
+      float out[X8_ROWS];                                                                     \
       _mm256_storeu_ps(out, acc0[j]);                                                         \
       _mm256_storeu_ps(out + 8, acc1[j]);                                                     \
-      for (int r = 0; r < rows; r++)                                                          \
-        y[(size_t)(m + j) * N + n + r] = bias ? out[r] + bias[n + r] : out[r];                \
+      x8_store(out, bias, y + (size_t)(m + j) * N, N, n);                                     \
     }                                                                                         \
   }
-#define X8_PASS_q4_0 4  /* 8 accumulators and 4 sums: AVX2's 16 registers */
-#define X8_PASS_q4_1 4
-#define X8_PASS_q8_0 4
+#define X8_PASS 4  /* 8 accumulators and 4 sums: AVX2's 16 registers */
 #define X8_PASSES(T)                                                                          \
   XHALVES(T, 1) XHALVES(T, 2) XHALVES(T, 3) XHALVES(T, 4)                                     \
   static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
@@ -1458,9 +1456,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 #define X8_BITS_q4_0 4
 #define X8_BITS_q4_1 4
 #define X8_BITS_q8_0 8
-#define X8_PASS_q4_0 4
-#define X8_PASS_q4_1 4
-#define X8_PASS_q8_0 4
+#define X8_PASS 4
 #define X8_PASSES(T)                                                                          \
   static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
                                float *y, int N, int nb, int n, int m, int rows) {            \
@@ -1491,7 +1487,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 
 /* linear_rows_T_x8: the inputs quantized once (quantize_x8), then the groups of 16 weight rows
    split into a multiple of `threads` tasks (36 groups on 2 threads: 18 each, not 20 and 16),
-   each group against the input rows X8_PASS_T at a time (more split evenly: 13 rows as 7 and
+   each group against the input rows X8_PASS at a time (more split evenly: 13 rows as 7 and
    6, not 9 and 4). */
 #define LINEAR_X8(T)                                                                          \
   X8_PASSES(T)                                                                                \
@@ -1514,7 +1510,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
       for (int t = 0; t < tasks; t++) {                                                       \
         int g0 = (int)((long)groups * t / tasks), g1 = (int)((long)groups * (t + 1) / tasks); \
         for (int m = 0; m < M;) {                                                             \
-          int left = M - m, passes = (left + X8_PASS_##T - 1) / X8_PASS_##T;                  \
+          int left = M - m, passes = (left + X8_PASS - 1) / X8_PASS;                            \
           int rows = (left + passes - 1) / passes;                                            \
           for (int gi = g0; gi < g1; gi++)                                                    \
             xpass_##T(xq, w + (size_t)gi * nb * X8_GROUP(T), bias, y, N, nb, gi * X8_ROWS, m, rows); \
