@@ -126,23 +126,19 @@ def verify(rows: int, context: int, rounds: int, reps: int = 30) -> list[dict]:
     verify of T - 1 drafts), each call of ``decoder_layer`` at T rows timed, beside the whole
     forward and a decode's (T = 1) measured in turn in the same process."""
     import torch
-    from specserve.config import EngineConfig
-    from specserve.engine.builder import build_engine
 
-    from load.roofline import forward_cost, prefilled_cache
+    from load.roofline import context_ids, forward_cost, prefilled_cache, target_runtime
 
     with tempfile.TemporaryDirectory() as tmp:
         patched = Path(tmp) / "kernels.c"
         patched.write_text(timed_source(native.SOURCE.read_text(), rows))
         native.SOURCE = patched
         torch.set_num_threads(2)
-        _, target = build_engine(EngineConfig.model_validate(  # load.roofline's target
-            {"target": {"source": "embedded"}, "speculative": {"method": None}, "max_num_seqs": 1}))
+        runtime = target_runtime()
         lib = native.library()
     if lib is None or not hasattr(lib, "kt_read"):
         raise SystemExit("kernel_times: the native kernels did not build here")
-    runtime = target.runtime
-    ids = [int(t) for t in torch.arange(context) % 1000 + 1000]
+    ids = context_ids(context)
     cache, slots = prefilled_cache(runtime, ids, 1, rows)
     names = [name for _, name in CALLS] + ["layers"]
     results = []

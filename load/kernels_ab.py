@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services"))
-from specserve.engine.runtime.native import FLAGS  # noqa: E402
+from specserve.engine.runtime.native import FLAGS, GROUP_ROWS  # noqa: E402
 
 SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
           "head": [(49152, 576)],
@@ -37,7 +37,6 @@ SHAPES = {"layer": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
           "quantize": [(16, 576), (16, 1536)]}
 SCALES = {"q4_0": 1, "q4_1": 2, "q8_0": 1}     # 64-byte rows of scales a group's block opens with
 QUANTS = {"q4_0": 256, "q4_1": 256, "q8_0": 512}  # bytes of 16 rows' quants a block
-GROUP_ROWS = 16  # native.GROUP_ROWS
 ROWS = (1, 4, 8, 9)
 
 

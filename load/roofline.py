@@ -102,6 +102,21 @@ def forward_cost(runtime, cache, slots: list[int], context: list[int], t: int, r
     return statistics.median(times[warmup:]), times[0]
 
 
+def target_runtime():
+    """The shipped server's target (the embedded model, its default kernels), target-only."""
+    from specserve.config import EngineConfig
+    from specserve.engine.builder import build_engine
+
+    _, target = build_engine(EngineConfig.model_validate(
+        {"target": {"source": "embedded"}, "speculative": {"method": None}, "max_num_seqs": 1}))
+    return target.runtime
+
+
+def context_ids(n: int) -> list[int]:
+    """A context of ``n`` plain token ids (its length is what costs)."""
+    return [int(t) for t in torch.arange(n) % 1000 + 1000]
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m load.roofline``: the embedded target's forward at T = 1, 8 and 9 new tokens
     (a decode, and verifies of 7 and 8 drafts) after a context of ``--context`` tokens, the
@@ -111,9 +126,6 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from specserve.config import EngineConfig
-    from specserve.engine.builder import build_engine
-
     p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=100)
@@ -122,10 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth()
-    _, target = build_engine(EngineConfig.model_validate(  # the shipped server's target
-        {"target": {"source": "embedded"}, "speculative": {"method": None}, "max_num_seqs": 1}))
-    runtime = target.runtime
-    context = [int(t) for t in torch.arange(args.context) % 1000 + 1000]  # its length is what costs
+    runtime = target_runtime()
+    context = context_ids(args.context)
     costs = forward_costs(runtime, context, ts=(1, 8, 9), reps=args.reps, rounds=args.rounds)
     bandwidth = max(bandwidth, read_bandwidth())
     blocks = [m.quantized for m in runtime.modules() if getattr(m, "quantized", None) is not None]
