@@ -1243,6 +1243,16 @@ static inline void x8_store(const float *out, const float *bias, float *y, int N
    kernels below are bound by their broadcasts (half as many products each); these by the
    multiply-adds and the float epilogue, which share two pipes on a Zen 4 (docs/BENCHMARKS.md).
    A lane's operations are the 8-lane kernels', in the same order: the same bits. */
+/* x8_store from a vector: the lanes of the rows the weight has (a masked store), each plus its
+   bias in one IEEE add, as x8_store adds it. Without a call: stored through x8_store's array,
+   GCC made each group's row a call of memcpy, after a vzeroupper (at 9 input rows about a
+   tenth of a verify's linears). */
+static inline void x16_store(__m512 out, const float *bias, float *y, int N, int n) {
+  int rows = N - n < X8_ROWS ? N - n : X8_ROWS;
+  __mmask16 keep = (__mmask16)((1u << rows) - 1);
+  if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(keep, bias + n));
+  _mm512_mask_storeu_ps(y + n, keep, out);
+}
 static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .. 4c + 3, 16 times */
   int32_t v;
   __builtin_memcpy(&v, qs + 4 * c, 4);
@@ -1289,23 +1299,24 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
   } while (0)
 #define X16_DOTS_q4_0 X16_DOTS_q4
 #define X16_DOTS_q4_1 X16_DOTS_q4
-/* A pass: MR input rows (from m) against the group of 16 weight rows from n. */
+/* A pass: MR input rows (from m) against the groups g0 .. g1 of 16 weight rows, one group
+   after another (one call a task: a call a group cost its return's vzeroupper). */
 #define XGROUP(T, MR)                                                                         \
-  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
-                                       float *y, int N, int nb, int n, int m) {              \
-    __m512 acc[MR];                                                                           \
-    for (int j = 0; j < MR; j++) acc[j] = _mm512_setzero_ps();                                \
-    for (int b = 0; b < nb; b++) {                                                            \
-      const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
-      for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);                 \
-      const x8_block *a[MR];                                                                  \
-      for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
-      X8_BLOCK(T, 512, X16_DOTS_##T, (void)0, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc);  \
-    }                                                                                         \
-    for (int j = 0; j < MR; j++) {                                                            \
-      float out[X8_ROWS];                                                                     \
-      _mm512_storeu_ps(out, acc[j]);                                                          \
-      x8_store(out, bias, y + (size_t)(m + j) * N, N, n);                                     \
+  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *w, const float *bias, \
+                                       float *y, int N, int nb, int g0, int g1, int m) {      \
+    for (int gi = g0; gi < g1; gi++) {                                                        \
+      const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                                   \
+      __m512 acc[MR];                                                                         \
+      for (int j = 0; j < MR; j++) acc[j] = _mm512_setzero_ps();                              \
+      for (int b = 0; b < nb; b++) {                                                          \
+        const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                     \
+        for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);               \
+        const x8_block *a[MR];                                                                \
+        for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                     \
+        X8_BLOCK(T, 512, X16_DOTS_##T, (void)0, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc); \
+      }                                                                                       \
+      for (int j = 0; j < MR; j++)                                                            \
+        x16_store(acc[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS);                    \
     }                                                                                         \
   }
 /* Up to 9 input rows a pass (a verify of 8 drafts reads its weights once); more split evenly. */
@@ -1313,18 +1324,18 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
 #define X8_PASSES(T)                                                                          \
   XGROUP(T, 1) XGROUP(T, 2) XGROUP(T, 3) XGROUP(T, 4) XGROUP(T, 5) XGROUP(T, 6) XGROUP(T, 7)  \
   XGROUP(T, 8) XGROUP(T, 9)                                                                   \
-  static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
-                               float *y, int N, int nb, int n, int m, int rows) {            \
+  static inline void xpass_##T(const x8_block *x, const uint8_t *w, const float *bias,        \
+                               float *y, int N, int nb, int g0, int g1, int m, int rows) {    \
     switch (rows) {                                                                           \
-      case 1: xgroup_##T##_1(x, g, bias, y, N, nb, n, m); break;                              \
-      case 2: xgroup_##T##_2(x, g, bias, y, N, nb, n, m); break;                              \
-      case 3: xgroup_##T##_3(x, g, bias, y, N, nb, n, m); break;                              \
-      case 4: xgroup_##T##_4(x, g, bias, y, N, nb, n, m); break;                              \
-      case 5: xgroup_##T##_5(x, g, bias, y, N, nb, n, m); break;                              \
-      case 6: xgroup_##T##_6(x, g, bias, y, N, nb, n, m); break;                              \
-      case 7: xgroup_##T##_7(x, g, bias, y, N, nb, n, m); break;                              \
-      case 8: xgroup_##T##_8(x, g, bias, y, N, nb, n, m); break;                              \
-      default: xgroup_##T##_9(x, g, bias, y, N, nb, n, m);                                    \
+      case 1: xgroup_##T##_1(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 2: xgroup_##T##_2(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 3: xgroup_##T##_3(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 4: xgroup_##T##_4(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 5: xgroup_##T##_5(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 6: xgroup_##T##_6(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 7: xgroup_##T##_7(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      case 8: xgroup_##T##_8(x, w, bias, y, N, nb, g0, g1, m); break;                         \
+      default: xgroup_##T##_9(x, w, bias, y, N, nb, g0, g1, m);                               \
     }                                                                                         \
   }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -1415,40 +1426,56 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
    (GCC held them, with the inputs' broadcasts across the halves, and spilled: the Q8_0 head
    1.16-1.27x slower on a Zen 4's AVX2 build); not with AVX512 (6-20% slower there). */
 #define X8_FENCE __asm__ volatile("" ::: "memory")
-/* A pass: MR input rows (from m) against the group of 16 weight rows from n, as two halves of
-   8 rows in 8 lanes, block by block (the group's bytes read as one stream; a last group's
-   padding rows are zero blocks). */
+/* x8_store from the two halves' vectors: a whole group's 16 rows stored as vectors (each plus its
+   bias in one IEEE add, as x8_store adds it), a last group's through x8_store. */
+static inline void x8_store_halves(__m256 lo, __m256 hi, const float *bias, float *y, int N, int n) {
+  if (N - n < X8_ROWS) {
+    float out[X8_ROWS];
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    x8_store(out, bias, y, N, n);
+    return;
+  }
+  if (bias) {
+    lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias + n));
+    hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + n + 8));
+  }
+  _mm256_storeu_ps(y + n, lo);
+  _mm256_storeu_ps(y + n + 8, hi);
+}
+/* A pass: MR input rows (from m) against the groups g0 .. g1 of 16 weight rows, each as two
+   halves of 8 rows in 8 lanes, block by block (a group's bytes read as one stream; a last
+   group's padding rows are zero blocks). */
 #define XHALVES(T, MR)                                                                        \
-  static inline void xhalves_##T##_##MR(const x8_block *x, const uint8_t *g, const float *bias, \
-                                        float *y, int N, int nb, int n, int m) {             \
-    __m256 acc0[MR], acc1[MR];                                                                \
-    for (int j = 0; j < MR; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();                     \
-    for (int b = 0; b < nb; b++) {                                                            \
-      const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                       \
-      for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);                 \
-      const x8_block *a[MR];                                                                  \
-      for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                       \
-      X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc0); \
-      X8_FENCE;                                                                               \
-      X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64 + 32, 8, a, MR, acc1); \
-    }                                                                                         \
-    for (int j = 0; j < MR; j++) {                                                            \
-      float out[X8_ROWS];                                                                     \
-      _mm256_storeu_ps(out, acc0[j]);                                                         \
-      _mm256_storeu_ps(out + 8, acc1[j]);                                                     \
-      x8_store(out, bias, y + (size_t)(m + j) * N, N, n);                                     \
+  static inline void xhalves_##T##_##MR(const x8_block *x, const uint8_t *w, const float *bias, \
+                                        float *y, int N, int nb, int g0, int g1, int m) {     \
+    for (int gi = g0; gi < g1; gi++) {                                                        \
+      const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                                   \
+      __m256 acc0[MR], acc1[MR];                                                              \
+      for (int j = 0; j < MR; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();                   \
+      for (int b = 0; b < nb; b++) {                                                          \
+        const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                     \
+        for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);               \
+        const x8_block *a[MR];                                                                \
+        for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                     \
+        X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc0); \
+        X8_FENCE;                                                                             \
+        X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64 + 32, 8, a, MR, acc1); \
+      }                                                                                       \
+      for (int j = 0; j < MR; j++)                                                            \
+        x8_store_halves(acc0[j], acc1[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS);    \
     }                                                                                         \
   }
 #define X8_PASS 4  /* 8 accumulators and 4 sums: AVX2's 16 registers */
 #define X8_PASSES(T)                                                                          \
   XHALVES(T, 1) XHALVES(T, 2) XHALVES(T, 3) XHALVES(T, 4)                                     \
-  static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
-                               float *y, int N, int nb, int n, int m, int rows) {            \
+  static inline void xpass_##T(const x8_block *x, const uint8_t *w, const float *bias,        \
+                               float *y, int N, int nb, int g0, int g1, int m, int rows) {    \
     switch (rows) {                                                                           \
-      case 1: xhalves_##T##_1(x, g, bias, y, N, nb, n, m); break;                             \
-      case 2: xhalves_##T##_2(x, g, bias, y, N, nb, n, m); break;                             \
-      case 3: xhalves_##T##_3(x, g, bias, y, N, nb, n, m); break;                             \
-      default: xhalves_##T##_4(x, g, bias, y, N, nb, n, m);                                   \
+      case 1: xhalves_##T##_1(x, w, bias, y, N, nb, g0, g1, m); break;                        \
+      case 2: xhalves_##T##_2(x, w, bias, y, N, nb, g0, g1, m); break;                        \
+      case 3: xhalves_##T##_3(x, w, bias, y, N, nb, g0, g1, m); break;                        \
+      default: xhalves_##T##_4(x, w, bias, y, N, nb, g0, g1, m);                              \
     }                                                                                         \
   }
 #else
@@ -1458,25 +1485,28 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 #define X8_BITS_q8_0 8
 #define X8_PASS 4
 #define X8_PASSES(T)                                                                          \
-  static inline void xpass_##T(const x8_block *x, const uint8_t *g, const float *bias,        \
-                               float *y, int N, int nb, int n, int m, int rows) {            \
-    int group_rows = N - n < X8_ROWS ? N - n : X8_ROWS;                                       \
-    for (int j = 0; j < rows; j++)                                                            \
-      for (int r = 0; r < group_rows; r++) {                                                  \
-        float acc = 0.0f;                                                                     \
-        for (int b = 0; b < nb; b++) {                                                        \
-          const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                   \
-          const x8_block *a = x + (size_t)(m + j) * nb + b;                                   \
-          const uint8_t *q = blk + X8_SCALES_##T * 64;                                        \
-          int sum = 0;                                                                        \
-          for (int k = 0; k < 32; k++)                                                      \
-            sum += x8_quant(q, X8_BITS_##T, r, k) * (a->wide ? 254 * a->qs[k] + a->lo[k] : a->qs[k]); \
-          sum -= X8_ZERO_##T * a->sum;                                                        \
-          acc = fmaf(((const float *)blk)[r] * a->d, (float)sum, acc);                        \
-          if (X8_SCALES_##T == 2) acc = fmaf(((const float *)blk)[16 + r], a->s, acc);        \
+  static inline void xpass_##T(const x8_block *x, const uint8_t *w, const float *bias,        \
+                               float *y, int N, int nb, int g0, int g1, int m, int rows) {    \
+    for (int gi = g0; gi < g1; gi++) {                                                        \
+      const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                                   \
+      int n = gi * X8_ROWS, group_rows = N - n < X8_ROWS ? N - n : X8_ROWS;                   \
+      for (int j = 0; j < rows; j++)                                                          \
+        for (int r = 0; r < group_rows; r++) {                                                \
+          float acc = 0.0f;                                                                   \
+          for (int b = 0; b < nb; b++) {                                                      \
+            const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                 \
+            const x8_block *a = x + (size_t)(m + j) * nb + b;                                 \
+            const uint8_t *q = blk + X8_SCALES_##T * 64;                                      \
+            int sum = 0;                                                                      \
+            for (int k = 0; k < 32; k++)                                                      \
+              sum += x8_quant(q, X8_BITS_##T, r, k) * (a->wide ? 254 * a->qs[k] + a->lo[k] : a->qs[k]); \
+            sum -= X8_ZERO_##T * a->sum;                                                      \
+            acc = fmaf(((const float *)blk)[r] * a->d, (float)sum, acc);                      \
+            if (X8_SCALES_##T == 2) acc = fmaf(((const float *)blk)[16 + r], a->s, acc);      \
+          }                                                                                   \
+          y[(size_t)(m + j) * N + n + r] = bias ? acc + bias[n + r] : acc;                    \
         }                                                                                     \
-        y[(size_t)(m + j) * N + n + r] = bias ? acc + bias[n + r] : acc;                      \
-      }                                                                                       \
+    }                                                                                         \
   }
 #endif
 
@@ -1512,8 +1542,7 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
         for (int m = 0; m < M;) {                                                             \
           int left = M - m, passes = (left + X8_PASS - 1) / X8_PASS;                            \
           int rows = (left + passes - 1) / passes;                                            \
-          for (int gi = g0; gi < g1; gi++)                                                    \
-            xpass_##T(xq, w + (size_t)gi * nb * X8_GROUP(T), bias, y, N, nb, gi * X8_ROWS, m, rows); \
+          xpass_##T(xq, w, bias, y, N, nb, g0, g1, m, rows);                                  \
           m += rows;                                                                          \
         }                                                                                     \
       }                                                                                       \
