@@ -156,6 +156,18 @@ def test_rms_norm_rows_do_not_depend_on_the_row_count():
         assert all(torch.equal(together[i], alone[i]) for i in range(n)), n
 
 
+@pytest.mark.parametrize("n", [1536, 300], ids=["smollm", "ragged"])
+def test_silu_mul_rows_do_not_depend_on_the_row_count(n):
+    """From 8,192 values the rows go in pieces over the threads (a verify's 9 rows of 1,536); a
+    row alone stays on one thread. 300: pieces and a row's end that are not whole vectors."""
+    gate_up = seeded(64, 2 * n, scale=3)
+    alone = [native.silu_mul(gate_up[i:i + 1])[0] for i in range(64)]
+    assert torch.allclose(torch.stack(alone), F.silu(gate_up[:, :n]) * gate_up[:, n:], atol=1e-5)
+    for rows in ROW_COUNTS:
+        together = native.silu_mul(gate_up[:rows])
+        assert all(torch.equal(together[i], alone[i]) for i in range(rows)), rows
+
+
 def causal(starts: list[int], t: int, s: int) -> torch.Tensor:
     """``[B, T, S]``: query ``j`` of row ``b`` is at position ``starts[b] + j``."""
     positions = torch.tensor(starts)[:, None] + torch.arange(t)[None]
