@@ -9,6 +9,9 @@ dequantizes a GGUF with. Planted changes (the nibble order, one rounding fused) 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -113,6 +116,39 @@ def test_only_the_block_types_the_kernels_read_are_packed():
         native.pack_blocks("Q8_0", torch.zeros(1, 34, dtype=torch.uint8), 1, 48)
 
 
+def huge_page_advised(address: int) -> bool | None:
+    """Whether the mapping holding ``address`` was advised into huge pages (``hg`` among its
+    VmFlags in /proc/self/smaps); None where the kernel says nothing of it."""
+    try:
+        smaps = open("/proc/self/smaps").read()
+    except OSError:
+        return None
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps):
+        start, end = (int(x, 16) for x in entry.split()[0].split("-"))
+        if start <= address < end:
+            flags = re.search(r"^VmFlags:(.*)$", entry, re.M)
+            return None if flags is None else "hg" in flags[1].split()
+    return None
+
+
+def test_gathered_blocks_are_the_same_bytes_in_one_buffer_of_huge_pages():
+    """A forward's weights in the order it reads them, each at a 64-byte boundary after the
+    last, the first on a 2 MiB one, in memory advised into huge pages (Linux)."""
+    weights = [native.pack_blocks(kind, random_blocks(kind, n, k, seed=i), n, k, x8_inputs=True)
+               for i, (kind, n, k) in enumerate([("Q4_1", 960, 576), ("Q4_1", 13, 96), ("Q8_0", 40, 64)])]
+    moved = native.gathered(weights)
+    at = moved[0].data.data_ptr()
+    assert at % native.HUGE_PAGE == 0
+    for before, after in zip(weights, moved):
+        assert torch.equal(after.data, before.data) and after.data.data_ptr() == at
+        assert (after.kind, after.out_features, after.in_features, after.x8_inputs) == \
+            (before.kind, before.out_features, before.in_features, before.x8_inputs)
+        at += -(-before.nbytes // 64) * 64
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert huge_page_advised(moved[0].data.data_ptr()) in (True, None)
+        assert huge_page_advised(weights[0].data.data_ptr()) in (False, None)
+
+
 @pytest.mark.slow
 def test_the_embedded_model_keeps_its_blocks_with_the_same_logits():
     """Loaded as serving loads it on the float32-identical kernels (``invariant``; the
@@ -140,6 +176,12 @@ def test_the_embedded_model_keeps_its_blocks_with_the_same_logits():
         verify = rt(cache, ForwardBatch([slot], [[5, 6, 7, 8, 9]], [5])).logits
         out[blocks] = torch.cat([first, decode, verify])
     assert torch.equal(out[True], out[False])
+    # one buffer of huge pages, in a forward's order: layer by layer, then the head
+    blocks = [lin.quantized.data for layer in rt.layers for lin in
+              (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)] + [rt.lm_head.quantized.data]
+    assert blocks[0].data_ptr() % native.HUGE_PAGE == 0
+    assert all(b.data_ptr() == a.data_ptr() + -(-a.numel() // 64) * 64 for a, b in zip(blocks, blocks[1:]))
+    assert rt.embed.quantized is rt.lm_head.quantized
     assert weights[True]["quantized_linears"] == 121 and weights[True]["kinds"] == ["Q4_1", "Q8_0"]
     assert weights[False]["quantized_linears"] == 0 and weights[False]["bytes"] > 500e6
     assert weights[True]["bytes"] < 150e6

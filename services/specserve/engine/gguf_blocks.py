@@ -80,6 +80,7 @@ def quantize_linears(runtime, path: Path, x8_inputs: bool = False) -> dict:
             done, size, dropped = done + 1, size + head.nbytes, dropped + weight_bytes
         except ValueError:
             kept["blocks that are not the loaded weight"] += 1
+    _gather(runtime)
     report = {"linears": done, "bytes": size, "bytes_dropped": dropped, "kept_float32": dict(kept)}
     kinds = "/".join(sorted({lin.quantized.kind for lin in _linears(runtime) if lin.quantized})) or "-"
     log.info("%s: %d linears on their %s blocks%s (%.0f MB, were %.0f MB in float32)%s", path.name, done,
@@ -87,6 +88,17 @@ def quantize_linears(runtime, path: Path, x8_inputs: bool = False) -> dict:
              "; kept in float32: " + ", ".join(f"{n} ({reason})" for reason, n in kept.items())
              if kept else "")
     return report
+
+
+def _gather(runtime) -> None:
+    """The linears' blocks moved into one buffer of huge pages (``native.gathered``) in the
+    order a forward reads them; a tied head's blocks stay the embedding's."""
+    linears = [lin for lin in (*_linears(runtime)[1:], runtime.lm_head) if lin.quantized is not None]
+    unique = list({id(lin.quantized): lin.quantized for lin in linears}.values())
+    moved = dict(zip(map(id, unique), native.gathered(unique)))
+    for module in (*linears, runtime.embed):
+        if getattr(module, "quantized", None) is not None and id(module.quantized) in moved:
+            module.quantized = moved[id(module.quantized)]
 
 
 class Tensor(NamedTuple):

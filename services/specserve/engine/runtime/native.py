@@ -26,6 +26,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -263,6 +264,46 @@ def interleave_rows(kind: str, packed: torch.Tensor) -> torch.Tensor:
     parts = [blocks[..., 4 * i:4 * i + 4] for i in range(scales)]     # each [groups, nb, 16, 4]
     quants = blocks[..., 4 * scales:].unflatten(-1, (-1, 4)).transpose(2, 3)  # [.., chunk, row, 4]
     return torch.cat([p.flatten(2) for p in (*parts, quants)], dim=-1).reshape(groups, -1)
+
+
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page on x86-64
+
+
+def huge_pages(nbytes: int) -> torch.Tensor:
+    """``[nbytes]`` uint8 of memory of its own, 2 MiB aligned, asked of the kernel in 2 MiB pages
+    (``madvise(MADV_HUGEPAGE)``, Linux's transparent huge pages; elsewhere, or where they are
+    off, plain pages). What it is for: a forward streams its weights once, and in 4 KiB pages
+    each page is a TLB miss, a walk of the page tables (two levels of them in a VM). On a 2-core
+    Zen 4 VM the 30 layers' linears from memory at 9 rows took 0.86x the time in huge pages,
+    at one row 0.93x (docs/BENCHMARKS.md, "Weights in huge pages"). The memory lives as long as
+    the tensor or a view of it (``torch.frombuffer`` holds the mapping)."""
+    size = nbytes + HUGE_PAGE  # room to start on a 2 MiB boundary
+    size += -size % HUGE_PAGE
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or no transparent huge pages
+        pass
+    memory = torch.frombuffer(area, dtype=torch.uint8)
+    start = -memory.data_ptr() % HUGE_PAGE
+    return memory[start:start + nbytes]
+
+
+def gathered(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """``weights``, each one's blocks copied into one :func:`huge_pages` buffer, in this order
+    (a forward's: a layer's linears, layer after layer, then the head), each at a 64-byte
+    boundary; the same bytes, so the same outputs."""
+    offsets, total = [], 0
+    for w in weights:
+        offsets.append(total)
+        total += w.nbytes + -w.nbytes % 64
+    memory = huge_pages(total)
+    moved = []
+    for w, at in zip(weights, offsets):
+        data = memory[at:at + w.nbytes].view(w.data.shape)
+        data.copy_(w.data)
+        moved.append(QuantizedWeight(w.kind, data, w.out_features, w.in_features, w.x8_inputs))
+    return moved
 
 
 def standard_rows(weight: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
