@@ -562,14 +562,21 @@ static void scores(const float *const *q, int nq, const float *const *k, int D, 
     for (int r = 0; r < nq; r++) p[r][j] = dot(q[r], k[j], D) * scale;
 }
 
-/* p[j0..j1) -> exp(p - max) in place, the maximum exact in any order, exp and its sum VL
-   keys at a time from j0 (lanes past j1 computed and left out); returns the sum. p holds
-   j1 - j0 + VL floats from j0. */
+/* p[j0..j1) -> exp(p - max) in place, the maximum exact in any order (VL keys at a time: a
+   key at a time it was a chain of dependent compares, half of this function's time at 9
+   query rows), exp and its sum VL keys at a time from j0 (lanes past j1 computed and left
+   out); returns the sum. p holds j1 - j0 + VL floats from j0. Where the lanes' maximum is a
+   zero its sign may differ from the one a key at a time kept; exp(p - top) is the same. */
 static float exp_scores(float *p, int j0, int j1) {
   vi lane;
   for (int i = 0; i < VL; i++) lane[i] = i;
+  vf tops = (vf){0} - INFINITY;
+  for (int j = j0; j < j1; j += VL) {
+    vf v = blend(lane < j1 - j, load(p + j), tops);
+    tops = blend(v > tops, v, tops);
+  }
   float top = -INFINITY;
-  for (int j = j0; j < j1; j++) top = p[j] > top ? p[j] : top;
+  for (int i = 0; i < VL; i++) top = tops[i] > top ? tops[i] : top;
   vf sums = (vf){0};
   for (int j = j0; j < j1; j += VL) {
     vf e = blend(lane < j1 - j, vexp(load(p + j) - top), (vf){0});
