@@ -1272,6 +1272,12 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
   __builtin_memcpy(&v, qs + 4 * c, 4);
   return _mm512_set1_epi32(v);
 }
+/* acc + u . (the 4 input bytes at p, in every lane): one multiply-add with the bytes as its
+   broadcast memory operand ({1to16}), not a broadcast and then a multiply-add. */
+static inline __m512i x16_dot(__m512i acc, __m512i u, const int8_t *p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+  return acc;
+}
 /* S partial sums a row, so that at least 5 chains of multiply-adds are in flight (their
    latency is 4 to 5 cycles): 4 at one input row, 2 at up to 4, 1 beyond. */
 #define X16_PARTS(MR) ((MR) == 1 ? 4 : (MR) <= 4 ? 2 : 1)
@@ -1294,8 +1300,8 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(15));         \
       int sl = S == 4 ? 2 * (c % 2) : 0, sh = S == 1 ? 0 : sl + 1;                            \
       for (int j = 0; j < MR; j++) {                                                          \
-        part[sl][j] = _mm512_dpbusd_epi32(part[sl][j], lo, x16_chunk(qs[j], c));              \
-        part[sh][j] = _mm512_dpbusd_epi32(part[sh][j], hi, x16_chunk(qs[j], c + 4));          \
+        part[sl][j] = x16_dot(part[sl][j], lo, qs[j] + 4 * c);                                 \
+        part[sh][j] = x16_dot(part[sh][j], hi, qs[j] + 4 * (c + 4));                           \
       }                                                                                       \
     }                                                                                         \
     X16_PARTS_CLOSE(MR, sums);                                                                \
@@ -1307,7 +1313,7 @@ static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .
       __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * c)),            \
                                    _mm512_set1_epi8((char)0x80));                             \
       for (int j = 0; j < MR; j++)                                                            \
-        part[c % S][j] = _mm512_dpbusd_epi32(part[c % S][j], u, x16_chunk(qs[j], c));        \
+        part[c % S][j] = x16_dot(part[c % S][j], u, qs[j] + 4 * c);                           \
     }                                                                                         \
     X16_PARTS_CLOSE(MR, sums);                                                                \
   } while (0)
