@@ -275,8 +275,10 @@ def huge_pages(nbytes: int) -> torch.Tensor:
     off, plain pages). What it is for: a forward streams its weights once, and in 4 KiB pages
     each page is a TLB miss, a walk of the page tables (two levels of them in a VM). On a 2-core
     Zen 4 VM the 30 layers' linears from memory at 9 rows took 0.86x the time in huge pages,
-    at one row 0.93x (docs/BENCHMARKS.md, "Weights in huge pages"). The memory lives as long as
-    the tensor or a view of it (``torch.frombuffer`` holds the mapping)."""
+    at one row 0.93x (docs/BENCHMARKS.md, "... the weights in huge pages"). A private mapping:
+    a shared anonymous one is shmem, which takes huge pages only where shmem is set to. The
+    memory lives as long as the tensor or a view of it (``torch.frombuffer`` holds the
+    mapping)."""
     size = nbytes + HUGE_PAGE  # room to start on a 2 MiB boundary
     size += -size % HUGE_PAGE
     area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
