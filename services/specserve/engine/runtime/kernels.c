@@ -1257,6 +1257,12 @@ static inline void x8_store(const float *out, const float *bias, float *y, int N
    kernels below are bound by their broadcasts (half as many products each); these by the
    multiply-adds and the float epilogue, which share two pipes on a Zen 4 (docs/BENCHMARKS.md).
    A lane's operations are the 8-lane kernels', in the same order: the same bits. */
+/* acc + u . (the 4 input bytes at p, in every lane): one multiply-add with the bytes as its
+   broadcast memory operand ({1to16}), not a broadcast and then a multiply-add. */
+static inline __m512i x16_dot(__m512i acc, __m512i u, const int8_t *p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
+  return acc;
+}
 /* x8_store from a vector: the lanes of the rows the weight has (a masked store), each plus its
    bias in one IEEE add, as x8_store adds it. Without a call: stored through x8_store's array,
    GCC made each group's row a call of memcpy, after a vzeroupper (at 9 input rows about a
@@ -1266,17 +1272,6 @@ static inline void x16_store(__m512 out, const float *bias, float *y, int N, int
   __mmask16 keep = (__mmask16)((1u << rows) - 1);
   if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(keep, bias + n));
   _mm512_mask_storeu_ps(y + n, keep, out);
-}
-static inline __m512i x16_chunk(const int8_t *qs, int c) {  /* input quants 4c .. 4c + 3, 16 times */
-  int32_t v;
-  __builtin_memcpy(&v, qs + 4 * c, 4);
-  return _mm512_set1_epi32(v);
-}
-/* acc + u . (the 4 input bytes at p, in every lane): one multiply-add with the bytes as its
-   broadcast memory operand ({1to16}), not a broadcast and then a multiply-add. */
-static inline __m512i x16_dot(__m512i acc, __m512i u, const int8_t *p) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)p));
-  return acc;
 }
 /* S partial sums a row, so that at least 5 chains of multiply-adds are in flight (their
    latency is 4 to 5 cycles): 4 at one input row, 2 at up to 4, 1 beyond. */
