@@ -1373,9 +1373,12 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
    input blocks' bytes qs[j]. A 4-bit chunk c holds quants 4c .. 4c + 3 of each row in its low
    nibbles and 16 + 4c .. 16 + 4c + 3 in its high ones. Q8_0: below. */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+/* One input row: the high nibbles' sums apart, two chains of adds, not one; more rows: one
+   chain a row (the rows' chains are in flight together, and the registers go to more rows).
+   The sums are exact in int32 either way. */
 #define X8_DOTS_q4(q, qs, MR, sums)                                                           \
   do {                                                                                        \
-    __m256i his[MR];  /* the high nibbles' sums apart: two chains of adds a row, not one */   \
+    __m256i his[MR];                                                                          \
     for (int j = 0; j < MR; j++) sums[j] = his[j] = _mm256_setzero_si256();                   \
     for (int c = 0; c < 4; c++) {                                                             \
       __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 64 * c));                        \
@@ -1383,10 +1386,11 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));         \
       for (int j = 0; j < MR; j++) {                                                          \
         sums[j] = x8_madd(sums[j], lo, x8_chunk(qs[j], c));                                   \
-        his[j] = x8_madd(his[j], hi, x8_chunk(qs[j], c + 4));                                 \
+        if (MR == 1) his[j] = x8_madd(his[j], hi, x8_chunk(qs[j], c + 4));                    \
+        else sums[j] = x8_madd(sums[j], hi, x8_chunk(qs[j], c + 4));                          \
       }                                                                                       \
     }                                                                                         \
-    for (int j = 0; j < MR; j++) sums[j] = _mm256_add_epi32(sums[j], his[j]);                 \
+    if (MR == 1) sums[0] = _mm256_add_epi32(sums[0], his[0]);                                 \
   } while (0)
 #else
 /* Without VNNI (maddubs) a row's 8 vectors of pairs of products add up in one chain of int16
@@ -1481,16 +1485,59 @@ static inline void x8_store_halves(__m256 lo, __m256 hi, const float *bias, floa
         x8_store_halves(acc0[j], acc1[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS);    \
     }                                                                                         \
   }
-#define X8_PASS 4  /* 8 accumulators and 4 sums: AVX2's 16 registers */
+/* x8_store for half h of a group (8 lanes, rows n .. n + 8 of y; a last group's rows past N
+   left out). */
+static inline void x8_store_half(__m256 out, const float *bias, float *y, int N, int n) {
+  if (N - n < 8) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, out);
+    for (int r = 0; r < N - n; r++) y[n + r] = bias ? lanes[r] + bias[n + r] : lanes[r];
+    return;
+  }
+  if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + n));
+  _mm256_storeu_ps(y + n, out);
+}
+/* A pass of MR input rows (from m) against the groups g0 .. g1, a group's two halves one
+   after the other: one accumulator and one chain of sums a row, so AVX2's 16 registers hold a
+   pass of 5 rows. A verify's 9 rows go as 5 + 4, not as xhalves' 3 + 3 + 3, each pass
+   splitting every block's nibbles again (on a Zen 4 that verify's linears were 2.2x AVX512's;
+   this pass took 0.9x their time, the LM head's 0.93x). The second half's bytes come from the
+   caches (a group is at most 27 KB). Fewer rows stay with xhalves, both halves from one read of
+   the block (xhalf at 4 rows: 1.03x its time, the head from memory 1.1x). A lane's operations
+   are xhalves': the same bits. */
+#define XHALF(T, MR)                                                                          \
+  static inline void xhalf_##T##_##MR(const x8_block *x, const uint8_t *w, const float *bias, \
+                                      float *y, int N, int nb, int g0, int g1, int m) {       \
+    for (int gi = g0; gi < g1; gi++) {                                                        \
+      const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                                   \
+      for (int h = 0; h < 2; h++) {                                                           \
+        __m256 acc[MR];                                                                       \
+        for (int j = 0; j < MR; j++) acc[j] = _mm256_setzero_ps();                            \
+        for (int b = 0; b < nb; b++) {                                                        \
+          const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                   \
+          if (!h)                                                                             \
+            for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);           \
+          const x8_block *a[MR];                                                              \
+          for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                   \
+          X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64 + 32 * h,     \
+                   8 * h, a, MR, acc);                                                        \
+        }                                                                                     \
+        for (int j = 0; j < MR; j++)                                                          \
+          x8_store_half(acc[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS + 8 * h);      \
+      }                                                                                       \
+    }                                                                                         \
+  }
+#define X8_PASS 5  /* xhalf's 5 accumulators and 5 sums: AVX2's 16 registers */
 #define X8_PASSES(T)                                                                          \
-  XHALVES(T, 1) XHALVES(T, 2) XHALVES(T, 3) XHALVES(T, 4)                                     \
+  XHALVES(T, 1) XHALVES(T, 2) XHALVES(T, 3) XHALVES(T, 4) XHALF(T, 5)                         \
   static inline void xpass_##T(const x8_block *x, const uint8_t *w, const float *bias,        \
                                float *y, int N, int nb, int g0, int g1, int m, int rows) {    \
     switch (rows) {                                                                           \
       case 1: xhalves_##T##_1(x, w, bias, y, N, nb, g0, g1, m); break;                        \
       case 2: xhalves_##T##_2(x, w, bias, y, N, nb, g0, g1, m); break;                        \
       case 3: xhalves_##T##_3(x, w, bias, y, N, nb, g0, g1, m); break;                        \
-      default: xhalves_##T##_4(x, w, bias, y, N, nb, g0, g1, m);                              \
+      case 4: xhalves_##T##_4(x, w, bias, y, N, nb, g0, g1, m); break;                        \
+      default: xhalf_##T##_5(x, w, bias, y, N, nb, g0, g1, m);                                \
     }                                                                                         \
   }
 #else
