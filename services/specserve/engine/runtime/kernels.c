@@ -1255,7 +1255,8 @@ static inline void x8_store(const float *out, const float *bias, float *y, int N
 /* With AVX512-VNNI a group's 16 rows in the 16 lanes of 512-bit vectors: each chunk one load,
    each 4-byte broadcast of the inputs met by 16 rows' quants in one multiply-add. The 8-lane
    kernels below are bound by their broadcasts (half as many products each); these by the
-   multiply-adds and the float epilogue, which share two pipes on a Zen 4 (docs/BENCHMARKS.md).
+   multiply-adds and the float epilogue, which share two pipes on a Zen 4 (docs/BENCHMARKS.md;
+   a Zen 5's pipes are 512 bits wide).
    A lane's operations are the 8-lane kernels', in the same order: the same bits. */
 /* acc + u . (the 4 input bytes at p, in every lane): one multiply-add with the bytes as its
    broadcast memory operand ({1to16}), not a broadcast and then a multiply-add. */
@@ -1273,52 +1274,44 @@ static inline void x16_store(__m512 out, const float *bias, float *y, int N, int
   if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(keep, bias + n));
   _mm512_mask_storeu_ps(y + n, keep, out);
 }
-/* S partial sums a row, so that at least 5 chains of multiply-adds are in flight (their
-   latency is 4 to 5 cycles): 4 at one input row, 2 at up to 4, 1 beyond. */
-#define X16_PARTS(MR) ((MR) == 1 ? 4 : (MR) <= 4 ? 2 : 1)
-#define X16_PARTS_OPEN(MR)  /* part[S][MR], zeros */                                          \
-  enum { S = X16_PARTS(MR) };                                                                 \
-  __m512i part[S][MR];                                                                        \
-  for (int s = 0; s < S; s++)                                                                 \
-    for (int j = 0; j < MR; j++) part[s][j] = _mm512_setzero_si512()
-#define X16_PARTS_CLOSE(MR, sums)  /* sums[j]: row j's parts added */                         \
-  for (int j = 0; j < MR; j++) {                                                              \
-    sums[j] = part[0][j];                                                                     \
-    for (int s = 1; s < S; s++) sums[j] = _mm512_add_epi32(sums[j], part[s][j]);             \
+/* A block's quants in registers, for every input row of a pass (q4: chunk c's low nibbles as
+   w[c], its high ones as w[c + 4]; Q8_0: chunk c as w[c], unsigned): w[k] meets the input
+   bytes 4k .. 4k + 3. */
+#define X16_PREP_q4(q, w)                                                                     \
+  __m512i w[8];                                                                               \
+  for (int c = 0; c < 4; c++) {                                                               \
+    __m512i raw = _mm512_loadu_si512((const void *)((q) + 64 * c));                           \
+    w[c] = _mm512_and_si512(raw, _mm512_set1_epi8(15));                                       \
+    w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(15));             \
   }
-#define X16_DOTS_q4(q, qs, MR, sums)                                                          \
-  do {                                                                                        \
-    X16_PARTS_OPEN(MR);                                                                       \
-    for (int c = 0; c < 4; c++) {                                                             \
-      __m512i raw = _mm512_loadu_si512((const void *)(q + 64 * c));                           \
-      __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(15));                               \
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(15));         \
-      int sl = S == 4 ? 2 * (c % 2) : 0, sh = S == 1 ? 0 : sl + 1;                            \
-      for (int j = 0; j < MR; j++) {                                                          \
-        part[sl][j] = x16_dot(part[sl][j], lo, qs[j] + 4 * c);                                 \
-        part[sh][j] = x16_dot(part[sh][j], hi, qs[j] + 4 * (c + 4));                           \
-      }                                                                                       \
-    }                                                                                         \
-    X16_PARTS_CLOSE(MR, sums);                                                                \
-  } while (0)
-#define X16_DOTS_q8_0(q, qs, MR, sums)                                                        \
-  do {                                                                                        \
-    X16_PARTS_OPEN(MR);                                                                       \
-    for (int c = 0; c < 8; c++) {                                                             \
-      __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + 64 * c)),            \
-                                   _mm512_set1_epi8((char)0x80));                             \
-      for (int j = 0; j < MR; j++)                                                            \
-        part[c % S][j] = x16_dot(part[c % S][j], u, qs[j] + 4 * c);                           \
-    }                                                                                         \
-    X16_PARTS_CLOSE(MR, sums);                                                                \
-  } while (0)
-#define X16_DOTS_q4_0 X16_DOTS_q4
-#define X16_DOTS_q4_1 X16_DOTS_q4
-/* A pass: MR input rows (from m) against the groups g0 .. g1 of 16 weight rows, one group
-   after another (one call a task: a call a group cost its return's vzeroupper). */
-#define XGROUP(T, MR)                                                                         \
-  static inline void xgroup_##T##_##MR(const x8_block *x, const uint8_t *w, const float *bias, \
-                                       float *y, int N, int nb, int g0, int g1, int m) {      \
+#define X16_PREP_q8_0(q, w)                                                                   \
+  __m512i w[8];                                                                               \
+  for (int c = 0; c < 8; c++)                                                                 \
+    w[c] = _mm512_xor_si512(_mm512_loadu_si512((const void *)((q) + 64 * c)),                 \
+                            _mm512_set1_epi8((char)0x80));
+#define X16_PREP_q4_0 X16_PREP_q4
+#define X16_PREP_q4_1 X16_PREP_q4
+/* One input row's integer sums against a prepared block, in 16 lanes: two chains of 4
+   multiply-adds (the rows' chains are in flight together). */
+static inline __m512i x16_row(const __m512i *w, const int8_t *qs) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int k = 0; k < 8; k += 2) {
+    s0 = x16_dot(s0, w[k], qs + 4 * k);
+    s1 = x16_dot(s1, w[k + 1], qs + 4 * (k + 1));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+/* A pass: MR input rows (from m) against the groups g0 .. g1 of 16 weight rows, one group after
+   another (one call a task: a call a group cost its return's vzeroupper). Each block's quants
+   are prepared once, then each row in turn takes its sums, a wide block's second pass from the
+   same registers, and its float epilogue (X8_BLOCK's operations, in its order: the same bits).
+   Until session 62 all the rows' sums were taken first and then their epilogues: with 9 rows
+   GCC kept the sums and half the accumulators on the stack; row by row, 8 prepared vectors,
+   MR accumulators and a row's two chains fit AVX512's 32 registers (on a Zen 5, 0.87-0.89x
+   the time at 9 rows: one layer, the 30 from memory, the Q8_0 head; 0.91-0.95x at one). */
+#define XROWS(T, MR)                                                                          \
+  static inline void xrows_##T##_##MR(const x8_block *x, const uint8_t *w, const float *bias, \
+                                      float *y, int N, int nb, int g0, int g1, int m) {       \
     for (int gi = g0; gi < g1; gi++) {                                                        \
       const uint8_t *g = w + (size_t)gi * nb * X8_GROUP(T);                                   \
       __m512 acc[MR];                                                                         \
@@ -1326,9 +1319,23 @@ static inline void x16_store(__m512 out, const float *bias, float *y, int N, int
       for (int b = 0; b < nb; b++) {                                                          \
         const uint8_t *blk = g + (size_t)b * X8_GROUP(T);                                     \
         for (int l = 0; l < X8_GROUP(T); l += 64) X8_PREFETCH(blk + X8_PF + l);               \
-        const x8_block *a[MR];                                                                \
-        for (int j = 0; j < MR; j++) a[j] = x + (size_t)(m + j) * nb + b;                     \
-        X8_BLOCK(T, 512, X16_DOTS_##T, (void)0, blk, blk + X8_SCALES_##T * 64, 0, a, MR, acc); \
+        X16_PREP_##T(blk + X8_SCALES_##T * 64, wq)                                            \
+        __m512 d = _mm512_loadu_ps((const float *)blk);                                       \
+        _Pragma("GCC unroll 16")  /* acc[j] in registers */                                   \
+        for (int j = 0; j < MR; j++) {                                                        \
+          const x8_block *a = x + (size_t)(m + j) * nb + b;                                   \
+          __m512i sum = x16_row(wq, a->qs);                                                   \
+          if (a->wide)                                                                        \
+            sum = _mm512_add_epi32(_mm512_mullo_epi32(sum, _mm512_set1_epi32(254)),           \
+                                   x16_row(wq, a->lo));                                       \
+          if (X8_ZERO_##T)                                                                    \
+            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(X8_ZERO_##T * a->sum));             \
+          acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a->d)),                    \
+                                   _mm512_cvtepi32_ps(sum), acc[j]);                          \
+          if (X8_SCALES_##T == 2)                                                             \
+            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)blk + 16),                \
+                                     _mm512_set1_ps(a->s), acc[j]);                           \
+        }                                                                                     \
       }                                                                                       \
       for (int j = 0; j < MR; j++)                                                            \
         x16_store(acc[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS);                    \
@@ -1337,20 +1344,20 @@ static inline void x16_store(__m512 out, const float *bias, float *y, int N, int
 /* Up to 9 input rows a pass (a verify of 8 drafts reads its weights once); more split evenly. */
 #define X8_PASS 9
 #define X8_PASSES(T)                                                                          \
-  XGROUP(T, 1) XGROUP(T, 2) XGROUP(T, 3) XGROUP(T, 4) XGROUP(T, 5) XGROUP(T, 6) XGROUP(T, 7)  \
-  XGROUP(T, 8) XGROUP(T, 9)                                                                   \
+  XROWS(T, 1) XROWS(T, 2) XROWS(T, 3) XROWS(T, 4) XROWS(T, 5) XROWS(T, 6) XROWS(T, 7)         \
+  XROWS(T, 8) XROWS(T, 9)                                                                     \
   static inline void xpass_##T(const x8_block *x, const uint8_t *w, const float *bias,        \
                                float *y, int N, int nb, int g0, int g1, int m, int rows) {    \
     switch (rows) {                                                                           \
-      case 1: xgroup_##T##_1(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 2: xgroup_##T##_2(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 3: xgroup_##T##_3(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 4: xgroup_##T##_4(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 5: xgroup_##T##_5(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 6: xgroup_##T##_6(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 7: xgroup_##T##_7(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      case 8: xgroup_##T##_8(x, w, bias, y, N, nb, g0, g1, m); break;                         \
-      default: xgroup_##T##_9(x, w, bias, y, N, nb, g0, g1, m);                               \
+      case 1: xrows_##T##_1(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 2: xrows_##T##_2(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 3: xrows_##T##_3(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 4: xrows_##T##_4(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 5: xrows_##T##_5(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 6: xrows_##T##_6(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 7: xrows_##T##_7(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      case 8: xrows_##T##_8(x, w, bias, y, N, nb, g0, g1, m); break;                          \
+      default: xrows_##T##_9(x, w, bias, y, N, nb, g0, g1, m);                                \
     }                                                                                         \
   }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -1443,7 +1450,8 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
 #define X8_DOTS_q4_1 X8_DOTS_q4
 /* Between a half's sums and a wide block's second pass: its weights loaded again, not held
    (GCC held them, with the inputs' broadcasts across the halves, and spilled: the Q8_0 head
-   1.16-1.27x slower on a Zen 4's AVX2 build); not with AVX512 (6-20% slower there). */
+   1.16-1.27x slower on a Zen 4's AVX2 build). AVX512 holds a block's quants for all its rows
+   (XROWS). */
 #define X8_FENCE __asm__ volatile("" ::: "memory")
 /* x8_store from the two halves' vectors: a whole group's 16 rows stored as vectors (each plus its
    bias in one IEEE add, as x8_store adds it), a last group's through x8_store. */
