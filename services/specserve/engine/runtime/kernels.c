@@ -1508,7 +1508,7 @@ static inline void x8_store_half(__m256 out, const float *bias, float *y, int N,
 /* A pass of MR input rows (from m) against the groups g0 .. g1, a group's two halves one
    after the other: one accumulator and one chain of sums a row, so AVX2's 16 registers hold a
    pass of 5 rows. A verify's 9 rows go as 5 + 4, not as xhalves' 3 + 3 + 3, each pass
-   splitting every block's nibbles again (on a Zen 4 that verify's linears were 2.2x AVX512's;
+   splitting every block's nibbles again (on a Zen 5 that verify's linears were 2.2x AVX512's;
    this pass took 0.9x their time, the LM head's 0.93x). The second half's bytes come from the
    caches (a group is at most 27 KB). Fewer rows stay with xhalves, both halves from one read of
    the block (xhalf at 4 rows: 1.03x its time, the head from memory 1.1x). A lane's operations
