@@ -1218,6 +1218,22 @@ static inline void x8_store(const float *out, const float *bias, float *y, int N
   for (int r = 0; r < rows; r++) y[n + r] = bias ? out[r] + bias[n + r] : out[r];
 }
 
+/* A wide block's sums: the first pass's (hi) and the second's (lo) joined as 254 * hi + lo,
+   exact in int32. */
+#define X8_WIDE(W, hi, lo) _mm##W##_add_epi32(_mm##W##_mullo_epi32(hi, _mm##W##_set1_epi32(254)), lo)
+/* Input row a's float epilogue for one block into acc, from its integer sums `sums` (a wide
+   block's joined): Q4_0's 8 (and VNNI Q8_0's 128) times the inputs' sum taken off, then acc =
+   fma(d_w * d_x, sum, acc) and for Q4_1 acc = fma(m, s_x, acc); d: the lanes' d_w, m: where
+   their m are. */
+#define X8_EPILOGUE(T, W, d, m, a, sums, acc)                                                 \
+  do {                                                                                        \
+    __m##W##i s_ = (sums);                                                                    \
+    if (X8_ZERO_##T) s_ = _mm##W##_sub_epi32(s_, _mm##W##_set1_epi32(X8_ZERO_##T * (a)->sum)); \
+    acc = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps((a)->d)),                     \
+                            _mm##W##_cvtepi32_ps(s_), acc);                                   \
+    if (X8_SCALES_##T == 2)                                                                   \
+      acc = _mm##W##_fmadd_ps(_mm##W##_loadu_ps(m), _mm##W##_set1_ps((a)->s), acc);           \
+  } while (0)
 /* One block of a group against a pass's MR input rows a[j], in W-bit vectors (256 or 512):
    the rows' integer sums (DOTS: the weight type's multiply-adds, from its quants q), a wide
    block's second pass (its lo bytes) joined to the first as 254 * hi + lo, exact in int32,
@@ -1236,19 +1252,11 @@ static inline void x8_store(const float *out, const float *bias, float *y, int N
         __m##W##i lows[1];                                                                    \
         const int8_t *lo_qs[1] = {a[j]->lo};                                                  \
         DOTS(q, lo_qs, 1, lows);                                                              \
-        sums[j] = _mm##W##_add_epi32(_mm##W##_mullo_epi32(sums[j], _mm##W##_set1_epi32(254)), lows[0]); \
+        sums[j] = X8_WIDE(W, sums[j], lows[0]);                                               \
       }                                                                                       \
-    if (X8_ZERO_##T)                                                                          \
-      for (int j = 0; j < MR; j++)                                                            \
-        sums[j] = _mm##W##_sub_epi32(sums[j], _mm##W##_set1_epi32(X8_ZERO_##T * a[j]->sum));  \
     __m##W d = _mm##W##_loadu_ps((const float *)(blk) + (lane));                              \
-    for (int j = 0; j < MR; j++) {                                                            \
-      acc[j] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps(a[j]->d)),               \
-                                 _mm##W##_cvtepi32_ps(sums[j]), acc[j]);                      \
-      if (X8_SCALES_##T == 2)                                                                 \
-        acc[j] = _mm##W##_fmadd_ps(_mm##W##_loadu_ps((const float *)(blk) + 16 + (lane)),     \
-                                   _mm##W##_set1_ps(a[j]->s), acc[j]);                        \
-    }                                                                                         \
+    for (int j = 0; j < MR; j++)                                                              \
+      X8_EPILOGUE(T, W, d, (const float *)(blk) + 16 + (lane), a[j], sums[j], acc[j]);        \
   } while (0)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -1325,16 +1333,8 @@ static inline __m512i x16_row(const __m512i *w, const int8_t *qs) {
         for (int j = 0; j < MR; j++) {                                                        \
           const x8_block *a = x + (size_t)(m + j) * nb + b;                                   \
           __m512i sum = x16_row(wq, a->qs);                                                   \
-          if (a->wide)                                                                        \
-            sum = _mm512_add_epi32(_mm512_mullo_epi32(sum, _mm512_set1_epi32(254)),           \
-                                   x16_row(wq, a->lo));                                       \
-          if (X8_ZERO_##T)                                                                    \
-            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(X8_ZERO_##T * a->sum));             \
-          acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a->d)),                    \
-                                   _mm512_cvtepi32_ps(sum), acc[j]);                          \
-          if (X8_SCALES_##T == 2)                                                             \
-            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)blk + 16),                \
-                                     _mm512_set1_ps(a->s), acc[j]);                           \
+          if (a->wide) sum = X8_WIDE(512, sum, x16_row(wq, a->lo));                           \
+          X8_EPILOGUE(T, 512, d, (const float *)blk + 16, a, sum, acc[j]);                    \
         }                                                                                     \
       }                                                                                       \
       for (int j = 0; j < MR; j++)                                                            \
@@ -1453,22 +1453,18 @@ static inline __m256i x8_chunk(const int8_t *qs, int c) {  /* input quants 4c ..
    1.16-1.27x slower on a Zen 4's AVX2 build). AVX512 holds a block's quants for all its rows
    (XROWS). */
 #define X8_FENCE __asm__ volatile("" ::: "memory")
-/* x8_store from the two halves' vectors: a whole group's 16 rows stored as vectors (each plus its
-   bias in one IEEE add, as x8_store adds it), a last group's through x8_store. */
-static inline void x8_store_halves(__m256 lo, __m256 hi, const float *bias, float *y, int N, int n) {
-  if (N - n < X8_ROWS) {
-    float out[X8_ROWS];
-    _mm256_storeu_ps(out, lo);
-    _mm256_storeu_ps(out + 8, hi);
-    x8_store(out, bias, y, N, n);
+/* x8_store for half a group from its vector (8 lanes, rows n .. n + 8 of y): a whole half as a
+   vector (each plus its bias in one IEEE add, as x8_store adds it), a last group's rows through
+   x8_store (none past N). */
+static inline void x8_store_half(__m256 out, const float *bias, float *y, int N, int n) {
+  if (N - n < 8) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, out);
+    if (N > n) x8_store(lanes, bias, y, N, n);
     return;
   }
-  if (bias) {
-    lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias + n));
-    hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + n + 8));
-  }
-  _mm256_storeu_ps(y + n, lo);
-  _mm256_storeu_ps(y + n + 8, hi);
+  if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + n));
+  _mm256_storeu_ps(y + n, out);
 }
 /* A pass: MR input rows (from m) against the groups g0 .. g1 of 16 weight rows, each as two
    halves of 8 rows in 8 lanes, block by block (a group's bytes read as one stream; a last
@@ -1489,22 +1485,12 @@ static inline void x8_store_halves(__m256 lo, __m256 hi, const float *bias, floa
         X8_FENCE;                                                                             \
         X8_BLOCK(T, 256, X8_DOTS_##T, X8_FENCE, blk, blk + X8_SCALES_##T * 64 + 32, 8, a, MR, acc1); \
       }                                                                                       \
-      for (int j = 0; j < MR; j++)                                                            \
-        x8_store_halves(acc0[j], acc1[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS);    \
+      for (int j = 0; j < MR; j++) {                                                          \
+        x8_store_half(acc0[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS);               \
+        x8_store_half(acc1[j], bias, y + (size_t)(m + j) * N, N, gi * X8_ROWS + 8);           \
+      }                                                                                       \
     }                                                                                         \
   }
-/* x8_store for half h of a group (8 lanes, rows n .. n + 8 of y; a last group's rows past N
-   left out). */
-static inline void x8_store_half(__m256 out, const float *bias, float *y, int N, int n) {
-  if (N - n < 8) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, out);
-    for (int r = 0; r < N - n; r++) y[n + r] = bias ? lanes[r] + bias[n + r] : lanes[r];
-    return;
-  }
-  if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + n));
-  _mm256_storeu_ps(y + n, out);
-}
 /* A pass of MR input rows (from m) against the groups g0 .. g1, a group's two halves one
    after the other: one accumulator and one chain of sums a row, so AVX2's 16 registers hold a
    pass of 5 rows. A verify's 9 rows go as 5 + 4, not as xhalves' 3 + 3 + 3, each pass
