@@ -1086,15 +1086,22 @@ typedef struct {
 #define X8_OUTLIER 8  /* max |x| over mean |x| that makes a block wide (docs/BENCHMARKS.md) */
 #endif
 #ifndef X8_PF
-/* bytes a group's blocks are prefetched ahead, into L2 (prefetcht1): with groups of 8 rows
-   into L1, on a Zen 3, 1 KB was 6% slower at one row from memory than 2 to 4 KB (alike),
-   none 10%; on a Zen 4, 0 to 8 KB alike. With groups of 16 on a Zen 4, 8 KB into L2 against
-   4 KB into L1: the LM head from memory (Q8_0, 28 MB) at 9 rows 0.63x the time, where its
-   reads had not overlapped its multiply-adds at all; the layers' linears at 1 to 9 rows
-   0.9-1.07x (within the machine's noise); 4 KB into L2 1.1x slower than 8, 16 KB like 8 */
+/* bytes a group's blocks are prefetched ahead: with groups of 8 rows into L1, on a Zen 3,
+   1 KB was 6% slower at one row from memory than 2 to 4 KB (alike), none 10%; on a Zen 4,
+   0 to 8 KB alike. With groups of 16 on a Zen 4, 8 KB into L2 against 4 KB into L1: the LM
+   head from memory (Q8_0, 28 MB) at 9 rows 0.63x the time, where its reads had not
+   overlapped its multiply-adds at all; the layers' linears at 1 to 9 rows 0.9-1.07x (within
+   the machine's noise); 4 KB into L2 1.1x slower than 8, 16 KB like 8. On a Zen 5, non-
+   temporal (prefetchnta) against into L2: 4 KB 1.08-1.12x slower than 8, 16 KB 0.93x at one
+   row and 1.02-1.04x at 4 to 9 */
 #define X8_PF 8192
 #endif
-#define X8_PREFETCH(p) __builtin_prefetch(p, 0, 2)
+/* A weight's bytes are read once a forward: fetched as non-temporal, they displace less of
+   what the layer reads again (its inputs and scratch, the cache's keys and values). On a
+   Zen 5 against prefetcht1: the 30 layers' linears from memory 0.98-0.99x at 1 to 9 rows,
+   the LM head 0.95x at one row (AVX2 build 0.97-1.0x, the head 0.8x); in the forward, a
+   decode 0.97-0.98x, a verify of 8 0.95-0.97x. Where the data goes changes no arithmetic. */
+#define X8_PREFETCH(p) __builtin_prefetch(p, 0, 0)
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* quantize_x8's block in 8-lane vectors, the same operations in the same order (lane i holds
