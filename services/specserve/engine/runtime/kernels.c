@@ -74,6 +74,17 @@ static inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a,
 static inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
 #endif
 
+/* x in every lane, one broadcast. The softmax's weights were formed as (vf){0} + x: an add,
+   then the broadcast (about 5% of a decode's attention); the add gives x itself unless x is
+   -0, which an exp never is, so the same bits. */
+#if VL == 16
+static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#elif defined(__FMA__) && defined(__AVX__)
+static inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#else
+static inline vf splat(float x) { return (vf){0} + x; }
+#endif
+
 #if VL == 16
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 #endif
@@ -177,11 +188,19 @@ static inline float dot(const float *a, const float *b, int n) {
 }
 
 /* sums[i * MR + j] = hsum(acc[i][j]) of a tile's NR x MR accumulators, 16 at a time where
-   they come in sixteens (hsum16: the same bits). */
+   they come in sixteens (hsum16: the same bits); more than 8 left over (a decode's tile of 3
+   queries x 4 keys: 12) go as sixteen too, padded with zeros. */
 #define HSUMS(acc, sums, NR, MR)                                                              \
   do {                                                                                        \
     int p = 0;                                                                                \
     for (; p + 16 <= NR * MR; p += 16) hsum16(&acc[0][0] + p, sums + p);                      \
+    if (NR * MR - p > 8) {                                                                    \
+      vf pad_[16];                                                                            \
+      float out_[16];                                                                         \
+      for (int i_ = 0; i_ < 16; i_++) pad_[i_] = p + i_ < NR * MR ? (&acc[0][0])[p + i_] : (vf){0}; \
+      hsum16(pad_, out_);                                                                     \
+      for (; p < NR * MR; p++) sums[p] = out_[p % 16];                                        \
+    }                                                                                         \
     for (; p < NR * MR; p++) sums[p] = hsum(acc[p / MR][p % MR]);                             \
   } while (0)
 
@@ -598,7 +617,7 @@ static void softmax_values(float *p, int j0, int j1, const int32_t *keys, const 
   for (int d = dv * VL; d < D; d++) out[d] = 0.0f;
   for (int j = j0; j < j1; j++) {
     const float *vj = v[keys ? keys[j - j0] : j];
-    vf pj = (vf){0} + p[j];
+    vf pj = splat(p[j]);
     for (int c = 0; c < dv; c++) acc[c] = fmadd(pj, load(vj + c * VL), acc[c]);
     for (int d = dv * VL; d < D; d++) out[d] += p[j] * vj[d];
   }
@@ -621,7 +640,7 @@ static inline void weighted_key(vf acc[4][PV_CHUNK], float *const *p, const int 
   for (int c = 0; c < CW; c++) vv[c] = held(NQ, vj + (c0 + c) * VL);
   for (int r = 0; r < NQ; r++) {
     if (!all && (j < j0[r] || j >= j1[r])) continue;
-    vf pj = (vf){0} + p[r][j];
+    vf pj = splat(p[r][j]);
     for (int c = 0; c < CW; c++) acc[r][c] = fmadd(pj, vv[c], acc[r][c]);
   }
 }
