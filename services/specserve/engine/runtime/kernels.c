@@ -188,8 +188,9 @@ static inline float dot(const float *a, const float *b, int n) {
 }
 
 /* sums[i * MR + j] = hsum(acc[i][j]) of a tile's NR x MR accumulators, 16 at a time where
-   they come in sixteens (hsum16: the same bits); more than 8 left over (a decode's tile of 3
-   queries x 4 keys: 12) go as sixteen too, padded with zeros. */
+   they come in sixteens (hsum16: the same bits); more than 8 left over (a decode's score
+   tile of 3 queries x 4 keys, the float path's 4 x 3 tile: 12) go as sixteen too, padded with
+   zeros (p is a multiple of 16 there). */
 #define HSUMS(acc, sums, NR, MR)                                                              \
   do {                                                                                        \
     int p = 0;                                                                                \
@@ -1110,15 +1111,16 @@ typedef struct {
    0 to 8 KB alike. With groups of 16 on a Zen 4, 8 KB into L2 against 4 KB into L1: the LM
    head from memory (Q8_0, 28 MB) at 9 rows 0.63x the time, where its reads had not
    overlapped its multiply-adds at all; the layers' linears at 1 to 9 rows 0.9-1.07x (within
-   the machine's noise); 4 KB into L2 1.1x slower than 8, 16 KB like 8. On a Zen 5, non-
-   temporal (prefetchnta) against into L2: 4 KB 1.08-1.12x slower than 8, 16 KB 0.93x at one
-   row and 1.02-1.04x at 4 to 9 */
+   the machine's noise); 4 KB into L2 1.1x slower than 8, 16 KB like 8. On a Zen 5, fetched
+   non-temporal (X8_PREFETCH): 4 KB ahead 1.08-1.12x slower than 8, 16 KB 0.93x at one row
+   and 1.02-1.04x at 4 to 9 */
 #define X8_PF 8192
 #endif
 /* A weight's bytes are read once a forward: fetched as non-temporal, they displace less of
    what the layer reads again (its inputs and scratch, the cache's keys and values). On a
    Zen 5 against prefetcht1: the 30 layers' linears from memory 0.98-0.99x at 1 to 9 rows,
-   the LM head 0.95x at one row (AVX2 build 0.97-1.0x, the head 0.8x); in the forward, a
+   the LM head 0.95x at one row and 0.89x at four (AVX2 build 0.97-1.0x, the head 0.8x at
+   one row); in the forward, a
    decode 0.97-0.98x, a verify of 8 0.95-0.97x. Where the data goes changes no arithmetic. */
 #define X8_PREFETCH(p) __builtin_prefetch(p, 0, 0)
 
