@@ -1120,8 +1120,8 @@ typedef struct {
    what the layer reads again (its inputs and scratch, the cache's keys and values). On a
    Zen 5 against prefetcht1: the 30 layers' linears from memory 0.98-0.99x at 1 to 9 rows,
    the LM head 0.95x at one row and 0.89x at four (AVX2 build 0.97-1.0x, the head 0.8x at
-   one row); in the forward, a
-   decode 0.97-0.98x, a verify of 8 0.95-0.97x. Where the data goes changes no arithmetic. */
+   one row); in the forward, a decode 0.97-0.98x, a verify of 8 0.95-0.97x. Where the data
+   goes changes no arithmetic. */
 #define X8_PREFETCH(p) __builtin_prefetch(p, 0, 0)
 
 #if defined(__AVX2__) && defined(__FMA__)
